@@ -1,0 +1,118 @@
+"""Chapter 04 - hello: one SEND, one RECV, one NIC.
+
+What you will learn: the libfabric objects a program opens before it can move
+a byte (fabric -> domain -> CQ, AV -> endpoint), how an RDM endpoint is
+addressed (a raw name you pass to the peer out of band), why every buffer is
+registered (FI_MR_LOCAL providers demand it), and that nothing happens until
+you poll the completion queue.
+
+New since chapter 03: we open the objects that 03 only listed.
+
+    python chapters/04_hello.py                       # server: prints its address
+    python chapters/04_hello.py ADDRESS "hello"       # client: sends one message
+    python scripts/pair.py 04                         # both, on this host
+
+Transcript (TRANSCRIPT)
+"""
+# %% [markdown]
+# ## Motivation
+# A server and a client on an RDM ("reliable datagram") endpoint: no
+# connection, just an address vector (AV) that turns a peer's raw address
+# into an fi_addr_t. The server prints its address; you copy it to the client.
+
+# %%
+import sys
+import time
+
+from common import cli
+from common.fabric import ffi, lib
+import common.fabric as fi
+
+MAX_MESSAGE = 4096  # bytes; the one registered buffer on each side
+
+
+def open_endpoint(own, info):
+    """fabric -> domain -> CQ + AV -> endpoint, bound and enabled."""
+    fabric = own(fi.fabric_open(info))          # the provider's network
+    domain = own(fi.domain_open(fabric, info))  # one NIC
+    cq = own(fi.cq_open(domain, size=64))       # where completions arrive
+    av = own(fi.av_open(domain))                # peer address -> fi_addr_t
+    ep = own(fi.endpoint_open(domain, info))    # what sends and receives
+    fi.ep_bind(ep, cq, lib.FI_SEND | lib.FI_RECV)
+    fi.ep_bind(ep, av)
+    fi.enable(ep)
+    return domain, cq, av, ep
+
+
+def register(own, domain, access):
+    """One buffer, registered: providers with FI_MR_LOCAL want its descriptor."""
+    buf = ffi.new("char[]", MAX_MESSAGE)
+    mr = own(fi.mr_reg(domain, buf, MAX_MESSAGE, access, key=1))
+    return buf, fi.mr_desc(mr)
+
+
+# %% [markdown]
+# ## Code
+
+# %%
+def server(info, args):
+    with fi.Closer() as own:
+        domain, cq, av, ep = open_endpoint(own, info)
+        buf, desc = register(own, domain, lib.FI_RECV)
+        ctx = ffi.new("struct fi_context2 *")  # must live until the completion
+        # Post the receive before anyone can send: a message needs a buffer.
+        if not fi.recvmsg(ep, buf, MAX_MESSAGE, desc, lib.FI_ADDR_UNSPEC, ctx):
+            raise fi.FabricError("fi_recvmsg", -lib.FI_EAGAIN)  # a fresh endpoint is never full
+        addr = fi.getname(ep).hex()
+        print(f"server address: {addr}")
+        print(f"run the client: python {sys.argv[0]} -p {args.provider_used} {addr} 'hello'",
+              flush=True)
+
+        entries = fi.cq_entries(1)
+        while not fi.cq_read(cq, entries):  # polling also drives the provider's progress
+            pass
+        text = ffi.buffer(buf, entries[0].len)[:].decode(errors="replace")
+        print(f"received {entries[0].len} bytes: {text}")
+
+
+def client(info, args, addr, message):
+    with fi.Closer() as own:
+        domain, cq, av, ep = open_endpoint(own, info)
+        buf, desc = register(own, domain, lib.FI_SEND)
+        server_addr = fi.av_insert(av, addr)
+        buf[0:len(message)] = message
+        ctx = ffi.new("struct fi_context2 *")
+        entries = fi.cq_entries(1)
+        deadline = time.monotonic() + args.timeout
+        # -FI_EAGAIN: the provider cannot take it yet (tcp connects lazily);
+        # polling the CQ lets it make progress, then we try again.
+        while not fi.sendmsg(ep, buf, len(message), desc, server_addr, ctx):
+            fi.cq_read(cq, entries)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server did not accept the message within {args.timeout:g} s")
+        fi.wait(cq, entries, args.timeout, "send completion: is the server running?")
+        print(f"sent {len(message)} bytes: {message.decode()}")
+
+
+def main():
+    p = cli.parser(__doc__)
+    p.add_argument("address", nargs="?", help="server address (hex); omit to be the server")
+    p.add_argument("message", nargs="?", default="Hello, libfabric!")
+    args = p.parse_args()
+    message = args.message.encode()
+    if len(message) > MAX_MESSAGE:
+        raise cli.UsageError(f"message is {len(message)} bytes; the buffer holds {MAX_MESSAGE}")
+    addr = cli.parse_address(args.address) if args.address else None
+
+    head, why = fi.pick(args.provider)
+    info = head  # the first (provider, domain) pair is the best one
+    args.provider_used = fi.provider_of(info).split(";")[0]
+    print(f"provider: {fi.provider_of(info)} ({why}), domain {fi.string(info.domain_attr.name)}")
+    if addr is None:
+        return server(info, args)
+    fi.check_address(info, addr)
+    return client(info, args, addr, message)
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,1 @@
+"""What the chapters share once a chapter has taught it."""

@@ -1,0 +1,64 @@
+"""Command-line conventions shared by every chapter.
+
+Same flag, same meaning, everywhere; bad input is one line on stderr and a
+non-zero exit, never a traceback.
+"""
+import argparse
+import os
+import re
+import sys
+
+from common.fabric import FabricError
+
+EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+PEER_TIMEOUT = 10.0  # seconds a chapter waits for its peer before giving up
+
+
+class UsageError(ValueError):
+    """Bad input from the command line, found before any resource is opened."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage + error; we want one line
+        raise UsageError(message)
+
+
+def parser(doc, **kw):
+    """An ArgumentParser whose description is the first paragraph of the chapter's docstring."""
+    p = Parser(description=doc.strip().split("\n\n")[0], **kw)
+    p.add_argument("-p", "--provider", help="libfabric provider (efa, verbs, shm, tcp, ...); "
+                   "default: the first of efa, verbs, shm, tcp usable here")
+    p.add_argument("--timeout", type=float, default=PEER_TIMEOUT,
+                   help="seconds to wait for the peer (default %(default)g)")
+    return p
+
+
+def parse_address(text):
+    """A peer address as printed by a server: hex digits, any case."""
+    if not text or len(text) % 2 or not re.fullmatch(r"[0-9a-fA-F]+", text):
+        raise UsageError(f"address must be an even number of hex digits, got '{text[:40]}'")
+    return bytes.fromhex(text)
+
+
+def parse_size(text):
+    """'65536', '64K', '1M', '2G' -> bytes (powers of 1024)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: '{text}' (e.g. 4096, 64K, 1M)")
+    return int(m[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[m[2].upper()]
+
+
+def run(main):
+    """Run a chapter's main(), turning every expected failure into one line and an exit code."""
+    name = os.path.basename(sys.argv[0])
+    try:
+        sys.exit(main())
+    except UsageError as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    except (FabricError, TimeoutError, ValueError, ConnectionError) as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_ERROR)
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted, resources closed", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)

@@ -1,0 +1,338 @@
+"""A thin Python face on libfabric: one function per fi_* call, errors as exceptions.
+
+Every function here is the libfabric call of the same name with its output
+parameters turned into return values and its negative return codes turned
+into FabricError. Nothing is hidden: chapter 04 calls them one by one, in
+the order libfabric wants them.
+
+    with Closer() as own:                  # closes everything in reverse order
+        fabric = own(fabric_open(info))
+        domain = own(domain_open(fabric, info))
+        ...
+"""
+import contextlib
+import sys
+import time
+
+try:
+    from common._fabric import ffi, lib
+except ImportError as e:  # not built, or libfabric.so gone since
+    sys.exit(f"libfabric binding unavailable ({e}): run 'bash scripts/setup.sh'")
+
+# The API version our headers describe; libfabric 2.x still serves 1.x callers.
+API_VERSION = (lib.FI_MAJOR_VERSION << 16) | lib.FI_MINOR_VERSION
+
+# What we can cope with: we register every buffer (LOCAL), we send the peer
+# absolute addresses when the provider wants them (VIRT_ADDR), buffers are
+# always allocated (ALLOCATED), we forward provider keys (PROV_KEY) and we
+# register GPU memory with its iface (HMEM).
+MR_MODE = (lib.FI_MR_LOCAL | lib.FI_MR_VIRT_ADDR | lib.FI_MR_ALLOCATED
+           | lib.FI_MR_PROV_KEY | lib.FI_MR_HMEM)
+
+# Provider names libfabric has shipped; used only to tell "no such provider"
+# apart from "that provider has no device on this host".
+KNOWN_PROVIDERS = {"efa", "verbs", "shm", "sm2", "tcp", "udp", "sockets", "net", "psm2",
+                   "psm3", "opx", "cxi", "usnic", "ucx", "lpp", "lnx", "ofi_rxm", "ofi_rxd"}
+# Tried in this order when no provider is named: real NICs first.
+DEFAULT_PROVIDERS = ("efa", "verbs", "shm", "tcp")
+
+
+class FabricError(RuntimeError):
+    """A libfabric call failed. Carries the call's name, its return code and libfabric's text."""
+
+    def __init__(self, call, rc, text=None):
+        self.call, self.rc = call, rc
+        self.text = text if text is not None else strerror(rc)
+        super().__init__(f"{call}: {self.text} (ret {rc})")
+
+
+class CompletionError(FabricError):
+    """An operation completed with an error; the text is the provider's own (fi_cq_strerror)."""
+
+    def __init__(self, rc, text, context):
+        self.context = context
+        super().__init__("fi_cq_read", rc, text)
+
+
+def strerror(rc):
+    return ffi.string(lib.fi_strerror(abs(rc))).decode()
+
+
+def check(call, rc):
+    if rc < 0:
+        raise FabricError(call, rc)
+    return rc
+
+
+def version():
+    """The version of the libfabric library loaded at run time, as (major, minor)."""
+    v = lib.fi_version()
+    return v >> 16, v & 0xFFFF
+
+
+def tostr(value, kind):
+    """libfabric's own spelling of a flag set, e.g. tostr(caps, lib.FI_TYPE_CAPS)."""
+    return ffi.string(lib.fi_tostr(ffi.new("uint64_t *", value), kind)).decode()
+
+
+# --- fi_info ---------------------------------------------------------------
+
+# We give every operation a fi_context2, so we can accept providers that want one.
+MODE = lib.FI_CONTEXT | lib.FI_CONTEXT2
+
+
+def hints(provider=None, ep_type=lib.FI_EP_RDM, caps=lib.FI_MSG, mr_mode=MR_MODE, mode=MODE):
+    """An fi_info to pass to getinfo (fi_allocinfo: required from libfabric 2.0)."""
+    info = ffi.gc(lib.fi_allocinfo(), lib.fi_freeinfo)
+    if info == ffi.NULL:
+        raise FabricError("fi_allocinfo", -lib.FI_ENOMEM)
+    info.caps = caps
+    info.mode = mode
+    info.ep_attr.type = ep_type
+    info.domain_attr.mr_mode = mr_mode
+    if provider:
+        info.fabric_attr.prov_name = lib.strdup(provider.encode())  # freed by fi_freeinfo
+    return info
+
+
+def getinfo(hint):
+    """fi_getinfo: the list of (provider, domain) pairs that satisfy the hints."""
+    out = ffi.new("struct fi_info **")
+    check("fi_getinfo", lib.fi_getinfo(API_VERSION, ffi.NULL, ffi.NULL, 0, hint, out))
+    return ffi.gc(out[0], lib.fi_freeinfo)
+
+
+def each(head):
+    """Walk an fi_info list (holding on to its head, which owns the list)."""
+    info = head
+    while info != ffi.NULL:
+        yield info
+        info = info.next
+
+
+def string(cstr):
+    return ffi.string(cstr).decode() if cstr != ffi.NULL else ""
+
+
+def provider_of(info):
+    return string(info.fabric_attr.prov_name)
+
+
+def pick(provider=None, caps=lib.FI_MSG):
+    """The fi_info list for `provider`, or for the first of DEFAULT_PROVIDERS that works here.
+
+    Returns (info, why) where `why` says, for the reader, how it was chosen.
+    Raises ValueError with one readable line when nothing fits.
+    """
+    if provider:
+        if not set(provider.split(";")) <= KNOWN_PROVIDERS:
+            raise ValueError(f"unknown provider '{provider}' (libfabric has: "
+                             f"{', '.join(sorted(KNOWN_PROVIDERS))})")
+        try:
+            return getinfo(hints(provider, caps=caps)), "asked for"
+        except FabricError as e:
+            if e.rc != -lib.FI_ENODATA:
+                raise
+            raise ValueError(f"provider '{provider}' has no usable device here "
+                             f"(usable: {', '.join(usable(caps)) or 'none'})") from None
+    for name in DEFAULT_PROVIDERS:
+        try:
+            info = getinfo(hints(name, caps=caps))
+        except FabricError:
+            continue
+        skipped = DEFAULT_PROVIDERS[:DEFAULT_PROVIDERS.index(name)]
+        return info, (f"default: no {'/'.join(skipped)} device here" if skipped else "default")
+    raise ValueError(f"none of {', '.join(DEFAULT_PROVIDERS)} is usable here")
+
+
+def usable(caps=lib.FI_MSG):
+    """Names of the providers that offer an RDM endpoint with `caps` on this host."""
+    try:
+        return sorted({provider_of(i) for i in each(getinfo(hints(caps=caps)))})
+    except FabricError:
+        return []
+
+
+def check_address(info, addr):
+    """Raise ValueError unless `addr` has the shape of an address of this provider."""
+    if info.addr_format == lib.FI_ADDR_STR:
+        if not (addr.endswith(b"\0") and b"://" in addr and addr[:-1].isascii()):
+            raise ValueError(f"{provider_of(info)} addresses are NUL-terminated strings "
+                             f"like 'fi_shm://...'; got {len(addr)} other bytes")
+    elif info.src_addrlen and len(addr) != info.src_addrlen:
+        raise ValueError(f"{provider_of(info)} addresses are {info.src_addrlen} bytes; "
+                         f"got {len(addr)}")
+
+
+# --- objects ---------------------------------------------------------------
+
+def _open(call, ctype, fn, *args):
+    out = ffi.new(ctype + " **")
+    check(call, fn(*args, out, ffi.NULL))
+    return out[0]
+
+
+def fabric_open(info):
+    return _open("fi_fabric", "struct fid_fabric", lib.fi_fabric, info.fabric_attr)
+
+
+def domain_open(fabric, info):
+    return _open("fi_domain", "struct fid_domain", lib.fi_domain, fabric, info)
+
+
+def endpoint_open(domain, info):
+    return _open("fi_endpoint", "struct fid_ep", lib.fi_endpoint, domain, info)
+
+
+def cq_open(domain, size):
+    """A completion queue whose entries carry immediate data (FI_CQ_FORMAT_DATA)."""
+    attr = ffi.new("struct fi_cq_attr *", {"size": size, "format": lib.FI_CQ_FORMAT_DATA,
+                                           "wait_obj": lib.FI_WAIT_NONE})
+    return _open("fi_cq_open", "struct fid_cq", lib.fi_cq_open, domain, attr)
+
+
+def av_open(domain, count=16):
+    attr = ffi.new("struct fi_av_attr *", {"type": lib.FI_AV_TABLE, "count": count})
+    return _open("fi_av_open", "struct fid_av", lib.fi_av_open, domain, attr)
+
+
+def fid(obj):
+    return ffi.cast("struct fid *", obj)
+
+
+def ep_bind(ep, obj, flags=0):
+    check("fi_ep_bind", lib.fi_ep_bind(ep, fid(obj), flags))
+
+
+def enable(ep):
+    check("fi_enable", lib.fi_enable(ep))
+
+
+def getname(ep):
+    """The endpoint's raw address: what a peer needs to reach it."""
+    size = ffi.new("size_t *", 256)
+    buf = ffi.new("char[]", size[0])
+    check("fi_getname", lib.fi_getname(fid(ep), buf, size))
+    return ffi.buffer(buf, size[0])[:]
+
+
+def av_insert(av, addr):
+    """Insert one raw address; returns the fi_addr_t to send to."""
+    out = ffi.new("fi_addr_t *")
+    n = check("fi_av_insert", lib.fi_av_insert(av, addr, 1, out, 0, ffi.NULL))
+    if n != 1:
+        raise FabricError("fi_av_insert", -lib.FI_EINVAL, "address rejected")
+    return out[0]
+
+
+def av_remove(av, fi_addr):
+    check("fi_av_remove", lib.fi_av_remove(av, ffi.new("fi_addr_t *", fi_addr), 1, 0))
+
+
+def mr_reg(domain, buf, size, access, key, iface=lib.FI_HMEM_SYSTEM, device=0):
+    """fi_mr_regattr. `buf` is a cdata pointer or an integer address (e.g. GPU memory).
+
+    `key` is our requested key; providers with FI_MR_PROV_KEY pick their own,
+    so always send the peer fi_mr_key(mr), never `key`.
+    """
+    out = ffi.new("struct fid_mr **")
+    check("fi_mr_regattr", lib.tut_mr_reg(domain, ffi.cast("void *", buf), size, access, key,
+                                          iface, device, out))
+    return out[0]
+
+
+def mr_key(mr):
+    return lib.fi_mr_key(mr)
+
+
+def mr_desc(mr):
+    return lib.fi_mr_desc(mr)
+
+
+def close(obj):
+    if isinstance(obj, ffi.CData) and ffi.typeof(obj) is ffi.typeof("struct fi_info *"):
+        return  # fi_info lists are freed by the garbage collector (ffi.gc above)
+    check("fi_close", lib.fi_close(fid(obj)))
+
+
+class Closer(contextlib.ExitStack):
+    """Owns libfabric objects and closes them in reverse order of opening, also on error."""
+
+    def __call__(self, obj):
+        self.callback(close, obj)
+        return obj
+
+
+# --- data path -------------------------------------------------------------
+
+def posted(call, rc):
+    """True when an operation was posted, False on -FI_EAGAIN (try again later)."""
+    if rc == -lib.FI_EAGAIN:
+        return False
+    check(call, rc)
+    return True
+
+
+def _msg(buf, size, desc, addr, context, data=0):
+    iov = ffi.new("struct iovec *", {"iov_base": ffi.cast("void *", buf), "iov_len": size})
+    descs = ffi.new("void *[1]", [desc])
+    msg = ffi.new("struct fi_msg *", {"msg_iov": iov, "desc": descs, "iov_count": 1,
+                                      "addr": addr, "context": context, "data": data})
+    return msg, (iov, descs)  # the second item keeps the pieces alive during the call
+
+
+def sendmsg(ep, buf, size, desc, dest, context, flags=lib.FI_COMPLETION):
+    msg, _keep = _msg(buf, size, desc, dest, context)
+    return posted("fi_sendmsg", lib.fi_sendmsg(ep, msg, flags))
+
+
+def recvmsg(ep, buf, size, desc, src, context, flags=lib.FI_COMPLETION):
+    msg, _keep = _msg(buf, size, desc, src, context)
+    return posted("fi_recvmsg", lib.fi_recvmsg(ep, msg, flags))
+
+
+def writemsg(ep, buf, size, desc, dest, remote_addr, remote_key, context, data=None,
+             flags=lib.FI_COMPLETION):
+    """One-sided WRITE; with `data`, the peer also gets a completion carrying it."""
+    iov = ffi.new("struct iovec *", {"iov_base": ffi.cast("void *", buf), "iov_len": size})
+    descs = ffi.new("void *[1]", [desc])
+    rma = ffi.new("struct fi_rma_iov *", {"addr": remote_addr, "len": size, "key": remote_key})
+    msg = ffi.new("struct fi_msg_rma *", {
+        "msg_iov": iov, "desc": descs, "iov_count": 1, "addr": dest, "rma_iov": rma,
+        "rma_iov_count": 1, "context": context, "data": data or 0})
+    if data is not None:
+        flags |= lib.FI_REMOTE_CQ_DATA
+    return posted("fi_writemsg", lib.fi_writemsg(ep, msg, flags))
+
+
+def cq_entries(count):
+    return ffi.new("struct fi_cq_data_entry[]", count)
+
+
+def cq_read(cq, entries):
+    """fi_cq_read into `entries`: the number read, 0 when there is nothing yet.
+
+    An operation that failed raises CompletionError with the provider's text.
+    Polling is also what drives progress on most providers.
+    """
+    n = lib.fi_cq_read(cq, entries, len(entries))
+    if n == -lib.FI_EAGAIN:
+        return 0
+    if n == -lib.FI_EAVAIL:
+        err = ffi.new("struct fi_cq_err_entry *")
+        check("fi_cq_readerr", lib.fi_cq_readerr(cq, err, 0))
+        text = string(lib.fi_cq_strerror(cq, err.prov_errno, err.err_data, ffi.NULL, 0))
+        raise CompletionError(-err.err, text or strerror(err.err), err.op_context)
+    return check("fi_cq_read", n)
+
+
+def wait(cq, entries, timeout, what):
+    """Poll `cq` until it yields completions; TimeoutError naming `what` after `timeout` s."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        n = cq_read(cq, entries)
+        if n:
+            return n
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout:g} s")
+        time.sleep(0)  # let the peer process in on a shared core
