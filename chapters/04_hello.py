@@ -90,7 +90,10 @@ def client(info, args, addr, message):
             fi.cq_read(cq, entries)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server did not accept the message within {args.timeout:g} s")
-        fi.wait(cq, entries, args.timeout, "send completion: is the server running?")
+        while not fi.cq_read(cq, entries):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no send completion within {args.timeout:g} s: "
+                                   "is the server running?")
         print(f"sent {len(message)} bytes: {message.decode()}")
 
 
@@ -104,8 +107,7 @@ def main():
         raise cli.UsageError(f"message is {len(message)} bytes; the buffer holds {MAX_MESSAGE}")
     addr = cli.parse_address(args.address) if args.address else None
 
-    head, why = fi.pick(args.provider)
-    info = head  # the first (provider, domain) pair is the best one
+    info, why = fi.pick(args.provider)  # the first (provider, domain) pair is the best one
     args.provider_used = fi.provider_of(info).split(";")[0]
     print(f"provider: {fi.provider_of(info)} ({why}), domain {fi.string(info.domain_attr.name)}")
     if addr is None:

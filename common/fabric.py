@@ -11,7 +11,9 @@ the order libfabric wants them.
         ...
 """
 import contextlib
+import signal
 import sys
+import threading
 import time
 
 try:
@@ -98,8 +100,26 @@ def hints(provider=None, ep_type=lib.FI_EP_RDM, caps=lib.FI_MSG, mr_mode=MR_MODE
 def getinfo(hint):
     """fi_getinfo: the list of (provider, domain) pairs that satisfy the hints."""
     out = ffi.new("struct fi_info **")
-    check("fi_getinfo", lib.fi_getinfo(API_VERSION, ffi.NULL, ffi.NULL, 0, hint, out))
+    rc = lib.fi_getinfo(API_VERSION, ffi.NULL, ffi.NULL, 0, hint, out)
+    _take_back_signals()
+    check("fi_getinfo", rc)
     return ffi.gc(out[0], lib.fi_freeinfo)
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _take_back_signals():
+    """Undo what provider libraries did to SIGINT/SIGTERM while libfabric loaded them.
+
+    Debian's libfabric loads PSM (libinfinipath), whose handlers call exit(1):
+    Ctrl-C would skip our clean-up. shm's handler, installed later, removes
+    its /dev/shm files and then chains to whatever was there before: ours.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _interrupted)
+        signal.signal(signal.SIGTERM, _interrupted)
 
 
 def each(head):
@@ -263,6 +283,22 @@ class Closer(contextlib.ExitStack):
         return obj
 
 
+def open_endpoint(own, info):
+    """fabric -> domain -> CQ + AV -> endpoint, bound and enabled (taught in chapter 04).
+
+    `own` is a Closer; returns (domain, cq, av, ep).
+    """
+    fabric = own(fabric_open(info))
+    domain = own(domain_open(fabric, info))
+    cq = own(cq_open(domain, size=64))
+    av = own(av_open(domain))
+    ep = own(endpoint_open(domain, info))
+    ep_bind(ep, cq, lib.FI_SEND | lib.FI_RECV)
+    ep_bind(ep, av)
+    enable(ep)
+    return domain, cq, av, ep
+
+
 # --- data path -------------------------------------------------------------
 
 def posted(call, rc):
@@ -326,13 +362,35 @@ def cq_read(cq, entries):
     return check("fi_cq_read", n)
 
 
-def wait(cq, entries, timeout, what):
-    """Poll `cq` until it yields completions; TimeoutError naming `what` after `timeout` s."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        n = cq_read(cq, entries)
-        if n:
-            return n
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} within {timeout:g} s")
-        time.sleep(0)  # let the peer process in on a shared core
+def key(context):
+    """A hashable identity for an operation context (a cdata pointer)."""
+    return int(ffi.cast("uintptr_t", context))
+
+
+class Poller:
+    """Reads a CQ and keeps each completion, by operation context, until it is asked for.
+
+    With several operations in flight, completions come in any order; waiting
+    for one must not lose the others.
+    """
+
+    def __init__(self, cq, batch=16):
+        self.cq, self.entries, self.done = cq, cq_entries(batch), {}
+
+    def poll(self):
+        n = cq_read(self.cq, self.entries)
+        for e in self.entries[0:n]:
+            self.done[key(e.op_context)] = e.len
+        return n
+
+    def wait(self, contexts, timeout, what):
+        """Wait until one of `contexts` completes: returns (that context, bytes received)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for ctx in contexts:
+                if key(ctx) in self.done:
+                    return ctx, self.done.pop(key(ctx))
+            if not self.poll():
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"no {what} within {timeout:g} s")
+                time.sleep(0)  # give a peer on the same core its turn

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Set up this checkout: libfabric, a virtualenv in .venv, the project and its
+# compiled libfabric binding. Safe to run again: it only redoes what changed.
+#
+#   bash scripts/setup.sh
+#   LIBFABRIC_PREFIX=/opt/amazon/efa bash scripts/setup.sh   # another libfabric
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { echo "setup: $*" >&2; }
+as_root() {  # install Debian/Ubuntu packages, or say exactly what to run
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        say "installing $*"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+    else
+        say "missing system packages; run: sudo apt-get install -y $*"
+        exit 1
+    fi
+}
+
+missing=()
+if [ -n "${LIBFABRIC_PREFIX:-}" ]; then
+    [ -f "$LIBFABRIC_PREFIX/include/rdma/fabric.h" ] || { say "LIBFABRIC_PREFIX=$LIBFABRIC_PREFIX has no include/rdma/fabric.h"; exit 1; }
+elif ! pkg-config --exists libfabric 2>/dev/null; then
+    missing+=(libfabric-dev libfabric-bin pkg-config)
+fi
+command -v cc >/dev/null || missing+=(gcc)
+python3 -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+    || missing+=(python3-dev)
+python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
+[ ${#missing[@]} -eq 0 ] || as_root "${missing[@]}"
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+# Reinstall when the build inputs or the chosen libfabric change.
+want="$(cat pyproject.toml setup.py common/_build_fabric.py | sha1sum) ${LIBFABRIC_PREFIX:-pkg-config}"
+if [ "$(cat .venv/.installed 2>/dev/null)" != "$want" ]; then
+    say "installing the project into .venv (builds the libfabric binding)"
+    .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+    .venv/bin/python -m pip install -q -e '.[test]'
+    echo "$want" > .venv/.installed
+fi

@@ -1,0 +1,98 @@
+"""The tour: run every chapter on this host's default provider and print a table.
+
+    python scripts/tour.py              # the default provider (what the chapters pick)
+    python scripts/tour.py -p tcp       # another one
+
+Each step runs a chapter the way its docstring says (server and client as a
+pair on this host) and checks what it printed, not just its exit code.
+"""
+import argparse
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pair import ROOT, chapter_path, local_env, run_pair  # noqa: E402
+
+MESSAGE = "Hello from the tour"
+
+
+def ch03(provider):
+    args = [sys.executable, str(chapter_path(3))] + (["-p", provider] if provider else [])
+    done = subprocess.run(args, capture_output=True, text=True, env=local_env(), timeout=60)
+    m = re.search(r"(\d+) providers, (\d+) \(provider, domain\) pairs", done.stdout)
+    if done.returncode or not m:
+        return False, (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+    return True, [f"{m[1]} providers, {m[2]} (provider, domain) pairs"]
+
+
+def ch04(provider):
+    pair = run_pair(4, provider, client_args=[[MESSAGE]])
+    ok = pair.ok and f"received {len(MESSAGE)} bytes: {MESSAGE}" in pair.server.out
+    return ok, [f"server received '{MESSAGE}'" if ok else _failure(pair)]
+
+
+def ch05(provider):
+    texts = ["first client", "second client"]
+    pair = run_pair(5, provider, ["--clients", str(len(texts))], [[t] for t in texts])
+    ok = pair.ok and all(f"got back {t[::-1]!r}" in c.out for t, c in zip(texts, pair.clients))
+    return ok, [f"{len(texts)} clients served, replies reversed" if ok else _failure(pair)]
+
+
+def _failure(pair):
+    for run in [*pair.clients, pair.server]:
+        if run.rc:
+            return (run.err or run.out).strip().splitlines()[-1]
+    return "unexpected output"
+
+
+STEPS = {3: ch03, 4: ch04, 5: ch05}
+
+
+def title(path):
+    """'what it shows': the part of the docstring's first line after the dash."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return doc.splitlines()[0].split(": ", 1)[-1].rstrip(".") if doc else path.stem
+
+
+def default_provider(provider):
+    """The provider the chapters will pick, as they print it."""
+    code = ("import sys, common.fabric as fi\n"
+            f"try: info, why = fi.pick({provider!r})\n"
+            "except ValueError as e: sys.exit(str(e))\n"
+            "print(fi.provider_of(info), '-', why)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=local_env(), cwd=ROOT)
+    if done.returncode:
+        sys.exit(f"tour: {(done.stderr or done.stdout).strip().splitlines()[-1]}")
+    return done.stdout.strip()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("-p", "--provider", help="run every chapter on this provider")
+    args = p.parse_args()
+    print(f"provider: {default_provider(args.provider)}\n")
+    rows = []
+    for path in sorted((ROOT / "chapters").glob("[0-9][0-9]_*.py")):
+        number = int(path.name[:2])
+        step = STEPS.get(number)
+        ok, result = step(args.provider) if step else (None, ["no tour step"])
+        rows.append((path.stem, title(path), result[0], {True: "ok", False: "FAILED",
+                                                        None: "skipped"}[ok]))
+        print(f"  {path.stem}: {rows[-1][3]}", flush=True)
+    widths = [max(len(r[i]) for r in rows + [("chapter", "what it shows", "result", "status")])
+              for i in range(4)]
+    print()
+    for row in [("chapter", "what it shows", "result", "status")] + rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    failed = [r[0] for r in rows if r[3] == "FAILED"]
+    print(f"\n{len(rows) - len(failed)} of {len(rows)} chapters ok"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

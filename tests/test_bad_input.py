@@ -1,0 +1,78 @@
+"""Bad input: one clear line on stderr, a non-zero exit within 10 s, no traceback."""
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from scripts.pair import ADDRESS, chapter_path, local_env
+
+LIMIT = 10  # seconds, for every case below
+SHM_DEAD = b"fi_shm://999999999:0:0\0".hex()          # a process that does not exist
+TCP_DEAD = "02000001" + "7f000001" + "00" * 8           # 127.0.0.1 port 1: nobody there
+
+
+def run(chapter, *args):
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(chapter_path(chapter)), *args],
+                          capture_output=True, text=True, env=local_env(), timeout=LIMIT)
+    return done, time.monotonic() - start
+
+
+def assert_one_line_error(done, pattern):
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert pattern in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("chapter", [4, 5])
+@pytest.mark.parametrize("args,pattern", [
+    (["zz"], "hex digits"),
+    (["abc"], "hex digits"),
+    (["-p", "tcp", "0011"], "addresses are 16 bytes; got 2"),
+    (["-p", "shm", "0011"], "NUL-terminated strings"),
+    (["-p", "nosuch"], "unknown provider 'nosuch'"),
+    (["-p", "efa"], "provider 'efa' has no usable device here"),
+    (["-p", "shm", SHM_DEAD, "x" * 5000], "buffer holds"),
+    (["--timeout", "soon"], "invalid float value"),
+    (["--bogus"], "unrecognized arguments"),
+])
+def test_rejected_with_one_line(chapter, args, pattern):
+    done, elapsed = run(chapter, *args)
+    assert_one_line_error(done, pattern)
+    assert done.returncode in (1, 2) and elapsed < LIMIT
+
+
+@pytest.mark.parametrize("chapter", [4, 5])
+@pytest.mark.parametrize("provider,address", [("shm", SHM_DEAD), ("tcp", TCP_DEAD)])
+def test_client_without_server_gives_up(chapter, provider, address):
+    done, elapsed = run(chapter, "-p", provider, "--timeout", "2", address, "anyone?")
+    assert_one_line_error(done, "error:")
+    assert done.returncode == 1
+
+
+def test_03_rejects_unknown_capability_and_provider():
+    assert_one_line_error(run(3, "--caps", "FI_BOGUS")[0], "unknown capability 'FI_BOGUS'")
+    assert_one_line_error(run(3, "-p", "nosuch")[0], "unknown provider")
+
+
+@pytest.mark.parametrize("chapter", [4, 5])
+def test_server_ctrl_c_is_a_clean_exit(chapter, provider):
+    proc = subprocess.Popen([sys.executable, str(chapter_path(chapter)), "-p", provider],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=local_env())
+    try:
+        out = ""
+        deadline = time.monotonic() + LIMIT
+        while not ADDRESS.search(out) and time.monotonic() < deadline:
+            out += proc.stdout.readline()
+        assert ADDRESS.search(out), out
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=LIMIT)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert err.strip() == f"{chapter_path(chapter).name}: interrupted, resources closed"

@@ -1,0 +1,112 @@
+"""The cffi binding: versions, fi_getinfo, errors, closing order."""
+import shutil
+
+import pytest
+
+import common.fabric as fi
+from common.fabric import ffi, lib
+from tests.conftest import shm_files
+
+
+def test_version_is_at_least_what_we_support():
+    assert fi.version() >= (1, 17)
+    assert (lib.FI_MAJOR_VERSION, lib.FI_MINOR_VERSION) >= (1, 17)  # the headers we built with
+
+
+@pytest.mark.parametrize("name", ["shm", "tcp"])
+def test_getinfo_finds_an_rdm_endpoint(name):
+    info = fi.getinfo(fi.hints(name, caps=lib.FI_MSG | lib.FI_RMA))
+    entries = list(fi.each(info))
+    assert entries
+    for e in entries:
+        assert fi.provider_of(e).split(";")[0] == name
+        assert e.ep_attr.type == lib.FI_EP_RDM
+        assert e.caps & lib.FI_RMA and e.caps & lib.FI_MSG
+
+
+def test_failing_call_raises_with_name_code_and_text():
+    with pytest.raises(fi.FabricError) as err:
+        fi.getinfo(fi.hints("efa"))  # known provider, no device on this host
+    assert err.value.call == "fi_getinfo"
+    assert err.value.rc == -lib.FI_ENODATA
+    assert err.value.text == ffi.string(lib.fi_strerror(lib.FI_ENODATA)).decode()
+    assert "fi_getinfo" in str(err.value) and err.value.text in str(err.value)
+
+
+def test_check_passes_through_success_and_translates_failure():
+    assert fi.check("fi_x", 3) == 3
+    with pytest.raises(fi.FabricError, match=r"^fi_x: .* \(ret -\d+\)$"):
+        fi.check("fi_x", -lib.FI_EINVAL)
+
+
+def test_pick_tells_unknown_from_absent():
+    with pytest.raises(ValueError, match="unknown provider 'nosuch'"):
+        fi.pick("nosuch")
+    with pytest.raises(ValueError, match="'efa' has no usable device here"):
+        fi.pick("efa")
+    info, why = fi.pick(None)
+    assert fi.provider_of(info).split(";")[0] in fi.DEFAULT_PROVIDERS and "default" in why
+
+
+def test_endpoint_round_trip_and_address_shape(provider):
+    info, _ = fi.pick(provider)
+    with fi.Closer() as own:
+        domain, cq, av, ep = fi.open_endpoint(own, info)
+        name = fi.getname(ep)
+        fi.check_address(info, name)  # our own address has the right shape
+        assert fi.av_insert(av, name) != lib.FI_ADDR_UNSPEC
+        with pytest.raises(ValueError):
+            fi.check_address(info, name[:-2] + b"xx" if provider == "shm" else name[:4])
+        buf = ffi.new("char[]", 64)
+        mr = own(fi.mr_reg(domain, buf, 64, lib.FI_SEND | lib.FI_RECV, key=7))
+        assert fi.mr_key(mr) is not None
+        assert fi.cq_read(cq, fi.cq_entries(4)) == 0  # nothing posted, nothing completes
+
+
+def test_send_to_self_completes_on_both_sides(provider):
+    """SEND/RECV through one endpoint to itself: the binding's data path end to end."""
+    info, _ = fi.pick(provider)
+    with fi.Closer() as own:
+        domain, cq, av, ep = fi.open_endpoint(own, info)
+        me = fi.av_insert(av, fi.getname(ep))
+        src, dst = ffi.new("char[]", b"binding works"), ffi.new("char[]", 64)
+        mr_src = own(fi.mr_reg(domain, src, len(src), lib.FI_SEND, key=1))
+        mr_dst = own(fi.mr_reg(domain, dst, len(dst), lib.FI_RECV, key=2))
+        rctx, sctx = ffi.new("struct fi_context2 *"), ffi.new("struct fi_context2 *")
+        assert fi.recvmsg(ep, dst, 64, fi.mr_desc(mr_dst), lib.FI_ADDR_UNSPEC, rctx)
+        poller = fi.Poller(cq)
+        while not fi.sendmsg(ep, src, len(src), fi.mr_desc(mr_src), me, sctx):
+            poller.poll()
+        poller.wait([sctx], 10, "send completion")
+        _, length = poller.wait([rctx], 10, "receive completion")
+        assert length == len(src) and ffi.string(dst) == b"binding works"
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU is present")
+def test_cuda_registration_fails_cleanly_without_a_gpu():
+    info, _ = fi.pick("shm")
+    with fi.Closer() as own:
+        domain, *_ = fi.open_endpoint(own, info)
+        with pytest.raises(fi.FabricError) as err:
+            fi.mr_reg(domain, 0x1000, 4096, lib.FI_WRITE, key=1, iface=lib.FI_HMEM_CUDA)
+        assert err.value.call == "fi_mr_regattr"
+
+
+def test_closer_closes_in_reverse_order_also_on_error():
+    info, _ = fi.pick("shm")
+    before = shm_files()
+    closed = []
+    with pytest.raises(RuntimeError, match="boom"):
+        with fi.Closer() as own:
+            own.callback(closed.append, "last")
+            fi.open_endpoint(own, info)
+            own.callback(closed.append, "first")
+            assert shm_files() - before  # the endpoint's shm region exists now
+            raise RuntimeError("boom")
+    assert closed == ["first", "last"]
+    assert not shm_files() - before  # fi_close of the endpoint removed it
+
+
+def test_tostr_uses_libfabric_names():
+    assert "FI_RMA" in fi.tostr(lib.FI_RMA | lib.FI_MSG, lib.FI_TYPE_CAPS)
+    assert fi.tostr(lib.FI_EP_RDM, lib.FI_TYPE_EP_TYPE) == "FI_EP_RDM"
