@@ -89,7 +89,8 @@ def client(info, args, addr, message):
         while not fi.sendmsg(ep, buf, len(message), desc, server_addr, ctx):
             fi.cq_read(cq, entries)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"server did not accept the message within {args.timeout:g} s")
+                raise TimeoutError(f"server did not take the message within {args.timeout:g} s: "
+                                   "is it running?")
         while not fi.cq_read(cq, entries):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no send completion within {args.timeout:g} s: "

@@ -59,7 +59,8 @@ class Buffer:
         while not fi.sendmsg(ep, self.mem, len(message), self.desc, dest, self.ctx):
             poller.poll()  # -FI_EAGAIN: let the provider progress, then retry
             if time.monotonic() > deadline:
-                raise TimeoutError(f"peer did not accept a message within {timeout:g} s")
+                raise TimeoutError(f"peer did not take a message within {timeout:g} s: "
+                                   "is it running?")
         poller.wait([self.ctx], timeout, "send completion: is the peer still there?")
 
     def received(self, length):

@@ -1,4 +1,5 @@
 """Chapters 03-05 as real programs: a server and a client on this host, per provider."""
+import os
 import re
 import subprocess
 import sys
@@ -13,9 +14,13 @@ def run_chapter(number, *args, timeout=60):
                           capture_output=True, text=True, env=local_env(), timeout=timeout)
 
 
+# The fi_info tool of the same libfabric the binding was built against.
+FI_INFO = os.path.join(os.environ.get("LIBFABRIC_PREFIX", "/usr"), "bin", "fi_info")
+
+
 def fi_info_pairs(*args):
     """(provider, domain) pairs as the fi_info tool prints them."""
-    out = subprocess.run(["fi_info", *args], capture_output=True, text=True,
+    out = subprocess.run([FI_INFO, *args], capture_output=True, text=True,
                          env=local_env(), check=True).stdout
     return set(re.findall(r"^provider: (\S+)\n\s+fabric: .*\n\s+domain: (\S+)$", out, re.M))
 
