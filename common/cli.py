@@ -53,6 +53,8 @@ def run(main):
     name = os.path.basename(sys.argv[0])
     try:
         sys.exit(main())
+    except BrokenPipeError:  # piped into `head`: the reader has what it wanted
+        os._exit(0)
     except UsageError as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         sys.exit(EXIT_USAGE)

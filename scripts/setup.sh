@@ -35,7 +35,11 @@ python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
 want="$(cat pyproject.toml setup.py common/_build_fabric.py | sha1sum) ${LIBFABRIC_PREFIX:-pkg-config}"
 if [ "$(cat .venv/.installed 2>/dev/null)" != "$want" ]; then
     say "installing the project into .venv (builds the libfabric binding)"
-    .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-    .venv/bin/python -m pip install -q -e '.[test]'
+    log=.venv/install.log
+    if ! { .venv/bin/python -m pip install --upgrade pip && .venv/bin/python -m pip install -e '.[test]'; } >"$log" 2>&1; then
+        tail -n 25 "$log" >&2
+        say "pip install failed; the whole log is in $log"
+        exit 1
+    fi
     echo "$want" > .venv/.installed
 fi
