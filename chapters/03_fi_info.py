@@ -10,7 +10,24 @@ and where the NIC sits on the PCIe bus - the facts chapters 06-15 build on.
     python chapters/03_fi_info.py -p shm -v           # one provider, in detail
     python chapters/03_fi_info.py --ep-type rdm --caps FI_RMA,FI_HMEM
 
-Transcript (TRANSCRIPT)
+Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17):
+
+    $ python chapters/03_fi_info.py -p shm -v --caps FI_RMA,FI_HMEM
+    libfabric 1.17 (API 1.17)
+    provider       fabric           domain       endpoint       Gbps nic bus
+    shm            shm              shm          FI_EP_RDM         - -
+        caps:     FI_RMA, FI_READ, FI_WRITE, FI_REMOTE_READ, FI_REMOTE_WRITE, FI_MULTI_RECV, FI_RMA_EVENT, FI_SOURCE, FI_HMEM
+        mode:
+        mr_mode:  FI_MR_VIRT_ADDR, FI_MR_HMEM
+        address:  FI_ADDR_STR
+        max msg:  18446744073709551615, inject: 0, rma iov: 4, cq data: 8 bytes
+    $ python chapters/03_fi_info.py --ep-type rdm
+    ...
+    1 entries: 1 providers, 1 (provider, domain) pairs
+    sockets        fd00::/64        eth0         FI_EP_RDM         - -
+    sockets        127.0.0.1/32     lo           FI_EP_RDM         - -
+    sockets        ::1/128          lo           FI_EP_RDM         - -
+    35 entries: 6 providers, 10 (provider, domain) pairs
 """
 # %% [markdown]
 # ## Motivation
