@@ -110,20 +110,16 @@ def client(info, args, addr, message):
 
 def main():
     p = cli.parser(__doc__)
-    p.add_argument("address", nargs="?", help="server address (hex); omit to be the server")
+    cli.add_peer(p)
     p.add_argument("message", nargs="?", default="Hello, libfabric!")
     args = p.parse_args()
     message = args.message.encode()
     if len(message) > MAX_MESSAGE:
         raise cli.UsageError(f"message is {len(message)} bytes; the buffer holds {MAX_MESSAGE}")
-    addr = cli.parse_address(args.address) if args.address else None
 
-    info, why = fi.pick(args.provider)  # the first (provider, domain) pair is the best one
-    args.provider_used = fi.provider_of(info).split(";")[0]
-    print(f"provider: {fi.provider_of(info)} ({why}), domain {fi.string(info.domain_attr.name)}")
+    info, addr = cli.peer(args)
     if addr is None:
         return server(info, args)
-    fi.check_address(info, addr)
     return client(info, args, addr, message)
 
 

@@ -144,7 +144,7 @@ def client(info, args, addr, message):
 
 def main():
     p = cli.parser(__doc__)
-    p.add_argument("address", nargs="?", help="server address (hex); omit to be the server")
+    cli.add_peer(p)
     p.add_argument("message", nargs="?", default="Hello, libfabric!")
     p.add_argument("--clients", type=int, default=0,
                    help="server: exit after this many clients (default: serve until Ctrl-C)")
@@ -155,14 +155,10 @@ def main():
                              f"{MAX_MESSAGE - 1} after the 1-byte kind")
     if args.clients < 0:
         raise cli.UsageError("--clients must be 0 (no limit) or more")
-    addr = cli.parse_address(args.address) if args.address else None
 
-    info, why = fi.pick(args.provider)  # the first (provider, domain) pair is the best one
-    args.provider_used = fi.provider_of(info).split(";")[0]
-    print(f"provider: {fi.provider_of(info)} ({why}), domain {fi.string(info.domain_attr.name)}")
+    info, addr = cli.peer(args)
     if addr is None:
         return server(info, args)
-    fi.check_address(info, addr)
     return client(info, args, addr, message)
 
 

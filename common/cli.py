@@ -8,6 +8,7 @@ import os
 import re
 import sys
 
+import common.fabric as fi
 from common.fabric import FabricError
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
@@ -31,6 +32,28 @@ def parser(doc, **kw):
     p.add_argument("--timeout", type=float, default=PEER_TIMEOUT,
                    help="seconds to wait for the peer (default %(default)g)")
     return p
+
+
+def add_peer(p):
+    """The positional argument that makes a chapter a client: the server's address."""
+    p.add_argument("address", nargs="?", help="server address (hex); omit to be the server")
+
+
+def pick_provider(args):
+    """fi_getinfo for -p (or the default), said in one line; the first entry is the best."""
+    info, why = fi.pick(args.provider)
+    args.provider_used = fi.provider_of(info).split(";")[0]  # for commands we print
+    print(f"provider: {fi.provider_of(info)} ({why}), domain {fi.string(info.domain_attr.name)}")
+    return info
+
+
+def peer(args):
+    """(fi_info, server address or None): the provider, and the address checked against it."""
+    addr = parse_address(args.address) if args.address else None
+    info = pick_provider(args)
+    if addr is not None:
+        fi.check_address(info, addr)
+    return info, addr
 
 
 def parse_address(text):

@@ -122,6 +122,14 @@ def _take_back_signals():
         signal.signal(signal.SIGTERM, _interrupted)
 
 
+def dupinfo(info):
+    """fi_dupinfo: a copy of one entry (without its `next`), owned by the caller."""
+    copy = lib.fi_dupinfo(info)
+    if copy == ffi.NULL:
+        raise FabricError("fi_dupinfo", -lib.FI_ENOMEM)
+    return ffi.gc(copy, lib.fi_freeinfo)
+
+
 def each(head):
     """Walk an fi_info list (holding on to its head, which owns the list)."""
     info = head

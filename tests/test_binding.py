@@ -24,6 +24,13 @@ def test_getinfo_finds_an_rdm_endpoint(name):
         assert e.caps & lib.FI_RMA and e.caps & lib.FI_MSG
 
 
+def test_dupinfo_outlives_its_list():
+    head = fi.getinfo(fi.hints("shm"))
+    copy = fi.dupinfo(head)
+    del head
+    assert fi.provider_of(copy) == "shm" and copy.next == ffi.NULL
+
+
 def test_failing_call_raises_with_name_code_and_text():
     with pytest.raises(fi.FabricError) as err:
         fi.getinfo(fi.hints("efa"))  # known provider, no device on this host
