@@ -42,7 +42,6 @@ Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, tcp on loop
 
 # %%
 import sys
-import time
 
 from common import cli
 from common.fabric import ffi, lib
@@ -69,12 +68,8 @@ class Buffer:
         """SEND kind+payload to dest and wait for its completion."""
         message = kind + payload
         self.mem[0:len(message)] = message
-        deadline = time.monotonic() + timeout
-        while not fi.sendmsg(ep, self.mem, len(message), self.desc, dest, self.ctx):
-            poller.poll()  # -FI_EAGAIN: let the provider progress, then retry
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"peer did not take a message within {timeout:g} s: "
-                                   "is it running?")
+        poller.until_posted(lambda: fi.sendmsg(ep, self.mem, len(message), self.desc, dest,
+                                               self.ctx), timeout, "message accepted")
         poller.wait([self.ctx], timeout, "send completion: is the peer still there?")
 
     def received(self, length):

@@ -79,8 +79,9 @@ def tostr(value, kind):
 
 # --- fi_info ---------------------------------------------------------------
 
-# We give every operation a fi_context2, so we can accept providers that want one.
-MODE = lib.FI_CONTEXT | lib.FI_CONTEXT2
+# We give every operation a fi_context2, and keep a receive posted wherever
+# immediate data may arrive, so we can accept providers that want either.
+MODE = lib.FI_CONTEXT | lib.FI_CONTEXT2 | lib.FI_RX_CQ_DATA
 
 
 def hints(provider=None, ep_type=lib.FI_EP_RDM, caps=lib.FI_MSG, mr_mode=MR_MODE, mode=MODE):
@@ -379,26 +380,53 @@ class Poller:
     """Reads a CQ and keeps each completion, by operation context, until it is asked for.
 
     With several operations in flight, completions come in any order; waiting
-    for one must not lose the others.
+    for one must not lose the others. Immediate data from a peer's WRITE
+    (FI_REMOTE_CQ_DATA) is kept apart, in arrival order.
     """
 
     def __init__(self, cq, batch=16):
-        self.cq, self.entries, self.done = cq, cq_entries(batch), {}
+        self.cq, self.entries = cq, cq_entries(batch)
+        self.done, self.remote_data = {}, []
 
     def poll(self):
         n = cq_read(self.cq, self.entries)
         for e in self.entries[0:n]:
-            self.done[key(e.op_context)] = e.len
+            if e.flags & lib.FI_REMOTE_CQ_DATA:  # test the flag: tcp reports len 0 here
+                self.remote_data.append(e.data)
+            if e.op_context != ffi.NULL:
+                self.done[key(e.op_context)] = e.len
         return n
 
-    def wait(self, contexts, timeout, what):
-        """Wait until one of `contexts` completes: returns (that context, bytes received)."""
+    def _until(self, ready, timeout, what):
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            for ctx in contexts:
-                if key(ctx) in self.done:
-                    return ctx, self.done.pop(key(ctx))
+        while not ready():
             if not self.poll():
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"no {what} within {timeout:g} s")
                 time.sleep(0)  # give a peer on the same core its turn
+
+    def until_posted(self, post, timeout, what):
+        """Call `post` until the provider takes the operation (it returns False on
+        -FI_EAGAIN: queue full, or tcp still connecting), polling for progress meanwhile."""
+        deadline = time.monotonic() + timeout
+        while not post():
+            self.poll()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {what} within {timeout:g} s: is the peer running?")
+
+    def wait(self, contexts, timeout, what):
+        """Wait until one of `contexts` completes: returns (that context, bytes received)."""
+        self._until(lambda: any(key(c) in self.done for c in contexts), timeout, what)
+        ctx = next(c for c in contexts if key(c) in self.done)
+        return ctx, self.done.pop(key(ctx))
+
+    def wait_all(self, contexts, timeout, what):
+        """Wait until every one of `contexts` has completed."""
+        self._until(lambda: all(key(c) in self.done for c in contexts), timeout, what)
+        for c in contexts:
+            del self.done[key(c)]
+
+    def wait_remote_data(self, timeout, what):
+        """The immediate data of the next WRITE that carried some."""
+        self._until(lambda: self.remote_data, timeout, what)
+        return self.remote_data.pop(0)

@@ -1,0 +1,224 @@
+"""Chapter 06 - write: one-sided RDMA WRITE into the client's (GPU) memory, with immediate data.
+
+What you will learn: with RMA the server writes straight into the client's
+registered memory; the client's CPU takes no part until it is told the data
+is there. To allow that, the client registers its buffers for remote writes
+(FI_REMOTE_WRITE) and sends, per buffer, the remote address and the key of
+its registration. The last WRITE carries immediate data (FI_REMOTE_CQ_DATA),
+which is the one thing the client's CQ sees. With `--gpu N` the client's
+buffers are GPU memory, registered with iface FI_HMEM_CUDA (GPUDirect RDMA
+on EFA; CUDA IPC on shm) - a libfabric built with CUDA is needed for that.
+
+New since chapter 05: FI_RMA, buffers registered for remote access, the
+CONNECT message grows a list of (address, size, key) and a request ("fill
+these pages from this seed"), fi_writemsg, immediate data, a check of every
+byte that arrived.
+
+    python chapters/06_write.py                                   # server
+    python chapters/06_write.py ADDRESS --pages 0,3,5-9           # client
+    python chapters/06_write.py ADDRESS --gpu 0 --page-size 1M    # into GPU 0
+
+Transcript (TRANSCRIPT)
+"""
+# %% [markdown]
+# ## Motivation
+#     client                                         server
+#     register B buffers (FI_REMOTE_WRITE)
+#     CONNECT(address, [(addr, size, key)] x B,
+#             page size, seed, pages)  ---------->   fi_av_insert
+#                                                    fill pages from the seed
+#                                      <----------   WRITE page, WRITE page, ...
+#                                      <----------   WRITE last page + immediate data
+#     CQ: FI_REMOTE_CQ_DATA -> check every byte
+
+# %%
+import struct
+import sys
+
+import numpy as np
+
+from common import cli, memory
+from common.fabric import ffi, lib
+import common.fabric as fi
+
+CAPS = lib.FI_MSG | lib.FI_RMA
+MAX_MESSAGE = 64 * 1024  # bytes: room for the page list
+HEADER = struct.Struct("<QQIHH")  # seed, page size, number of pages, of buffers, address length
+REGION = struct.Struct("<QQQ")    # remote address, size, key: what a WRITE needs per buffer
+PAGE = struct.Struct("<I")
+BAD_KEY = 0xBAD0_0000  # --bad-key: a key no registration of ours has
+
+
+def remote_base(info, ptr):
+    """What the peer adds a page's offset to: the address itself with FI_MR_VIRT_ADDR,
+    else 0 (offsets into the registration)."""
+    return ptr if info.domain_attr.mr_mode & lib.FI_MR_VIRT_ADDR else 0
+
+
+def register(own, domain, buf, access, key):
+    """fi_mr_regattr with the buffer's iface; a libfabric without CUDA says so plainly."""
+    try:
+        return own(fi.mr_reg(domain, buf.ptr, buf.size, access, key, buf.iface, buf.device))
+    except fi.FabricError as e:
+        if buf.gpu is None:
+            raise
+        raise ValueError(f"this libfabric cannot register CUDA memory ({e}); build one with "
+                         "scripts/build_libfabric.sh and set LIBFABRIC_PREFIX") from None
+
+
+class Inbox:
+    """One registered message buffer with a receive posted in it."""
+
+    def __init__(self, own, domain, ep):
+        self.mem = ffi.new("char[]", MAX_MESSAGE)
+        mr = own(fi.mr_reg(domain, self.mem, MAX_MESSAGE, lib.FI_RECV, key=1000))
+        self.desc, self.ctx, self.ep = fi.mr_desc(mr), ffi.new("struct fi_context2 *"), ep
+        self.post()
+
+    def post(self):
+        if not fi.recvmsg(self.ep, self.mem, MAX_MESSAGE, self.desc, lib.FI_ADDR_UNSPEC, self.ctx):
+            raise fi.FabricError("fi_recvmsg", -lib.FI_EAGAIN)
+
+
+# %% [markdown]
+# ## Code
+
+# %%
+def server(info, args):
+    with fi.Closer() as own:
+        domain, cq, av, ep = fi.open_endpoint(own, info)
+        poller = fi.Poller(cq)
+        inbox = Inbox(own, domain, ep)
+        addr = fi.getname(ep).hex()
+        print(f"server address: {addr}")
+        print(f"run the client: python {sys.argv[0]} -p {args.provider_used} {addr}", flush=True)
+        served = 0
+        while not args.clients or served < args.clients:
+            _, length = poller.wait([inbox.ctx], None, "CONNECT")
+            request = ffi.buffer(inbox.mem, length)[:]
+            inbox.post()
+            served += 1
+            try:
+                with fi.Closer() as client_own:  # what one client needs, released after it
+                    serve(info, client_own, domain, ep, av, poller, request, args)
+            except (fi.FabricError, TimeoutError, ValueError) as e:  # that client is gone
+                print(f"client {served}: failed: {e}", file=sys.stderr, flush=True)
+
+
+def serve(info, own, domain, ep, av, poller, request, args):
+    seed, page_size, npages, nbufs, addrlen = HEADER.unpack_from(request)
+    at = HEADER.size
+    client = fi.av_insert(av, request[at:at + addrlen])
+    own.callback(fi.av_remove, av, client)
+    at += addrlen
+    regions = [REGION.unpack_from(request, at + i * REGION.size) for i in range(nbufs)]
+    at += nbufs * REGION.size
+    pages = [PAGE.unpack_from(request, at + i * PAGE.size)[0] for i in range(npages)]
+    per_buffer = regions[0][1] // page_size
+
+    # The data, generated before anything is timed: page j of the request in slot j.
+    source = memory.Buffer(page_size * npages, args.gpu)
+    for j, page in enumerate(pages):
+        source.write(j * page_size, memory.seeded_page(seed, page, page_size))
+    desc = fi.mr_desc(register(own, domain, source, lib.FI_WRITE, key=2000))
+
+    storage = ffi.new("struct fi_context2[]", npages)  # one context per WRITE in flight
+    contexts = [storage + j for j in range(npages)]
+    for j, page in enumerate(pages):
+        base, _, key = regions[page // per_buffer]
+        last = j == npages - 1
+        if last:  # all other pages completed first: the immediate means "everything is there"
+            poller.wait_all(contexts[0:j], args.timeout, "WRITE completions")
+        poller.until_posted(lambda: fi.writemsg(
+            ep, source.ptr + j * page_size, page_size, desc, client,
+            base + (page % per_buffer) * page_size, key, contexts[j],
+            data=npages if last else None), args.timeout, "WRITE accepted")
+    poller.wait_all(contexts[npages - 1:npages], args.timeout, "last WRITE completion")
+    print(f"wrote {npages} pages of {page_size} bytes from {source.kind}, "
+          f"the last with immediate data {npages}", flush=True)
+
+
+def client(info, args, addr):
+    pages = args.pages
+    with fi.Closer() as own:
+        domain, cq, av, ep = fi.open_endpoint(own, info)
+        poller = fi.Poller(cq)
+        Inbox(own, domain, ep)  # a posted receive, for providers that use one per immediate
+        buffers = [memory.Buffer(args.buffer_size, args.gpu) for _ in range(args.buffers)]
+        mrs = [register(own, domain, b, lib.FI_REMOTE_WRITE, key=i + 1)
+               for i, b in enumerate(buffers)]
+        print(f"memory: {args.buffers} x {args.buffer_size} bytes of {buffers[0].kind}")
+        server_addr = fi.av_insert(av, addr)
+
+        me = fi.getname(ep)
+        request = (HEADER.pack(args.seed, args.page_size, len(pages), len(buffers), len(me)) + me
+                   + b"".join(REGION.pack(remote_base(info, b.ptr), b.size,
+                                          BAD_KEY if args.bad_key else fi.mr_key(mr))
+                              for b, mr in zip(buffers, mrs))
+                   + b"".join(PAGE.pack(p) for p in pages))
+        out = ffi.new("char[]", request)
+        out_mr = own(fi.mr_reg(domain, out, len(request), lib.FI_SEND, key=1001))
+        ctx = ffi.new("struct fi_context2 *")
+        poller.until_posted(lambda: fi.sendmsg(ep, out, len(request), fi.mr_desc(out_mr),
+                                               server_addr, ctx), args.timeout, "CONNECT accepted")
+        poller.wait([ctx], args.timeout, "CONNECT completion: is the server running?")
+
+        data = poller.wait_remote_data(args.timeout, "WRITE with immediate data from the server")
+        print(f"remote write completion: FI_REMOTE_CQ_DATA, immediate data {data}")
+        per_buffer = args.buffer_size // args.page_size
+        wrong = sum(int(np.count_nonzero(
+            buffers[p // per_buffer].read((p % per_buffer) * args.page_size, args.page_size)
+            != memory.seeded_page(args.seed, p, args.page_size))) for p in pages)
+        print(f"verified {len(pages)} pages ({len(pages) * args.page_size} bytes): "
+              f"{wrong} wrong bytes")
+        if data != len(pages) or wrong:
+            raise ValueError(f"{wrong} wrong bytes, immediate data {data} (expected {len(pages)})")
+
+
+def parse_pages(text):
+    """'0,3,5-9' -> [0, 3, 5, 6, 7, 8, 9]"""
+    pages = []
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise cli.UsageError(f"--pages: '{part}' is not a page number or range like 5-9")
+        pages.extend(range(int(lo), int(hi or lo) + 1))
+    return pages
+
+
+def main():
+    p = cli.parser(__doc__)
+    cli.add_peer(p)
+    p.add_argument("--page-size", type=cli.parse_size, default=64 << 10, help="default 64K")
+    p.add_argument("--pages", default="0-15", help="pages to fill, e.g. 0,3,5-9 (default 0-15)")
+    p.add_argument("--buffers", type=int, default=2, help="client buffers (default 2)")
+    p.add_argument("--buffer-size", type=cli.parse_size, default=1 << 20, help="default 1M")
+    p.add_argument("--seed", type=int, default=42, help="what the pages are filled from")
+    p.add_argument("--gpu", type=int, help="put the buffers in this GPU's memory")
+    p.add_argument("--clients", type=int, default=0,
+                   help="server: exit after this many clients (default: serve until Ctrl-C)")
+    p.add_argument("--bad-key", action="store_true",
+                   help="client: send a wrong key, to see how a failed WRITE is reported")
+    args = p.parse_args()
+    if args.page_size <= 0 or args.buffer_size < args.page_size or args.buffers < 1:
+        raise cli.UsageError(f"need 0 < page size ({args.page_size}) <= buffer size "
+                             f"({args.buffer_size}) and at least one buffer")
+    args.pages = parse_pages(args.pages)
+    capacity = args.buffers * (args.buffer_size // args.page_size)
+    if not args.pages or max(args.pages) >= capacity:
+        raise cli.UsageError(f"--pages must name pages 0..{capacity - 1} "
+                             f"({args.buffers} buffers x {args.buffer_size // args.page_size})")
+    if HEADER.size + 64 + args.buffers * REGION.size + len(args.pages) * PAGE.size > MAX_MESSAGE:
+        raise cli.UsageError(f"too many pages or buffers for one {MAX_MESSAGE}-byte CONNECT")
+    memory.check_gpu(args.gpu)
+
+    info, addr = cli.peer(args, CAPS)
+    mr_mode = fi.tostr(info.domain_attr.mr_mode, lib.FI_TYPE_MR_MODE) or "no mode bits"
+    print(f"memory registration: {mr_mode}")
+    if addr is None:
+        return server(info, args)
+    return client(info, args, addr)
+
+
+if __name__ == "__main__":
+    cli.run(main)

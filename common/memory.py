@@ -1,0 +1,70 @@
+"""Buffers for RDMA: page-aligned host memory, or GPU memory through cupy.
+
+A Buffer knows what libfabric needs to register it (address, size, iface,
+device) and how to get its bytes back to the host for checking.
+"""
+import numpy as np
+
+from common.fabric import lib
+
+PAGE = 4096
+
+
+class Buffer:
+    def __init__(self, size, gpu=None):
+        self.size, self.gpu = size, gpu
+        if gpu is None:
+            raw = np.zeros(size + PAGE, dtype=np.uint8)
+            start = -raw.ctypes.data % PAGE  # align: some NICs register whole pages
+            self.array = raw[start:start + size]
+            self.ptr = self.array.ctypes.data
+            self.iface, self.device = lib.FI_HMEM_SYSTEM, 0
+        else:
+            cp = cupy()
+            with cp.cuda.Device(gpu):
+                self.array = cp.zeros(size, dtype=cp.uint8)
+            self.ptr = self.array.data.ptr
+            self.iface, self.device = lib.FI_HMEM_CUDA, gpu
+
+    @property
+    def kind(self):
+        return "host memory" if self.gpu is None else f"GPU {self.gpu} memory (cuda)"
+
+    def write(self, offset, data):
+        """Copy host bytes (a numpy uint8 array) into the buffer at `offset`."""
+        if self.gpu is None:
+            self.array[offset:offset + len(data)] = data
+        else:
+            with cupy().cuda.Device(self.gpu):
+                self.array[offset:offset + len(data)].set(data)
+
+    def read(self, offset, size):
+        """The bytes at `offset`, as a host numpy array."""
+        view = self.array[offset:offset + size]
+        return view.copy() if self.gpu is None else view.get()
+
+
+def cupy():
+    try:
+        import cupy as cp
+    except ImportError:
+        raise ValueError("GPU memory needs cupy (pip install cupy-cuda12x or cupy-cuda13x)") from None
+    return cp
+
+
+def check_gpu(gpu):
+    """Raise ValueError with one readable line unless GPU `gpu` exists."""
+    if gpu is None:
+        return
+    cp = cupy()
+    try:
+        count = cp.cuda.runtime.getDeviceCount()
+    except cp.cuda.runtime.CUDARuntimeError:
+        count = 0
+    if not 0 <= gpu < count:
+        raise ValueError(f"no GPU {gpu} here ({count} found)")
+
+
+def seeded_page(seed, page, size):
+    """The content of page `page` for `seed`: both sides compute it, so it can be checked."""
+    return np.random.default_rng([seed, page]).integers(0, 256, size, dtype=np.uint8)

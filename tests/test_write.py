@@ -1,0 +1,75 @@
+"""Chapter 06: WRITE with immediate data, every byte checked; bad input; a wrong key."""
+import importlib.util
+import shutil
+
+import pytest
+
+from scripts.pair import run_pair
+from tests.test_bad_input import SHM_DEAD, assert_one_line_error, run
+
+
+def has_gpu():
+    if importlib.util.find_spec("cupy") is None or shutil.which("nvidia-smi") is None:
+        return False
+    import cupy
+    try:
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return False
+
+
+def test_06_every_page_arrives(provider):
+    pair = run_pair(6, provider, ["--clients", "1"],
+                    [["--pages", "0,3,5-9,31", "--page-size", "64K", "--seed", "7"]])
+    assert pair.ok and not pair.stopped, pair
+    out = pair.clients[0].out
+    assert "FI_REMOTE_CQ_DATA, immediate data 8" in out
+    assert "verified 8 pages (524288 bytes): 0 wrong bytes" in out
+    assert "wrote 8 pages of 65536 bytes from host memory" in pair.server.out
+
+
+def test_06_odd_sizes_and_one_buffer(provider):
+    pair = run_pair(6, provider, ["--clients", "1"],
+                    [["--pages", "2,0,1", "--page-size", "1000", "--buffers", "1",
+                      "--buffer-size", "3000"]])
+    assert pair.ok, pair
+    assert "verified 3 pages (3000 bytes): 0 wrong bytes" in pair.clients[0].out
+
+
+def test_06_wrong_key_is_reported_and_server_survives(provider):
+    # Known gap: after a bad-key failure, Debian's tcp;ofi_rxm (1.17) takes no new
+    # client on the same endpoint, so only shm is asked to serve a second one.
+    clients = [["--bad-key", "--timeout", "5"]] + ([["--pages", "1-4"]] if provider == "shm" else [])
+    pair = run_pair(6, provider, ["--clients", str(len(clients)), "--timeout", "3"], clients,
+                    keep_going=True)
+    bad = pair.clients[0]
+    assert bad.rc == 1 and "Traceback" not in bad.err
+    failure = [line for line in pair.server.err.splitlines() if line.startswith("client 1: failed:")]
+    assert failure, pair.server.err
+    if provider == "tcp":  # the provider's own error text, through fi_cq_readerr/fi_cq_strerror
+        assert "fi_cq_read:" in failure[0]
+    assert pair.server.rc == 0  # it went on and finished its --clients
+    for good in pair.clients[1:]:
+        assert good.rc == 0 and "verified 4 pages (262144 bytes): 0 wrong bytes" in good.out
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["--page-size", "0"], "0 < page size"),
+    (["--page-size", "1.5K"], "not a size"),
+    (["--page-size", "2M"], "<= buffer size"),
+    (["--pages", "99"], "--pages must name pages 0..31"),
+    (["--pages", "a-b"], "not a page number"),
+    (["--gpu", "0"] if not has_gpu() else ["--gpu", "99"], "GPU"),
+])
+def test_06_bad_input(args, pattern):
+    done, _ = run(6, "-p", "shm", SHM_DEAD, *args)
+    assert_one_line_error(done, pattern)
+
+
+@pytest.mark.skipif(not has_gpu(), reason="needs a GPU, cupy and a CUDA-enabled libfabric")
+def test_06_gpu_buffers():
+    pair = run_pair(6, "shm", ["--clients", "1", "--gpu", "0"],
+                    [["--gpu", "0", "--page-size", "1M", "--buffer-size", "16M", "--pages", "0-15"]])
+    assert pair.ok, pair
+    assert "GPU 0 memory" in pair.clients[0].out
+    assert "verified 16 pages (16777216 bytes): 0 wrong bytes" in pair.clients[0].out
