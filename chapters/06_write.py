@@ -16,9 +16,41 @@ byte that arrived.
 
     python chapters/06_write.py                                   # server
     python chapters/06_write.py ADDRESS --pages 0,3,5-9           # client
-    python chapters/06_write.py ADDRESS --gpu 0 --page-size 1M    # into GPU 0
+    python chapters/06_write.py --gpu 0                           # server, pages on GPU 0
+    python chapters/06_write.py ADDRESS --gpu 1 --page-size 1M    # into GPU 1
 
-Transcript (TRANSCRIPT)
+Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory):
+
+    $ python chapters/06_write.py -p shm
+    provider: shm (asked for), domain shm
+    memory registration: FI_MR_VIRT_ADDR
+    server address: 66695f73686d3a2f2f373935323a303a3000
+    run the client: python chapters/06_write.py -p shm 66695f73686d3a2f2f373935323a303a3000
+    wrote 8 pages of 65536 bytes from host memory, the last with immediate data 8
+
+    $ python chapters/06_write.py -p shm 66695f73686d3a2f2f373935323a303a3000 --pages 0,3,5-9,31
+    provider: shm (asked for), domain shm
+    memory registration: FI_MR_VIRT_ADDR
+    memory: 2 x 1048576 bytes of host memory
+    remote write completion: FI_REMOTE_CQ_DATA, immediate data 8
+    verified 8 pages (524288 bytes): 0 wrong bytes
+
+On one NVIDIA H200 (libfabric 2.1.0 built by scripts/build_libfabric.sh, shm, pages
+and client buffers in GPU 0 memory; lines as printed by scripts/pair.py):
+
+    $ python chapters/06_write.py -p shm --clients 1 --gpu 0
+    provider: shm (asked for), domain shm
+    memory registration: FI_MR_VIRT_ADDR, FI_MR_HMEM
+    server address: 66695f73686d3a2f2f3433353a303a3000
+    run the client: python chapters/06_write.py -p shm 66695f73686d3a2f2f3433353a303a3000
+    wrote 16 pages of 1048576 bytes from GPU 0 memory (cuda), the last with immediate data 16
+
+    $ python chapters/06_write.py -p shm 66695f73686d3a2f2f3433353a303a3000 --gpu 0 --page-size 1M --buffer-size 16M --pages 0-15
+    provider: shm (asked for), domain shm
+    memory registration: FI_MR_VIRT_ADDR, FI_MR_HMEM
+    memory: 2 x 16777216 bytes of GPU 0 memory (cuda)
+    remote write completion: FI_REMOTE_CQ_DATA, immediate data 16
+    verified 16 pages (16777216 bytes): 0 wrong bytes
 """
 # %% [markdown]
 # ## Motivation
@@ -212,7 +244,9 @@ def main():
         raise cli.UsageError(f"too many pages or buffers for one {MAX_MESSAGE}-byte CONNECT")
     memory.check_gpu(args.gpu)
 
-    info, addr = cli.peer(args, CAPS)
+    # GPU memory needs FI_HMEM (shm then moves it with CUDA IPC); give --gpu to
+    # both sides, since the server's endpoint is the one that writes into it.
+    info, addr = cli.peer(args, CAPS, prefer=lib.FI_HMEM if args.gpu is not None else 0)
     mr_mode = fi.tostr(info.domain_attr.mr_mode, lib.FI_TYPE_MR_MODE) or "no mode bits"
     print(f"memory registration: {mr_mode}")
     if addr is None:

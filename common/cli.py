@@ -39,18 +39,18 @@ def add_peer(p):
     p.add_argument("address", nargs="?", help="server address (hex); omit to be the server")
 
 
-def pick_provider(args, caps=fi.lib.FI_MSG):
+def pick_provider(args, caps=fi.lib.FI_MSG, prefer=0):
     """fi_getinfo for -p (or the default), said in one line; the first entry is the best."""
-    info, why = fi.pick(args.provider, caps)
+    info, why = fi.pick(args.provider, caps, prefer)
     args.provider_used = fi.provider_of(info).split(";")[0]  # for commands we print
     print(f"provider: {fi.provider_of(info)} ({why}), domain {fi.string(info.domain_attr.name)}")
     return info
 
 
-def peer(args, caps=fi.lib.FI_MSG):
+def peer(args, caps=fi.lib.FI_MSG, prefer=0):
     """(fi_info, server address or None): the provider, and the address checked against it."""
     addr = parse_address(args.address) if args.address else None
-    info = pick_provider(args, caps)
+    info = pick_provider(args, caps, prefer)
     if addr is not None:
         fi.check_address(info, addr)
     return info, addr

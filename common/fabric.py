@@ -147,12 +147,18 @@ def provider_of(info):
     return string(info.fabric_attr.prov_name)
 
 
-def pick(provider=None, caps=lib.FI_MSG):
+def pick(provider=None, caps=lib.FI_MSG, prefer=0):
     """The fi_info list for `provider`, or for the first of DEFAULT_PROVIDERS that works here.
 
+    Capabilities in `prefer` are asked for too where the provider has them.
     Returns (info, why) where `why` says, for the reader, how it was chosen.
     Raises ValueError with one readable line when nothing fits.
     """
+    if prefer:
+        try:
+            return pick(provider, caps | prefer)
+        except (ValueError, FabricError):
+            pass
     if provider:
         if not set(provider.split(";")) <= KNOWN_PROVIDERS:
             raise ValueError(f"unknown provider '{provider}' (libfabric has: "

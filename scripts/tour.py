@@ -41,6 +41,12 @@ def ch05(provider):
     return ok, [f"{len(texts)} clients served, replies reversed" if ok else _failure(pair)]
 
 
+def ch06(provider):
+    pair = run_pair(6, provider, ["--clients", "1"], [["--pages", "0-15", "--page-size", "64K"]])
+    ok = pair.ok and "verified 16 pages (1048576 bytes): 0 wrong bytes" in pair.clients[0].out
+    return ok, ["16 x 64 KiB written, immediate seen, 0 wrong bytes" if ok else _failure(pair)]
+
+
 def _failure(pair):
     for run in [*pair.clients, pair.server]:
         if run.rc:
@@ -48,7 +54,7 @@ def _failure(pair):
     return "unexpected output"
 
 
-STEPS = {3: ch03, 4: ch04, 5: ch05}
+STEPS = {3: ch03, 4: ch04, 5: ch05, 6: ch06}
 
 
 def title(path):
