@@ -132,12 +132,12 @@ def server(info, args):
             served += 1
             try:
                 with fi.Closer() as client_own:  # what one client needs, released after it
-                    serve(info, client_own, domain, ep, av, poller, request, args)
+                    serve(client_own, domain, ep, av, poller, request, args)
             except (fi.FabricError, TimeoutError, ValueError) as e:  # that client is gone
                 print(f"client {served}: failed: {e}", file=sys.stderr, flush=True)
 
 
-def serve(info, own, domain, ep, av, poller, request, args):
+def serve(own, domain, ep, av, poller, request, args):
     seed, page_size, npages, nbufs, addrlen = HEADER.unpack_from(request)
     at = HEADER.size
     client = fi.av_insert(av, request[at:at + addrlen])
