@@ -81,37 +81,6 @@ PAGE = struct.Struct("<I")
 BAD_KEY = 0xBAD0_0000  # --bad-key: a key no registration of ours has
 
 
-def remote_base(info, ptr):
-    """What the peer adds a page's offset to: the address itself with FI_MR_VIRT_ADDR,
-    else 0 (offsets into the registration)."""
-    return ptr if info.domain_attr.mr_mode & lib.FI_MR_VIRT_ADDR else 0
-
-
-def register(own, domain, buf, access, key):
-    """fi_mr_regattr with the buffer's iface; a libfabric without CUDA says so plainly."""
-    try:
-        return own(fi.mr_reg(domain, buf.ptr, buf.size, access, key, buf.iface, buf.device))
-    except fi.FabricError as e:
-        if buf.gpu is None:
-            raise
-        raise ValueError(f"this libfabric cannot register CUDA memory ({e}); build one with "
-                         "scripts/build_libfabric.sh and set LIBFABRIC_PREFIX") from None
-
-
-class Inbox:
-    """One registered message buffer with a receive posted in it."""
-
-    def __init__(self, own, domain, ep):
-        self.mem = ffi.new("char[]", MAX_MESSAGE)
-        mr = own(fi.mr_reg(domain, self.mem, MAX_MESSAGE, lib.FI_RECV, key=1000))
-        self.desc, self.ctx, self.ep = fi.mr_desc(mr), ffi.new("struct fi_context2 *"), ep
-        self.post()
-
-    def post(self):
-        if not fi.recvmsg(self.ep, self.mem, MAX_MESSAGE, self.desc, lib.FI_ADDR_UNSPEC, self.ctx):
-            raise fi.FabricError("fi_recvmsg", -lib.FI_EAGAIN)
-
-
 # %% [markdown]
 # ## Code
 
@@ -120,15 +89,14 @@ def server(info, args):
     with fi.Closer() as own:
         domain, cq, av, ep = fi.open_endpoint(own, info)
         poller = fi.Poller(cq)
-        inbox = Inbox(own, domain, ep)
+        inbox = fi.Inbox(own, domain, ep, MAX_MESSAGE)
         addr = fi.getname(ep).hex()
         print(f"server address: {addr}")
         print(f"run the client: python {sys.argv[0]} -p {args.provider_used} {addr}", flush=True)
         served = 0
         while not args.clients or served < args.clients:
             _, length = poller.wait([inbox.ctx], None, "CONNECT")
-            request = ffi.buffer(inbox.mem, length)[:]
-            inbox.post()
+            request = inbox.take(length)
             served += 1
             try:
                 with fi.Closer() as client_own:  # what one client needs, released after it
@@ -152,7 +120,7 @@ def serve(own, domain, ep, av, poller, request, args):
     source = memory.Buffer(page_size * npages, args.gpu)
     for j, page in enumerate(pages):
         source.write(j * page_size, memory.seeded_page(seed, page, page_size))
-    desc = fi.mr_desc(register(own, domain, source, lib.FI_WRITE, key=2000))
+    desc = fi.mr_desc(memory.register(own, domain, source, lib.FI_WRITE, key=2000))
 
     storage = ffi.new("struct fi_context2[]", npages)  # one context per WRITE in flight
     contexts = [storage + j for j in range(npages)]
@@ -175,16 +143,16 @@ def client(info, args, addr):
     with fi.Closer() as own:
         domain, cq, av, ep = fi.open_endpoint(own, info)
         poller = fi.Poller(cq)
-        Inbox(own, domain, ep)  # a posted receive, for providers that use one per immediate
+        fi.Inbox(own, domain, ep, MAX_MESSAGE)  # a posted receive, for providers that use one per immediate
         buffers = [memory.Buffer(args.buffer_size, args.gpu) for _ in range(args.buffers)]
-        mrs = [register(own, domain, b, lib.FI_REMOTE_WRITE, key=i + 1)
+        mrs = [memory.register(own, domain, b, lib.FI_REMOTE_WRITE, key=i + 1)
                for i, b in enumerate(buffers)]
         print(f"memory: {args.buffers} x {args.buffer_size} bytes of {buffers[0].kind}")
         server_addr = fi.av_insert(av, addr)
 
         me = fi.getname(ep)
         request = (HEADER.pack(args.seed, args.page_size, len(pages), len(buffers), len(me)) + me
-                   + b"".join(REGION.pack(remote_base(info, b.ptr), b.size,
+                   + b"".join(REGION.pack(fi.remote_base(info, b.ptr), b.size,
                                           BAD_KEY if args.bad_key else fi.mr_key(mr))
                               for b, mr in zip(buffers, mrs))
                    + b"".join(PAGE.pack(p) for p in pages))
@@ -207,17 +175,6 @@ def client(info, args, addr):
             raise ValueError(f"{wrong} wrong bytes, immediate data {data} (expected {len(pages)})")
 
 
-def parse_pages(text):
-    """'0,3,5-9' -> [0, 3, 5, 6, 7, 8, 9]"""
-    pages = []
-    for part in filter(None, text.split(",")):
-        lo, _, hi = part.partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
-            raise cli.UsageError(f"--pages: '{part}' is not a page number or range like 5-9")
-        pages.extend(range(int(lo), int(hi or lo) + 1))
-    return pages
-
-
 def main():
     p = cli.parser(__doc__)
     cli.add_peer(p)
@@ -235,7 +192,7 @@ def main():
     if args.page_size <= 0 or args.buffer_size < args.page_size or args.buffers < 1:
         raise cli.UsageError(f"need 0 < page size ({args.page_size}) <= buffer size "
                              f"({args.buffer_size}) and at least one buffer")
-    args.pages = parse_pages(args.pages)
+    args.pages = cli.parse_pages(args.pages)
     capacity = args.buffers * (args.buffer_size // args.page_size)
     if not args.pages or max(args.pages) >= capacity:
         raise cli.UsageError(f"--pages must name pages 0..{capacity - 1} "

@@ -168,6 +168,7 @@ void *fi_mr_desc(struct fid_mr *mr);
 ssize_t fi_sendmsg(struct fid_ep *ep, const struct fi_msg *msg, uint64_t flags);
 ssize_t fi_recvmsg(struct fid_ep *ep, const struct fi_msg *msg, uint64_t flags);
 ssize_t fi_writemsg(struct fid_ep *ep, const struct fi_msg_rma *msg, uint64_t flags);
+ssize_t fi_inject(struct fid_ep *ep, const void *buf, size_t len, fi_addr_t dest_addr);
 ssize_t fi_cq_read(struct fid_cq *cq, void *buf, size_t count);
 ssize_t fi_cq_readerr(struct fid_cq *cq, struct fi_cq_err_entry *buf, uint64_t flags);
 const char *fi_cq_strerror(struct fid_cq *cq, int prov_errno, const void *err_data,

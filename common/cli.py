@@ -71,6 +71,17 @@ def parse_size(text):
     return int(m[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[m[2].upper()]
 
 
+def parse_pages(text):
+    """'0,3,5-9' -> [0, 3, 5, 6, 7, 8, 9]"""
+    pages = []
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise UsageError(f"--pages: '{part}' is not a page number or range like 5-9")
+        pages.extend(range(int(lo), int(hi or lo) + 1))
+    return pages
+
+
 def run(main):
     """Run a chapter's main(), turning every expected failure into one line and an exit code."""
     name = os.path.basename(sys.argv[0])

@@ -356,6 +356,37 @@ def writemsg(ep, buf, size, desc, dest, remote_addr, remote_key, context, data=N
     return posted("fi_writemsg", lib.fi_writemsg(ep, msg, flags))
 
 
+def inject(ep, buf, size, dest):
+    """fi_inject: a small SEND that never makes a completion; `buf` is reusable at once."""
+    return posted("fi_inject", lib.fi_inject(ep, buf, size, dest))
+
+
+def remote_base(info, ptr):
+    """What the peer adds a page's offset to: the address itself with FI_MR_VIRT_ADDR,
+    else 0 (offsets into the registration). Taught in chapter 06."""
+    return ptr if info.domain_attr.mr_mode & lib.FI_MR_VIRT_ADDR else 0
+
+
+class Inbox:
+    """One registered message buffer with a receive posted in it (chapter 06)."""
+
+    def __init__(self, own, domain, ep, size):
+        self.mem, self.size = ffi.new("char[]", size), size
+        mr = own(mr_reg(domain, self.mem, size, lib.FI_RECV, key=1000))
+        self.desc, self.ctx, self.ep = mr_desc(mr), ffi.new("struct fi_context2 *"), ep
+        self.post()
+
+    def post(self):
+        if not recvmsg(self.ep, self.mem, self.size, self.desc, lib.FI_ADDR_UNSPEC, self.ctx):
+            raise FabricError("fi_recvmsg", -lib.FI_EAGAIN)
+
+    def take(self, length):
+        """The message that arrived, and a receive posted again for the next one."""
+        message = ffi.buffer(self.mem, length)[:]
+        self.post()
+        return message
+
+
 def cq_entries(count):
     return ffi.new("struct fi_cq_data_entry[]", count)
 
@@ -397,11 +428,15 @@ class Poller:
     def poll(self):
         n = cq_read(self.cq, self.entries)
         for e in self.entries[0:n]:
-            if e.flags & lib.FI_REMOTE_CQ_DATA:  # test the flag: tcp reports len 0 here
-                self.remote_data.append(e.data)
-            if e.op_context != ffi.NULL:
-                self.done[key(e.op_context)] = e.len
+            self.keep(e)
         return n
+
+    def keep(self, entry):
+        """File one completion away (also for readers of the same CQ that met one not theirs)."""
+        if entry.flags & lib.FI_REMOTE_CQ_DATA:  # test the flag: tcp reports len 0 here
+            self.remote_data.append(entry.data)
+        if entry.op_context != ffi.NULL:
+            self.done[key(entry.op_context)] = entry.len
 
     def _until(self, ready, timeout, what):
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -420,11 +455,13 @@ class Poller:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no {what} within {timeout:g} s: is the peer running?")
 
-    def wait(self, contexts, timeout, what):
-        """Wait until one of `contexts` completes: returns (that context, bytes received)."""
-        self._until(lambda: any(key(c) in self.done for c in contexts), timeout, what)
-        ctx = next(c for c in contexts if key(c) in self.done)
-        return ctx, self.done.pop(key(ctx))
+    def wait(self, contexts, timeout, what, or_remote_data=False):
+        """Wait until one of `contexts` completes: returns (that context, bytes received).
+        With `or_remote_data`, immediate data arriving first ends the wait: (None, 0)."""
+        self._until(lambda: any(key(c) in self.done for c in contexts)
+                    or (or_remote_data and self.remote_data), timeout, what)
+        ctx = next((c for c in contexts if key(c) in self.done), None)
+        return (None, 0) if ctx is None else (ctx, self.done.pop(key(ctx)))
 
     def wait_all(self, contexts, timeout, what):
         """Wait until every one of `contexts` has completed."""

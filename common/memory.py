@@ -5,6 +5,7 @@ device) and how to get its bytes back to the host for checking.
 """
 import numpy as np
 
+import common.fabric as fi
 from common.fabric import lib
 
 PAGE = 4096
@@ -42,6 +43,17 @@ class Buffer:
         """The bytes at `offset`, as a host numpy array."""
         view = self.array[offset:offset + size]
         return view.copy() if self.gpu is None else view.get()
+
+
+def register(own, domain, buf, access, key):
+    """fi_mr_regattr with the buffer's iface; a libfabric without CUDA says so plainly."""
+    try:
+        return own(fi.mr_reg(domain, buf.ptr, buf.size, access, key, buf.iface, buf.device))
+    except fi.FabricError as e:
+        if buf.gpu is None:
+            raise
+        raise ValueError(f"this libfabric cannot register CUDA memory ({e}); build one with "
+                         "scripts/build_libfabric.sh and set LIBFABRIC_PREFIX") from None
 
 
 def cupy():

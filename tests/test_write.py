@@ -1,21 +1,9 @@
 """Chapter 06: WRITE with immediate data, every byte checked; bad input; a wrong key."""
-import importlib.util
-import shutil
-
 import pytest
 
 from scripts.pair import run_pair
+from tests.gpu import has_gpu, needs_gpu
 from tests.test_bad_input import SHM_DEAD, assert_one_line_error, run
-
-
-def has_gpu():
-    if importlib.util.find_spec("cupy") is None or shutil.which("nvidia-smi") is None:
-        return False
-    import cupy
-    try:
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except cupy.cuda.runtime.CUDARuntimeError:
-        return False
 
 
 def test_06_every_page_arrives(provider):
@@ -66,7 +54,7 @@ def test_06_bad_input(args, pattern):
     assert_one_line_error(done, pattern)
 
 
-@pytest.mark.skipif(not has_gpu(), reason="needs a GPU, cupy and a CUDA-enabled libfabric")
+@needs_gpu
 def test_06_gpu_buffers():
     pair = run_pair(6, "shm", ["--clients", "1", "--gpu", "0"],
                     [["--gpu", "0", "--page-size", "1M", "--buffer-size", "16M", "--pages", "0-15"]])
