@@ -47,6 +47,15 @@ def ch06(provider):
     return ok, ["16 x 64 KiB written, immediate seen, 0 wrong bytes" if ok else _failure(pair)]
 
 
+def ch07(provider):
+    pair = run_pair(7, provider, ["--clients", "1"],
+                    [["--iters", "20000", "--buffer-size", "4M", "--pages", "0-63"]])
+    speed = re.search(r"in ([\d.]+) s: ([\d.]+) Gbps", pair.server.out)
+    ok = (pair.ok and speed is not None
+          and "verified 64 pages (4194304 bytes): 0 wrong bytes" in pair.clients[0].out)
+    return ok, [f"20000 x 64 KiB WRITEs: {speed[2]} Gbps, 0 wrong bytes" if ok else _failure(pair)]
+
+
 def _failure(pair):
     for run in [*pair.clients, pair.server]:
         if run.rc:
@@ -54,7 +63,7 @@ def _failure(pair):
     return "unexpected output"
 
 
-STEPS = {3: ch03, 4: ch04, 5: ch05, 6: ch06}
+STEPS = {3: ch03, 4: ch04, 5: ch05, 6: ch06, 7: ch07}
 
 
 def title(path):

@@ -1,0 +1,338 @@
+"""Chapter 07 - queue: a queue for -FI_EAGAIN, 1 GiB buffers, the first throughput figure.
+
+What you will learn: a provider takes only so many operations at once; when
+its queue is full, fi_writemsg returns -FI_EAGAIN. Calling it again at once
+is a spin that may never end (most providers move data only while you read
+their CQ), and dropping the operation loses a page. So the writer keeps such
+operations in a queue of its own, reads the CQ, and posts from the queue,
+oldest first, as room comes back. With that, the server can post a million
+WRITEs as fast as the provider takes them, and we get the series' first
+number: Gbps counted on the writer from its WRITE completions.
+
+New since chapter 06: the pending queue (OpQueue); one context per WRITE in
+flight, from a free list, so every completion is matched to exactly one
+WRITE; WRITE messages built once per page; 1 GiB buffers; --iters WRITEs that
+cycle over the pages; a heartbeat (fi_inject) telling the client how far the
+server is; a live progress line; Gbps, Mpps and % of a limit; --json.
+
+    python chapters/07_queue.py                                  # server (the writer)
+    python chapters/07_queue.py ADDRESS                          # client: 1,000,000 x 64 KiB
+    python chapters/07_queue.py ADDRESS --iters 20000 --page-size 1M
+    python chapters/07_queue.py --gpu 0 --json                   # server, pages on GPU 0
+"""
+# %% [markdown]
+# ## Motivation
+#     client                                         server
+#     register B buffers of 1 GiB
+#     CONNECT(address, [(addr, size, key)] x B,
+#             page size, seed, pages, N) --------->  fill the pages from the seed
+#                                                    N times: WRITE the next page;
+#                                                      -FI_EAGAIN -> pending queue,
+#                                                      read the CQ, post from the queue
+#                                      <----------   now and then: heartbeat "n done"
+#                                      <----------   last WRITE + immediate data N
+#     check every page                               N x page size / elapsed -> Gbps
+
+# %%
+import collections
+import struct
+import sys
+import time
+
+import numpy as np
+
+from common import bench, cli, memory
+from common.fabric import ffi, lib
+import common.fabric as fi
+
+CAPS = lib.FI_MSG | lib.FI_RMA
+MAX_MESSAGE = 64 * 1024  # bytes: room for the page list
+HEADER = struct.Struct("<QQQIHH")  # seed, page size, WRITEs, pages, buffers, address length
+REGION = struct.Struct("<QQQ")     # remote address, size, key: what a WRITE needs per buffer
+PAGE = struct.Struct("<I")
+HEARTBEAT = struct.Struct("<Q")    # WRITEs completed so far
+BEAT_EVERY = 0.5                   # seconds between heartbeats
+CONTEXTS = 4096                    # at least this many WRITEs may be in flight
+BURST = 64                         # new WRITEs submitted between two reads of the CQ
+BAD_KEY = 0xBAD0_0000  # --bad-key: a key no registration of ours has
+
+
+class OpQueue:
+    """WRITEs handed to the provider, or waiting in order for room after -FI_EAGAIN.
+
+    Each WRITE in flight owns one context from a free list; its completion
+    gives the context back, so a WRITE completing twice (or never) shows.
+    """
+
+    def __init__(self, ep, cq, poller, messages, slots):
+        self.ep, self.cq, self.poller, self.messages = ep, cq, poller, messages
+        self.contexts = ffi.new("struct fi_context2[]", slots)
+        self.first, self.stride = fi.key(self.contexts), ffi.sizeof("struct fi_context2")
+        self.context = [self.contexts + i for i in range(slots)]
+        self.free = collections.deque(range(slots))  # oldest freed first: a stale
+        # completion then finds its context idle, not reused
+        self.busy = bytearray(slots)         # 1 while that context's WRITE is in flight
+        self.pending = collections.deque()  # (page, flags) the provider could not take yet
+        self.entries = fi.cq_entries(64)
+        self.completed = self.eagain = 0
+
+    def submit(self, page, flags=lib.FI_COMPLETION):
+        """Post now, or queue behind the WRITEs already waiting (order is kept)."""
+        if self.pending or not self._post(page, flags):
+            self.pending.append((page, flags))
+
+    def _post(self, page, flags):
+        if not self.free:  # every context in flight: wait for completions like for EAGAIN
+            return False
+        slot = self.free.popleft()
+        msg = self.messages[page]
+        msg.context = self.context[slot]
+        rc = lib.fi_writemsg(self.ep, msg, flags)
+        if rc == 0:
+            self.busy[slot] = 1
+            return True
+        self.free.append(slot)
+        if rc == -lib.FI_EAGAIN:
+            self.eagain += 1
+            return False
+        raise fi.FabricError("fi_writemsg", rc)
+
+    def progress(self):
+        """Read completions (which is also what makes the provider move data), then post
+        what waited. Returns the number of WRITEs completed by this call."""
+        n = fi.cq_read(self.cq, self.entries)
+        done = 0
+        for e in self.entries[0:n]:
+            slot = (fi.key(e.op_context) - self.first) // self.stride
+            if not 0 <= slot < len(self.busy):  # not a WRITE: a receive, for the poller
+                self.poller.keep(e)
+                continue
+            if not self.busy[slot]:
+                raise ValueError(f"a second completion for the WRITE of context {slot}")
+            self.busy[slot] = 0
+            self.free.append(slot)
+            done += 1
+        self.completed += done
+        while self.pending and self._post(*self.pending[0]):
+            self.pending.popleft()
+        return done
+
+    def in_flight(self):
+        return len(self.busy) - len(self.free)
+
+    def drain(self, timeout):
+        """After a failure: wait (bounded) for what is in flight, so no completion of
+        ours lands on the next client's queue, and no WRITE reads freed memory."""
+        deadline = time.monotonic() + timeout
+        self.pending.clear()
+        while self.in_flight() and time.monotonic() < deadline:
+            try:
+                self.progress()
+            except fi.CompletionError as e:  # a failed WRITE gives its context back too
+                slot = (fi.key(e.context) - self.first) // self.stride
+                if 0 <= slot < len(self.busy) and self.busy[slot]:
+                    self.busy[slot] = 0
+                    self.free.append(slot)
+
+
+# %% [markdown]
+# ## Code
+
+# %%
+def server(info, args):
+    with fi.Closer() as own:
+        domain, cq, av, ep = fi.open_endpoint(own, info)
+        poller = fi.Poller(cq)
+        inbox = fi.Inbox(own, domain, ep, MAX_MESSAGE)
+        addr = fi.getname(ep).hex()
+        print(f"server address: {addr}")
+        print(f"run the client: python {sys.argv[0]} -p {args.provider_used} {addr}", flush=True)
+        served = 0
+        while not args.clients or served < args.clients:
+            _, length = poller.wait([inbox.ctx], None, "CONNECT")
+            request = inbox.take(length)
+            served += 1
+            try:
+                with fi.Closer() as client_own:  # what one client needs, released after it
+                    serve(client_own, info, domain, ep, av, cq, poller, request, args)
+            except (fi.FabricError, TimeoutError, ValueError) as e:  # that client is gone
+                print(f"client {served}: failed: {e}", file=sys.stderr, flush=True)
+
+
+def serve(own, info, domain, ep, av, cq, poller, request, args):
+    seed, page_size, iters, npages, nbufs, addrlen = HEADER.unpack_from(request)
+    at = HEADER.size
+    client = fi.av_insert(av, request[at:at + addrlen])
+    own.callback(fi.av_remove, av, client)
+    at += addrlen
+    regions = [REGION.unpack_from(request, at + i * REGION.size) for i in range(nbufs)]
+    at += nbufs * REGION.size
+    pages = [PAGE.unpack_from(request, at + i * PAGE.size)[0] for i in range(npages)]
+    per_buffer = regions[0][1] // page_size
+
+    # The data, generated before anything is timed: page j of the request in slot j.
+    source = memory.Buffer(page_size * npages, args.gpu)
+    for j, page in enumerate(pages):
+        source.write(j * page_size, memory.seeded_page(seed, page, page_size))
+    desc = fi.mr_desc(memory.register(own, domain, source, lib.FI_WRITE, key=2000))
+
+    # One WRITE message per page, built once; posting only sets its context.
+    iovs = ffi.new("struct iovec[]", npages)
+    rmas = ffi.new("struct fi_rma_iov[]", npages)
+    descs = ffi.new("void *[1]", [desc])
+    messages = ffi.new("struct fi_msg_rma[]", npages)
+    for j, page in enumerate(pages):
+        base, _, key = regions[page // per_buffer]
+        iovs[j] = {"iov_base": ffi.cast("void *", source.ptr + j * page_size), "iov_len": page_size}
+        rmas[j] = {"addr": base + (page % per_buffer) * page_size, "len": page_size, "key": key}
+        messages[j] = {"msg_iov": iovs + j, "desc": descs, "iov_count": 1, "addr": client,
+                       "rma_iov": rmas + j, "rma_iov_count": 1}
+    # Contexts to spare: the provider, not us, should be the one to say "full".
+    queue = OpQueue(ep, cq, poller, [messages + j for j in range(npages)],
+                    slots=max(4 * info.tx_attr.size, CONTEXTS))
+    beat = ffi.new("char[]", HEARTBEAT.size)
+    try:
+        elapsed = write_all(queue, ep, client, beat, iters, npages, page_size, args.timeout)
+    except BaseException:
+        queue.drain(args.timeout)
+        raise
+    f = bench.figures(iters, page_size, elapsed)
+    memory_kind = "host" if args.gpu is None else "cuda"
+    here = bench.machine(args.gpu)
+    lim = bench.limit(info, args.provider_used, memory_kind, page_size, here)
+    if queue.completed != iters or queue.in_flight():
+        raise ValueError(f"{queue.completed} completions for {iters} WRITEs")
+    print(f"wrote {npages} pages from {source.kind}, the last WRITE with immediate data {iters}")
+    print(f"completions: {queue.completed}, one per WRITE; -FI_EAGAIN {queue.eagain} times")
+    print(bench.summary(f, lim), flush=True)
+    if args.json:
+        path = args.json if args.json != "auto" else (
+            bench.RESULTS / "runs" / f"07_queue-{args.provider_used}-{memory_kind}-{page_size}-"
+            f"{time.strftime('%Y%m%dT%H%M%S')}.json")
+        print(f"result: {bench.record(path, '07_queue', args, info, memory_kind, here, f, lim)}")
+
+
+def write_all(queue, ep, client, beat, iters, npages, page_size, timeout):
+    """Post `iters` WRITEs cycling over the pages; returns the seconds they took."""
+    progress = bench.Progress("WRITEs completed", iters, page_size)
+    start = last_completion = last_beat = time.perf_counter()
+    submitted = 0
+    while queue.completed < iters:
+        # The last WRITE carries the immediate data, once all the others have completed:
+        # completions, not posting order, say that a page is there.
+        if submitted < iters - 1:
+            while submitted < iters - 1 and len(queue.pending) < BURST:
+                queue.submit(submitted % npages)
+                submitted += 1
+        elif submitted == iters - 1 and queue.completed == iters - 1:
+            queue.messages[submitted % npages].data = iters
+            queue.submit(submitted % npages, lib.FI_COMPLETION | lib.FI_REMOTE_CQ_DATA)
+            submitted += 1
+        now = time.perf_counter()
+        if queue.progress():
+            last_completion = now
+        elif now - last_completion > timeout:
+            raise TimeoutError(f"no WRITE completed for {timeout:g} s "
+                               f"({queue.completed} of {iters} done): is the client still there?")
+        if now - last_beat > BEAT_EVERY:  # best effort: a full queue just skips one
+            beat[0:HEARTBEAT.size] = HEARTBEAT.pack(queue.completed)
+            fi.inject(ep, beat, HEARTBEAT.size, client)
+            last_beat = now
+            progress.update(queue.completed)
+    progress.close()
+    return time.perf_counter() - start
+
+
+def client(info, args, addr):
+    pages = args.pages
+    with fi.Closer() as own:
+        domain, cq, av, ep = fi.open_endpoint(own, info)
+        poller = fi.Poller(cq)
+        inbox = fi.Inbox(own, domain, ep, HEARTBEAT.size)
+        buffers = [memory.Buffer(args.buffer_size, args.gpu) for _ in range(args.buffers)]
+        mrs = [memory.register(own, domain, b, lib.FI_REMOTE_WRITE, key=i + 1)
+               for i, b in enumerate(buffers)]
+        print(f"memory: {args.buffers} x {args.buffer_size} bytes of {buffers[0].kind}")
+        server_addr = fi.av_insert(av, addr)
+
+        me = fi.getname(ep)
+        request = (HEADER.pack(args.seed, args.page_size, args.iters, len(pages), len(buffers),
+                               len(me)) + me
+                   + b"".join(REGION.pack(fi.remote_base(info, b.ptr), b.size,
+                                          BAD_KEY if args.bad_key else fi.mr_key(mr))
+                              for b, mr in zip(buffers, mrs))
+                   + b"".join(PAGE.pack(p) for p in pages))
+        out = ffi.new("char[]", request)
+        out_mr = own(fi.mr_reg(domain, out, len(request), lib.FI_SEND, key=1001))
+        ctx = ffi.new("struct fi_context2 *")
+        poller.until_posted(lambda: fi.sendmsg(ep, out, len(request), fi.mr_desc(out_mr),
+                                               server_addr, ctx), args.timeout, "CONNECT accepted")
+        poller.wait([ctx], args.timeout, "CONNECT completion: is the server running?")
+
+        # One-sided WRITEs leave no trace here; the heartbeats say the server is alive.
+        progress = bench.Progress("WRITEs completed (server's count)", args.iters, args.page_size)
+        while not poller.remote_data:
+            got, length = poller.wait([inbox.ctx], args.timeout, "heartbeat from the server",
+                                      or_remote_data=True)
+            if got is not None:
+                progress.update(HEARTBEAT.unpack(inbox.take(length))[0])
+        progress.close()
+        data = poller.remote_data.pop(0)
+        print(f"remote write completion: FI_REMOTE_CQ_DATA, immediate data {data}")
+        per_buffer = args.buffer_size // args.page_size
+        wrong = sum(int(np.count_nonzero(
+            buffers[p // per_buffer].read((p % per_buffer) * args.page_size, args.page_size)
+            != memory.seeded_page(args.seed, p, args.page_size))) for p in pages)
+        print(f"verified {len(pages)} pages ({len(pages) * args.page_size} bytes): "
+              f"{wrong} wrong bytes")
+        if data != args.iters or wrong:
+            raise ValueError(f"{wrong} wrong bytes, immediate data {data} (expected {args.iters})")
+
+
+def main():
+    p = cli.parser(__doc__)
+    cli.add_peer(p)
+    p.add_argument("--page-size", type=cli.parse_size, default=64 << 10, help="default 64K")
+    p.add_argument("--pages", help="pages to fill, e.g. 0,3,5-9 "
+                   "(default: the first 1000 of each buffer)")
+    p.add_argument("--iters", type=int, default=1_000_000,
+                   help="WRITEs to post, cycling over the pages (default 1000000)")
+    p.add_argument("--buffers", type=int, default=2, help="client buffers (default 2)")
+    p.add_argument("--buffer-size", type=cli.parse_size, default=1 << 30, help="default 1G")
+    p.add_argument("--seed", type=int, default=42, help="what the pages are filled from")
+    p.add_argument("--gpu", type=int, help="put the buffers in this GPU's memory")
+    p.add_argument("--clients", type=int, default=0,
+                   help="server: exit after this many clients (default: serve until Ctrl-C)")
+    p.add_argument("--json", nargs="?", const="auto", help="server: write the figures as JSON "
+                   "to this file (default results/runs/07_queue-...json)")
+    p.add_argument("--bad-key", action="store_true",
+                   help="client: send a wrong key, to see how a failed WRITE is reported")
+    args = p.parse_args()
+    if args.page_size <= 0 or args.buffer_size < args.page_size or args.buffers < 1:
+        raise cli.UsageError(f"need 0 < page size ({args.page_size}) <= buffer size "
+                             f"({args.buffer_size}) and at least one buffer")
+    per_buffer = args.buffer_size // args.page_size
+    capacity = args.buffers * per_buffer
+    args.pages = (cli.parse_pages(args.pages) if args.pages is not None else
+                  [b * per_buffer + i for b in range(args.buffers)
+                   for i in range(min(1000, per_buffer))])
+    if not args.pages or max(args.pages) >= capacity:
+        raise cli.UsageError(f"--pages must name pages 0..{capacity - 1} "
+                             f"({args.buffers} buffers x {per_buffer})")
+    if not 1 <= args.iters < 1 << 32:
+        raise cli.UsageError(f"--iters must be 1..{(1 << 32) - 1}: it travels as 32-bit "
+                             "immediate data")
+    if HEADER.size + 64 + args.buffers * REGION.size + len(args.pages) * PAGE.size > MAX_MESSAGE:
+        raise cli.UsageError(f"too many pages or buffers for one {MAX_MESSAGE}-byte CONNECT")
+    memory.check_gpu(args.gpu)
+
+    info, addr = cli.peer(args, CAPS, prefer=lib.FI_HMEM if args.gpu is not None else 0)
+    mr_mode = fi.tostr(info.domain_attr.mr_mode, lib.FI_TYPE_MR_MODE) or "no mode bits"
+    print(f"memory registration: {mr_mode}")
+    if addr is None:
+        return server(info, args)
+    return client(info, args, addr)
+
+
+if __name__ == "__main__":
+    cli.run(main)

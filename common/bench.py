@@ -1,0 +1,131 @@
+"""Measuring a run: a live progress line, the series' figures, the limit, a JSON record.
+
+Throughput is counted as the series counts it, on the writer, from its own
+WRITE completions: Gbps = 8 * bytes / elapsed, Mpps = operations / elapsed.
+A figure means little alone, so each run names the limit it is compared to:
+the link speed the NIC reports, or else a fabtests baseline measured on this
+machine (scripts/baseline.py) for the same provider, memory and size.
+"""
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import common.fabric as fi
+from common.fabric import lib
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results"
+BASELINES = RESULTS / "baselines"
+
+
+def figures(ops, size, elapsed):
+    return {"ops": ops, "page_size": size, "bytes": ops * size, "elapsed_s": elapsed,
+            "gbps": 8 * ops * size / elapsed / 1e9, "mpps": ops / elapsed / 1e6}
+
+
+class Progress:
+    """One line, rewritten in place on a terminal: operations done so far and the rate."""
+
+    def __init__(self, what, total, size, every=0.5, stream=sys.stderr):
+        self.what, self.total, self.size, self.every, self.stream = what, total, size, every, stream
+        self.live = stream.isatty()
+        self.start = self.last = time.perf_counter()
+
+    def update(self, done):
+        now = time.perf_counter()
+        if not self.live or now - self.last < self.every:
+            return
+        self.last = now
+        f = figures(done, self.size, now - self.start)
+        print(f"\r  {self.what}: {done}/{self.total}  {f['gbps']:.3f} Gbps  "
+              f"{f['mpps']:.3f} Mpps  {now - self.start:.1f} s ", end="", file=self.stream,
+              flush=True)
+
+    def close(self):
+        if self.live:
+            print("\r\033[K", end="", file=self.stream, flush=True)
+
+
+def machine(gpu=None):
+    """What the figures were measured on: CPU model and count, GPU name, host."""
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu_name = None
+    if gpu is not None:
+        from common.memory import cupy
+        gpu_name = cupy().cuda.runtime.getDeviceProperties(gpu)["name"].decode()
+    return {"host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu_name}
+
+
+def git_sha():
+    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def same_machine(a, b):
+    return (a["cpu"], a["cores"], a.get("gpu")) == (b["cpu"], b["cores"], b.get("gpu"))
+
+
+def baseline(provider, memory, size, here):
+    """The median fi_rma_bw Gbps recorded for this machine, provider, memory and size, or None."""
+    for path in sorted(BASELINES.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if (data.get("provider"), data.get("memory")) != (provider, memory) \
+                or not same_machine(data.get("machine", {}), here):
+            continue
+        for row in data.get("runs", []):
+            if row["tool"].startswith("fi_rma_bw") and row["size"] == size:
+                return row["median_gbps"], f"fi_rma_bw here ({path.relative_to(ROOT)})"
+    return None
+
+
+def limit(info, provider, memory, size, here):
+    """(Gbps, what it is) to measure a run against, or (None, why there is none)."""
+    speed = lib.tut_nic_speed(info)
+    if speed:
+        return speed / 1e9, f"link speed of {fi.string(info.domain_attr.name)}"
+    return baseline(provider, memory, size, here) or (
+        None, "no link speed and no baseline here: run scripts/baseline.py")
+
+
+def summary(f, lim):
+    """The final line: Gbps, Mpps, elapsed time and % of the limit."""
+    gbps, what = lim
+    share = f"{100 * f['gbps'] / gbps:.1f}% of {gbps:.3f} Gbps, {what}" if gbps else what
+    return (f"{f['ops']} WRITEs of {f['page_size']} bytes in {f['elapsed_s']:.3f} s: "
+            f"{f['gbps']:.3f} Gbps, {f['mpps']:.3f} Mpps ({share})")
+
+
+def record(path, chapter, args, info, memory, here, f, lim):
+    """Write one run as JSON (chapter, arguments, provider, libfabric, machine, git sha, figures)."""
+    gbps, what = lim
+    data = {"chapter": chapter, "args": sys.argv[1:], "provider": fi.provider_of(info),
+            "memory": memory, "libfabric": "%d.%d" % fi.version(), "machine": here,
+            "git": git_sha(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            **f, "limit_gbps": gbps, "limit": what,
+            "percent_of_limit": 100 * f["gbps"] / gbps if gbps else None}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)  # never a half-written file
+    return path
+
+
+def median(values):
+    return statistics.median(values) if values else None

@@ -1,0 +1,154 @@
+"""Chapter 07: many WRITEs through the pending queue, each completed exactly once, every byte checked."""
+import importlib.util
+import json
+import re
+
+import pytest
+
+import common.fabric as fi
+from scripts.pair import chapter_path, run_pair
+from tests.gpu import has_gpu, needs_gpu
+from tests.test_bad_input import SHM_DEAD, assert_one_line_error, run
+
+SMALL = ["--buffer-size", "4M", "--pages", "0-63"]  # 64 pages of 64 KiB
+# Provider queues made tiny, so that fi_writemsg says -FI_EAGAIN again and again.
+# tcp is "tcp;ofi_rxm" in libfabric 1.x, whose queue is rxm's; 2.x's own tcp RDM
+# endpoint queues without limit and never says -FI_EAGAIN, whatever its settings.
+TINY_QUEUES = {"shm": {"FI_SHM_RX_SIZE": "8", "FI_SHM_TX_SIZE": "8"},
+               "tcp": {"FI_TCP_TX_SIZE": "8", "FI_OFI_RXM_TX_SIZE": "8"}}
+EAGAIN_FORCED = {"shm": True, "tcp": fi.version() < (2, 0)}
+
+
+def completions(server_out):
+    m = re.search(r"completions: (\d+), one per WRITE; -FI_EAGAIN (\d+) times", server_out)
+    assert m, server_out
+    return int(m[1]), int(m[2])
+
+
+def test_07_every_page_arrives(provider):
+    pair = run_pair(7, provider, ["--clients", "1"], [["--iters", "3000", *SMALL]])
+    assert pair.ok and not pair.stopped, pair
+    out = pair.clients[0].out
+    assert "FI_REMOTE_CQ_DATA, immediate data 3000" in out
+    assert "verified 64 pages (4194304 bytes): 0 wrong bytes" in out
+    assert completions(pair.server.out)[0] == 3000
+    assert re.search(r"3000 WRITEs of 65536 bytes in [\d.]+ s: [\d.]+ Gbps, [\d.]+ Mpps",
+                     pair.server.out)
+
+
+def test_07_eagain_is_queued_never_lost(provider):
+    # Many more WRITEs than the provider's queue holds: most wait in our queue.
+    pair = run_pair(7, provider, ["--clients", "1"], [["--iters", "2000", *SMALL]],
+                    env=TINY_QUEUES[provider])
+    assert pair.ok, pair
+    done, eagain = completions(pair.server.out)
+    assert done == 2000
+    assert eagain > 0 or not EAGAIN_FORCED[provider]
+    assert "verified 64 pages (4194304 bytes): 0 wrong bytes" in pair.clients[0].out
+
+
+def test_07_default_pages_and_odd_sizes(provider):
+    # No --pages: the first 1000 pages of each buffer (here all 3 of each).
+    pair = run_pair(7, provider, ["--clients", "1"],
+                    [["--iters", "50", "--page-size", "1000", "--buffer-size", "3000"]])
+    assert pair.ok, pair
+    assert "verified 6 pages (6000 bytes): 0 wrong bytes" in pair.clients[0].out
+
+
+def test_07_json_record(tmp_path):
+    out = tmp_path / "run.json"
+    pair = run_pair(7, "shm", ["--clients", "1", "--json", str(out)],
+                    [["--iters", "500", *SMALL]])
+    assert pair.ok, pair
+    record = json.loads(out.read_text())
+    assert record["chapter"] == "07_queue" and record["provider"] == "shm"
+    assert record["ops"] == 500 and record["bytes"] == 500 * 65536
+    assert record["gbps"] > 0 and record["memory"] == "host"
+    assert re.fullmatch(r"\d+\.\d+", record["libfabric"])
+    for key in ("machine", "git", "args", "mpps", "elapsed_s", "limit"):
+        assert key in record
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_07_wrong_key_is_reported_and_server_survives():
+    pair = run_pair(7, "shm", ["--clients", "2", "--timeout", "3"],
+                    [["--bad-key", "--iters", "500", "--timeout", "5", *SMALL],
+                     ["--iters", "500", *SMALL]], keep_going=True)
+    assert pair.clients[0].rc == 1 and "Traceback" not in pair.clients[0].err
+    assert re.search(r"^client 1: failed: ", pair.server.err, re.MULTILINE), pair.server.err
+    assert pair.server.rc == 0, pair
+    assert "verified 64 pages (4194304 bytes): 0 wrong bytes" in pair.clients[1].out
+
+
+def load_chapter():
+    spec = importlib.util.spec_from_file_location("queue07", chapter_path(7))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class FakeEntry:
+    def __init__(self, context):
+        self.op_context, self.flags, self.len, self.data = context, 0, 0, 0
+
+
+def test_07_a_second_completion_is_caught(monkeypatch):
+    """The queue's bookkeeping, without a provider: posts that say EAGAIN wait in
+    order; a completion for a context not in flight is an error, not a count."""
+    ch = load_chapter()
+    posted, answers, cq = [], iter([0, -ch.lib.FI_EAGAIN, 0, 0]), []
+
+    def writemsg(ep, msg, flags):
+        rc = next(answers)
+        if rc == 0:
+            posted.append(msg.context)
+        return rc
+
+    def cq_read(_, entries):
+        entries[:] = cq
+        n = len(cq)
+        cq.clear()
+        return n
+
+    monkeypatch.setattr(ch, "lib", type("Lib", (), {"fi_writemsg": staticmethod(writemsg),
+                                                    "FI_EAGAIN": ch.lib.FI_EAGAIN,
+                                                    "FI_COMPLETION": ch.lib.FI_COMPLETION}))
+    monkeypatch.setattr(ch.fi, "cq_read", cq_read)
+    monkeypatch.setattr(ch.fi, "cq_entries", lambda n: [])
+    messages = ch.ffi.new("struct fi_msg_rma[]", 3)
+    queue = ch.OpQueue(None, None, None, [messages + i for i in range(3)], slots=4)
+    for page in range(3):
+        queue.submit(page)
+    assert len(posted) == 1 and queue.eagain == 1
+    assert list(queue.pending) == [(1, ch.lib.FI_COMPLETION), (2, ch.lib.FI_COMPLETION)]
+    cq.append(FakeEntry(posted[0]))
+    assert queue.progress() == 1 and not queue.pending and len(posted) == 3
+    cq.append(FakeEntry(posted[0]))  # the first WRITE again: it is no longer in flight
+    with pytest.raises(ValueError, match="second completion"):
+        queue.progress()
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["--page-size", "0"], "0 < page size"),
+    (["--page-size", "1.5K"], "not a size"),
+    (["--page-size", "2G"], "<= buffer size"),
+    (["--pages", "40000"], "--pages must name pages 0..32767"),
+    (["--pages", "a-b"], "not a page number"),
+    (["--iters", "0"], "--iters must be"),
+    (["--page-size", "4K", "--pages", "0-20000"], "too many pages"),
+    (["--gpu", "0"] if not has_gpu() else ["--gpu", "99"], "GPU"),
+])
+def test_07_bad_input(args, pattern):
+    done, _ = run(7, "-p", "shm", SHM_DEAD, *args)
+    assert_one_line_error(done, pattern)
+
+
+@needs_gpu
+def test_07_gpu_buffers():
+    pair = run_pair(7, "shm", ["--clients", "1", "--gpu", "0"],
+                    [["--gpu", "0", "--page-size", "1M", "--buffer-size", "16M", "--pages", "0-15",
+                      "--iters", "200"]])
+    assert pair.ok, pair
+    assert "GPU 0 memory" in pair.clients[0].out
+    assert "verified 16 pages (16777216 bytes): 0 wrong bytes" in pair.clients[0].out
+    assert completions(pair.server.out)[0] == 200
