@@ -199,7 +199,7 @@ def main():
                              f"({args.buffers} buffers x {args.buffer_size // args.page_size})")
     if HEADER.size + 64 + args.buffers * REGION.size + len(args.pages) * PAGE.size > MAX_MESSAGE:
         raise cli.UsageError(f"too many pages or buffers for one {MAX_MESSAGE}-byte CONNECT")
-    memory.check_gpu(args.gpu)
+    memory.use_gpu(args.gpu)
 
     # GPU memory needs FI_HMEM (shm then moves it with CUDA IPC); give --gpu to
     # both sides, since the server's endpoint is the one that writes into it.

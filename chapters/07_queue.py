@@ -31,6 +31,8 @@ server is; a live progress line; Gbps, Mpps and % of a limit; --json.
 #                                                      read the CQ, post from the queue
 #                                      <----------   now and then: heartbeat "n done"
 #                                      <----------   last WRITE + immediate data N
+#     (GPU: wait for the copies)
+#     LANDED -------------------------------------->  stop the clock:
 #     check every page                               N x page size / elapsed -> Gbps
 
 # %%
@@ -51,51 +53,61 @@ HEADER = struct.Struct("<QQQIHH")  # seed, page size, WRITEs, pages, buffers, ad
 REGION = struct.Struct("<QQQ")     # remote address, size, key: what a WRITE needs per buffer
 PAGE = struct.Struct("<I")
 HEARTBEAT = struct.Struct("<Q")    # WRITEs completed so far
+LANDED = struct.Struct("<Q")       # client -> server: all the data is in my memory
 BEAT_EVERY = 0.5                   # seconds between heartbeats
+WRITE, SEND = 1, 2                 # what an operation in flight is
 CONTEXTS = 4096                    # at least this many WRITEs may be in flight
 BURST = 64                         # new WRITEs submitted between two reads of the CQ
 BAD_KEY = 0xBAD0_0000  # --bad-key: a key no registration of ours has
 
 
 class OpQueue:
-    """WRITEs handed to the provider, or waiting in order for room after -FI_EAGAIN.
+    """Operations handed to the provider, or waiting in order for room after -FI_EAGAIN.
 
-    Each WRITE in flight owns one context from a free list; its completion
-    gives the context back, so a WRITE completing twice (or never) shows.
+    Each operation in flight owns one context from a free list; its completion
+    gives the context back, so an operation completing twice (or never) shows.
+    WRITEs are the bulk; a heartbeat SEND goes through the same queue and
+    waits its turn like them.
     """
 
-    def __init__(self, ep, cq, poller, messages, slots):
-        self.ep, self.cq, self.poller, self.messages = ep, cq, poller, messages
+    def __init__(self, ep, cq, poller, slots):
+        self.ep, self.cq, self.poller = ep, cq, poller
         self.contexts = ffi.new("struct fi_context2[]", slots)
         self.first, self.stride = fi.key(self.contexts), ffi.sizeof("struct fi_context2")
         self.context = [self.contexts + i for i in range(slots)]
         self.free = collections.deque(range(slots))  # oldest freed first: a stale
         # completion then finds its context idle, not reused
-        self.busy = bytearray(slots)         # 1 while that context's WRITE is in flight
-        self.pending = collections.deque()  # (page, flags) the provider could not take yet
+        self.busy = bytearray(slots)         # what that context is doing: 0, WRITE or SEND
+        self.pending = collections.deque()  # (kind, message, flags) not taken yet
         self.entries = fi.cq_entries(64)
-        self.completed = self.eagain = 0
+        self.completed = self.eagain = self.sends = 0
 
-    def submit(self, page, flags=lib.FI_COMPLETION):
-        """Post now, or queue behind the WRITEs already waiting (order is kept)."""
-        if self.pending or not self._post(page, flags):
-            self.pending.append((page, flags))
+    def write(self, msg, flags=lib.FI_COMPLETION):
+        self.submit(WRITE, msg, flags)
 
-    def _post(self, page, flags):
+    def send(self, msg):
+        self.sends += 1
+        self.submit(SEND, msg, lib.FI_COMPLETION)
+
+    def submit(self, kind, msg, flags):
+        """Post now, or queue behind the operations already waiting (order is kept)."""
+        if self.pending or not self._post(kind, msg, flags):
+            self.pending.append((kind, msg, flags))
+
+    def _post(self, kind, msg, flags):
         if not self.free:  # every context in flight: wait for completions like for EAGAIN
             return False
         slot = self.free.popleft()
-        msg = self.messages[page]
         msg.context = self.context[slot]
-        rc = lib.fi_writemsg(self.ep, msg, flags)
+        rc = (lib.fi_writemsg if kind == WRITE else lib.fi_sendmsg)(self.ep, msg, flags)
         if rc == 0:
-            self.busy[slot] = 1
+            self.busy[slot] = kind
             return True
         self.free.append(slot)
         if rc == -lib.FI_EAGAIN:
             self.eagain += 1
             return False
-        raise fi.FabricError("fi_writemsg", rc)
+        raise fi.FabricError("fi_writemsg" if kind == WRITE else "fi_sendmsg", rc)
 
     def progress(self):
         """Read completions (which is also what makes the provider move data), then post
@@ -104,14 +116,18 @@ class OpQueue:
         done = 0
         for e in self.entries[0:n]:
             slot = (fi.key(e.op_context) - self.first) // self.stride
-            if not 0 <= slot < len(self.busy):  # not a WRITE: a receive, for the poller
+            if not 0 <= slot < len(self.busy):  # not ours: a receive, for the poller
                 self.poller.keep(e)
                 continue
-            if not self.busy[slot]:
-                raise ValueError(f"a second completion for the WRITE of context {slot}")
+            kind = self.busy[slot]
+            if not kind:
+                raise ValueError(f"a second completion for the operation of context {slot}")
             self.busy[slot] = 0
             self.free.append(slot)
-            done += 1
+            if kind == WRITE:
+                done += 1
+            else:
+                self.sends -= 1
         self.completed += done
         while self.pending and self._post(*self.pending[0]):
             self.pending.popleft()
@@ -128,11 +144,38 @@ class OpQueue:
         while self.in_flight() and time.monotonic() < deadline:
             try:
                 self.progress()
-            except fi.CompletionError as e:  # a failed WRITE gives its context back too
+            except fi.CompletionError as e:  # a failed operation gives its context back too
                 slot = (fi.key(e.context) - self.first) // self.stride
                 if 0 <= slot < len(self.busy) and self.busy[slot]:
                     self.busy[slot] = 0
                     self.free.append(slot)
+
+
+class Heartbeat:
+    """Every BEAT_EVERY seconds, a SEND telling the client how many WRITEs have completed.
+
+    Without it the client, whose CPU sees nothing of one-sided WRITEs, could
+    not tell a long run from a dead server. One beat at a time: its buffer is
+    in use until the SEND completes.
+    """
+
+    def __init__(self, own, domain, client):
+        self.buf = ffi.new("char[]", HEARTBEAT.size)
+        mr = own(fi.mr_reg(domain, self.buf, HEARTBEAT.size, lib.FI_SEND, key=2001))
+        self.iov = ffi.new("struct iovec *", {"iov_base": self.buf, "iov_len": HEARTBEAT.size})
+        self.desc = ffi.new("void *[1]", [fi.mr_desc(mr)])
+        self.msg = ffi.new("struct fi_msg *", {"msg_iov": self.iov, "desc": self.desc,
+                                               "iov_count": 1, "addr": client})
+        self.last = 0.0
+
+    def maybe(self, queue):
+        now = time.perf_counter()
+        if now - self.last < BEAT_EVERY or queue.sends:
+            return False
+        self.buf[0:HEARTBEAT.size] = HEARTBEAT.pack(queue.completed)
+        queue.send(self.msg)
+        self.last = now
+        return True
 
 
 # %% [markdown]
@@ -147,19 +190,22 @@ def server(info, args):
         addr = fi.getname(ep).hex()
         print(f"server address: {addr}")
         print(f"run the client: python {sys.argv[0]} -p {args.provider_used} {addr}", flush=True)
-        served = 0
+        served, backlog = 0, []  # CONNECTs that came while another client was served
         while not args.clients or served < args.clients:
-            _, length = poller.wait([inbox.ctx], None, "CONNECT")
-            request = inbox.take(length)
+            if not backlog:
+                _, length = poller.wait([inbox.ctx], None, "CONNECT")
+                backlog.append(inbox.take(length))
+            request = backlog.pop(0)
             served += 1
             try:
                 with fi.Closer() as client_own:  # what one client needs, released after it
-                    serve(client_own, info, domain, ep, av, cq, poller, request, args)
+                    serve(client_own, info, domain, ep, av, cq, poller, inbox, backlog, request,
+                          args)
             except (fi.FabricError, TimeoutError, ValueError) as e:  # that client is gone
                 print(f"client {served}: failed: {e}", file=sys.stderr, flush=True)
 
 
-def serve(own, info, domain, ep, av, cq, poller, request, args):
+def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
     seed, page_size, iters, npages, nbufs, addrlen = HEADER.unpack_from(request)
     at = HEADER.size
     client = fi.av_insert(av, request[at:at + addrlen])
@@ -170,29 +216,39 @@ def serve(own, info, domain, ep, av, cq, poller, request, args):
     pages = [PAGE.unpack_from(request, at + i * PAGE.size)[0] for i in range(npages)]
     per_buffer = regions[0][1] // page_size
 
-    # The data, generated before anything is timed: page j of the request in slot j.
-    source = memory.Buffer(page_size * npages, args.gpu)
-    for j, page in enumerate(pages):
-        source.write(j * page_size, memory.seeded_page(seed, page, page_size))
-    desc = fi.mr_desc(memory.register(own, domain, source, lib.FI_WRITE, key=2000))
-
-    # One WRITE message per page, built once; posting only sets its context.
-    iovs = ffi.new("struct iovec[]", npages)
-    rmas = ffi.new("struct fi_rma_iov[]", npages)
-    descs = ffi.new("void *[1]", [desc])
-    messages = ffi.new("struct fi_msg_rma[]", npages)
-    for j, page in enumerate(pages):
-        base, _, key = regions[page // per_buffer]
-        iovs[j] = {"iov_base": ffi.cast("void *", source.ptr + j * page_size), "iov_len": page_size}
-        rmas[j] = {"addr": base + (page % per_buffer) * page_size, "len": page_size, "key": key}
-        messages[j] = {"msg_iov": iovs + j, "desc": descs, "iov_count": 1, "addr": client,
-                       "rma_iov": rmas + j, "rma_iov_count": 1}
     # Contexts to spare: the provider, not us, should be the one to say "full".
-    queue = OpQueue(ep, cq, poller, [messages + j for j in range(npages)],
-                    slots=max(4 * info.tx_attr.size, CONTEXTS))
-    beat = ffi.new("char[]", HEARTBEAT.size)
+    queue = OpQueue(ep, cq, poller, slots=max(4 * info.tx_attr.size, CONTEXTS))
+    beat = Heartbeat(own, domain, client)
     try:
-        elapsed = write_all(queue, ep, client, beat, iters, npages, page_size, args.timeout)
+        # The data, generated before anything is timed: page j of the request in slot j.
+        source = memory.Buffer(page_size * npages, args.gpu)
+        for j, page in enumerate(pages):
+            source.write(j * page_size, memory.seeded_page(seed, page, page_size))
+            beat.maybe(queue)  # this can take seconds: the client must not give up on us
+            queue.progress()
+        desc = fi.mr_desc(memory.register(own, domain, source, lib.FI_WRITE, key=2000))
+
+        # One WRITE message per page, built once; posting only sets its context.
+        iovs = ffi.new("struct iovec[]", npages)
+        rmas = ffi.new("struct fi_rma_iov[]", npages)
+        descs = ffi.new("void *[1]", [desc])
+        messages = ffi.new("struct fi_msg_rma[]", npages)
+        for j, page in enumerate(pages):
+            base, _, key = regions[page // per_buffer]
+            iovs[j] = {"iov_base": ffi.cast("void *", source.ptr + j * page_size),
+                       "iov_len": page_size}
+            rmas[j] = {"addr": base + (page % per_buffer) * page_size, "len": page_size,
+                       "key": key}
+            messages[j] = {"msg_iov": iovs + j, "desc": descs, "iov_count": 1, "addr": client,
+                           "rma_iov": rmas + j, "rma_iov_count": 1}
+        start = write_all(queue, beat, [messages + j for j in range(npages)], iters,
+                          page_size, args.timeout)
+        # A WRITE's completion says the source may be reused, not that the data has
+        # landed (shm's CUDA IPC copies are still queued on the GPU then): the clock
+        # stops when the client says its memory holds everything.
+        while len(message := next_message(queue, poller, inbox, args.timeout)) != LANDED.size:
+            backlog.append(message)  # another client's CONNECT: it is served next
+        elapsed = time.perf_counter() - start
     except BaseException:
         queue.drain(args.timeout)
         raise
@@ -200,7 +256,7 @@ def serve(own, info, domain, ep, av, cq, poller, request, args):
     memory_kind = "host" if args.gpu is None else "cuda"
     here = bench.machine(args.gpu)
     lim = bench.limit(info, args.provider_used, memory_kind, page_size, here)
-    if queue.completed != iters or queue.in_flight():
+    if queue.completed != iters:
         raise ValueError(f"{queue.completed} completions for {iters} WRITEs")
     print(f"wrote {npages} pages from {source.kind}, the last WRITE with immediate data {iters}")
     print(f"completions: {queue.completed}, one per WRITE; -FI_EAGAIN {queue.eagain} times")
@@ -212,21 +268,23 @@ def serve(own, info, domain, ep, av, cq, poller, request, args):
         print(f"result: {bench.record(path, '07_queue', args, info, memory_kind, here, f, lim)}")
 
 
-def write_all(queue, ep, client, beat, iters, npages, page_size, timeout):
-    """Post `iters` WRITEs cycling over the pages; returns the seconds they took."""
+def write_all(queue, beat, messages, iters, page_size, timeout):
+    """Post `iters` WRITEs cycling over the pages, wait for their completions;
+    returns when the first was posted."""
     progress = bench.Progress("WRITEs completed", iters, page_size)
-    start = last_completion = last_beat = time.perf_counter()
+    start = last_completion = time.perf_counter()
     submitted = 0
     while queue.completed < iters:
         # The last WRITE carries the immediate data, once all the others have completed:
         # completions, not posting order, say that a page is there.
         if submitted < iters - 1:
             while submitted < iters - 1 and len(queue.pending) < BURST:
-                queue.submit(submitted % npages)
+                queue.write(messages[submitted % len(messages)])
                 submitted += 1
         elif submitted == iters - 1 and queue.completed == iters - 1:
-            queue.messages[submitted % npages].data = iters
-            queue.submit(submitted % npages, lib.FI_COMPLETION | lib.FI_REMOTE_CQ_DATA)
+            last = messages[submitted % len(messages)]
+            last.data = iters
+            queue.write(last, lib.FI_COMPLETION | lib.FI_REMOTE_CQ_DATA)
             submitted += 1
         now = time.perf_counter()
         if queue.progress():
@@ -234,13 +292,19 @@ def write_all(queue, ep, client, beat, iters, npages, page_size, timeout):
         elif now - last_completion > timeout:
             raise TimeoutError(f"no WRITE completed for {timeout:g} s "
                                f"({queue.completed} of {iters} done): is the client still there?")
-        if now - last_beat > BEAT_EVERY:  # best effort: a full queue just skips one
-            beat[0:HEARTBEAT.size] = HEARTBEAT.pack(queue.completed)
-            fi.inject(ep, beat, HEARTBEAT.size, client)
-            last_beat = now
+        if beat.maybe(queue):
             progress.update(queue.completed)
     progress.close()
-    return time.perf_counter() - start
+    return start
+
+
+def next_message(queue, poller, inbox, timeout):
+    """The next message in the inbox, reading the CQ through the queue meanwhile."""
+    deadline = time.monotonic() + timeout
+    while fi.key(inbox.ctx) not in poller.done:
+        if not queue.progress() and time.monotonic() > deadline:
+            raise TimeoutError(f"the client did not confirm its data within {timeout:g} s")
+    return inbox.take(poller.done.pop(fi.key(inbox.ctx)))
 
 
 def client(info, args, addr):
@@ -278,6 +342,12 @@ def client(info, args, addr):
                 progress.update(HEARTBEAT.unpack(inbox.take(length))[0])
         progress.close()
         data = poller.remote_data.pop(0)
+        memory.synchronize(args.gpu)  # the GPU has finished every copy into our buffers
+        landed = ffi.new("char[]", LANDED.pack(data))
+        landed_mr = own(fi.mr_reg(domain, landed, LANDED.size, lib.FI_SEND, key=1002))
+        poller.until_posted(lambda: fi.sendmsg(ep, landed, LANDED.size, fi.mr_desc(landed_mr),
+                                               server_addr, ctx), args.timeout, "LANDED accepted")
+        poller.wait([ctx], args.timeout, "LANDED completion")
         print(f"remote write completion: FI_REMOTE_CQ_DATA, immediate data {data}")
         per_buffer = args.buffer_size // args.page_size
         wrong = sum(int(np.count_nonzero(
@@ -324,7 +394,7 @@ def main():
                              "immediate data")
     if HEADER.size + 64 + args.buffers * REGION.size + len(args.pages) * PAGE.size > MAX_MESSAGE:
         raise cli.UsageError(f"too many pages or buffers for one {MAX_MESSAGE}-byte CONNECT")
-    memory.check_gpu(args.gpu)
+    memory.use_gpu(args.gpu)
 
     info, addr = cli.peer(args, CAPS, prefer=lib.FI_HMEM if args.gpu is not None else 0)
     mr_mode = fi.tostr(info.domain_attr.mr_mode, lib.FI_TYPE_MR_MODE) or "no mode bits"

@@ -106,6 +106,7 @@ struct fi_msg_rma { const struct iovec *msg_iov; void **desc; size_t iov_count; 
 #define FI_INJECT ...
 #define FI_DELIVERY_COMPLETE ...
 #define FI_HMEM ...
+#define FI_HMEM_DEVICE_ONLY ...
 #define FI_RMA_EVENT ...
 #define FI_SOURCE ...
 #define FI_DIRECTED_RECV ...
@@ -176,7 +177,7 @@ const char *fi_cq_strerror(struct fid_cq *cq, int prov_errno, const void *err_da
 
 /* small C helpers for what differs between libfabric versions (see below) */
 int tut_mr_reg(struct fid_domain *domain, void *buf, size_t len, uint64_t access,
-               uint64_t key, int iface, int device, struct fid_mr **mr);
+               uint64_t key, int iface, int device, uint64_t flags, struct fid_mr **mr);
 size_t tut_nic_speed(const struct fi_info *info);
 int tut_nic_pci(const struct fi_info *info, char *buf, size_t len);
 char *strdup(const char *s);
@@ -195,7 +196,8 @@ SOURCE = r"""
 /* fi_mr_attr grew unions and fields in 2.x; filling it in C keeps one
    Python code path for 1.17 and 2.x. */
 static int tut_mr_reg(struct fid_domain *domain, void *buf, size_t len, uint64_t access,
-                      uint64_t key, int iface, int device, struct fid_mr **mr)
+                      uint64_t key, int iface, int device, uint64_t flags,
+                      struct fid_mr **mr)
 {
     struct iovec iov = { buf, len };
     struct fi_mr_attr attr;
@@ -206,7 +208,7 @@ static int tut_mr_reg(struct fid_domain *domain, void *buf, size_t len, uint64_t
     attr.requested_key = key;
     attr.iface = (enum fi_hmem_iface)iface;
     attr.device.cuda = device;
-    return fi_mr_regattr(domain, &attr, 0, mr);
+    return fi_mr_regattr(domain, &attr, flags, mr);
 }
 
 /* Link speed in bits/s, 0 when the provider does not say. */

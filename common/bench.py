@@ -64,12 +64,14 @@ def machine(gpu=None):
     gpu_name = None
     if gpu is not None:
         from common.memory import cupy
-        gpu_name = cupy().cuda.runtime.getDeviceProperties(gpu)["name"].decode()
+        gpu_name = cupy().cuda.runtime.getDeviceProperties(gpu)["name"]
+        gpu_name = gpu_name.decode() if isinstance(gpu_name, bytes) else gpu_name
     return {"host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu_name}
 
 
 def git_sha():
-    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+    """The commit measured, with "-dirty" when the tree had changes."""
+    done = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
                           capture_output=True, text=True)
     return done.stdout.strip() if done.returncode == 0 else None
 

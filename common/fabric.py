@@ -264,7 +264,7 @@ def av_remove(av, fi_addr):
     check("fi_av_remove", lib.fi_av_remove(av, ffi.new("fi_addr_t *", fi_addr), 1, 0))
 
 
-def mr_reg(domain, buf, size, access, key, iface=lib.FI_HMEM_SYSTEM, device=0):
+def mr_reg(domain, buf, size, access, key, iface=lib.FI_HMEM_SYSTEM, device=0, flags=0):
     """fi_mr_regattr. `buf` is a cdata pointer or an integer address (e.g. GPU memory).
 
     `key` is our requested key; providers with FI_MR_PROV_KEY pick their own,
@@ -272,7 +272,7 @@ def mr_reg(domain, buf, size, access, key, iface=lib.FI_HMEM_SYSTEM, device=0):
     """
     out = ffi.new("struct fid_mr **")
     check("fi_mr_regattr", lib.tut_mr_reg(domain, ffi.cast("void *", buf), size, access, key,
-                                          iface, device, out))
+                                          iface, device, flags, out))
     return out[0]
 
 

@@ -46,9 +46,16 @@ class Buffer:
 
 
 def register(own, domain, buf, access, key):
-    """fi_mr_regattr with the buffer's iface; a libfabric without CUDA says so plainly."""
+    """fi_mr_regattr with the buffer's iface; a libfabric without CUDA says so plainly.
+
+    GPU buffers are flagged FI_HMEM_DEVICE_ONLY (cudaMalloc'd, never managed
+    memory): without it, shm will not hand them to CUDA IPC and copies them in
+    small pieces through host memory, some 100x slower over NVLink.
+    """
+    flags = 0 if buf.gpu is None else lib.FI_HMEM_DEVICE_ONLY
     try:
-        return own(fi.mr_reg(domain, buf.ptr, buf.size, access, key, buf.iface, buf.device))
+        return own(fi.mr_reg(domain, buf.ptr, buf.size, access, key, buf.iface, buf.device,
+                             flags))
     except fi.FabricError as e:
         if buf.gpu is None:
             raise
@@ -64,8 +71,12 @@ def cupy():
     return cp
 
 
-def check_gpu(gpu):
-    """Raise ValueError with one readable line unless GPU `gpu` exists."""
+def use_gpu(gpu):
+    """Make GPU `gpu` this process's current device (ValueError, one line, if there is none).
+
+    libfabric's own CUDA calls (shm's CUDA IPC copies, for one) run on the
+    current device: left at GPU 0, a copy into GPU 1 takes a slow path.
+    """
     if gpu is None:
         return
     cp = cupy()
@@ -75,6 +86,14 @@ def check_gpu(gpu):
         count = 0
     if not 0 <= gpu < count:
         raise ValueError(f"no GPU {gpu} here ({count} found)")
+    cp.cuda.runtime.setDevice(gpu)
+
+
+def synchronize(gpu):
+    """Wait until GPU `gpu` has finished all its work, copies made for libfabric included."""
+    if gpu is not None:
+        with cupy().cuda.Device(gpu):
+            cupy().cuda.runtime.deviceSynchronize()
 
 
 def seeded_page(seed, page, size):

@@ -116,13 +116,14 @@ def test_07_a_second_completion_is_caught(monkeypatch):
     monkeypatch.setattr(ch.fi, "cq_read", cq_read)
     monkeypatch.setattr(ch.fi, "cq_entries", lambda n: [])
     messages = ch.ffi.new("struct fi_msg_rma[]", 3)
-    queue = ch.OpQueue(None, None, None, [messages + i for i in range(3)], slots=4)
+    queue = ch.OpQueue(None, None, None, slots=4)
     for page in range(3):
-        queue.submit(page)
+        queue.write(messages + page)
     assert len(posted) == 1 and queue.eagain == 1
-    assert list(queue.pending) == [(1, ch.lib.FI_COMPLETION), (2, ch.lib.FI_COMPLETION)]
+    assert [m for _, m, _ in queue.pending] == [messages + 1, messages + 2]
     cq.append(FakeEntry(posted[0]))
     assert queue.progress() == 1 and not queue.pending and len(posted) == 3
+    assert queue.completed == 1 and queue.in_flight() == 2
     cq.append(FakeEntry(posted[0]))  # the first WRITE again: it is no longer in flight
     with pytest.raises(ValueError, match="second completion"):
         queue.progress()
