@@ -1,0 +1,208 @@
+"""Baselines: what tools a user would reach for get on this machine, per size.
+
+    python scripts/baseline.py -p shm --sizes 64K,1M                  # host memory
+    python scripts/baseline.py -p shm --sizes 1M,16M --gpus 0,1 --ucx DIR
+
+- fabtests `fi_rma_bw -o write` and `-o writedata` between two processes on
+  this host (from LIBFABRIC_PREFIX/bin, else .deps/libfabric/bin, built by
+  scripts/build_libfabric.sh); shm needs -E (address exchange over a socket).
+  Note: with `-o write` both sides write at once; each reports its own
+  direction. `writedata` is one way, like chapter 07.
+- with GPU memory (--gpus SERVER,CLIENT): `-D cuda`, and UCX's
+  `ucx_perftest -t ucp_put_bw -m cuda` (--ucx: the folder of the PyPI wheel
+  libucx-cu13, unpacked), and cudaMemcpyPeer between the two GPUs: the ceiling.
+
+Figures go to results/baselines/<label>-<provider>-<memory>.json (medians of
+--repeats runs); chapters find them there to say what % of the limit they reach.
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from common import bench, cli  # noqa: E402
+
+
+def prefix():
+    return Path(os.environ.get("LIBFABRIC_PREFIX") or ROOT / ".deps" / "libfabric")
+
+
+def tool_env(extra_libs=()):
+    libs = [str(prefix() / "lib"), "/usr/local/cuda/lib64", *extra_libs]
+    return dict(os.environ, LD_LIBRARY_PATH=":".join(libs + [os.environ.get("LD_LIBRARY_PATH", "")]))
+
+
+def run_pair(server, client, env, timeout):
+    """Start `server`, then `client` (retrying while the server is not listening yet);
+    returns both outputs."""
+    srv = subprocess.Popen(server, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=env)
+    try:
+        for _ in range(50):
+            time.sleep(0.2)
+            done = subprocess.run(client, capture_output=True, text=True, env=env, timeout=timeout)
+            if done.returncode == 0 or srv.poll() is not None:
+                break
+        out, _ = srv.communicate(timeout=timeout)
+    finally:
+        if srv.poll() is None:
+            srv.kill()
+            srv.wait()
+    if done.returncode or srv.returncode:
+        raise RuntimeError(f"{' '.join(client)} failed: "
+                           f"{(done.stdout + done.stderr).strip().splitlines()[-1:]} / "
+                           f"server: {out.strip().splitlines()[-1:]}")
+    return done.stdout, out
+
+
+def fi_rma_bw(provider, op, size, iters, gpus, timeout):
+    """One run of fi_rma_bw; the client's Gbps (fabtests prints MB/s of 10^6 bytes)."""
+    tool = prefix() / "bin" / "fi_rma_bw"
+    if not tool.exists():
+        raise FileNotFoundError(f"{tool} not found: build it with scripts/build_libfabric.sh "
+                                "or set LIBFABRIC_PREFIX")
+    base = [str(tool), "-p", provider, "-E", "-o", op, "-S", str(size), "-I", str(iters)]
+    server, client = list(base), base + ["127.0.0.1"]
+    if gpus:
+        server += ["-D", "cuda", "-i", str(gpus[0])]
+        client[1:1] = ["-D", "cuda", "-i", str(gpus[1])]
+    out, _ = run_pair(server, client, tool_env(), timeout)
+    row = next(line.split() for line in out.splitlines() if re.match(r"^\d+[kmg]?\s+\d", line))
+    return float(row[4]) * 8 / 1000, " ".join(client[1:])
+
+
+def ucx_put_bw(ucx, size, iters, gpus, timeout):
+    """One run of ucx_perftest put bandwidth between the two GPUs (cuda_ipc); Gbps."""
+    ucx = Path(ucx)
+    tool = ucx / "libucx" / "bin" / "ucx_perftest"
+    env = tool_env([str(ucx / "libucx" / "lib"), str(ucx / "libucx_cu13.libs")])
+    env["UCX_MODULE_DIR"] = str(ucx / "libucx" / "lib" / "ucx")
+    base = [str(tool), "-t", "ucp_put_bw", "-m", "cuda", "-s", str(size), "-n", str(iters)]
+    # ucx_perftest puts rank r on GPU r % count: server GPU 0, client GPU 1
+    out, _ = run_pair(base, base + ["localhost"], env, timeout)
+    # the final summary line: "Final: iters typ avg overall(usec) ... bandwidth(MB/s) avg overall ..."
+    final = next(line for line in out.splitlines() if line.strip().startswith("Final:"))
+    numbers = [float(x) for x in re.findall(r"[\d.]+", final)]
+    return numbers[-3] * 1.048576 * 8 / 1000, " ".join(base[1:])
+
+
+def memcpy_peer(size, iters, gpus):
+    """cudaMemcpyPeer from the server's GPU to the client's: the ceiling of any transport."""
+    import cupy as cp
+    with cp.cuda.Device(gpus[0]):
+        src = cp.zeros(size, dtype=cp.uint8)
+    with cp.cuda.Device(gpus[1]):
+        dst = cp.zeros(size, dtype=cp.uint8)
+        try:  # over NVLink directly, not staged through host memory
+            cp.cuda.runtime.deviceEnablePeerAccess(gpus[0])
+        except cp.cuda.runtime.CUDARuntimeError:
+            pass  # already enabled, or no peer access between these two
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        for _ in range(iters):
+            cp.cuda.runtime.memcpyPeerAsync(dst.data.ptr, gpus[1], src.data.ptr, gpus[0], size,
+                                            cp.cuda.get_current_stream().ptr)
+        end.record()
+        end.synchronize()
+    seconds = cp.cuda.get_elapsed_time(start, end) / 1e3
+    return 8 * size * iters / seconds / 1e9, f"cudaMemcpyPeer GPU{gpus[0]} -> GPU{gpus[1]}"
+
+
+def iterations(size, total_bytes, at_least=200):
+    return max(at_least, total_bytes // size)
+
+
+def measure(tools, sizes, repeats, total_bytes):
+    """[{tool, size, gbps[], median_gbps, command}] for each tool and size, runs interleaved."""
+    rows = []
+    for size in sizes:
+        iters = iterations(size, total_bytes)
+        batch = [{"tool": name, "size": size, "iters": iters, "gbps": []} for name, _ in tools]
+        for _ in range(repeats):  # tool after tool, so a noisy moment hits all of them
+            for row, (_, fn) in zip(batch, tools):
+                gbps, row["command"] = fn(size, iters)
+                row["gbps"].append(round(gbps, 3))
+        for row in batch:
+            row["median_gbps"] = statistics.median(row["gbps"])
+            print(f"  {row['tool']:<28} {size:>10} B  median {row['median_gbps']:9.3f} Gbps  "
+                  f"({', '.join(f'{g:.1f}' for g in row['gbps'])})", flush=True)
+        rows.extend(batch)
+    return rows
+
+
+def baseline_tools(provider, gpus, ucx, timeout):
+    tools = [(f"fi_rma_bw -o {op}", lambda size, iters, op=op:
+              fi_rma_bw(provider, op, size, iters, gpus, timeout)) for op in ("write", "writedata")]
+    if gpus:
+        if ucx:
+            tools.append(("ucx_perftest ucp_put_bw", lambda size, iters:
+                          ucx_put_bw(ucx, size, iters, gpus, timeout)))
+        tools.append(("cudaMemcpyPeer", lambda size, iters: memcpy_peer(size, iters, gpus)))
+    return tools
+
+
+def save(rows, kind, label, provider, gpus):
+    memory = "cuda" if gpus else "host"
+    version = subprocess.run([str(prefix() / "bin" / "fi_info"), "--version"],
+                             capture_output=True, text=True, env=tool_env()).stdout
+    data = {"kind": kind, "provider": provider, "memory": memory, "gpus": gpus,
+            "libfabric": (re.findall(r"libfabric: ([\d.]+)", version) or [None])[0],
+            "machine": bench.machine(gpus[1] if gpus else None), "git": bench.git_sha(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "runs": rows}
+    folder = bench.BASELINES if kind == "baseline" else bench.RESULTS / kind
+    path = folder / f"{label}-{provider}-{memory}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+    print(f"wrote {path.relative_to(ROOT)}")
+    return path
+
+
+def parser(doc):
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("-p", "--provider", default="shm")
+    p.add_argument("--sizes", default="64K", help="comma-separated, K/M/G (default 64K)")
+    p.add_argument("--gpus", help="SERVER,CLIENT GPU numbers: GPU memory (default: host)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--bytes", type=cli.parse_size, default=4 << 30,
+                   help="bytes moved per run (default 4G; at least 200 operations)")
+    p.add_argument("--label", default=os.uname().nodename, help="machine name for the file")
+    p.add_argument("--timeout", type=float, default=120)
+    return p
+
+
+def parse(p):
+    args = p.parse_args()
+    try:
+        args.sizes = [cli.parse_size(s) for s in args.sizes.split(",")]
+        args.gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        p.error(str(e))
+    if args.gpus and len(args.gpus) != 2:
+        p.error("--gpus takes two GPU numbers: SERVER,CLIENT")
+    return args
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--ucx", help="unpacked libucx-cu13 wheel, for ucx_perftest (GPU only)")
+    args = parse(p)
+    try:
+        rows = measure(baseline_tools(args.provider, args.gpus, args.ucx, args.timeout),
+                       args.sizes, args.repeats, args.bytes)
+    except (FileNotFoundError, RuntimeError, subprocess.TimeoutExpired) as e:
+        sys.exit(f"baseline: {e}")
+    save(rows, "baseline", args.label, args.provider, args.gpus)
+
+
+if __name__ == "__main__":
+    main()
