@@ -67,8 +67,6 @@ and client buffers in GPU 0 memory; lines as printed by scripts/pair.py):
 import struct
 import sys
 
-import numpy as np
-
 from common import cli, memory
 from common.fabric import ffi, lib
 import common.fabric as fi
@@ -165,10 +163,7 @@ def client(info, args, addr):
 
         data = poller.wait_remote_data(args.timeout, "WRITE with immediate data from the server")
         print(f"remote write completion: FI_REMOTE_CQ_DATA, immediate data {data}")
-        per_buffer = args.buffer_size // args.page_size
-        wrong = sum(int(np.count_nonzero(
-            buffers[p // per_buffer].read((p % per_buffer) * args.page_size, args.page_size)
-            != memory.seeded_page(args.seed, p, args.page_size))) for p in pages)
+        wrong = memory.count_wrong(buffers, args.page_size, args.seed, pages)
         print(f"verified {len(pages)} pages ({len(pages) * args.page_size} bytes): "
               f"{wrong} wrong bytes")
         if data != len(pages) or wrong:
@@ -178,25 +173,11 @@ def client(info, args, addr):
 def main():
     p = cli.parser(__doc__)
     cli.add_peer(p)
-    p.add_argument("--page-size", type=cli.parse_size, default=64 << 10, help="default 64K")
-    p.add_argument("--pages", default="0-15", help="pages to fill, e.g. 0,3,5-9 (default 0-15)")
-    p.add_argument("--buffers", type=int, default=2, help="client buffers (default 2)")
-    p.add_argument("--buffer-size", type=cli.parse_size, default=1 << 20, help="default 1M")
-    p.add_argument("--seed", type=int, default=42, help="what the pages are filled from")
-    p.add_argument("--gpu", type=int, help="put the buffers in this GPU's memory")
-    p.add_argument("--clients", type=int, default=0,
-                   help="server: exit after this many clients (default: serve until Ctrl-C)")
+    cli.add_pages(p, pages="0-15", buffer_size=1 << 20)
     p.add_argument("--bad-key", action="store_true",
                    help="client: send a wrong key, to see how a failed WRITE is reported")
     args = p.parse_args()
-    if args.page_size <= 0 or args.buffer_size < args.page_size or args.buffers < 1:
-        raise cli.UsageError(f"need 0 < page size ({args.page_size}) <= buffer size "
-                             f"({args.buffer_size}) and at least one buffer")
-    args.pages = cli.parse_pages(args.pages)
-    capacity = args.buffers * (args.buffer_size // args.page_size)
-    if not args.pages or max(args.pages) >= capacity:
-        raise cli.UsageError(f"--pages must name pages 0..{capacity - 1} "
-                             f"({args.buffers} buffers x {args.buffer_size // args.page_size})")
+    cli.check_pages(args, lambda per_buffer: list(range(16)))
     if HEADER.size + 64 + args.buffers * REGION.size + len(args.pages) * PAGE.size > MAX_MESSAGE:
         raise cli.UsageError(f"too many pages or buffers for one {MAX_MESSAGE}-byte CONNECT")
     memory.use_gpu(args.gpu)

@@ -7,18 +7,61 @@ their CQ), and dropping the operation loses a page. So the writer keeps such
 operations in a queue of its own, reads the CQ, and posts from the queue,
 oldest first, as room comes back. With that, the server can post a million
 WRITEs as fast as the provider takes them, and we get the series' first
-number: Gbps counted on the writer from its WRITE completions.
+number.
 
 New since chapter 06: the pending queue (OpQueue); one context per WRITE in
 flight, from a free list, so every completion is matched to exactly one
 WRITE; WRITE messages built once per page; 1 GiB buffers; --iters WRITEs that
-cycle over the pages; a heartbeat (fi_inject) telling the client how far the
-server is; a live progress line; Gbps, Mpps and % of a limit; --json.
+cycle over the pages; a heartbeat SEND, queued like the WRITEs, telling the
+client how far the server is; a live progress line (on a terminal); Gbps,
+Mpps and % of a limit; --json.
+
+Measured: Gbps = 8 x page size x WRITEs / elapsed, on the writer, from the
+first post until the client says all the data is in its memory (LANDED);
+compared with a limit: the NIC's link speed, or fi_rma_bw on this machine
+(results/baselines/, written by scripts/baseline.py or scripts/bench.py).
 
     python chapters/07_queue.py                                  # server (the writer)
     python chapters/07_queue.py ADDRESS                          # client: 1,000,000 x 64 KiB
     python chapters/07_queue.py ADDRESS --iters 20000 --page-size 1M
     python chapters/07_queue.py --gpu 0 --json                   # server, pages on GPU 0
+
+Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host
+memory; the series' run: 2 x 1 GiB, 2 x 1000 pages, 1,000,000 WRITEs of 64 KiB):
+
+    $ python chapters/07_queue.py -p shm --clients 1
+    provider: shm (asked for), domain shm
+    memory registration: FI_MR_VIRT_ADDR
+    server address: 66695f73686d3a2f2f31373938333a303a3000
+    run the client: python chapters/07_queue.py -p shm 66695f73686d3a2f2f31373938333a303a3000
+    wrote 2000 pages from host memory, the last WRITE with immediate data 1000000
+    completions: 1000000, one per WRITE; -FI_EAGAIN 7 times
+    1000000 WRITEs of 65536 bytes in 11.606 s: 45.174 Gbps, 0.086 Mpps (77.9% of 57.959 Gbps, fi_rma_bw here (results/baselines/vm-2core-shm-host.json))
+
+    $ python chapters/07_queue.py -p shm 66695f73686d3a2f2f31373938333a303a3000
+    provider: shm (asked for), domain shm
+    memory registration: FI_MR_VIRT_ADDR
+    memory: 2 x 1073741824 bytes of host memory
+    remote write completion: FI_REMOTE_CQ_DATA, immediate data 1000000
+    verified 2000 pages (131072000 bytes): 0 wrong bytes
+
+(fi_rma_bw, and scripts/bench.py, cycle over 64 pages; the series' 2000 pages,
+128 MiB, no longer fit in the CPU caches, so shm's copies go at DRAM speed.)
+
+On two NVIDIA H200s joined by NVLink (libfabric 2.1.0 from scripts/build_libfabric.sh,
+shm with CUDA IPC; source pages on GPU 0, client buffers on GPU 1; lines as printed by
+scripts/pair.py; cudaMemcpyPeer's ceiling there is about 3170 Gbps):
+
+    $ python chapters/07_queue.py -p shm --clients 1 --gpu 0
+    server address: 66695f73686d3a2f2f313135343a303a3000
+    wrote 64 pages from GPU 0 memory (cuda), the last WRITE with immediate data 20000
+    completions: 20000, one per WRITE; -FI_EAGAIN 231004 times
+    20000 WRITEs of 16777216 bytes in 0.940 s: 2856.834 Gbps, 0.021 Mpps (no link speed and no baseline here: run scripts/baseline.py)
+
+    $ python chapters/07_queue.py -p shm 66695f73686d3a2f2f313135343a303a3000 --gpu 1 --page-size 16M --buffer-size 1G --pages 0-63 --iters 20000
+    memory: 2 x 1073741824 bytes of GPU 1 memory (cuda)
+    remote write completion: FI_REMOTE_CQ_DATA, immediate data 20000
+    verified 64 pages (1073741824 bytes): 0 wrong bytes
 """
 # %% [markdown]
 # ## Motivation
@@ -40,8 +83,6 @@ import collections
 import struct
 import sys
 import time
-
-import numpy as np
 
 from common import bench, cli, memory
 from common.fabric import ffi, lib
@@ -349,10 +390,7 @@ def client(info, args, addr):
                                                server_addr, ctx), args.timeout, "LANDED accepted")
         poller.wait([ctx], args.timeout, "LANDED completion")
         print(f"remote write completion: FI_REMOTE_CQ_DATA, immediate data {data}")
-        per_buffer = args.buffer_size // args.page_size
-        wrong = sum(int(np.count_nonzero(
-            buffers[p // per_buffer].read((p % per_buffer) * args.page_size, args.page_size)
-            != memory.seeded_page(args.seed, p, args.page_size))) for p in pages)
+        wrong = memory.count_wrong(buffers, args.page_size, args.seed, pages)
         print(f"verified {len(pages)} pages ({len(pages) * args.page_size} bytes): "
               f"{wrong} wrong bytes")
         if data != args.iters or wrong:
@@ -362,33 +400,16 @@ def client(info, args, addr):
 def main():
     p = cli.parser(__doc__)
     cli.add_peer(p)
-    p.add_argument("--page-size", type=cli.parse_size, default=64 << 10, help="default 64K")
-    p.add_argument("--pages", help="pages to fill, e.g. 0,3,5-9 "
-                   "(default: the first 1000 of each buffer)")
+    cli.add_pages(p, pages="the first 1000 of each buffer", buffer_size=1 << 30)
     p.add_argument("--iters", type=int, default=1_000_000,
                    help="WRITEs to post, cycling over the pages (default 1000000)")
-    p.add_argument("--buffers", type=int, default=2, help="client buffers (default 2)")
-    p.add_argument("--buffer-size", type=cli.parse_size, default=1 << 30, help="default 1G")
-    p.add_argument("--seed", type=int, default=42, help="what the pages are filled from")
-    p.add_argument("--gpu", type=int, help="put the buffers in this GPU's memory")
-    p.add_argument("--clients", type=int, default=0,
-                   help="server: exit after this many clients (default: serve until Ctrl-C)")
     p.add_argument("--json", nargs="?", const="auto", help="server: write the figures as JSON "
                    "to this file (default results/runs/07_queue-...json)")
     p.add_argument("--bad-key", action="store_true",
                    help="client: send a wrong key, to see how a failed WRITE is reported")
     args = p.parse_args()
-    if args.page_size <= 0 or args.buffer_size < args.page_size or args.buffers < 1:
-        raise cli.UsageError(f"need 0 < page size ({args.page_size}) <= buffer size "
-                             f"({args.buffer_size}) and at least one buffer")
-    per_buffer = args.buffer_size // args.page_size
-    capacity = args.buffers * per_buffer
-    args.pages = (cli.parse_pages(args.pages) if args.pages is not None else
-                  [b * per_buffer + i for b in range(args.buffers)
-                   for i in range(min(1000, per_buffer))])
-    if not args.pages or max(args.pages) >= capacity:
-        raise cli.UsageError(f"--pages must name pages 0..{capacity - 1} "
-                             f"({args.buffers} buffers x {per_buffer})")
+    cli.check_pages(args, lambda per_buffer: [b * per_buffer + i for b in range(args.buffers)
+                                              for i in range(min(1000, per_buffer))])
     if not 1 <= args.iters < 1 << 32:
         raise cli.UsageError(f"--iters must be 1..{(1 << 32) - 1}: it travels as 32-bit "
                              "immediate data")

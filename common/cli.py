@@ -71,6 +71,32 @@ def parse_size(text):
     return int(m[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[m[2].upper()]
 
 
+def add_pages(p, pages, buffer_size):
+    """The flags of the chapters that WRITE pages into a client's buffers (06 on)."""
+    p.add_argument("--page-size", type=parse_size, default=64 << 10, help="default 64K")
+    p.add_argument("--pages", help=f"pages to fill, e.g. 0,3,5-9 (default: {pages})")
+    p.add_argument("--buffers", type=int, default=2, help="client buffers (default 2)")
+    p.add_argument("--buffer-size", type=parse_size, default=buffer_size,
+                   help=f"default {buffer_size >> 20}M" if buffer_size < 1 << 30
+                   else f"default {buffer_size >> 30}G")
+    p.add_argument("--seed", type=int, default=42, help="what the pages are filled from")
+    p.add_argument("--gpu", type=int, help="put the buffers in this GPU's memory")
+    p.add_argument("--clients", type=int, default=0,
+                   help="server: exit after this many clients (default: serve until Ctrl-C)")
+
+
+def check_pages(args, default):
+    """Sizes and pages that fit the buffers; `default(pages per buffer)` when no --pages."""
+    if args.page_size <= 0 or args.buffer_size < args.page_size or args.buffers < 1:
+        raise UsageError(f"need 0 < page size ({args.page_size}) <= buffer size "
+                         f"({args.buffer_size}) and at least one buffer")
+    per_buffer = args.buffer_size // args.page_size
+    args.pages = parse_pages(args.pages) if args.pages is not None else default(per_buffer)
+    if not args.pages or max(args.pages) >= args.buffers * per_buffer:
+        raise UsageError(f"--pages must name pages 0..{args.buffers * per_buffer - 1} "
+                         f"({args.buffers} buffers x {per_buffer})")
+
+
 def parse_pages(text):
     """'0,3,5-9' -> [0, 3, 5, 6, 7, 8, 9]"""
     pages = []

@@ -96,6 +96,14 @@ def synchronize(gpu):
             cupy().cuda.runtime.deviceSynchronize()
 
 
+def count_wrong(buffers, page_size, seed, pages):
+    """Bytes that differ from the seeded content, over `pages` of equal-sized `buffers`."""
+    per_buffer = buffers[0].size // page_size
+    return sum(int(np.count_nonzero(
+        buffers[p // per_buffer].read((p % per_buffer) * page_size, page_size)
+        != seeded_page(seed, p, page_size))) for p in pages)
+
+
 def seeded_page(seed, page, size):
     """The content of page `page` for `seed`: both sides compute it, so it can be checked."""
     return np.random.default_rng([seed, page]).integers(0, 256, size, dtype=np.uint8)

@@ -2,11 +2,15 @@
 import importlib.util
 import json
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 import common.fabric as fi
-from scripts.pair import chapter_path, run_pair
+from scripts.pair import ADDRESS, chapter_path, local_env, run_pair
 from tests.gpu import has_gpu, needs_gpu
 from tests.test_bad_input import SHM_DEAD, assert_one_line_error, run
 
@@ -153,3 +157,39 @@ def test_07_gpu_buffers():
     assert "GPU 0 memory" in pair.clients[0].out
     assert "verified 16 pages (16777216 bytes): 0 wrong bytes" in pair.clients[0].out
     assert completions(pair.server.out)[0] == 200
+
+
+def start(args, until):
+    """A chapter 07 process, once it has printed a line matching `until`."""
+    proc = subprocess.Popen([sys.executable, str(chapter_path(7)), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=local_env())
+    out, deadline = "", time.monotonic() + 20
+    while not re.search(until, out, re.MULTILINE) and time.monotonic() < deadline:
+        out += proc.stdout.readline()
+    assert re.search(until, out, re.MULTILINE), out
+    return proc, out
+
+
+def test_07_client_gone_mid_run_server_survives(provider):
+    server, out = start(["-p", provider, "--clients", "2", "--timeout", "2"], ADDRESS.pattern)
+    procs = [server]
+    try:
+        address = ADDRESS.search(out)[1]
+        # A client stopped while WRITEs stream into it (Ctrl-C: it closes what it opened).
+        gone, _ = start(["-p", provider, address, "--iters", "100000000", *SMALL], "^memory:")
+        procs.append(gone)
+        time.sleep(1)
+        gone.send_signal(signal.SIGINT)
+        assert gone.wait(10) == 130
+        # The server gives up on it within its --timeout and serves the next one.
+        done = subprocess.run([sys.executable, str(chapter_path(7)), "-p", provider, address,
+                               "--iters", "500", *SMALL], capture_output=True, text=True,
+                              env=local_env(), timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert "verified 64 pages (4194304 bytes): 0 wrong bytes" in done.stdout
+        _, err = server.communicate(timeout=30)
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert server.returncode == 0
+    assert re.search(r"^client 1: failed: ", err, re.MULTILINE), err
