@@ -56,6 +56,15 @@ def ch07(provider):
     return ok, [f"20000 x 64 KiB WRITEs: {speed[2]} Gbps, 0 wrong bytes" if ok else _failure(pair)]
 
 
+def ch08(provider):
+    args = [sys.executable, str(chapter_path(8))] + (["-p", provider] if provider else [])
+    done = subprocess.run(args, capture_output=True, text=True, env=local_env(), timeout=60)
+    m = re.search(r"GPUs: (\d+).*NICs: (\d+).*physical cores: (\d+)", done.stdout)
+    if done.returncode or not m:
+        return False, (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+    return True, [f"{m[1]} GPUs, {m[2]} NICs, {m[3]} physical cores"]
+
+
 def _failure(pair):
     for run in [*pair.clients, pair.server]:
         if run.rc:
@@ -63,7 +72,7 @@ def _failure(pair):
     return "unexpected output"
 
 
-STEPS = {3: ch03, 4: ch04, 5: ch05, 6: ch06, 7: ch07}
+STEPS = {3: ch03, 4: ch04, 5: ch05, 6: ch06, 7: ch07, 8: ch08}
 
 
 def title(path):

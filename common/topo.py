@@ -1,0 +1,169 @@
+"""The machine's layout: which NICs and which CPU cores belong to which GPU (chapter 08).
+
+Read from sysfs (the PCIe tree, NUMA nodes, hyperthread siblings), the GPUs'
+PCI addresses from CUDA and the NICs' from libfabric. A NIC belongs to the
+GPU it shares the deepest PCIe bridge with (on a p5: the switch in front of
+each GPU and its 4 NICs); a NIC that shares none with any GPU goes to the
+GPU of its NUMA node that has the fewest NICs so far. Each NUMA node's
+physical cores are split evenly among its GPUs; the middle core of a GPU's
+slice is the one its thread will be pinned to.
+
+Everything takes a `sysfs` root so the tests can hand in a fake tree.
+"""
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SYSFS = Path("/sys")
+
+
+@dataclass
+class Nic:
+    name: str          # libfabric's domain name, e.g. rdmap79s0
+    bus: str           # PCI address, e.g. 0000:4f:00.0
+    gbps: float = 0.0  # link speed, 0 when unknown
+    numa: int = None
+
+
+@dataclass
+class Gpu:
+    index: int
+    bus: str
+    numa: int = None
+    cores: list = field(default_factory=list)  # its slice of its NUMA node's physical cores
+    core: int = None                            # the one to pin its thread to
+    nics: list = field(default_factory=list)
+
+
+def cpulist(text):
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11]"""
+    cpus = []
+    for part in filter(None, text.strip().split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def _read(path, default=None):
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return default
+
+
+def pci_path(bus, sysfs=SYSFS):
+    """The chain of PCI addresses from the root port down to `bus`, e.g.
+    ['0000:00:01.0', '0000:4e:00.0', '0000:4f:00.0'], or [bus] when sysfs does not know it."""
+    link = Path(sysfs) / "bus" / "pci" / "devices" / bus.lower()
+    if not link.exists():
+        return [bus.lower()]
+    return [part for part in os.path.realpath(link).split(os.sep) if part.count(":") == 2]
+
+
+def numa_node(bus, sysfs=SYSFS):
+    value = _read(Path(sysfs) / "bus" / "pci" / "devices" / bus.lower() / "numa_node")
+    return int(value) if value is not None and int(value) >= 0 else None
+
+
+def physical_cores(sysfs=SYSFS):
+    """{NUMA node: [cores]}, one hyperthread per core (the first of its siblings).
+    Without NUMA information, every online CPU is in node 0."""
+    system = Path(sysfs) / "devices" / "system"
+    nodes = {int(p.name[4:]): cpulist(_read(p / "cpulist", ""))
+             for p in (system / "node").glob("node[0-9]*")} if (system / "node").is_dir() else {}
+    if not nodes:
+        nodes = {0: cpulist(_read(system / "cpu" / "online", "") or "0")}
+    cores = {}
+    for node, cpus in sorted(nodes.items()):
+        keep = []
+        for cpu in cpus:
+            siblings = cpulist(_read(system / "cpu" / f"cpu{cpu}" / "topology" /
+                                     "thread_siblings_list", str(cpu)))
+            if min(siblings) == cpu or min(siblings) not in cpus:
+                keep.append(cpu)
+        cores[node] = keep
+    return cores
+
+
+def shared_depth(a, b):
+    """How many bridges two PCI paths share below the root complex."""
+    depth = 0
+    for x, y in zip(a[:-1], b[:-1]):
+        if x != y:
+            break
+        depth += 1
+    return depth
+
+
+def layout(gpu_buses, nics, sysfs=SYSFS):
+    """[Gpu] with their NICs and cores. `gpu_buses`: PCI address per GPU index;
+    `nics`: [Nic] as libfabric lists them."""
+    gpus = [Gpu(i, pci_address(bus), numa_node(pci_address(bus), sysfs))
+            for i, bus in enumerate(gpu_buses)]
+    paths = {g.index: pci_path(g.bus, sysfs) for g in gpus}
+    for nic in nics:
+        nic.numa = numa_node(nic.bus, sysfs)
+        path = pci_path(nic.bus, sysfs)
+        best = max(gpus, key=lambda g: shared_depth(paths[g.index], path), default=None)
+        if best is not None and shared_depth(paths[best.index], path) <= 1:
+            # only the root port (or nothing) in common: fall back to the NUMA node
+            near = [g for g in gpus if g.numa == nic.numa] or gpus
+            best = min(near, key=lambda g: (len(g.nics), g.index))
+        if best is not None:
+            best.nics.append(nic)
+    cores = physical_cores(sysfs)
+    for node, cpus in cores.items():
+        mine = [g for g in gpus if (g.numa if g.numa is not None else 0) == node]
+        if len(cores) == 1:
+            mine = gpus  # one node (or none known): every GPU shares it
+        for k, gpu in enumerate(mine):
+            share = len(cpus) // len(mine)
+            gpu.cores = cpus[k * share:(k + 1) * share] if share else cpus[:]
+            gpu.core = gpu.cores[len(gpu.cores) // 2] if gpu.cores else None
+    return gpus
+
+
+def gpus_here():
+    """(PCI addresses of this host's GPUs in CUDA order, None) or ([], why there are none)."""
+    try:
+        import cupy as cp
+        count = cp.cuda.runtime.getDeviceCount()
+    except ImportError:
+        return [], "no cupy, so no CUDA"
+    except Exception as e:  # CUDARuntimeError: no driver, no device
+        return [], f"CUDA found none ({str(e).split(':')[0]})"
+    if not count:
+        return [], "CUDA found none"
+    return [pci_address(cp.cuda.runtime.deviceGetPCIBusId(i)) for i in range(count)], None
+
+
+def pci_address(text):
+    """'00000000:53:00.0' (nvidia-smi) or '0000:53:00.0' (CUDA, sysfs) -> '0000:53:00.0'"""
+    domain, bus, rest = text.strip().lower().split(":")
+    return f"{int(domain, 16):04x}:{bus}:{rest}"
+
+
+def nics_here(head):
+    """[Nic] for each domain of an fi_info list that has a PCI address (real NICs)."""
+    from common.fabric import each, ffi, lib, string
+    nics, seen = [], set()
+    bus = ffi.new("char[16]")
+    for info in each(head):
+        name = string(info.domain_attr.name)
+        if name in seen or not lib.tut_nic_pci(info, bus, len(bus)):
+            continue
+        seen.add(name)
+        nics.append(Nic(name, ffi.string(bus).decode(), lib.tut_nic_speed(info) / 1e9))
+    return nics
+
+
+def ranges(values):
+    """[0, 1, 2, 5, 6] -> '0-2,5-6'"""
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(f"{start}-{v}" if v != start else str(v))
+            start = None
+    return ",".join(out)

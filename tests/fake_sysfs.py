@@ -1,0 +1,96 @@
+"""Fake /sys trees for the topology tests: PCIe switches, NUMA nodes, hyperthreads.
+
+A box is a list of switches; each switch sits below a root port and holds
+endpoints (GPUs, NICs). Devices get the sysfs files chapter 08 reads:
+bus/pci/devices/<address> links into devices/pci..., numa_node, and per CPU
+topology/thread_siblings_list.
+"""
+import json
+from pathlib import Path
+
+# The p5 of the series (blog-series.md): per GPU, its bus and its 4 NICs' buses.
+P5_GPUS = [0x53, 0x64, 0x75, 0x86, 0x97, 0xa8, 0xb9, 0xca]
+P5_NIC_NAMES = [79, 96, 113, 130, 147, 164, 181, 198]  # rdmap<N>s0, first of each 4
+
+
+def addr(bus, dev=0, fn=0):
+    return f"0000:{bus:02x}:{dev:02x}.{fn}"
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+
+
+def device(root, chain, numa):
+    """Create the device at the end of `chain` (root port first) and its bus/pci link."""
+    rc = "pci" + chain[0][:7]  # 'pci0000:00'
+    real = root / "devices" / rc / Path(*chain)
+    write(real / "numa_node", str(numa))
+    link = root / "bus" / "pci" / "devices" / chain[-1]
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.exists():
+        link.symlink_to(real)
+
+
+def cpus(root, nodes, threads_per_core=2):
+    """`nodes`: physical core count per NUMA node (None: no NUMA information at all).
+    Sibling hyperthreads are numbered after all the cores, as on most Linux boxes."""
+    counts = nodes or [8]
+    total = sum(counts)
+    system = root / "devices" / "system"
+    start = 0
+    for node, count in enumerate(counts):
+        cores = list(range(start, start + count))
+        threads = [c + t * total for t in range(threads_per_core) for c in cores]
+        if nodes is not None:
+            write(system / "node" / f"node{node}" / "cpulist",
+                  ",".join(f"{c[0]}-{c[-1]}" for c in [threads[i:i + count]
+                                                       for i in range(0, len(threads), count)]))
+        for cpu in threads:
+            siblings = [cpu % total + t * total for t in range(threads_per_core)]
+            write(system / "cpu" / f"cpu{cpu}" / "topology" / "thread_siblings_list",
+                  ",".join(map(str, siblings)))
+        start += count
+    write(system / "cpu" / "online", f"0-{total * threads_per_core - 1}")
+
+
+def box(root, switches, nodes):
+    """`switches`: [(numa, root complex bus, [(kind, name, endpoint bus, gbps)])].
+    Returns the machine description chapter 08 takes with --machine."""
+    machine = {"gpus": [], "nics": []}
+    for i, (numa, rc_bus, endpoints) in enumerate(switches):
+        root_port = addr(rc_bus, 1 + i % 8)
+        up = addr(endpoints[0][2] - 2)
+        for k, (kind, name, bus, gbps) in enumerate(endpoints):
+            down = addr(endpoints[0][2] - 1, k)
+            device(root, [root_port, up, down, addr(bus)], numa)
+            if kind == "gpu":
+                machine["gpus"].append(addr(bus))
+            else:
+                machine["nics"].append({"name": name, "bus": addr(bus), "gbps": gbps})
+    cpus(root, nodes)
+    return machine
+
+
+def p5(root):
+    """8 GPUs x 4 EFA NICs of 100 Gbps, GPUs 0-3 on NUMA 0, 96 cores, 2 threads each."""
+    switches = []
+    for g, (gpu_bus, nic) in enumerate(zip(P5_GPUS, P5_NIC_NAMES)):
+        nics = [("nic", f"rdmap{nic + k}s0", gpu_bus - 4 + k, 100) for k in range(4)]
+        switches.append((g // 4, 0x00 if g < 4 else 0x80, nics + [("gpu", None, gpu_bus, 0)]))
+    return box(root, switches, nodes=[48, 48])
+
+
+def save(root, machine):
+    path = Path(root) / "machine.json"
+    path.write_text(json.dumps(machine))
+    return path
+
+
+if __name__ == "__main__":  # python tests/fake_sysfs.py DIR: the p5, to try chapter 08 on
+    import sys
+    if len(sys.argv) != 2:
+        sys.exit("usage: python tests/fake_sysfs.py DIR")
+    root = Path(sys.argv[1])
+    print(f"python chapters/08_topo.py --sysfs {root} --machine {save(root, p5(root))}")

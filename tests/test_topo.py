@@ -1,0 +1,91 @@
+"""Chapter 08 and common.topo against fake machines: the series' p5, a one-GPU box,
+NICs on the wrong NUMA node, no NUMA information at all."""
+import subprocess
+import sys
+
+from common import topo
+from scripts.pair import chapter_path, local_env
+from tests import fake_sysfs
+from tests.test_bad_input import assert_one_line_error, run
+
+# The series' table (blog-series.md): GPU, bus, NUMA node, pinned core, its 4 NICs.
+P5 = [(0, "53", 0, 6, 79), (1, "64", 0, 18, 96), (2, "75", 0, 30, 113), (3, "86", 0, 42, 130),
+      (4, "97", 1, 54, 147), (5, "a8", 1, 66, 164), (6, "b9", 1, 78, 181), (7, "ca", 1, 90, 198)]
+
+
+def chapter(sysfs, machine):
+    done = subprocess.run([sys.executable, str(chapter_path(8)), "--sysfs", str(sysfs),
+                           "--machine", str(machine)], capture_output=True, text=True,
+                          env=local_env(), timeout=30)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_08_prints_the_p5_table(tmp_path):
+    out = chapter(tmp_path, fake_sysfs.save(tmp_path, fake_sysfs.p5(tmp_path)))
+    assert "GPUs: 8 (described in" in out and "NICs: 32 (described)" in out
+    assert "NUMA nodes: 2; physical cores: 96" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("cuda:")]
+    assert len(rows) == 8
+    for (gpu, bus, numa, core, nic), row in zip(P5, rows):
+        nics = [f"rdmap{nic + k}s0" for k in range(4)]
+        first = 12 * gpu
+        assert row == [f"cuda:{gpu}", f"0000:{bus}:00.0", str(numa), f"{first}-{first + 11}",
+                       str(core), *nics]
+    assert "total link bandwidth: 32 NICs, 3200 Gbps" in out
+    assert "note:" not in out
+
+
+def test_08_one_gpu_box(tmp_path):
+    machine = fake_sysfs.box(tmp_path, [(0, 0x00, [("nic", "mlx5_0", 0x11, 200),
+                                                  ("gpu", None, 0x13, 0)])], nodes=[16])
+    out = chapter(tmp_path, fake_sysfs.save(tmp_path, machine))
+    assert out.splitlines()[-2].split() == ["cuda:0", "0000:13:00.0", "0", "0-15", "8", "mlx5_0"]
+    assert "total link bandwidth: 1 NICs, 200 Gbps" in out
+
+
+def test_08_nics_on_the_wrong_numa_node(tmp_path):
+    # Both GPUs on NUMA 0, behind their own switches; both NICs elsewhere, on NUMA 1.
+    machine = fake_sysfs.box(tmp_path, [(0, 0x00, [("gpu", None, 0x13, 0)]),
+                                        (0, 0x00, [("gpu", None, 0x23, 0)]),
+                                        (1, 0x80, [("nic", "efa_a", 0x91, 100),
+                                                   ("nic", "efa_b", 0x92, 100)])],
+                             nodes=[8, 8])
+    out = chapter(tmp_path, fake_sysfs.save(tmp_path, machine))
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("cuda:")}
+    assert rows["cuda:0"][-1] == "efa_a" and rows["cuda:1"][-1] == "efa_b"  # one each
+    assert rows["cuda:0"][3:5] == ["0-3", "2"] and rows["cuda:1"][3:5] == ["4-7", "6"]
+    assert "note: efa_a is on NUMA node 1, cuda:0 on 0" in out
+
+
+def test_08_no_numa_information(tmp_path):
+    machine = fake_sysfs.box(tmp_path, [(-1, 0x00, [("gpu", None, 0x13, 0),
+                                                   ("nic", "n0", 0x11, 0)]),
+                                        (-1, 0x00, [("gpu", None, 0x23, 0),
+                                                   ("nic", "n1", 0x21, 0)])], nodes=None)
+    out = chapter(tmp_path, fake_sysfs.save(tmp_path, machine))
+    assert "NUMA nodes: 1; physical cores: 8" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("cuda:")]
+    assert rows == [["cuda:0", "0000:13:00.0", "-", "0-3", "2", "n0"],
+                    ["cuda:1", "0000:23:00.0", "-", "4-7", "6", "n1"]]
+    assert "total link bandwidth: unknown" in out
+
+
+def test_08_this_host_runs():
+    done = subprocess.run([sys.executable, str(chapter_path(8))], capture_output=True, text=True,
+                          env=local_env(), timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert "physical cores:" in done.stdout
+
+
+def test_08_bad_input(tmp_path):
+    assert_one_line_error(run(8, "--sysfs", str(tmp_path / "nope"))[0], "no such directory")
+    (tmp_path / "m.json").write_text("{not json")
+    assert_one_line_error(run(8, "--machine", str(tmp_path / "m.json"))[0], "--machine")
+
+
+def test_cpulist_and_ranges_round_trip():
+    assert topo.cpulist("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    assert topo.ranges([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
+    assert topo.ranges([]) == ""
+    assert topo.pci_address("00000000:53:00.0") == topo.pci_address("0000:53:00.0") == "0000:53:00.0"
