@@ -96,11 +96,15 @@ def baseline(provider, memory, size, here):
     return None
 
 
-def limit(info, provider, memory, size, here):
-    """(Gbps, what it is) to measure a run against, or (None, why there is none)."""
-    speed = lib.tut_nic_speed(info)
+def limit(infos, provider, memory, size, here):
+    """(Gbps, what it is) to measure a run against, or (None, why there is none).
+    `infos`: the fi_info of the NIC used, or a list of them (their speeds add up)."""
+    infos = infos if isinstance(infos, list) else [infos]
+    speed = sum(lib.tut_nic_speed(i) for i in infos)
+    if speed and len(infos) == 1:
+        return speed / 1e9, f"link speed of {fi.string(infos[0].domain_attr.name)}"
     if speed:
-        return speed / 1e9, f"link speed of {fi.string(info.domain_attr.name)}"
+        return speed / 1e9, f"link speed of {len(infos)} NICs"
     return baseline(provider, memory, size, here) or (
         None, "no link speed and no baseline here: run scripts/baseline.py")
 

@@ -71,7 +71,7 @@ def parse_size(text):
     return int(m[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[m[2].upper()]
 
 
-def add_pages(p, pages, buffer_size):
+def add_pages(p, pages, buffer_size, gpu=True):
     """The flags of the chapters that WRITE pages into a client's buffers (06 on)."""
     p.add_argument("--page-size", type=parse_size, default=64 << 10, help="default 64K")
     p.add_argument("--pages", help=f"pages to fill, e.g. 0,3,5-9 (default: {pages})")
@@ -80,7 +80,8 @@ def add_pages(p, pages, buffer_size):
                    help=f"default {buffer_size >> 20}M" if buffer_size < 1 << 30
                    else f"default {buffer_size >> 30}G")
     p.add_argument("--seed", type=int, default=42, help="what the pages are filled from")
-    p.add_argument("--gpu", type=int, help="put the buffers in this GPU's memory")
+    if gpu:
+        p.add_argument("--gpu", type=int, help="put the buffers in this GPU's memory")
     p.add_argument("--clients", type=int, default=0,
                    help="server: exit after this many clients (default: serve until Ctrl-C)")
 

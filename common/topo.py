@@ -167,3 +167,22 @@ def ranges(values):
             out.append(f"{start}-{v}" if v != start else str(v))
             start = None
     return ",".join(out)
+
+
+def split(nics, groups):
+    """All NICs shared out among `groups` stand-ins for GPUs (host memory), in order."""
+    if not nics or len(nics) % groups:
+        raise ValueError(f"{len(nics)} NICs do not split evenly among {groups} groups")
+    per = len(nics) // groups
+    return [nics[g * per:(g + 1) * per] for g in range(groups)]
+
+
+def take(groups, per_group):
+    """The first `per_group` NICs of each group (None: all), if that uses them evenly."""
+    have = min(len(g) for g in groups)
+    per_group = per_group or have
+    if per_group > have:
+        raise ValueError(f"asked for {per_group} NICs per GPU; a GPU here has only {have}")
+    if have % per_group:
+        raise ValueError(f"{have} NICs per GPU do not split evenly into {per_group}")
+    return [g[:per_group] for g in groups]

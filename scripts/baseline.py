@@ -150,15 +150,24 @@ def baseline_tools(provider, gpus, ucx, timeout):
 
 
 def save(rows, kind, label, provider, gpus):
+    """Write (or add to) results/<kind>/<label>-<provider>-<memory>.json: rows of the same
+    tool and size are replaced, others kept, each row saying when and at which commit."""
     memory = "cuda" if gpus else "host"
     version = subprocess.run([str(prefix() / "bin" / "fi_info"), "--version"],
                              capture_output=True, text=True, env=tool_env()).stdout
-    data = {"kind": kind, "provider": provider, "memory": memory, "gpus": gpus,
-            "libfabric": (re.findall(r"libfabric: ([\d.]+)", version) or [None])[0],
-            "machine": bench.machine(gpus[1] if gpus else None), "git": bench.git_sha(),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "runs": rows}
+    stamp = {"git": bench.git_sha(), "date": datetime.now(timezone.utc).isoformat(
+        timespec="seconds")}
     folder = bench.BASELINES if kind == "baseline" else bench.RESULTS / kind
     path = folder / f"{label}-{provider}-{memory}.json"
+    new = {(r["tool"], r["size"]) for r in rows}
+    try:
+        kept = [r for r in json.loads(path.read_text())["runs"] if (r["tool"], r["size"]) not in new]
+    except (OSError, ValueError, KeyError):
+        kept = []
+    runs = sorted(kept + [{**r, **stamp} for r in rows], key=lambda r: (r["size"], r["tool"]))
+    data = {"kind": kind, "provider": provider, "memory": memory, "gpus": gpus,
+            "libfabric": (re.findall(r"libfabric: ([\d.]+)", version) or [None])[0],
+            "machine": bench.machine(gpus[1] if gpus else None), **stamp, "runs": runs}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")

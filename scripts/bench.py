@@ -1,13 +1,15 @@
-"""Benchmark chapter 07 against the baselines, in the same run, over a sweep of page sizes.
+"""Benchmark chapters 07, 09 and 10 against the baselines, in the same run, over page sizes.
 
-    python scripts/bench.py -p shm --sizes 4K,16K,64K,256K,1M --label my-laptop
+    python scripts/bench.py -p shm --sizes 4K,16K,64K,256K,1M,4M --label my-laptop
     python scripts/bench.py -p shm --sizes 1M,16M --gpus 0,1 --ucx DIR --label h200x2
+    python scripts/bench.py -p tcp --sizes 64K --chapters 7,9,10 --nics-per-gpu 4 --label my-laptop
 
-Each repeat runs the chapter's server and client on this host, then
+Each repeat runs each chapter's server and client on this host, then
 fi_rma_bw (write and writedata), and on GPUs UCX's put bandwidth and
 cudaMemcpyPeer, so that every ratio compares figures taken minutes apart.
-The chapter writes 64 distinct pages in a loop, the footprint of fi_rma_bw's
-window of 64. Writes results/07_queue/<label>-<provider>-<memory>.json and
+The chapters write 64 distinct pages in a loop, the footprint of fi_rma_bw's
+window of 64; 09 and 10 spread them over --nics-per-gpu NICs (virtual ones on
+shm and tcp). Writes results/<chapter>/<label>-<provider>-<memory>.json and
 results/baselines/<label>-<provider>-<memory>.json.
 """
 import json
@@ -18,47 +20,63 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baseline import baseline_tools, measure, parse, parser, save  # noqa: E402
-from pair import run_pair  # noqa: E402
+from pair import chapter_path, run_pair  # noqa: E402
 
 WINDOW = 64  # distinct pages, as fi_rma_bw's default window
 
 
-def chapter_07(provider, size, iters, gpus, timeout):
-    """One run of chapter 07 as a pair; the server's Gbps, from its --json record."""
+def run_chapter(chapter, provider, size, iters, gpus, nics, timeout):
+    """One run of a chapter as a pair; the server's Gbps, from its --json record."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         server = ["--clients", "1", "--json", str(out)]
         client = ["--page-size", str(size), "--buffers", "1", "--buffer-size", str(WINDOW * size),
                   "--pages", f"0-{WINDOW - 1}", "--iters", str(iters), "--timeout", "30"]
+        if chapter >= 9:
+            client += ["--nics-per-gpu", str(nics)]
         if gpus:
-            server += ["--gpu", str(gpus[0])]
-            client += ["--gpu", str(gpus[1])]
-        pair = run_pair(7, provider, server, [client], timeout=timeout)
+            flag = "--gpu" if chapter < 9 else "--gpus"
+            server += [flag, str(gpus[0])]
+            client += [flag, str(gpus[1])]
+        pair = run_pair(chapter, provider, server, [client], timeout=timeout)
         if not pair.ok or not out.exists():
             failed = next((r for r in [*pair.clients, pair.server] if r.rc), pair.server)
-            raise RuntimeError(f"chapter 07 failed: {(failed.err or failed.out).strip()[-300:]}")
+            raise RuntimeError(f"chapter {chapter:02d} failed: "
+                               f"{(failed.err or failed.out).strip()[-300:]}")
         return json.loads(out.read_text())["gbps"], " ".join(client)
+
+
+def tool_name(chapter, nics):
+    return f"chapter {chapter:02d}" + (f" ({nics} NICs)" if chapter >= 9 else "")
 
 
 def main():
     p = parser(__doc__)
     p.add_argument("--ucx", help="unpacked libucx-cu13 wheel, for ucx_perftest (GPU only)")
+    p.add_argument("--chapters", default="7", help="which chapters, e.g. 7,9,10 (default 7)")
+    p.add_argument("--nics-per-gpu", type=int, default=4, help="for 09 and 10 (default 4)")
     args = parse(p)
-    tools = [("chapter 07", lambda size, iters: chapter_07(args.provider, size, iters, args.gpus,
-                                                           args.timeout))]
+    chapters = [int(c) for c in args.chapters.split(",")]
+    tools = [(tool_name(c, args.nics_per_gpu),
+              lambda size, iters, c=c: run_chapter(c, args.provider, size, iters, args.gpus,
+                                                   args.nics_per_gpu, args.timeout))
+             for c in chapters]
     tools += baseline_tools(args.provider, args.gpus, args.ucx, args.timeout)
     try:
         rows = measure(tools, args.sizes, args.repeats, args.bytes)
     except (FileNotFoundError, RuntimeError, subprocess.TimeoutExpired) as e:
         sys.exit(f"bench: {e}")
-    ours = [r for r in rows if r["tool"] == "chapter 07"]
+    ours = [r for r in rows if r["tool"].startswith("chapter ")]
     for row in ours:
         for other in rows:
-            if other["size"] == row["size"] and other is not row:
+            if other["size"] == row["size"] and not other["tool"].startswith("chapter "):
                 row[f"ratio_to {other['tool']}"] = round(row["median_gbps"] / other["median_gbps"], 3)
-        print(f"  {row['size']:>10} B: chapter 07 / fi_rma_bw -o write = "
+        print(f"  {row['tool']:<20} {row['size']:>10} B: / fi_rma_bw -o write = "
               f"{row['ratio_to fi_rma_bw -o write']:.2f}")
-    save(ours, "07_queue", args.label, args.provider, args.gpus)
+    for c in chapters:
+        name = chapter_path(c).stem
+        save([r for r in ours if r["tool"] == tool_name(c, args.nics_per_gpu)], name,
+             args.label, args.provider, args.gpus)
     save([r for r in rows if r not in ours], "baseline", args.label, args.provider, args.gpus)
 
 

@@ -3,7 +3,8 @@
 #
 #   bash scripts/diff.sh 05          # 04 -> 05
 #   bash scripts/diff.sh 04 07       # any two chapters
-# Chapters with native code next to them (NN_name.c) are compared too.
+# Chapters with native code next to them (NN_name.c) are compared too, and the
+# common/ module a chapter introduced (e.g. common/multinet.py for 09) is shown.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 1 ] || { echo "usage: $0 CHAPTER [OTHER]" >&2; exit 2; }
@@ -15,3 +16,7 @@ a=$(pick "$from" py); b=$(pick "$to" py)
 git --no-pager diff --no-index --color=auto -- "$a" "$b" || true
 ca=$(pick "$from" c); cb=$(pick "$to" c)
 [ -z "$ca$cb" ] || git --no-pager diff --no-index --color=auto -- "${ca:-/dev/null}" "${cb:-/dev/null}" || true
+# Code a chapter moved into common/ (its first line names the chapter) is part of its lesson.
+for f in $(grep -il "^\"\"\".*chapter $(printf %02d "$to")" common/*.py || true); do
+    git --no-pager diff --no-index --color=auto -- /dev/null "$f" || true
+done

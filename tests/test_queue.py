@@ -10,6 +10,7 @@ import time
 import pytest
 
 import common.fabric as fi
+import common.queue as queue_module
 from scripts.pair import ADDRESS, chapter_path, local_env, run_pair
 from tests.gpu import has_gpu, needs_gpu
 from tests.test_bad_input import SHM_DEAD, assert_one_line_error, run
@@ -114,9 +115,9 @@ def test_07_a_second_completion_is_caught(monkeypatch):
         cq.clear()
         return n
 
-    monkeypatch.setattr(ch, "lib", type("Lib", (), {"fi_writemsg": staticmethod(writemsg),
-                                                    "FI_EAGAIN": ch.lib.FI_EAGAIN,
-                                                    "FI_COMPLETION": ch.lib.FI_COMPLETION}))
+    monkeypatch.setattr(queue_module, "lib", type("Lib", (), {
+        "fi_writemsg": staticmethod(writemsg), "FI_EAGAIN": ch.lib.FI_EAGAIN,
+        "FI_COMPLETION": ch.lib.FI_COMPLETION}))
     monkeypatch.setattr(ch.fi, "cq_read", cq_read)
     monkeypatch.setattr(ch.fi, "cq_entries", lambda n: [])
     messages = ch.ffi.new("struct fi_msg_rma[]", 3)

@@ -1,0 +1,344 @@
+"""Chapter 09's engine, shared with the chapters after it: many NICs per GPU.
+
+Each NIC is a "lane": a domain with its endpoint, CQ, AV and op queue. A
+control endpoint carries CONNECT, heartbeats and LANDED; the data goes on
+G x N lanes, a group's pages round robin over its lanes, one thread visiting
+every lane. Where a host has no NIC, a lane is one more domain of shm or tcp
+(a "virtual NIC"). Chapter 10 passes `warmup`, run before the clock starts.
+"""
+import struct
+import sys
+import time
+
+from common import bench, cli, memory, topo
+from common.fabric import ffi, lib
+from common.queue import CONTEXTS, HEARTBEAT, Heartbeat, OpQueue
+import common.fabric as fi
+
+CAPS = lib.FI_MSG | lib.FI_RMA
+MAX_MESSAGE = 64 * 1024
+HEADER = struct.Struct("<QQQIHHHH")  # seed, page size, WRITEs, pages, buffers, groups,
+REGION = struct.Struct("<QQQ")       # NICs per group, address length | remote addr, size, key
+PAGE = struct.Struct("<I")
+LANDED = struct.Struct("<Q")
+BURST = 64
+
+
+class Lane:
+    """One NIC's endpoint, CQ, AV and queue; and, on the server, its share of the WRITEs."""
+
+    def __init__(self, own, info):
+        self.info = info
+        self.domain, self.cq, self.av, self.ep = fi.open_endpoint(own, info)
+        self.poller = fi.Poller(self.cq)
+        self.queue = OpQueue(self.ep, self.cq, self.poller,
+                             slots=max(4 * info.tx_attr.size, CONTEXTS))
+        self.iters = self.submitted = 0
+        self.messages = []
+
+    def post_some(self):
+        """Submit up to BURST new WRITEs; the last only once all the others completed."""
+        q, last = self.queue, self.iters - 1
+        while self.submitted < last and len(q.pending) < BURST:
+            q.write(self.messages[self.submitted % len(self.messages)])
+            self.submitted += 1
+        if self.submitted == last and q.completed == last:
+            msg = self.messages[last % len(self.messages)]
+            msg.data = self.iters  # the immediate: how many WRITEs this NIC carried
+            q.write(msg, lib.FI_COMPLETION | lib.FI_REMOTE_CQ_DATA)
+            self.submitted += 1
+
+
+def lane_infos(args, head, groups, per_group):
+    """The fi_info of each lane, group by group, and a line saying what the NICs are.
+    `per_group` None: every NIC of each GPU (one virtual NIC where there are none)."""
+    nics = topo.nics_here(head)
+    if not nics:
+        per_group = per_group or 1
+        return ([[head] * per_group for _ in range(groups)],
+                f"{groups} x {per_group} virtual NICs: independent domains of "
+                f"{args.provider_used} (no NIC with a PCI address here)")
+    by_name = {fi.string(i.domain_attr.name): i for i in fi.each(head)}
+    if args.gpus:
+        gpu_buses, _ = topo.gpus_here()
+        layout = topo.layout(gpu_buses, nics)
+        if max(args.gpus) >= len(layout):
+            raise ValueError(f"no GPU {max(args.gpus)} in the topology ({len(layout)} GPUs)")
+        mine = [layout[g].nics for g in args.gpus]
+    else:
+        mine = topo.split(nics, groups)
+    chosen = topo.take(mine, per_group)
+    return ([[by_name[n.name] for n in group] for group in chosen],
+            f"{groups} x {len(chosen[0])} NICs: " + "; ".join(" ".join(n.name for n in group)
+                                                           for group in chosen))
+
+
+def server(info, args, warmup=None):
+    with fi.Closer() as own:
+        control = Lane(own, info)
+        inbox = fi.Inbox(own, control.domain, control.ep, MAX_MESSAGE)
+        addr = fi.getname(control.ep).hex()
+        print(f"server address: {addr}")
+        print(f"run the client: python {sys.argv[0]} -p {args.provider_used} {addr}", flush=True)
+        served, backlog = 0, []
+        while not args.clients or served < args.clients:
+            if not backlog:
+                _, length = control.poller.wait([inbox.ctx], None, "CONNECT")
+                backlog.append(inbox.take(length))
+            request = backlog.pop(0)
+            served += 1
+            try:
+                with fi.Closer() as client_own:
+                    serve(client_own, info, control, inbox, backlog, request, args, warmup)
+            except (fi.FabricError, TimeoutError, ValueError) as e:
+                print(f"client {served}: failed: {e}", file=sys.stderr, flush=True)
+
+
+def serve(own, head, control, inbox, backlog, request, args, warmup):
+    seed, page_size, iters, npages, nbufs, groups, per_group, addrlen = \
+        HEADER.unpack_from(request)
+    if args.gpus and len(args.gpus) != groups:
+        raise ValueError(f"the client has {groups} groups, this server {len(args.gpus)} GPUs")
+    at = HEADER.size
+    client = fi.av_insert(control.av, request[at:at + addrlen])
+    own.callback(fi.av_remove, control.av, client)
+    beat = Heartbeat(own, control.domain, client)
+    infos, what = lane_infos(args, head, groups, per_group)
+    print(what, flush=True)
+    lanes = []
+    try:
+        for g in range(groups):
+            for n in range(per_group):
+                at += addrlen
+                lane = Lane(own, infos[g][n])
+                lane.peer = fi.av_insert(lane.av, request[at:at + addrlen])
+                lanes.append(lane)
+        at += addrlen
+        regions = [REGION.unpack_from(request, at + i * REGION.size)
+                   for i in range(groups * per_group * nbufs)]
+        at += len(regions) * REGION.size
+        pages = [PAGE.unpack_from(request, at + i * PAGE.size)[0] for i in range(npages)]
+        per_buffer = regions[0][1] // page_size
+
+        for k, lane in enumerate(lanes):  # WRITEs per lane, as even as they come
+            lane.iters = iters // len(lanes) + (k < iters % len(lanes))
+        sources = []
+        for g in range(groups):
+            gpu = args.gpus[g] if args.gpus else None
+            source = memory.Buffer(page_size * npages, gpu)
+            for j, page in enumerate(pages):
+                source.write(j * page_size, memory.seeded_page(seed + g, page, page_size))
+                beat.maybe(control.queue, 0)
+                control.queue.progress()
+            sources.append(source)
+            for n in range(per_group):
+                k = g * per_group + n
+                build_messages(own, lanes[k], source, regions[k * nbufs:(k + 1) * nbufs],
+                               pages, page_size, per_buffer, n, per_group)
+        # chapter 10: first contact on every NIC, before the clock starts
+        compare = warmup(lanes, control, args.timeout) if warmup else None
+        start = write_all(lanes, control, beat, page_size, args.timeout)
+        while len(message := next_message(control, inbox, args.timeout)) != LANDED.size:
+            backlog.append(message)
+        elapsed = time.perf_counter() - start
+    except BaseException:
+        for lane in lanes + [control]:
+            lane.queue.drain(args.timeout)
+        raise
+    report(args, lanes, sources, iters, page_size, elapsed)
+    if compare:
+        compare(elapsed)
+
+
+def build_messages(own, lane, source, regions, pages, page_size, per_buffer, n, per_group):
+    """This lane's WRITE messages: pages n, n + N, n + 2N, ... of its group, with the
+    source registered on this lane's domain and the client's keys for this NIC."""
+    desc = fi.mr_desc(memory.register(own, lane.domain, source, lib.FI_WRITE, key=2000))
+    mine = list(range(n, len(pages), per_group)) or [n % len(pages)]
+    lane.keep = (ffi.new("struct iovec[]", len(mine)), ffi.new("struct fi_rma_iov[]", len(mine)),
+                 ffi.new("void *[1]", [desc]), ffi.new("struct fi_msg_rma[]", len(mine)))
+    iovs, rmas, descs, messages = lane.keep
+    for i, j in enumerate(mine):
+        base, _, key = regions[pages[j] // per_buffer]
+        iovs[i] = {"iov_base": ffi.cast("void *", source.ptr + j * page_size),
+                   "iov_len": page_size}
+        rmas[i] = {"addr": base + (pages[j] % per_buffer) * page_size, "len": page_size,
+                   "key": key}
+        messages[i] = {"msg_iov": iovs + i, "desc": descs, "iov_count": 1, "addr": lane.peer,
+                       "rma_iov": rmas + i, "rma_iov_count": 1}
+    lane.messages = [messages + i for i in range(len(mine))]
+
+
+def write_all(lanes, control, beat, page_size, timeout):
+    """Every lane's WRITEs, one thread visiting each lane in turn; returns the start time."""
+    total = sum(lane.iters for lane in lanes)
+    progress = bench.Progress("WRITEs completed", total, page_size)
+    start = last_completion = time.perf_counter()
+    busy = [lane for lane in lanes if lane.iters]
+    while busy:
+        for lane in busy:
+            lane.post_some()
+            if lane.queue.progress():
+                last_completion = time.perf_counter()
+        busy = [lane for lane in busy if lane.queue.completed < lane.iters]
+        control.queue.progress()
+        done = sum(lane.queue.completed for lane in lanes)
+        if time.perf_counter() - last_completion > timeout:
+            raise TimeoutError(f"no WRITE completed for {timeout:g} s ({done} of {total} "
+                               "done): is the client still there?")
+        if beat.maybe(control.queue, done):
+            progress.update(done)
+    progress.close()
+    return start
+
+
+def next_message(control, inbox, timeout):
+    deadline = time.monotonic() + timeout
+    while fi.key(inbox.ctx) not in control.poller.done:
+        if not control.queue.progress() and time.monotonic() > deadline:
+            raise TimeoutError(f"the client did not confirm its data within {timeout:g} s")
+    return inbox.take(control.poller.done.pop(fi.key(inbox.ctx)))
+
+
+def report(args, lanes, sources, iters, page_size, elapsed):
+    done = [lane.queue.completed for lane in lanes]
+    if sum(done) != iters or any(d != lane.iters for d, lane in zip(done, lanes)):
+        raise ValueError(f"completions per NIC {done}, expected {[l.iters for l in lanes]}")
+    print(f"wrote from {len(sources)} x {' / '.join(sorted({s.kind for s in sources}))}; "
+          f"WRITEs per NIC: "
+          f"{' '.join(map(str, done))}, each NIC's last with immediate data; "
+          f"-FI_EAGAIN {sum(lane.queue.eagain for lane in lanes)} times")
+    f = bench.figures(iters, page_size, elapsed)
+    memory_kind = "cuda" if args.gpus else "host"
+    here = bench.machine(args.gpus[0] if args.gpus else None)
+    lim = bench.limit([lane.info for lane in lanes], args.provider_used, memory_kind,
+                      page_size, here)
+    print(bench.summary(f, lim), flush=True)
+    if args.json:
+        path = args.json if args.json != "auto" else (
+            bench.RESULTS / "runs" / f"{args.chapter}-{args.provider_used}-{memory_kind}-"
+            f"{len(lanes)}nics-{page_size}-{time.strftime('%Y%m%dT%H%M%S')}.json")
+        record = bench.record(path, args.chapter, args, lanes[0].info, memory_kind, here, f, lim)
+        print(f"result: {record}")
+
+
+def client(info, args, addr, infos):
+    groups, per_group = len(infos), len(infos[0])
+    with fi.Closer() as own:
+        control = Lane(own, info)
+        inbox = fi.Inbox(own, control.domain, control.ep, HEARTBEAT.size)
+        server_addr = fi.av_insert(control.av, addr)
+        lanes = [Lane(own, i) for group in infos for i in group]
+        for lane in lanes:  # a posted receive, for providers that use one per immediate
+            fi.Inbox(own, lane.domain, lane.ep, 64)
+        buffers = [[memory.Buffer(args.buffer_size, args.gpus[g] if args.gpus else None)
+                    for _ in range(args.buffers)] for g in range(groups)]
+        regions = b""
+        for k, lane in enumerate(lanes):  # every buffer of the group, on each of its NICs
+            for i, b in enumerate(buffers[k // per_group]):
+                mr = memory.register(own, lane.domain, b, lib.FI_REMOTE_WRITE, key=i + 1)
+                regions += REGION.pack(fi.remote_base(lane.info, b.ptr), b.size, fi.mr_key(mr))
+        print(f"memory: {groups} x {args.buffers} x {args.buffer_size} bytes of "
+              f"{' / '.join(sorted({bs[0].kind for bs in buffers}))}")
+        me = fi.getname(control.ep)
+        request = (HEADER.pack(args.seed, args.page_size, args.iters, len(args.pages),
+                               args.buffers, groups, per_group, len(me)) + me
+                   + b"".join(fi.getname(lane.ep) for lane in lanes) + regions
+                   + b"".join(PAGE.pack(p) for p in args.pages))
+        out = ffi.new("char[]", request)
+        out_mr = own(fi.mr_reg(control.domain, out, len(request), lib.FI_SEND, key=1001))
+        ctx = ffi.new("struct fi_context2 *")
+        control.poller.until_posted(lambda: fi.sendmsg(
+            control.ep, out, len(request), fi.mr_desc(out_mr), server_addr, ctx),
+            args.timeout, "CONNECT accepted")
+        control.poller.wait([ctx], args.timeout, "CONNECT completion: is the server running?")
+
+        data = wait_immediates(control, inbox, lanes, args)
+        for bs in buffers:
+            memory.synchronize(bs[0].gpu)
+        landed = ffi.new("char[]", LANDED.pack(sum(data)))
+        landed_mr = own(fi.mr_reg(control.domain, landed, LANDED.size, lib.FI_SEND, key=1002))
+        control.poller.until_posted(lambda: fi.sendmsg(
+            control.ep, landed, LANDED.size, fi.mr_desc(landed_mr), server_addr, ctx),
+            args.timeout, "LANDED accepted")
+        control.poller.wait([ctx], args.timeout, "LANDED completion")
+        print(f"immediate data from {len(lanes)} NICs, one each: {' '.join(map(str, data))}")
+        wrong = [memory.count_wrong(bs, args.page_size, args.seed + g, args.pages)
+                 for g, bs in enumerate(buffers)]
+        print(f"verified {groups} x {len(args.pages)} pages "
+              f"({groups * len(args.pages) * args.page_size} bytes): {sum(wrong)} wrong bytes")
+        if sum(data) != args.iters or sum(wrong):
+            raise ValueError(f"{sum(wrong)} wrong bytes, immediates add up to {sum(data)} "
+                             f"(expected {args.iters})")
+
+
+def wait_immediates(control, inbox, lanes, args):
+    """One immediate per lane; heartbeats on the control endpoint keep the wait alive."""
+    progress = bench.Progress("WRITEs completed (server's count)", args.iters, args.page_size)
+    data = [None] * len(lanes)
+    deadline = time.monotonic() + args.timeout
+    while None in data:
+        for k, lane in enumerate(lanes):
+            if data[k] is None:
+                lane.poller.poll()
+                if lane.poller.remote_data:
+                    data[k] = lane.poller.remote_data.pop(0)
+        control.poller.poll()
+        if fi.key(inbox.ctx) in control.poller.done:
+            length = control.poller.done.pop(fi.key(inbox.ctx))
+            progress.update(HEARTBEAT.unpack(inbox.take(length))[0])
+            deadline = time.monotonic() + args.timeout
+        elif time.monotonic() > deadline:
+            raise TimeoutError(f"no heartbeat from the server within {args.timeout:g} s "
+                               f"({len(data) - data.count(None)} of {len(lanes)} NICs done)")
+    progress.close()
+    return data
+
+
+def parse(doc):
+    """The arguments of chapters 09 on, checked before anything is opened."""
+    p = cli.parser(doc)
+    cli.add_peer(p)
+    cli.add_pages(p, pages="the first 1000 of each buffer", buffer_size=1 << 30, gpu=False)
+    p.add_argument("--gpus", help="GPUs whose memory (and NICs) to use, e.g. 0,1")
+    p.add_argument("--groups", type=int, default=1,
+                   help="without --gpus: how many GPUs to stand in for with host memory")
+    p.add_argument("--nics-per-gpu", type=int, help="NICs per GPU (default: all of them; "
+                   "where there are none: virtual NICs, default 1)")
+    p.add_argument("--iters", type=int, default=1_000_000, help="WRITEs over all NICs")
+    p.add_argument("--json", nargs="?", const="auto", help="server: write the figures as JSON")
+    args = p.parse_args()
+    try:
+        args.gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
+    except ValueError:
+        raise cli.UsageError(f"--gpus takes GPU numbers like 0,1, not '{args.gpus}'") from None
+    groups = len(args.gpus) if args.gpus else args.groups
+    nics = 1 if args.nics_per_gpu is None else args.nics_per_gpu
+    if not 1 <= groups <= 64 or not 1 <= nics <= 64:
+        raise cli.UsageError("--groups/--gpus and --nics-per-gpu must be 1..64")
+    cli.check_pages(args, lambda per_buffer: [b * per_buffer + i for b in range(args.buffers)
+                                              for i in range(min(1000, per_buffer))])
+    lanes = groups * nics
+    if not lanes <= args.iters < 1 << 32:
+        raise cli.UsageError(f"--iters must be {lanes}..{(1 << 32) - 1}: at least one WRITE "
+                             "per NIC")
+    if (HEADER.size + 64 * (lanes + 1) + lanes * args.buffers * REGION.size
+            + len(args.pages) * PAGE.size > MAX_MESSAGE):
+        raise cli.UsageError(f"too many pages, buffers or NICs for one {MAX_MESSAGE}-byte CONNECT")
+    for gpu in reversed(args.gpus or []):  # each must exist; the first ends up current
+        memory.use_gpu(gpu)
+
+    args.groups = groups
+    return args
+
+
+def run(doc, chapter, warmup=None):
+    """A chapter's main(): server or client, as chapter 09 shows them."""
+    args = parse(doc)
+    args.chapter = chapter
+    info, addr = cli.peer(args, CAPS, prefer=lib.FI_HMEM if args.gpus else 0)
+    if addr is None:
+        return server(info, args, warmup)
+    infos, what = lane_infos(args, info, args.groups, args.nics_per_gpu)  # before opening
+    print(what)
+    return client(info, args, addr, infos)

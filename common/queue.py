@@ -1,0 +1,135 @@
+"""The pending-operation queue of chapter 07, for the chapters after it.
+
+A provider that is full answers -FI_EAGAIN. The operation then waits here, in
+order, while the caller reads the CQ (which is what frees room and, on most
+providers, moves the data); each read posts what waited, oldest first.
+"""
+import collections
+import struct
+import time
+
+import common.fabric as fi
+from common.fabric import ffi, lib
+
+WRITE, SEND = 1, 2               # what an operation in flight is
+CONTEXTS = 4096                  # at least this many operations may be in flight
+HEARTBEAT = struct.Struct("<Q")  # server -> client: WRITEs completed so far
+BEAT_EVERY = 0.5                 # seconds between heartbeats
+
+
+class OpQueue:
+    """Operations handed to the provider, or waiting in order for room after -FI_EAGAIN.
+
+    Each operation in flight owns one context from a free list; its completion
+    gives the context back, so an operation completing twice (or never) shows.
+    WRITEs are the bulk; a heartbeat SEND goes through the same queue and
+    waits its turn like them.
+    """
+
+    def __init__(self, ep, cq, poller, slots):
+        self.ep, self.cq, self.poller = ep, cq, poller
+        self.contexts = ffi.new("struct fi_context2[]", slots)
+        self.first, self.stride = fi.key(self.contexts), ffi.sizeof("struct fi_context2")
+        self.context = [self.contexts + i for i in range(slots)]
+        self.free = collections.deque(range(slots))  # oldest freed first: a stale
+        # completion then finds its context idle, not reused
+        self.busy = bytearray(slots)         # what that context is doing: 0, WRITE or SEND
+        self.pending = collections.deque()  # (kind, message, flags) not taken yet
+        self.entries = fi.cq_entries(64)
+        self.completed = self.eagain = self.sends = 0
+
+    def write(self, msg, flags=lib.FI_COMPLETION):
+        self.submit(WRITE, msg, flags)
+
+    def send(self, msg):
+        self.sends += 1
+        self.submit(SEND, msg, lib.FI_COMPLETION)
+
+    def submit(self, kind, msg, flags):
+        """Post now, or queue behind the operations already waiting (order is kept)."""
+        if self.pending or not self._post(kind, msg, flags):
+            self.pending.append((kind, msg, flags))
+
+    def _post(self, kind, msg, flags):
+        if not self.free:  # every context in flight: wait for completions like for EAGAIN
+            return False
+        slot = self.free.popleft()
+        msg.context = self.context[slot]
+        rc = (lib.fi_writemsg if kind == WRITE else lib.fi_sendmsg)(self.ep, msg, flags)
+        if rc == 0:
+            self.busy[slot] = kind
+            return True
+        self.free.append(slot)
+        if rc == -lib.FI_EAGAIN:
+            self.eagain += 1
+            return False
+        raise fi.FabricError("fi_writemsg" if kind == WRITE else "fi_sendmsg", rc)
+
+    def progress(self):
+        """Read completions (which is also what makes the provider move data), then post
+        what waited. Returns the number of WRITEs completed by this call."""
+        n = fi.cq_read(self.cq, self.entries)
+        done = 0
+        for e in self.entries[0:n]:
+            slot = (fi.key(e.op_context) - self.first) // self.stride
+            if not 0 <= slot < len(self.busy):  # not ours: a receive, for the poller
+                self.poller.keep(e)
+                continue
+            kind = self.busy[slot]
+            if not kind:
+                raise ValueError(f"a second completion for the operation of context {slot}")
+            self.busy[slot] = 0
+            self.free.append(slot)
+            if kind == WRITE:
+                done += 1
+            else:
+                self.sends -= 1
+        self.completed += done
+        while self.pending and self._post(*self.pending[0]):
+            self.pending.popleft()
+        return done
+
+    def in_flight(self):
+        return len(self.busy) - len(self.free)
+
+    def drain(self, timeout):
+        """After a failure: wait (bounded) for what is in flight, so no completion of
+        ours lands on the next client's queue, and no WRITE reads freed memory."""
+        deadline = time.monotonic() + timeout
+        self.pending.clear()
+        while self.in_flight() and time.monotonic() < deadline:
+            try:
+                self.progress()
+            except fi.CompletionError as e:  # a failed operation gives its context back too
+                slot = (fi.key(e.context) - self.first) // self.stride
+                if 0 <= slot < len(self.busy) and self.busy[slot]:
+                    self.busy[slot] = 0
+                    self.free.append(slot)
+
+
+class Heartbeat:
+    """Every BEAT_EVERY seconds, a SEND telling the client how many WRITEs have completed.
+
+    Without it the client, whose CPU sees nothing of one-sided WRITEs, could
+    not tell a long run from a dead server. One beat at a time: its buffer is
+    in use until the SEND completes.
+    """
+
+    def __init__(self, own, domain, client):
+        self.buf = ffi.new("char[]", HEARTBEAT.size)
+        mr = own(fi.mr_reg(domain, self.buf, HEARTBEAT.size, lib.FI_SEND, key=2001))
+        self.iov = ffi.new("struct iovec *", {"iov_base": self.buf, "iov_len": HEARTBEAT.size})
+        self.desc = ffi.new("void *[1]", [fi.mr_desc(mr)])
+        self.msg = ffi.new("struct fi_msg *", {"msg_iov": self.iov, "desc": self.desc,
+                                               "iov_count": 1, "addr": client})
+        self.last = 0.0
+
+    def maybe(self, queue, completed):
+        """Queue a beat saying `completed` on `queue` (the endpoint that talks to the client)."""
+        now = time.perf_counter()
+        if now - self.last < BEAT_EVERY or queue.sends:
+            return False
+        self.buf[0:HEARTBEAT.size] = HEARTBEAT.pack(completed)
+        queue.send(self.msg)
+        self.last = now
+        return True
