@@ -11,6 +11,7 @@ import ast
 import re
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -65,6 +66,21 @@ def ch08(provider):
     return True, [f"{m[1]} GPUs, {m[2]} NICs, {m[3]} physical cores"]
 
 
+def multinet(chapter, provider):
+    pair = run_pair(chapter, provider, ["--clients", "1"],
+                    [["--nics-per-gpu", "4", "--iters", "20000", "--buffer-size", "4M",
+                      "--pages", "0-63"]])
+    speed = re.search(r"in ([\d.]+) s: ([\d.]+) Gbps", pair.server.out)
+    first = re.search(r"first contact vs steady state: ([\d.]+) ms vs ([\d.]+) us", pair.server.out)
+    ok = (pair.ok and speed is not None and "immediate data from 4 NICs" in pair.clients[0].out
+          and "verified 1 x 64 pages (4194304 bytes): 0 wrong bytes" in pair.clients[0].out
+          and (chapter == 9 or first is not None))
+    if not ok:
+        return False, [_failure(pair)]
+    extra = f", first WRITE {first[1]} ms vs {first[2]} us" if first else ""
+    return True, [f"4 NICs x 5000 WRITEs: {speed[2]} Gbps{extra}"]
+
+
 def _failure(pair):
     for run in [*pair.clients, pair.server]:
         if run.rc:
@@ -72,7 +88,8 @@ def _failure(pair):
     return "unexpected output"
 
 
-STEPS = {3: ch03, 4: ch04, 5: ch05, 6: ch06, 7: ch07, 8: ch08}
+STEPS = {3: ch03, 4: ch04, 5: ch05, 6: ch06, 7: ch07, 8: ch08,
+         9: partial(multinet, 9), 10: partial(multinet, 10)}
 
 
 def title(path):
