@@ -20,13 +20,19 @@ from pair import ROOT, chapter_path, local_env, run_pair  # noqa: E402
 MESSAGE = "Hello from the tour"
 
 
-def ch03(provider):
-    args = [sys.executable, str(chapter_path(3))] + (["-p", provider] if provider else [])
+def alone(chapter, provider, pattern, say):
+    """Run a chapter that needs no peer; `say(match)` words the result."""
+    args = [sys.executable, str(chapter_path(chapter))] + (["-p", provider] if provider else [])
     done = subprocess.run(args, capture_output=True, text=True, env=local_env(), timeout=60)
-    m = re.search(r"(\d+) providers, (\d+) \(provider, domain\) pairs", done.stdout)
+    m = re.search(pattern, done.stdout)
     if done.returncode or not m:
         return False, (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-    return True, [f"{m[1]} providers, {m[2]} (provider, domain) pairs"]
+    return True, [say(m)]
+
+
+def ch03(provider):
+    return alone(3, provider, r"(\d+) providers, (\d+) \(provider, domain\) pairs",
+                 lambda m: f"{m[1]} providers, {m[2]} (provider, domain) pairs")
 
 
 def ch04(provider):
@@ -58,12 +64,8 @@ def ch07(provider):
 
 
 def ch08(provider):
-    args = [sys.executable, str(chapter_path(8))] + (["-p", provider] if provider else [])
-    done = subprocess.run(args, capture_output=True, text=True, env=local_env(), timeout=60)
-    m = re.search(r"GPUs: (\d+).*NICs: (\d+).*physical cores: (\d+)", done.stdout)
-    if done.returncode or not m:
-        return False, (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-    return True, [f"{m[1]} GPUs, {m[2]} NICs, {m[3]} physical cores"]
+    return alone(8, provider, r"GPUs: (\d+).*NICs: (\d+).*physical cores: (\d+)",
+                 lambda m: f"{m[1]} GPUs, {m[2]} NICs, {m[3]} physical cores")
 
 
 def multinet(chapter, provider):
