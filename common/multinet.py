@@ -6,6 +6,7 @@ G x N lanes, a group's pages round robin over its lanes, one thread visiting
 every lane. Where a host has no NIC, a lane is one more domain of shm or tcp
 (a "virtual NIC"). Chapter 10 passes `warmup`, run before the clock starts.
 """
+import os
 import struct
 import sys
 import time
@@ -278,12 +279,14 @@ def wait_immediates(control, inbox, lanes, args):
     data = [None] * len(lanes)
     deadline = time.monotonic() + args.timeout
     while None in data:
+        seen = 0
         for k, lane in enumerate(lanes):
             if data[k] is None:
-                lane.poller.poll()
+                seen += lane.poller.poll()
                 if lane.poller.remote_data:
                     data[k] = lane.poller.remote_data.pop(0)
-        control.poller.poll()
+        if not seen + control.poller.poll():
+            os.sched_yield()  # nothing yet: let a peer on the same core run
         if fi.key(inbox.ctx) in control.poller.done:
             length = control.poller.done.pop(fi.key(inbox.ctx))
             progress.update(HEARTBEAT.unpack(inbox.take(length))[0])
