@@ -141,7 +141,8 @@ def client(info, args, addr):
     with fi.Closer() as own:
         domain, cq, av, ep = fi.open_endpoint(own, info)
         poller = fi.Poller(cq)
-        fi.Inbox(own, domain, ep, MAX_MESSAGE)  # a posted receive, for providers that use one per immediate
+        # a posted receive, for providers that use one per immediate
+        fi.Inbox(own, domain, ep, MAX_MESSAGE)
         buffers = [memory.Buffer(args.buffer_size, args.gpu) for _ in range(args.buffers)]
         mrs = [memory.register(own, domain, b, lib.FI_REMOTE_WRITE, key=i + 1)
                for i, b in enumerate(buffers)]

@@ -144,7 +144,8 @@ def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
         source = memory.Buffer(page_size * npages, args.gpu)
         for j, page in enumerate(pages):
             source.write(j * page_size, memory.seeded_page(seed, page, page_size))
-            beat.maybe(queue, queue.completed)  # this can take seconds: the client must not give up on us
+            # this can take seconds: the client must not give up on us
+            beat.maybe(queue, queue.completed)
             queue.progress()
         desc = fi.mr_desc(memory.register(own, domain, source, lib.FI_WRITE, key=2000))
 

@@ -26,7 +26,8 @@ beside this page (scripts/diff.sh 09 shows it too).
     python chapters/09_multinet.py ADDRESS --groups 2 --nics-per-gpu 2 --iters 100000
     python chapters/09_multinet.py --gpus 0,1                         # server, GPUs 0 and 1
 
-Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory, 4 virtual NICs):
+Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory,
+4 virtual NICs):
 
     $ python chapters/09_multinet.py -p shm --clients 1
     provider: shm (asked for), domain shm

@@ -15,20 +15,20 @@ clock; the comparison printed after the run.
     python chapters/10_warmup.py                                  # server
     python chapters/10_warmup.py ADDRESS --nics-per-gpu 4         # client
 
-Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, tcp on loopback, host memory, 4 virtual NICs; the first WRITE
-on each opens a TCP connection):
+Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, tcp on loopback,
+host memory, 4 virtual NICs; the first WRITE on each opens a TCP connection):
 
     $ python chapters/10_warmup.py -p tcp --clients 1
     provider: tcp;ofi_rxm (asked for), domain lo
-    server address: 0200b1ad7f0000010000000000000000
-    run the client: python chapters/10_warmup.py -p tcp 0200b1ad7f0000010000000000000000
+    server address: 02008a4f7f0000010000000000000000
+    run the client: python chapters/10_warmup.py -p tcp 02008a4f7f0000010000000000000000
     1 x 4 virtual NICs: independent domains of tcp (no NIC with a PCI address here)
-    warmup: first WRITE per NIC 76.302 ms on average, 80.362 ms at most (4 NICs)
-    wrote from 1 x host memory; WRITEs per NIC: 2500 2500 2500 2500, each NIC's last with immediate data; -FI_EAGAIN 13401 times
-    10000 WRITEs of 65536 bytes in 0.484 s: 10.837 Gbps, 0.021 Mpps (no link speed and no baseline here: run scripts/baseline.py)
-    first contact vs steady state: 80.362 ms vs 193.5 us per WRITE per NIC (415x)
+    warmup: first WRITE per NIC 68.804 ms on average, 75.667 ms at most (4 NICs)
+    wrote from 1 x host memory; WRITEs per NIC: 2500 2500 2500 2500, each NIC's last with immediate data; -FI_EAGAIN 12398 times
+    10000 WRITEs of 65536 bytes in 0.679 s: 7.723 Gbps, 0.015 Mpps (72.0% of 10.728 Gbps, fi_rma_bw here (results/baselines/vm-2core-tcp-host.json))
+    first contact vs steady state: 75.667 ms vs 271.6 us per WRITE per NIC (279x)
 
-    $ python chapters/10_warmup.py -p tcp 0200b1ad7f0000010000000000000000 --nics-per-gpu 4 --iters 10000 --buffer-size 64M --pages 0-63
+    $ python chapters/10_warmup.py -p tcp 02008a4f7f0000010000000000000000 --nics-per-gpu 4 --iters 10000 --buffer-size 64M --pages 0-63
     provider: tcp;ofi_rxm (asked for), domain lo
     1 x 4 virtual NICs: independent domains of tcp (no NIC with a PCI address here)
     memory: 1 x 2 x 67108864 bytes of host memory

@@ -1,4 +1,5 @@
-"""Chapter 07: many WRITEs through the pending queue, each completed exactly once, every byte checked."""
+"""Chapter 07: many WRITEs through the pending queue, each completed exactly once,
+every byte checked."""
 import importlib.util
 import json
 import re
