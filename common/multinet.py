@@ -74,7 +74,7 @@ def lane_infos(args, head, groups, per_group):
                                                            for group in chosen))
 
 
-def server(info, args, warmup=None):
+def server(info, args, warmup=None, engine=None):
     with fi.Closer() as own:
         control = Lane(own, info)
         inbox = fi.Inbox(own, control.domain, control.ep, MAX_MESSAGE)
@@ -90,12 +90,13 @@ def server(info, args, warmup=None):
             served += 1
             try:
                 with fi.Closer() as client_own:
-                    serve(client_own, info, control, inbox, backlog, request, args, warmup)
+                    serve(client_own, info, control, inbox, backlog, request, args, warmup,
+                          engine or write_all)
             except (fi.FabricError, TimeoutError, ValueError) as e:
                 print(f"client {served}: failed: {e}", file=sys.stderr, flush=True)
 
 
-def serve(own, head, control, inbox, backlog, request, args, warmup):
+def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
     seed, page_size, iters, npages, nbufs, groups, per_group, addrlen = \
         HEADER.unpack_from(request)
     if args.gpus and len(args.gpus) != groups:
@@ -112,6 +113,7 @@ def serve(own, head, control, inbox, backlog, request, args, warmup):
             for n in range(per_group):
                 at += addrlen
                 lane = Lane(own, infos[g][n])
+                lane.group = g
                 lane.peer = fi.av_insert(lane.av, request[at:at + addrlen])
                 lanes.append(lane)
         at += addrlen
@@ -138,7 +140,7 @@ def serve(own, head, control, inbox, backlog, request, args, warmup):
                                pages, page_size, per_buffer, n, per_group)
         # chapter 10: first contact on every NIC, before the clock starts
         compare = warmup(lanes, control, args.timeout) if warmup else None
-        start = write_all(lanes, control, beat, page_size, args.timeout)
+        start = engine(lanes, control, beat, page_size, args.timeout)
         while len(message := next_message(control, inbox, args.timeout)) != LANDED.size:
             backlog.append(message)
         elapsed = time.perf_counter() - start
@@ -298,9 +300,11 @@ def wait_immediates(control, inbox, lanes, args):
     return data
 
 
-def parse(doc):
+def parse(doc, add_args=None):
     """The arguments of chapters 09 on, checked before anything is opened."""
     p = cli.parser(doc)
+    if add_args:
+        add_args(p)
     cli.add_peer(p)
     cli.add_pages(p, pages="the first 1000 of each buffer", buffer_size=1 << 30, gpu=False)
     p.add_argument("--gpus", help="GPUs whose memory (and NICs) to use, e.g. 0,1")
@@ -335,13 +339,15 @@ def parse(doc):
     return args
 
 
-def run(doc, chapter, warmup=None):
-    """A chapter's main(): server or client, as chapter 09 shows them."""
-    args = parse(doc)
+def run(doc, chapter, warmup=None, engine=None, add_args=None):
+    """A chapter's main(): server or client, as chapter 09 shows them. Later chapters
+    pass `warmup` (run before the clock), `engine` (what posts the WRITEs: write_all
+    by default) and `add_args` (their own flags)."""
+    args = parse(doc, add_args)
     args.chapter = chapter
     info, addr = cli.peer(args, CAPS, prefer=lib.FI_HMEM if args.gpus else 0)
     if addr is None:
-        return server(info, args, warmup)
+        return server(info, args, warmup, engine and (lambda *a: engine(args, *a)))
     infos, what = lane_infos(args, info, args.groups, args.nics_per_gpu)  # before opening
     print(what)
     return client(info, args, addr, infos)

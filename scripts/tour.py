@@ -91,7 +91,7 @@ def _failure(pair):
 
 
 STEPS = {3: ch03, 4: ch04, 5: ch05, 6: ch06, 7: ch07, 8: ch08,
-         9: partial(multinet, 9), 10: partial(multinet, 10)}
+         9: partial(multinet, 9), 10: partial(multinet, 10), 11: partial(multinet, 11)}
 
 
 def title(path):

@@ -1,4 +1,4 @@
-"""Chapters 09 and 10: G groups x N (virtual) NICs, one immediate per NIC, every page checked."""
+"""Chapters 09-11: G groups x N (virtual) NICs, one immediate per NIC, every page checked."""
 import re
 
 import pytest
@@ -7,14 +7,18 @@ from common import topo
 from scripts.pair import run_pair
 from tests.gpu import has_gpu
 from tests.test_bad_input import SHM_DEAD, assert_one_line_error, run
+from tests.test_queue import client_gone_server_survives
 
 SMALL = ["--buffer-size", "4M", "--pages", "0-63", "--iters", "3001"]
 
 
-@pytest.mark.parametrize("chapter", [9, 10])
+ENGINES = [(9, []), (10, []), (11, ["--engine", "native"]), (11, ["--engine", "python"])]
+
+
+@pytest.mark.parametrize("chapter,server_args", ENGINES, ids=["09", "10", "11c", "11py"])
 @pytest.mark.parametrize("groups,nics", [(1, 1), (1, 4), (2, 2)])
-def test_every_nic_delivers(chapter, groups, nics, provider):
-    pair = run_pair(chapter, provider, ["--clients", "1"],
+def test_every_nic_delivers(chapter, server_args, groups, nics, provider):
+    pair = run_pair(chapter, provider, ["--clients", "1", *server_args],
                     [["--groups", str(groups), "--nics-per-gpu", str(nics), *SMALL]])
     assert pair.ok and not pair.stopped, pair
     client, server = pair.clients[0].out, pair.server.out
@@ -27,6 +31,8 @@ def test_every_nic_delivers(chapter, groups, nics, provider):
     assert len(counts) == lanes and sum(counts) == 3001 and max(counts) - min(counts) <= 1
     assert f"verified {groups} x 64 pages ({groups * 64 * 65536} bytes): 0 wrong bytes" in client
     assert f"WRITEs per NIC: {' '.join(map(str, counts))}" in server
+    if chapter == 11:
+        assert f"{groups} {server_args[1]} worker threads, one per GPU" in server
     if chapter == 10:
         assert re.search(rf"warmup: first WRITE per NIC [\d.]+ ms on average, [\d.]+ ms at most "
                          rf"\({lanes} NICs\)", server)
@@ -49,7 +55,7 @@ def test_real_nics_are_shared_out_evenly():
         topo.split(nics(4), 3)
 
 
-@pytest.mark.parametrize("chapter", [9, 10])
+@pytest.mark.parametrize("chapter", [9, 10, 11])
 @pytest.mark.parametrize("args,pattern", [
     (["--nics-per-gpu", "0"], "must be 1..64"),
     (["--groups", "0"], "must be 1..64"),
@@ -61,3 +67,22 @@ def test_real_nics_are_shared_out_evenly():
 def test_bad_input(chapter, args, pattern):
     done, _ = run(chapter, "-p", "shm", SHM_DEAD, *args)
     assert_one_line_error(done, pattern)
+
+
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_11_refusals_wait_in_order_and_nothing_is_lost(engine):
+    # shm without CMA runs out of bounce buffers at once: -FI_EAGAIN on every NIC
+    pair = run_pair(11, "shm", ["--clients", "1", "--engine", engine],
+                    [["--groups", "2", "--nics-per-gpu", "2", *SMALL]],
+                    env={"FI_SHM_DISABLE_CMA": "1", "FI_SHM_RX_SIZE": "8", "FI_SHM_TX_SIZE": "8"})
+    assert pair.ok, pair
+    eagain = re.search(r"-FI_EAGAIN (\d+) times", pair.server.out)
+    assert eagain and int(eagain[1]) > 0
+    assert "verified 2 x 64 pages (8388608 bytes): 0 wrong bytes" in pair.clients[0].out
+
+
+
+@pytest.mark.parametrize("chapter,server_args", ENGINES, ids=["09", "10", "11c", "11py"])
+def test_client_gone_mid_run_server_survives(chapter, server_args):
+    client_gone_server_survives(chapter, "shm", server_args,
+                                ["--groups", "2", "--nics-per-gpu", "2"])

@@ -163,10 +163,11 @@ def test_07_gpu_buffers():
     assert completions(pair.server.out)[0] == 200
 
 
-def start(args, until):
-    """A chapter 07 process, once it has printed a line matching `until`."""
-    proc = subprocess.Popen([sys.executable, str(chapter_path(7)), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=local_env())
+def start(chapter, args, until):
+    """A chapter's process, once it has printed a line matching `until`."""
+    proc = subprocess.Popen([sys.executable, str(chapter_path(chapter)), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=local_env())
     out, deadline = "", time.monotonic() + 20
     while not re.search(until, out, re.MULTILINE) and time.monotonic() < deadline:
         out += proc.stdout.readline()
@@ -174,26 +175,32 @@ def start(args, until):
     return proc, out
 
 
-def test_07_client_gone_mid_run_server_survives(provider):
-    server, out = start(["-p", provider, "--clients", "2", "--timeout", "2"], ADDRESS.pattern)
+def client_gone_server_survives(chapter, provider, server_args=(), client_args=()):
+    """A client stopped while WRITEs stream into it (Ctrl-C: it closes what it opened):
+    the server gives up on it within its --timeout and serves the next one."""
+    server, out = start(chapter, ["-p", provider, "--clients", "2", "--timeout", "2",
+                                  *server_args], ADDRESS.pattern)
     procs = [server]
     try:
         address = ADDRESS.search(out)[1]
-        # A client stopped while WRITEs stream into it (Ctrl-C: it closes what it opened).
-        gone, _ = start(["-p", provider, address, "--iters", "100000000", *SMALL], "^memory:")
+        gone, _ = start(chapter, ["-p", provider, address, "--iters", "100000000", *SMALL,
+                                  *client_args], "^memory:")
         procs.append(gone)
         time.sleep(1)
         gone.send_signal(signal.SIGINT)
         assert gone.wait(10) == 130
-        # The server gives up on it within its --timeout and serves the next one.
-        done = subprocess.run([sys.executable, str(chapter_path(7)), "-p", provider, address,
-                               "--iters", "500", *SMALL], capture_output=True, text=True,
-                              env=local_env(), timeout=60)
+        done = subprocess.run([sys.executable, str(chapter_path(chapter)), "-p", provider,
+                               address, "--iters", "500", *SMALL, *client_args],
+                              capture_output=True, text=True, env=local_env(), timeout=60)
         assert done.returncode == 0, done.stderr
-        assert "verified 64 pages (4194304 bytes): 0 wrong bytes" in done.stdout
+        assert re.search(r"verified .*64 pages .*: 0 wrong bytes", done.stdout)
         _, err = server.communicate(timeout=30)
     finally:
         for proc in procs:
             proc.kill()
     assert server.returncode == 0
     assert re.search(r"^client 1: failed: ", err, re.MULTILINE), err
+
+
+def test_07_client_gone_mid_run_server_survives(provider):
+    client_gone_server_survives(7, provider)

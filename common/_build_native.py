@@ -1,0 +1,42 @@
+"""The C helpers that live next to their chapters (chapters/NN_name.c): one cffi module each.
+
+A chapter's .c file begins with a comment `/* cdef ... */` holding what Python
+sees of it (its structs and functions, compiled ahead of the rest); it is compiled against the same libfabric as common._fabric and
+shares its types, so an endpoint or a message built there can be passed here.
+setup.py builds them all (module common._nativeNN); `python common/_build_native.py`
+builds them in place.
+"""
+import glob
+import os
+import re
+import sys
+
+from cffi import FFI
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _build_fabric import _flags, ffibuilder as fabric  # noqa: E402
+
+CHAPTERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "chapters")
+
+
+def builder(path):
+    source = open(path).read()
+    cdef = re.match(r"/\* cdef\n(.*?)\*/", source, re.S)
+    if not cdef:
+        sys.exit(f"{path}: must begin with a /* cdef ... */ comment")
+    ffi = FFI()
+    ffi.include(fabric)
+    ffi.cdef(re.sub(r"//.*", "", cdef[1]))
+    # The declarations are C too: compiled ahead of the file, they are written once.
+    ffi.set_source(f"common._native{os.path.basename(path)[:2]}",
+                   "#include <rdma/fi_rma.h>\n" + cdef[1] + source, **_flags())
+    return ffi
+
+
+SOURCES = sorted(glob.glob(os.path.join(CHAPTERS, "[0-9][0-9]_*.c")))
+for _path in SOURCES:  # ch11, ch12, ...: the names setup.py's cffi_modules point at
+    globals()["ch" + os.path.basename(_path)[:2]] = builder(_path)
+
+if __name__ == "__main__":
+    for _path in SOURCES:
+        globals()["ch" + os.path.basename(_path)[:2]].compile(verbose=True)
