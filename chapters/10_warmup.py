@@ -8,9 +8,9 @@ the series the first WRITE on an EFA NIC took about 20 ms against about
 and wait for it; then the clock measures the steady state only, and we print
 what first contact cost next to it.
 
-New since chapter 09: warm_up(), run by the engine of chapter 09
-(common/multinet.py) between building the WRITE messages and starting the
-clock; the comparison printed after the run.
+New since chapter 09: warm_up() (common/warmup.py, shown by scripts/diff.sh 10),
+run by the engine of chapter 09 (common/multinet.py) between building the WRITE
+messages and starting the clock; the comparison printed after the run.
 
     python chapters/10_warmup.py                                  # server
     python chapters/10_warmup.py ADDRESS --nics-per-gpu 4         # client
@@ -43,38 +43,8 @@ host memory, 4 virtual NICs; the first WRITE on each opens a TCP connection):
 #     print: first WRITE per NIC vs a WRITE in steady state
 
 # %%
-import time
-
 from common import cli, multinet
-
-
-# %% [markdown]
-# ## Code
-
-# %%
-def warm_up(lanes, control, timeout):
-    """One WRITE per lane, each waited for; returns what prints the comparison later."""
-    first = []
-    for lane in lanes:
-        start = time.perf_counter()
-        lane.queue.write(lane.messages[0])
-        deadline = time.monotonic() + timeout
-        while not lane.queue.progress():
-            control.queue.progress()  # heartbeats keep going meanwhile
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"warmup WRITE on NIC {len(first)} not completed in "
-                                   f"{timeout:g} s")
-        first.append(time.perf_counter() - start)
-        lane.queue.completed = 0  # the warmup is not part of the run's count
-    print(f"warmup: first WRITE per NIC {1e3 * sum(first) / len(first):.3f} ms on average, "
-          f"{1e3 * max(first):.3f} ms at most ({len(first)} NICs)", flush=True)
-
-    def compare(elapsed):
-        steady = elapsed * len(lanes) / sum(lane.iters for lane in lanes)
-        print(f"first contact vs steady state: {1e3 * max(first):.3f} ms vs "
-              f"{1e6 * steady:.1f} us per WRITE per NIC ({max(first) / steady:.0f}x)")
-    return compare
-
+from common.warmup import warm_up
 
 if __name__ == "__main__":
     cli.run(lambda: multinet.run(__doc__, "10_warmup", warm_up))
