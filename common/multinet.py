@@ -22,7 +22,7 @@ HEADER = struct.Struct("<QQQIHHHH")  # seed, page size, WRITEs, pages, buffers, 
 REGION = struct.Struct("<QQQ")       # NICs per group, address length | remote addr, size, key
 PAGE = struct.Struct("<I")
 LANDED = struct.Struct("<Q")
-BURST = 64
+BURST = 1  # new WRITEs per lane per visit: one, as in the series; chapter 14 posts more
 
 
 class Lane:
@@ -40,7 +40,9 @@ class Lane:
     def post_some(self):
         """Submit up to BURST new WRITEs; the last only once all the others completed."""
         q, last = self.queue, self.iters - 1
-        while self.submitted < last and len(q.pending) < BURST:
+        for _ in range(BURST):
+            if self.submitted >= last or len(q.pending) >= BURST:
+                break
             q.write(self.messages[self.submitted % len(self.messages)])
             self.submitted += 1
         if self.submitted == last and q.completed == last:
