@@ -1,14 +1,14 @@
-"""Benchmark chapters 07, 09 and 10 against the baselines, in the same run, over page sizes.
+"""Benchmark chapters 07 and 09-11 against the baselines, in the same run, over page sizes.
 
     python scripts/bench.py -p shm --sizes 4K,16K,64K,256K,1M,4M --label my-laptop
     python scripts/bench.py -p shm --sizes 1M,16M --gpus 0,1 --ucx DIR --label h200x2
-    python scripts/bench.py -p tcp --sizes 64K --chapters 7,9,10 --nics-per-gpu 4 --label my-laptop
+    python scripts/bench.py -p tcp --sizes 64K --chapters 7,9,10,11 --nics-per-gpu 4 --label my-laptop
 
 Each repeat runs each chapter's server and client on this host, then
 fi_rma_bw (write and writedata), and on GPUs UCX's put bandwidth and
 cudaMemcpyPeer, so that every ratio compares figures taken minutes apart.
 The chapters write 64 distinct pages in a loop, the footprint of fi_rma_bw's
-window of 64; 09 and 10 spread them over --nics-per-gpu NICs (virtual ones on
+window of 64; 09-11 spread them over --nics-per-gpu NICs (virtual ones on
 shm and tcp). Writes results/<chapter>/<label>-<provider>-<memory>.json and
 results/baselines/<label>-<provider>-<memory>.json.
 """
@@ -54,7 +54,7 @@ def main():
     p = parser(__doc__)
     p.add_argument("--ucx", help="unpacked libucx-cu13 wheel, for ucx_perftest (GPU only)")
     p.add_argument("--chapters", default="7", help="which chapters, e.g. 7,9,10 (default 7)")
-    p.add_argument("--nics-per-gpu", type=int, default=4, help="for 09 and 10 (default 4)")
+    p.add_argument("--nics-per-gpu", type=int, default=4, help="for 09 on (default 4)")
     args = parse(p)
     chapters = [int(c) for c in args.chapters.split(",")]
     tools = [(tool_name(c, args.nics_per_gpu),
