@@ -155,12 +155,8 @@ def client(info, args, addr):
                                           BAD_KEY if args.bad_key else fi.mr_key(mr))
                               for b, mr in zip(buffers, mrs))
                    + b"".join(PAGE.pack(p) for p in pages))
-        out = ffi.new("char[]", request)
-        out_mr = own(fi.mr_reg(domain, out, len(request), lib.FI_SEND, key=1001))
-        ctx = ffi.new("struct fi_context2 *")
-        poller.until_posted(lambda: fi.sendmsg(ep, out, len(request), fi.mr_desc(out_mr),
-                                               server_addr, ctx), args.timeout, "CONNECT accepted")
-        poller.wait([ctx], args.timeout, "CONNECT completion: is the server running?")
+        poller.send(own, domain, ep, request, server_addr, 1001, args.timeout, "CONNECT",
+                    ": is the server running?")
 
         data = poller.wait_remote_data(args.timeout, "WRITE with immediate data from the server")
         print(f"remote write completion: FI_REMOTE_CQ_DATA, immediate data {data}")

@@ -167,7 +167,7 @@ def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
         # A WRITE's completion says the source may be reused, not that the data has
         # landed (shm's CUDA IPC copies are still queued on the GPU then): the clock
         # stops when the client says its memory holds everything.
-        while len(message := next_message(queue, poller, inbox, args.timeout)) != LANDED.size:
+        while len(message := queue.next_message(inbox, args.timeout)) != LANDED.size:
             backlog.append(message)  # another client's CONNECT: it is served next
         elapsed = time.perf_counter() - start
     except BaseException:
@@ -183,9 +183,7 @@ def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
     print(f"completions: {queue.completed}, one per WRITE; -FI_EAGAIN {queue.eagain} times")
     print(bench.summary(f, lim), flush=True)
     if args.json:
-        path = args.json if args.json != "auto" else (
-            bench.RESULTS / "runs" / f"07_queue-{args.provider_used}-{memory_kind}-{page_size}-"
-            f"{time.strftime('%Y%m%dT%H%M%S')}.json")
+        path = bench.run_path(args.json, "07_queue", args.provider_used, memory_kind, page_size)
         print(f"result: {bench.record(path, '07_queue', args, info, memory_kind, here, f, lim)}")
 
 
@@ -219,15 +217,6 @@ def write_all(queue, beat, messages, iters, page_size, timeout):
     return start
 
 
-def next_message(queue, poller, inbox, timeout):
-    """The next message in the inbox, reading the CQ through the queue meanwhile."""
-    deadline = time.monotonic() + timeout
-    while fi.key(inbox.ctx) not in poller.done:
-        if not queue.progress() and time.monotonic() > deadline:
-            raise TimeoutError(f"the client did not confirm its data within {timeout:g} s")
-    return inbox.take(poller.done.pop(fi.key(inbox.ctx)))
-
-
 def client(info, args, addr):
     pages = args.pages
     with fi.Closer() as own:
@@ -247,12 +236,8 @@ def client(info, args, addr):
                                           BAD_KEY if args.bad_key else fi.mr_key(mr))
                               for b, mr in zip(buffers, mrs))
                    + b"".join(PAGE.pack(p) for p in pages))
-        out = ffi.new("char[]", request)
-        out_mr = own(fi.mr_reg(domain, out, len(request), lib.FI_SEND, key=1001))
-        ctx = ffi.new("struct fi_context2 *")
-        poller.until_posted(lambda: fi.sendmsg(ep, out, len(request), fi.mr_desc(out_mr),
-                                               server_addr, ctx), args.timeout, "CONNECT accepted")
-        poller.wait([ctx], args.timeout, "CONNECT completion: is the server running?")
+        poller.send(own, domain, ep, request, server_addr, 1001, args.timeout, "CONNECT",
+                    ": is the server running?")
 
         # One-sided WRITEs leave no trace here; the heartbeats say the server is alive.
         progress = bench.Progress("WRITEs completed (server's count)", args.iters, args.page_size)
@@ -264,11 +249,8 @@ def client(info, args, addr):
         progress.close()
         data = poller.remote_data.pop(0)
         memory.synchronize(args.gpu)  # the GPU has finished every copy into our buffers
-        landed = ffi.new("char[]", LANDED.pack(data))
-        landed_mr = own(fi.mr_reg(domain, landed, LANDED.size, lib.FI_SEND, key=1002))
-        poller.until_posted(lambda: fi.sendmsg(ep, landed, LANDED.size, fi.mr_desc(landed_mr),
-                                               server_addr, ctx), args.timeout, "LANDED accepted")
-        poller.wait([ctx], args.timeout, "LANDED completion")
+        poller.send(own, domain, ep, LANDED.pack(data), server_addr, 1002, args.timeout,
+                    "LANDED")
         print(f"remote write completion: FI_REMOTE_CQ_DATA, immediate data {data}")
         wrong = memory.count_wrong(buffers, args.page_size, args.seed, pages)
         print(f"verified {len(pages)} pages ({len(pages) * args.page_size} bytes): "

@@ -117,6 +117,14 @@ def summary(f, lim):
             f"{f['gbps']:.3f} Gbps, {f['mpps']:.3f} Mpps ({share})")
 
 
+def run_path(path, *name):
+    """Where `--json` writes: the file given, or for a bare `--json`
+    results/runs/<name parts>-<time>.json."""
+    if path != "auto":
+        return path
+    return RESULTS / "runs" / ("-".join(map(str, name)) + time.strftime("-%Y%m%dT%H%M%S.json"))
+
+
 def record(path, chapter, args, info, memory, here, f, lim):
     """Write one run as JSON (chapter, arguments, provider, libfabric, machine, git sha, figures)."""
     gbps, what = lim

@@ -458,6 +458,16 @@ class Poller:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no {what} within {timeout:g} s: is the peer running?")
 
+    def send(self, own, domain, ep, data, dest, key, timeout, what, hint=""):
+        """SEND the bytes `data` from a buffer registered for it (with requested `key`),
+        and wait for its completion; `what` names it in a timeout's message."""
+        buf = ffi.new("char[]", data)
+        mr = own(mr_reg(domain, buf, len(data), lib.FI_SEND, key=key))
+        ctx = ffi.new("struct fi_context2 *")
+        self.until_posted(lambda: sendmsg(ep, buf, len(data), mr_desc(mr), dest, ctx), timeout,
+                          f"{what} accepted")
+        self.wait([ctx], timeout, f"{what} completion{hint}")
+
     def wait(self, contexts, timeout, what, or_remote_data=False):
         """Wait until one of `contexts` completes: returns (that context, bytes received).
         With `or_remote_data`, immediate data arriving first ends the wait: (None, 0)."""

@@ -143,7 +143,7 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
         # chapter 10: first contact on every NIC, before the clock starts
         compare = warmup(lanes, control, args.timeout) if warmup else None
         start = engine(lanes, control, beat, page_size, args.timeout)
-        while len(message := next_message(control, inbox, args.timeout)) != LANDED.size:
+        while len(message := control.queue.next_message(inbox, args.timeout)) != LANDED.size:
             backlog.append(message)
         elapsed = time.perf_counter() - start
     except BaseException:
@@ -197,14 +197,6 @@ def write_all(lanes, control, beat, page_size, timeout):
     return start
 
 
-def next_message(control, inbox, timeout):
-    deadline = time.monotonic() + timeout
-    while fi.key(inbox.ctx) not in control.poller.done:
-        if not control.queue.progress() and time.monotonic() > deadline:
-            raise TimeoutError(f"the client did not confirm its data within {timeout:g} s")
-    return inbox.take(control.poller.done.pop(fi.key(inbox.ctx)))
-
-
 def report(args, lanes, sources, iters, page_size, elapsed):
     done = [lane.queue.completed for lane in lanes]
     if sum(done) != iters or any(d != lane.iters for d, lane in zip(done, lanes)):
@@ -220,9 +212,8 @@ def report(args, lanes, sources, iters, page_size, elapsed):
                       page_size, here)
     print(bench.summary(f, lim), flush=True)
     if args.json:
-        path = args.json if args.json != "auto" else (
-            bench.RESULTS / "runs" / f"{args.chapter}-{args.provider_used}-{memory_kind}-"
-            f"{len(lanes)}nics-{page_size}-{time.strftime('%Y%m%dT%H%M%S')}.json")
+        path = bench.run_path(args.json, args.chapter, args.provider_used, memory_kind,
+                              f"{len(lanes)}nics", page_size)
         record = bench.record(path, args.chapter, args, lanes[0].info, memory_kind, here, f, lim)
         print(f"result: {record}")
 
@@ -250,23 +241,14 @@ def client(info, args, addr, infos):
                                args.buffers, groups, per_group, len(me)) + me
                    + b"".join(fi.getname(lane.ep) for lane in lanes) + regions
                    + b"".join(PAGE.pack(p) for p in args.pages))
-        out = ffi.new("char[]", request)
-        out_mr = own(fi.mr_reg(control.domain, out, len(request), lib.FI_SEND, key=1001))
-        ctx = ffi.new("struct fi_context2 *")
-        control.poller.until_posted(lambda: fi.sendmsg(
-            control.ep, out, len(request), fi.mr_desc(out_mr), server_addr, ctx),
-            args.timeout, "CONNECT accepted")
-        control.poller.wait([ctx], args.timeout, "CONNECT completion: is the server running?")
+        control.poller.send(own, control.domain, control.ep, request, server_addr, 1001,
+                            args.timeout, "CONNECT", ": is the server running?")
 
         data = wait_immediates(control, inbox, lanes, args)
         for bs in buffers:
             memory.synchronize(bs[0].gpu)
-        landed = ffi.new("char[]", LANDED.pack(sum(data)))
-        landed_mr = own(fi.mr_reg(control.domain, landed, LANDED.size, lib.FI_SEND, key=1002))
-        control.poller.until_posted(lambda: fi.sendmsg(
-            control.ep, landed, LANDED.size, fi.mr_desc(landed_mr), server_addr, ctx),
-            args.timeout, "LANDED accepted")
-        control.poller.wait([ctx], args.timeout, "LANDED completion")
+        control.poller.send(own, control.domain, control.ep, LANDED.pack(sum(data)),
+                            server_addr, 1002, args.timeout, "LANDED")
         print(f"immediate data from {len(lanes)} NICs, one each: {' '.join(map(str, data))}")
         wrong = [memory.count_wrong(bs, args.page_size, args.seed + g, args.pages)
                  for g, bs in enumerate(buffers)]

@@ -89,6 +89,15 @@ class OpQueue:
             self.pending.popleft()
         return done
 
+    def next_message(self, inbox, timeout):
+        """The next message in `inbox` (an fi.Inbox on this endpoint), reading the CQ
+        through the queue meanwhile, so that WRITE completions are counted, not lost."""
+        deadline = time.monotonic() + timeout
+        while fi.key(inbox.ctx) not in self.poller.done:
+            if not self.progress() and time.monotonic() > deadline:
+                raise TimeoutError(f"the client did not confirm its data within {timeout:g} s")
+        return inbox.take(self.poller.done.pop(fi.key(inbox.ctx)))
+
     def in_flight(self):
         return len(self.busy) - len(self.free)
 
