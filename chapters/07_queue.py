@@ -84,8 +84,8 @@ import sys
 import time
 
 from common import bench, cli, memory
-from common.queue import CONTEXTS, HEARTBEAT, Heartbeat, OpQueue
-from common.fabric import ffi, lib
+from common.queue import CONTEXTS, HEARTBEAT, Heartbeat, OpQueue, write_messages
+from common.fabric import lib
 import common.fabric as fi
 
 CAPS = lib.FI_MSG | lib.FI_RMA
@@ -134,7 +134,6 @@ def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
     regions = [REGION.unpack_from(request, at + i * REGION.size) for i in range(nbufs)]
     at += nbufs * REGION.size
     pages = [PAGE.unpack_from(request, at + i * PAGE.size)[0] for i in range(npages)]
-    per_buffer = regions[0][1] // page_size
 
     # Contexts to spare: the provider, not us, should be the one to say "full".
     queue = OpQueue(ep, cq, poller, slots=max(4 * info.tx_attr.size, CONTEXTS))
@@ -150,20 +149,9 @@ def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
         desc = fi.mr_desc(memory.register(own, domain, source, lib.FI_WRITE, key=2000))
 
         # One WRITE message per page, built once; posting only sets its context.
-        iovs = ffi.new("struct iovec[]", npages)
-        rmas = ffi.new("struct fi_rma_iov[]", npages)
-        descs = ffi.new("void *[1]", [desc])
-        messages = ffi.new("struct fi_msg_rma[]", npages)
-        for j, page in enumerate(pages):
-            base, _, key = regions[page // per_buffer]
-            iovs[j] = {"iov_base": ffi.cast("void *", source.ptr + j * page_size),
-                       "iov_len": page_size}
-            rmas[j] = {"addr": base + (page % per_buffer) * page_size, "len": page_size,
-                       "key": key}
-            messages[j] = {"msg_iov": iovs + j, "desc": descs, "iov_count": 1, "addr": client,
-                           "rma_iov": rmas + j, "rma_iov_count": 1}
-        start = write_all(queue, beat, [messages + j for j in range(npages)], iters,
-                          page_size, args.timeout)
+        messages, _keep = write_messages(source, page_size, pages, range(npages), regions,
+                                         desc, client)
+        start = write_all(queue, beat, messages, iters, page_size, args.timeout)
         # A WRITE's completion says the source may be reused, not that the data has
         # landed (shm's CUDA IPC copies are still queued on the GPU then): the clock
         # stops when the client says its memory holds everything.

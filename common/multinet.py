@@ -12,8 +12,8 @@ import sys
 import time
 
 from common import bench, cli, memory, topo
-from common.fabric import ffi, lib
-from common.queue import CONTEXTS, HEARTBEAT, Heartbeat, OpQueue
+from common.fabric import lib
+from common.queue import CONTEXTS, HEARTBEAT, Heartbeat, OpQueue, write_messages
 import common.fabric as fi
 
 CAPS = lib.FI_MSG | lib.FI_RMA
@@ -123,7 +123,6 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
                    for i in range(groups * per_group * nbufs)]
         at += len(regions) * REGION.size
         pages = [PAGE.unpack_from(request, at + i * PAGE.size)[0] for i in range(npages)]
-        per_buffer = regions[0][1] // page_size
 
         for k, lane in enumerate(lanes):  # WRITEs per lane, as even as they come
             lane.iters = iters // len(lanes) + (k < iters % len(lanes))
@@ -139,7 +138,7 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
             for n in range(per_group):
                 k = g * per_group + n
                 build_messages(own, lanes[k], source, regions[k * nbufs:(k + 1) * nbufs],
-                               pages, page_size, per_buffer, n, per_group)
+                               pages, page_size, n, per_group)
         # chapter 10: first contact on every NIC, before the clock starts
         compare = warmup(lanes, control, args.timeout) if warmup else None
         start = engine(lanes, control, beat, page_size, args.timeout)
@@ -155,23 +154,13 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
         compare(elapsed)
 
 
-def build_messages(own, lane, source, regions, pages, page_size, per_buffer, n, per_group):
+def build_messages(own, lane, source, regions, pages, page_size, n, per_group):
     """This lane's WRITE messages: pages n, n + N, n + 2N, ... of its group, with the
     source registered on this lane's domain and the client's keys for this NIC."""
     desc = fi.mr_desc(memory.register(own, lane.domain, source, lib.FI_WRITE, key=2000))
     mine = list(range(n, len(pages), per_group)) or [n % len(pages)]
-    lane.keep = (ffi.new("struct iovec[]", len(mine)), ffi.new("struct fi_rma_iov[]", len(mine)),
-                 ffi.new("void *[1]", [desc]), ffi.new("struct fi_msg_rma[]", len(mine)))
-    iovs, rmas, descs, messages = lane.keep
-    for i, j in enumerate(mine):
-        base, _, key = regions[pages[j] // per_buffer]
-        iovs[i] = {"iov_base": ffi.cast("void *", source.ptr + j * page_size),
-                   "iov_len": page_size}
-        rmas[i] = {"addr": base + (pages[j] % per_buffer) * page_size, "len": page_size,
-                   "key": key}
-        messages[i] = {"msg_iov": iovs + i, "desc": descs, "iov_count": 1, "addr": lane.peer,
-                       "rma_iov": rmas + i, "rma_iov_count": 1}
-    lane.messages = [messages + i for i in range(len(mine))]
+    lane.messages, lane.keep = write_messages(source, page_size, pages, mine, regions, desc,
+                                              lane.peer)
 
 
 def write_all(lanes, control, beat, page_size, timeout):

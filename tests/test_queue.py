@@ -123,7 +123,7 @@ def test_07_a_second_completion_is_caught(monkeypatch):
         "FI_COMPLETION": ch.lib.FI_COMPLETION}))
     monkeypatch.setattr(ch.fi, "cq_read", cq_read)
     monkeypatch.setattr(ch.fi, "cq_entries", lambda n: [])
-    messages = ch.ffi.new("struct fi_msg_rma[]", 3)
+    messages = queue_module.ffi.new("struct fi_msg_rma[]", 3)
     queue = ch.OpQueue(None, None, None, slots=4)
     for page in range(3):
         queue.write(messages + page)
