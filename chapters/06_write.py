@@ -115,9 +115,7 @@ def serve(own, domain, ep, av, poller, request, args):
     per_buffer = regions[0][1] // page_size
 
     # The data, generated before anything is timed: page j of the request in slot j.
-    source = memory.Buffer(page_size * npages, args.gpu)
-    for j, page in enumerate(pages):
-        source.write(j * page_size, memory.seeded_page(seed, page, page_size))
+    source = memory.seeded_source(pages, page_size, seed, args.gpu)
     desc = fi.mr_desc(memory.register(own, domain, source, lib.FI_WRITE, key=2000))
 
     storage = ffi.new("struct fi_context2[]", npages)  # one context per WRITE in flight

@@ -140,12 +140,10 @@ def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
     beat = Heartbeat(own, domain, client)
     try:
         # The data, generated before anything is timed: page j of the request in slot j.
-        source = memory.Buffer(page_size * npages, args.gpu)
-        for j, page in enumerate(pages):
-            source.write(j * page_size, memory.seeded_page(seed, page, page_size))
-            # this can take seconds: the client must not give up on us
+        def keep_talking():  # this can take seconds: the client must not give up on us
             beat.maybe(queue, queue.completed)
             queue.progress()
+        source = memory.seeded_source(pages, page_size, seed, args.gpu, each=keep_talking)
         desc = fi.mr_desc(memory.register(own, domain, source, lib.FI_WRITE, key=2000))
 
         # One WRITE message per page, built once; posting only sets its context.

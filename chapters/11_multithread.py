@@ -157,11 +157,11 @@ def threaded(args, lanes, control, beat, page_size, timeout):
     if args.engine == "python":
         total, lock, stop = [0], threading.Lock(), threading.Event()
         threads = python_workers(lanes, total, lock, stop, errors)
-        count, halt = (lambda: total[0]), stop.set
+        halt = stop.set
     else:
         total, stop = ffi.new("uint64_t *"), ffi.new("int *")
         threads, structs = native_workers(lanes, control, total, stop, errors)
-        count, halt = (lambda: total[0]), (lambda: stop.__setitem__(0, 1))
+        halt = lambda: stop.__setitem__(0, 1)  # noqa: E731 (the workers read it atomically)
     print(f"{len(threads)} {args.engine} worker threads, one per GPU", flush=True)
     start = last = time.perf_counter()
     seen = 0
@@ -170,7 +170,7 @@ def threaded(args, lanes, control, beat, page_size, timeout):
     try:
         while any(t.is_alive() for t in threads) and not errors:
             control.queue.progress()
-            now, done = time.perf_counter(), count()
+            now, done = time.perf_counter(), total[0]
             if done != seen:
                 seen, last = done, now
             elif now - last > timeout:

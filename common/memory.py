@@ -96,6 +96,17 @@ def synchronize(gpu):
             cupy().cuda.runtime.deviceSynchronize()
 
 
+def seeded_source(pages, page_size, seed, gpu=None, each=None):
+    """A Buffer holding, in slot j, the seeded content of page pages[j]: what a writer
+    sends. `each()` runs after every page (generating can take seconds)."""
+    source = Buffer(page_size * len(pages), gpu)
+    for j, page in enumerate(pages):
+        source.write(j * page_size, seeded_page(seed, page, page_size))
+        if each:
+            each()
+    return source
+
+
 def count_wrong(buffers, page_size, seed, pages):
     """Bytes that differ from the seeded content, over `pages` of equal-sized `buffers`."""
     per_buffer = buffers[0].size // page_size

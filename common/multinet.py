@@ -126,14 +126,13 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
 
         for k, lane in enumerate(lanes):  # WRITEs per lane, as even as they come
             lane.iters = iters // len(lanes) + (k < iters % len(lanes))
+        def keep_talking():  # generating pages can take seconds: heartbeats meanwhile
+            beat.maybe(control.queue, 0)
+            control.queue.progress()
         sources = []
         for g in range(groups):
             gpu = args.gpus[g] if args.gpus else None
-            source = memory.Buffer(page_size * npages, gpu)
-            for j, page in enumerate(pages):
-                source.write(j * page_size, memory.seeded_page(seed + g, page, page_size))
-                beat.maybe(control.queue, 0)
-                control.queue.progress()
+            source = memory.seeded_source(pages, page_size, seed + g, gpu, each=keep_talking)
             sources.append(source)
             for n in range(per_group):
                 k = g * per_group + n
