@@ -13,7 +13,7 @@ import time
 
 from common import bench, cli, memory, topo
 from common.fabric import lib
-from common.queue import CONTEXTS, HEARTBEAT, Heartbeat, OpQueue, write_messages
+from common.opqueue import CONTEXTS, HEARTBEAT, Heartbeat, OpQueue, write_messages
 import common.fabric as fi
 
 CAPS = lib.FI_MSG | lib.FI_RMA
@@ -196,8 +196,10 @@ def report(args, lanes, sources, iters, page_size, elapsed):
     f = bench.figures(iters, page_size, elapsed)
     memory_kind = "cuda" if args.gpus else "host"
     here = bench.machine(args.gpus[0] if args.gpus else None)
+    # GPUs writing to each other: what NVLink carries both ways at once is the ceiling
+    both_ways = args.gpus and len(set(args.gpus)) == 2
     lim = bench.limit([lane.info for lane in lanes], args.provider_used, memory_kind,
-                      page_size, here)
+                      page_size, here, "cudaMemcpyPeer both ways" if both_ways else "fi_rma_bw")
     print(bench.summary(f, lim), flush=True)
     if args.json:
         path = bench.run_path(args.json, args.chapter, args.provider_used, memory_kind,
