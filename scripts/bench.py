@@ -28,15 +28,16 @@ from pair import chapter_path, run_pair  # noqa: E402
 WINDOW = 64  # distinct pages, as fi_rma_bw's default window
 
 
-def run_chapter(chapter, provider, size, iters, gpus, nics, timeout):
-    """One run of a chapter as a pair; the server's Gbps, from its --json record."""
+def run_chapter(chapter, provider, size, iters, gpus, nics, timeout, groups=1):
+    """One run of a chapter as a pair; the server's Gbps, from its --json record.
+    Chapters 09 on: `nics` per GPU, and with host memory `groups` stand-ins for GPUs."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         server = ["--clients", "1", "--json", str(out)]
         client = ["--page-size", str(size), "--buffers", "1", "--buffer-size", str(WINDOW * size),
                   "--pages", f"0-{WINDOW - 1}", "--iters", str(iters), "--timeout", "30"]
         if chapter >= 9:
-            client += ["--nics-per-gpu", str(nics)]
+            client += ["--nics-per-gpu", str(nics)] + ([] if gpus else ["--groups", str(groups)])
         if gpus and chapter < 9:
             server += ["--gpu", str(gpus[0])]
             client += ["--gpu", str(gpus[1])]
