@@ -127,6 +127,18 @@ def calibrate(blog, assumed=None):
             "topology": topology, "tolerance_percent": TOLERANCE, "chapters": rows}
 
 
+def table(result):
+    """The prediction table and the parameters, as text."""
+    lines = [f"{'ch':<3} {'what':<42} {'blog':>8} {'model':>8} {'error':>7}  role, limit"]
+    for r in result["chapters"]:
+        lines.append(f"{r['chapter']:<3} {r['what']:<42} {r['blog_gbps']:>8.1f} "
+                     f"{r['model_gbps']:>8.1f} {r['error_percent']:>+6.1f}%  {r['role']}, {r['limit']}")
+    lines.append("")
+    for name, p in result["parameters"].items():
+        lines.append(f"{name:<17} {p['value']:>10.4g} {p['unit']:<7} {p['source']:<16} {p['meaning']}")
+    return "\n".join(lines)
+
+
 def p5(calibration):
     """The calibrated p5 Machine and Costs, from calibrate()'s output."""
     values = {name: p["value"] for name, p in calibration["parameters"].items()}

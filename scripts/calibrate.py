@@ -34,17 +34,6 @@ def load(results):
     return blog
 
 
-def table(result):
-    lines = [f"{'ch':<3} {'what':<42} {'blog':>8} {'model':>8} {'error':>7}  role, limit"]
-    for r in result["chapters"]:
-        lines.append(f"{r['chapter']:<3} {r['what']:<42} {r['blog_gbps']:>8.1f} "
-                     f"{r['model_gbps']:>8.1f} {r['error_percent']:>+6.1f}%  {r['role']}, {r['limit']}")
-    lines.append("")
-    for name, p in result["parameters"].items():
-        lines.append(f"{name:<17} {p['value']:>10.4g} {p['unit']:<7} {p['source']:<16} {p['meaning']}")
-    return "\n".join(lines)
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", default=str(ROOT / "results"), help="folder with blog_p5.json")
@@ -53,7 +42,7 @@ def main():
     out = Path(args.results) / "model" / "calibration.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(table(result))
+    print(calibration.table(result))
     print(f"\nwrote {out}")
 
 
