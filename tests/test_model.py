@@ -169,3 +169,12 @@ def test_scripts_reject_bad_results_in_one_line(tmp_path, blog, pattern):
         done = script(name, "--results", str(tmp_path))
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 1 and len(lines) == 1 and pattern in lines[0], done.stderr
+
+
+def test_readme_table_is_the_calibration(fresh):
+    """README's table of the model is a copy: it must say what calibrate() says."""
+    readme = (ROOT / "README.md").read_text()
+    for row in fresh["chapters"]:
+        cells = next(line for line in readme.splitlines()
+                     if line.startswith(f"| {row['chapter']} | {row['blog_gbps']:.1f} |")).split("|")
+        assert float(cells[3]) == row["model_gbps"] and cells[5].strip() == row["role"], cells
