@@ -68,7 +68,7 @@ def build(params, topology):
     """The p5 Machine and Costs for a dict of parameter values."""
     machine = Machine(gpus=topology["gpus"], nics_per_gpu=topology["nics_per_gpu"],
                       link_gbps=params["link_gbps"], efficiency=params["efficiency"],
-                      sockets=topology["numa_nodes"], inflight=params["inflight"],
+                      numa_nodes=topology["numa_nodes"], inflight=params["inflight"],
                       latency_us=params["latency_us"])
     post = params["op_us"] * params["post_share"]
     costs = Costs(post_us=post, visit_us=params["op_us"] - post, atomic_us=params["atomic_us"],

@@ -30,7 +30,7 @@ class Machine:
     nics_per_gpu: int
     link_gbps: float            # one NIC's link speed
     efficiency: float = 1.0     # share of the link speed one NIC delivers at best
-    sockets: int = 1            # NUMA nodes; a GPU's thread runs on its GPU's node
+    numa_nodes: int = 1         # a GPU's thread runs on its GPU's node
     inflight: float = math.inf  # WRITEs a NIC holds in flight
     latency_us: float = 0.0     # from the post to the completion, beyond the wire time
 
@@ -84,14 +84,19 @@ def throughput(machine, costs, layout):
     gpus = layout.gpus or machine.gpus
     nics = gpus * (layout.nics_per_gpu or machine.nics_per_gpu)
     threads = gpus * layout.threads_per_gpu or 1
-    per_thread = nics / threads  # NICs each thread visits
-    same_socket = threads / min(machine.sockets, gpus) if layout.threads_per_gpu else 1
-    slow = (1 + costs.crowd * (same_socket - 1)) * (1 if layout.pinned else costs.unpinned)
+    if nics % threads:
+        raise ValueError(f"{nics} NICs do not split evenly among {threads} threads")
+    per_thread = nics // threads  # NICs each thread visits
+    per_node = threads / min(machine.numa_nodes, gpus) if layout.threads_per_gpu else 1
+    slow = (1 + costs.crowd * (per_node - 1)) * (1 if layout.pinned else costs.unpinned)
     atomic_us = costs.atomic_us * (1 if layout.pinned else costs.unpinned) \
         if layout.shared_counter and threads > 1 else 0.0  # alone, the line stays in its cache
     wire = wire_us(machine, layout.page)
 
-    def round_us(x):  # x: WRITEs per us per NIC; k = x * round WRITEs posted per visit
+    def round_us(x):
+        """One thread's round of its NICs when each carries x WRITEs per us: a visit costs
+        visit_us, plus post_us (and the shared update) per WRITE it posts, x * round of them;
+        round = per_thread * (visit + x * round * post), solved for round."""
         busy = 1 - per_thread * x * (slow * costs.post_us + atomic_us)
         return per_thread * slow * costs.visit_us / busy if busy > 0 else math.inf
 

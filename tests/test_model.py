@@ -48,11 +48,11 @@ def test_threads_multiply_and_batches_share_the_visit():
 
 
 def test_crowding_and_unpinned_threads_slow_each_one():
-    two_sockets = replace(FAST_LINK, sockets=2)  # 4 threads per socket
+    two_nodes = replace(FAST_LINK, numa_nodes=2)  # 4 threads per node
     costs = Costs(post_us=1, visit_us=1, crowd=0.25, unpinned=3)
-    pinned = throughput(two_sockets, costs, Layout(threads_per_gpu=1))
+    pinned = throughput(two_nodes, costs, Layout(threads_per_gpu=1))
     assert close(pinned.mpps, 8 / (2 * (1 + 0.25 * 3)))
-    unpinned = throughput(two_sockets, costs, Layout(threads_per_gpu=1, pinned=False))
+    unpinned = throughput(two_nodes, costs, Layout(threads_per_gpu=1, pinned=False))
     assert close(unpinned.mpps, pinned.mpps / 3)
 
 
@@ -178,3 +178,8 @@ def test_readme_table_is_the_calibration(fresh):
         cells = next(line for line in readme.splitlines()
                      if line.startswith(f"| {row['chapter']} | {row['blog_gbps']:.1f} |")).split("|")
         assert float(cells[3]) == row["model_gbps"] and cells[5].strip() == row["role"], cells
+
+
+def test_nics_must_split_evenly_among_threads():
+    with pytest.raises(ValueError, match="split evenly"):
+        throughput(FAST_LINK, Costs(), Layout(threads_per_gpu=3))
