@@ -157,6 +157,15 @@ def test_journey_script_draws_from_any_results_folder(tmp_path):
     assert (tmp_path / "journey.png").stat().st_size > 10_000
 
 
+def test_calibrate_script_writes_and_prints_the_table(tmp_path, fresh):
+    write_results(tmp_path)
+    done = script("calibrate.py", "--results", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "model" / "calibration.json").read_text()) == \
+        json.loads(json.dumps(fresh))
+    assert calibration.table(fresh) in done.stdout
+
+
 @pytest.mark.parametrize("blog,pattern", [
     (None, "cannot read"),
     ("{", "is not JSON"),
