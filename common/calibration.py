@@ -5,10 +5,11 @@ Each parameter says where its value comes from:
   (link speed, the fabtests peak of one NIC, a cold vs a warm first WRITE);
 - "assumed": not known for a p5; the notebook what_if shows how much it matters;
 - "fitted on NN": solved so that the model gives chapter NN's figure. At most
-  three chapters are spent this way; every other chapter is a prediction.
+  three chapters are spent this way.
 - "own chapter NN": a mechanism only chapter NN shows (threads moved across
   NUMA nodes, one counter shared by eight threads): the value is solved from
   that chapter itself, so the chapter is described, not predicted.
+The chapters neither fitted nor described are predictions.
 """
 import json
 from dataclasses import replace

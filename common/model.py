@@ -15,6 +15,11 @@ the highest steady rate of WRITEs that every resource can sustain:
   at the next visit;
 - a counter shared by every thread: its cache line serves one update at a time.
 
+Threads slow each other on a NUMA node (`crowd`) and more when not pinned
+(`unpinned`); a NIC's first WRITE costs `first_contact_ms` unless warmed up.
+A refused post (EAGAIN) is not charged: eager and lazy posting differ only
+in when a freed place is filled again.
+
 The round of a thread depends on how many WRITEs it posts per visit, which
 depends on the rate: the feasible rates form an interval [0, best], found by
 bisection. Everything is analytic; units are in the names (us: microseconds).
