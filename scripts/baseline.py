@@ -115,8 +115,9 @@ def memcpy_peer(size, iters, pairs):
             with stream:
                 stream.begin_capture()
                 for _ in range(per_graph):
-                    cp.cuda.runtime.memcpyPeerAsync(dst.data.ptr, dst_gpu, src.data.ptr,
-                                                    src_gpu, size, stream.ptr)
+                    # what cudaMemcpyPeerAsync does, in a form graphs can hold
+                    cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, size,
+                                                cp.cuda.runtime.memcpyDefault, stream.ptr)
                 graph = stream.end_capture()
             graph.launch(stream)  # once untimed: uploads the graph
             runs.append((dst_gpu, stream, graph, cp.cuda.Event(), cp.cuda.Event(), (src, dst)))
