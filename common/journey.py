@@ -3,14 +3,17 @@
 Ours are read from results/<NN_name>/<setup>.json (scripts/bench.py), whichever
 chapters and setups exist; each at the series' page size, as a share of the
 best baseline (fi_rma_bw, UCX, cudaMemcpyPeer) measured in the same setup at
-the same size: results/baselines/<setup>.json.
+the same size: results/baselines/<setup>.json. And from results/progression/
+(scripts/progression.py: chapters 09-15 back to back), at each size there,
+as a share of the ceiling measured in the same run.
 """
 import json
 import re
 from pathlib import Path
 
 PAGE = 64 << 10
-OURS = ["tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown", "tab:olive"]
+OURS = ["tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown", "tab:olive",
+        "tab:cyan", "tab:pink", "tab:gray"]
 CHAPTER = re.compile(r"chapter (\d+)")
 
 
@@ -35,7 +38,7 @@ def measured(results, page=PAGE):
                     entry = setups.setdefault(path.stem, {"machine": data.get("machine", {}),
                                                           "chapters": {}})
                     entry["chapters"][f"{int(match.group(1)):02d}"] = {"gbps": row["median_gbps"]}
-    for setup, entry in setups.items():
+    for setup, entry in setups.items():  # scripts/bench.py: against its baselines file
         _, runs = _runs(results / "baselines" / f"{setup}.json")
         best = max((r for r in runs if r["size"] == page), key=lambda r: r["median_gbps"],
                    default=None)
@@ -43,6 +46,19 @@ def measured(results, page=PAGE):
             figure["limit_gbps"] = best and best["median_gbps"]
             figure["limit"] = best and best["tool"]
             figure["percent"] = best and 100 * figure["gbps"] / best["median_gbps"]
+    for path in sorted((results / "progression").glob("*.json")):  # scripts/progression.py
+        data, runs = _runs(path)
+        for row in runs:
+            match = CHAPTER.match(row.get("tool", ""))
+            if match and "percent_of_ceiling" in row:
+                size = f"{row['size'] >> 20} MiB" if row["size"] >= 1 << 20 else \
+                    f"{row['size'] >> 10} KiB"
+                entry = setups.setdefault(f"{path.stem}, 09-15 at {size}",
+                                          {"machine": data.get("machine", {}), "chapters": {}})
+                entry["chapters"][f"{int(match.group(1)):02d}"] = {
+                    "gbps": row["median_gbps"], "limit": row["ceiling"],
+                    "percent": row["percent_of_ceiling"],
+                    "limit_gbps": row["median_gbps"] * 100 / row["percent_of_ceiling"]}
     return setups
 
 
@@ -89,8 +105,9 @@ def plot(blog, calibration, ours, path=None):
     for (setup, entry), color in zip(sorted(ours.items()), OURS * len(ours)):
         have = [c for c in chapters if c in entry["chapters"] and entry["chapters"][c]["percent"]]
         if have:
+            limit = entry["chapters"][have[0]]["limit"] if "09-15" in setup else "best baseline"
             bottom.plot([x[c] for c in have], [entry["chapters"][c]["percent"] for c in have],
-                        "o--", color=color, label=f"ours, {setup}: % of best baseline there")
+                        "o--", color=color, label=f"ours, {setup}: % of {limit}")
     bottom.axhline(100, color="grey", linestyle="--")
     bottom.set_ylabel("% of the limit")
     bottom.set_xticks(range(len(chapters)), chapters)
