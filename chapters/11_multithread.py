@@ -10,11 +10,11 @@ worker's loop into C (chapters/11_multithread.c, through cffi, which releases
 the GIL during the call): then each thread is a real, parallel worker, and
 Python only starts them, watches the shared counter and sends heartbeats.
 
-New since chapter 10 (whose warmup it keeps): the engine. One thread per group (GPU) of lanes; the
-loop of common/multinet.py rewritten in C (worker(): submit, pending ring,
-reap, immediate on each NIC's last WRITE); a shared atomic counter;
---engine python|native. Python's side of the workers (start, watch,
-stop) is common/workers.py, which 12-15 share.
+New since chapter 10 (whose warmup it keeps): the engine. One thread per
+group (GPU) of lanes; the loop of common/multinet.py rewritten in C
+(worker(): submit, pending ring, reap, immediate on each NIC's last WRITE);
+a shared atomic counter; --engine python|native. Python's side of the
+workers (start, watch, stop) is common/workers.py, which 12-15 share.
 
     python chapters/11_multithread.py                                  # server
     python chapters/11_multithread.py ADDRESS --groups 2 --nics-per-gpu 2

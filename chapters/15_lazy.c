@@ -25,8 +25,9 @@ int worker(struct lane *lanes, size_t nlanes, unsigned batch, struct counter *do
  * those posts is a call that fails with -FI_EAGAIN, and the failures pile up
  * (millions of them in a run). Now submitting only puts the WRITE in the
  * ring, and the ring is posted only after reading the CQ gave completions
- * back, that is when there is room: the posts that are made are the ones
- * that succeed.
+ * back: as many WRITEs as completed, since that is the room they left. Once
+ * the provider is full (one refusal, at the start), the posts that are made
+ * are the ones that succeed.
  */
 #include <rdma/fi_rma.h>
 
@@ -49,10 +50,11 @@ static int post(struct lane *l, size_t msg, uint64_t flags)
     return (int)rc;
 }
 
-/* Post from the pending ring, oldest first, until it is empty or the provider is full. */
-static int drain(struct lane *l)
+/* Post up to `room` WRITEs from the pending ring, oldest first (fewer if the provider is
+   full after all). */
+static int drain(struct lane *l, size_t room)
 {
-    while (l->pend_len) {
+    for (; l->pend_len && room; room--) {
         int rc = post(l, l->pending[l->pend_head], FI_COMPLETION);
         if (rc == -FI_EAGAIN)
             return 0;
@@ -120,8 +122,10 @@ int worker(struct lane *lanes, size_t nlanes, unsigned batch, struct counter *do
                 rc = reap(l);
             if (rc > 0)  /* its only writer: a plain store the main thread may read */
                 __atomic_store_n(&done->value, done->value + (uint64_t)rc, __ATOMIC_RELAXED);
-            if (rc > 0 || (rc == 0 && l->nfree == l->nslots))  /* room, or nothing in flight */
-                rc = drain(l);
+            if (rc > 0)  /* n completions: room for n WRITEs */
+                rc = drain(l, (size_t)rc);
+            else if (rc == 0 && l->nfree == l->nslots)  /* nothing in flight: fill up */
+                rc = drain(l, l->nslots);
             if (rc < 0) {
                 *failed_lane = (int)i;
                 return (int)rc;
