@@ -357,14 +357,14 @@ def test_only_eager_posting_calls_writemsg_after_an_empty_cq_read(fake, chapter,
 
 BAD_COMPLETIONS = {
     # completions for a context, made from the lane's struct lane `w`
-    "before the contexts": lambda w: w.contexts - 1,
-    "past the contexts": lambda w: w.contexts + w.nslots,
+    "before-the-contexts": lambda w: w.contexts - 1,
+    "past-the-contexts": lambda w: w.contexts + w.nslots,
     # at most 2 in flight, taken from the top of the free stack: slot 0 stays idle
-    "an idle context": lambda w: w.contexts,
+    "an-idle-context": lambda w: w.contexts,
 }
 
 
-@pytest.mark.parametrize("bad", [*BAD_COMPLETIONS, "the same context twice"])
+@pytest.mark.parametrize("bad", [*BAD_COMPLETIONS, "the-same-context-twice"])
 @pytest.mark.parametrize("chapter", CHAPTERS)
 def test_completion_for_no_write_in_flight_fails(fake, chapter, bad):
     lanes = [Lane(fake, 100, capacity=2) for _ in range(3)]
