@@ -320,7 +320,9 @@ def test_eagain_counted_per_lane(fake, chapter):
     assert rc == 0
     for lane, w in zip(lanes, worker.array):
         refused = sum(p.rc == EAGAIN for p in lane.posts())
-        assert w.eagain == refused > 0
+        assert w.eagain == refused
+        # 15 posts only as many as completed (the room they left): once full, never refused
+        assert refused > 0 if chapter < 15 else refused <= 1
 
 
 def eagain_and_reads(fake, chapter):
@@ -336,9 +338,9 @@ def test_lazy_posting_is_refused_less_than_eager_posting(fake):
     eagain14, _ = eagain_and_reads(fake, 14)
     eagain15, gave_room = eagain_and_reads(fake, 15)
     assert eagain15 < eagain14
-    # 15 posts after a read that gave completions back (or with nothing in flight, which
-    # the provider never refuses) and stops at the first refusal: one per such read at most.
-    assert eagain15 <= gave_room
+    # 15 posts after a read that gave completions back, as many as came back (or with
+    # nothing in flight, filling up until the first refusal)
+    assert eagain15 <= min(1, gave_room)
 
 
 @pytest.mark.parametrize("chapter,posts_after_empty_read", [(14, True), (15, False)])
