@@ -7,8 +7,8 @@ The series let a visit post up to 16 WRITEs and went from 48% to 81% of
 3200 Gbps: the visit's cost is shared by up to 16 WRITEs, and each NIC gets
 its work in bursts. --batch sets how many (1 gives chapter 13 back).
 
-New since chapter 13: worker() takes `batch` (chapters/14_batch.c: submit()
-posts up to `batch` new WRITEs per visit instead of one); --batch.
+New since chapter 13: worker() takes `batch`, and a visit submits up to
+`batch` new WRITEs instead of one (chapters/14_batch.c); --batch.
 
     python chapters/14_batch.py                                   # server
     python chapters/14_batch.py ADDRESS --groups 2 --nics-per-gpu 2

@@ -8,10 +8,10 @@ lazy (submit only enqueues; the queue is drained when polling completions,
 which is when room appears) and reached 97% of 3200 Gbps. The count of
 -FI_EAGAIN in the report shows the difference.
 
-New since chapter 14: in chapters/15_lazy.c, submit() only fills the pending
-ring, and worker() drains it only after reap() gave completions back, as
-many WRITEs as completed (with nothing in flight: until the provider is
-full).
+New since chapter 14: in chapters/15_lazy.c, a visit calls enqueue(), which
+only fills the pending ring, in place of submit(), and drains the ring only
+after reap() gave completions back, as many WRITEs as completed (with
+nothing in flight: until the provider is full).
 
     python chapters/15_lazy.py                                    # server
     python chapters/15_lazy.py ADDRESS --groups 2 --nics-per-gpu 2
