@@ -33,8 +33,13 @@ def test_06_wrong_key_is_reported_and_server_survives(provider):
     bad = pair.clients[0]
     assert bad.rc == 1 and "Traceback" not in bad.err
     failure = [line for line in pair.server.err.splitlines() if line.startswith("client 1: failed:")]
-    assert failure, pair.server.err
-    if provider == "tcp":  # the provider's own error text, through fi_cq_readerr/fi_cq_strerror
+    if provider == "tcp" and not failure:
+        # tcp completes a WRITE once it is sent: on a busy machine all 16 can complete
+        # before the client's refusal comes back. Then the client is the one to say it.
+        assert "no WRITE with immediate data from the server" in bad.err, bad.err
+    else:
+        assert failure, pair.server.err
+    if failure and provider == "tcp":  # the provider's own text (fi_cq_readerr/fi_cq_strerror)
         assert "fi_cq_read:" in failure[0]
     assert pair.server.rc == 0  # it went on and finished its --clients
     for good in pair.clients[1:]:
