@@ -299,15 +299,15 @@ class Closer(contextlib.ExitStack):
         return obj
 
 
-def open_endpoint(own, info):
+def open_endpoint(own, info, cq_size=64, av_count=16):
     """fabric -> domain -> CQ + AV -> endpoint, bound and enabled (taught in chapter 04).
 
     `own` is a Closer; returns (domain, cq, av, ep).
     """
     fabric = own(fabric_open(info))
     domain = own(domain_open(fabric, info))
-    cq = own(cq_open(domain, size=64))
-    av = own(av_open(domain))
+    cq = own(cq_open(domain, size=cq_size))
+    av = own(av_open(domain, av_count))
     ep = own(endpoint_open(domain, info))
     ep_bind(ep, cq, lib.FI_SEND | lib.FI_RECV)
     ep_bind(ep, av)

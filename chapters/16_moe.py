@@ -1,0 +1,646 @@
+"""Chapter 16 - moe: the expert-parallel all-to-all (dispatch / combine) with a host proxy.
+
+What you will learn: how a MoE layer's tokens travel. Each rank holds some
+tokens, each routed to `topk` of `experts` experts, and hosts experts / world
+of the experts. dispatch sends every token to the ranks hosting its experts,
+which receive them expert by expert, contiguous, ready for a grouped GEMM;
+combine sends each expert's output back to the token's rank, which adds them
+up, weighted by the router. Both are split into a send half and a receive
+half, so other work (shared experts) can run in between.
+
+The protocol is the one Perplexity built on libfabric for EFA: a receiver
+cannot know where to put a sender's tokens before it knows how many come from
+everyone, so each sender first ships its per-expert counts, and with them its
+first tokens, into a small private slot that each receiver keeps per sender.
+Once every rank has every count, each knows all offsets, and the rest go with
+one WRITE per peer into one contiguous region. combine needs no counts (the
+offsets are known by then): one WRITE per peer, summed on the receiver. Its
+signal from every peer is also the barrier that keeps the next dispatch from
+overwriting a slot before it was read.
+
+Peers on the same (emulated) node are written directly, through shared memory
+(CUDA IPC over NVLink on GPUs); peers on other nodes through libfabric WRITEs
+with immediate data, posted by a host proxy thread in C (chapters/16_moe.c,
+GIL released) that the device side feeds through a ring in host memory. Data
+that arrived is one thing to wait for, whichever way it came: a stamp in an
+arrival table, written by the node peer, or by the proxy from an immediate.
+
+New since chapter 07 (independent of 08-15): ranks and a rendezvous
+(common/launch.py, scripts/launch.py, or torchrun / Slurm variables); fp8
+e4m3 with block scales and bf16 (common/moe_reference.py, also the reference
+every run is checked against); the proxy; --device cpu, where numpy stands in
+for the kernels and host memory for GPU memory. The GPU kernels, the NCCL
+baseline and the GPU benchmark are not written yet.
+
+    python scripts/launch.py -n 4 chapters/16_moe.py                       # one node
+    python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm
+    python scripts/launch.py -n 8 --ranks-per-node 4 chapters/16_moe.py -p tcp \\
+        --tokens 16 --hidden 256 --experts 32 --topk 4 --iters 0
+    torchrun --nproc-per-node 8 chapters/16_moe.py ...                     # a cluster
+
+Transcript: TRANSCRIPT
+"""
+# %% [markdown]
+# ## Motivation
+#     rank s (sender)                                   rank d (receiver)
+#     dispatch-send: count tokens per expert, pack them per peer
+#       [counts | first P tokens] ----------------->   private slot s   (every peer)
+#       ... all counts in: every offset known ...
+#       [the rest] ---- one WRITE per peer -------->   overflow region, at s's offset
+#     dispatch-recv:                                    wait, copy out expert-major
+#                                                       (grouped GEMM, here x -> k_e * x)
+#     combine-recv: weighted sum      <------------    combine-send: one WRITE per peer
+#
+#     same node: copy into the peer's mapped memory, then stamp its arrival table
+#     other node: a command in the proxy's ring -> fi_writemsg + immediate data;
+#                 the peer's proxy turns the immediate into the same stamp
+
+# %%
+import mmap
+import os
+import signal
+import statistics
+import struct
+import threading
+import time
+
+import numpy as np
+
+from common import cli, launch
+from common import moe_reference as ref
+from common.fabric import lib
+import common.fabric as fi
+
+COUNTS, OVERFLOW, COMBINE = range(3)  # what a stamp says arrived (the immediate's kind)
+KINDS = 3
+RING = 256                 # commands the device side may queue for the proxy
+ALIGN = 64
+PEER = struct.Struct("<QQH")  # region base, MR key, address length (+ the address)
+SHM = "/dev/shm"
+
+
+def aligned(size):
+    return -(-size // ALIGN) * ALIGN
+
+
+# %% [markdown]
+# ## Code
+
+# %%
+class Layout:
+    """Where everything is in a rank's region: the same offsets on every rank.
+
+    A sender can send one receiver at most max_tokens * min(topk, local experts)
+    tokens (a token's experts are distinct); that bounds the overflow region."""
+
+    def __init__(self, world, experts, max_tokens, topk, hidden, dtype, private):
+        self.world, self.experts, self.local = world, experts, experts // world
+        self.max_tokens, self.topk, self.hidden, self.private = max_tokens, topk, hidden, private
+        # one token on the wire: fp8 codes + a float32 scale per 128 values, or bf16
+        self.row = hidden + hidden // ref.FP8_BLOCK * 4 if dtype == "fp8" else 2 * hidden
+        self.out_row = 2 * hidden  # combine: bf16
+        self.per_peer = max_tokens * min(topk, self.local)
+        self.header = aligned(4 * experts)  # a sender's counts, one int32 per expert
+        self.slot = self.header + private * self.row
+        sections = [("arrived", 4 * KINDS * world),
+                    ("slots", world * self.slot),
+                    ("overflow", world * self.per_peer * self.row),
+                    ("combine_in", max_tokens * topk * self.out_row),
+                    ("signal_in", 8 * world),
+                    ("send", world * self.header + max_tokens * topk * self.row),
+                    ("combine_out", world * self.per_peer * self.out_row)]
+        at = 0
+        for name, size in sections:
+            setattr(self, name, at)
+            at += aligned(size)
+        self.size = at
+
+
+class Region:
+    """One rank's memory (host memory here, GPU memory on a GPU), a file in /dev/shm
+    that the other ranks of its node map, as CUDA IPC would map a peer GPU's buffer."""
+
+    def __init__(self, job, rank, size):
+        self.path = f"{SHM}/moe-{job}-{rank}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.bytes = np.frombuffer(self.map, dtype=np.uint8)
+        self.ptr = self.bytes.ctypes.data
+
+    @staticmethod
+    def peer(job, rank, size):
+        fd = os.open(f"{SHM}/moe-{job}-{rank}", os.O_RDWR)
+        try:
+            return np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8)
+        finally:
+            os.close(fd)
+
+    def unlink(self):
+        """Once every peer has mapped it: nothing is left behind, whatever happens next."""
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def stamps(region_bytes, layout):
+    return region_bytes[layout.arrived:layout.arrived + 4 * KINDS * layout.world].view(
+        np.uint32).reshape(KINDS, layout.world)
+
+
+class Proxy:
+    """The host proxy: chapters/16_moe.c's loop in a thread of its own (GIL released)."""
+
+    def __init__(self, own, group, layout, region, provider, timeout):
+        from common._native16 import ffi, lib as native
+        self.ffi, self.native, self.timeout = ffi, native, timeout
+        info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA)
+        if info.mode & lib.FI_RX_CQ_DATA:
+            raise ValueError(f"{fi.provider_of(info)} wants a posted receive per immediate "
+                             "(FI_RX_CQ_DATA); this proxy posts none")
+        self.provider = fi.provider_of(info)
+        domain, self.cq, av, ep = fi.open_endpoint(own, info, cq_size=4 * RING,
+                                                   av_count=group.world)
+        mr = own(fi.mr_reg(domain, region.ptr, layout.size, lib.FI_WRITE | lib.FI_REMOTE_WRITE,
+                           key=1))
+        me = fi.getname(ep)
+        peers = group.allgather(PEER.pack(fi.remote_base(info, region.ptr), fi.mr_key(mr),
+                                          len(me)) + me)
+        p = self.p = ffi.new("struct m16_proxy *")
+        self.keep = [ffi.new("fi_addr_t[]", group.world), ffi.new("uint64_t[]", group.world),
+                     ffi.new("uint64_t[]", group.world), ffi.new("struct m16_write[]", RING),
+                     ffi.new("struct fi_context2[]", RING), ffi.new("uint8_t[]", RING)]
+        p.addr, p.remote_base, p.remote_key, p.ring, p.contexts, p.busy = self.keep
+        for r, blob in enumerate(peers):
+            base, key, length = PEER.unpack_from(blob)
+            p.remote_base[r], p.remote_key[r] = base, key
+            if r // group.ranks_per_node != group.node:
+                p.addr[r] = fi.av_insert(av, blob[PEER.size:PEER.size + length])
+        p.ep, p.cq, p.base, p.desc = ep, self.cq, ffi.cast("char *", region.ptr), fi.mr_desc(mr)
+        p.ring_size, p.world, p.kinds = RING, group.world, KINDS
+        p.arrived = ffi.cast("uint32_t *", region.ptr + layout.arrived)
+        self.rc = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        own.callback(self.stop)  # before the endpoint closes (the Closer runs backwards)
+
+    def _run(self):
+        self.rc = self.native.m16_proxy_run(self.p)
+
+    def submit(self, group, local, remote, length, peer, imm):
+        """Queue one WRITE; waits (bounded) while the ring is full."""
+        deadline = time.monotonic() + self.timeout
+        while self.p.head - self.native.m16_completed(self.p) >= RING:
+            self.check(group, deadline, "room in the proxy's ring")
+        self.native.m16_submit(self.p, local, remote, length, peer, imm)
+
+    def check(self, group, deadline, what):
+        """Between two looks at what we wait for: the proxy's health, the peers', the clock."""
+        if self.rc is not None:
+            raise self.failure()
+        group.check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {self.timeout:g} s")
+        os.sched_yield()
+
+    def failure(self):
+        call = {1: "fi_writemsg", 2: "fi_cq_read", 3: "fi_cq_read"}.get(self.p.failed_call, "")
+        if self.rc == -lib.FI_EAVAIL:  # a failed WRITE: its entry and the provider's text
+            try:
+                fi.cq_read(self.cq, fi.cq_entries(1))
+            except fi.FabricError as e:
+                return e
+        if self.p.failed_call == 3:
+            return ValueError("the proxy got a completion for no WRITE in flight")
+        return fi.FabricError(f"{call} (in the proxy)", self.rc)
+
+    def drain(self, group):
+        """Wait until every WRITE we queued has completed: its source may be reused."""
+        deadline = time.monotonic() + self.timeout
+        while self.native.m16_completed(self.p) < self.p.head:
+            self.check(group, deadline, "completion of our WRITEs")
+
+    def stop(self):
+        self.p.stop = 1
+        self.thread.join()
+
+
+class AllToAll:
+    """dispatch and combine for one layer shape; each split into a send and a receive half."""
+
+    def __init__(self, own, group, max_tokens, experts, topk, hidden, dispatch_dtype="fp8",
+                 private_tokens=8, provider=None, timeout=30.0):
+        check_shape(group.world, max_tokens, experts, topk, hidden, dispatch_dtype,
+                    private_tokens)
+        from common._native16 import lib as native
+        self.native, self.group, self.timeout = native, group, timeout
+        self.dtype = dispatch_dtype
+        self.L = L = Layout(group.world, experts, max_tokens, topk, hidden, dispatch_dtype,
+                            private_tokens)
+        self.region = Region(group.job, group.rank, L.size)
+        own.callback(self.region.unlink)
+        self.proxy = (Proxy(own, group, L, self.region, provider, timeout)
+                      if group.nodes > 1 else None)
+        same_node = [r for r in range(group.world) if r // group.ranks_per_node == group.node]
+        group.barrier()  # every region exists: map the node's
+        self.view = {r: self.region.bytes if r == group.rank else
+                     Region.peer(group.job, r, L.size) for r in same_node}
+        group.barrier()  # every region is mapped by its node: the names can go
+        self.region.unlink()
+        self.stamps = stamps(self.region.bytes, L)
+        self.peer_stamps = {r: stamps(v, L) for r, v in self.view.items()}
+        self.round, self.stage = 0, "idle"
+
+    # --- moving bytes: the node's shared memory, or the proxy ---------------------
+    def put(self, kind, dest, local, remote, length):
+        """Copy `length` bytes at `local` in our region to `remote` in dest's, then let
+        dest know (stamp `kind`). Nothing to copy still stamps: the stamp is the signal."""
+        g = self.group
+        if dest in self.view:
+            self.view[dest][remote:remote + length] = self.region.bytes[local:local + length]
+            self.native.m16_release()  # the data is visible before the stamp
+            self.peer_stamps[dest][kind, g.rank] = self.stamp
+            return
+        if length == 0:  # a WRITE needs bytes: 8 into the sender's signal word
+            local, remote, length = self.L.signal_in + 8 * g.rank, self.L.signal_in + 8 * g.rank, 8
+        imm = kind << 30 | g.rank << 14 | self.stamp
+        self.proxy.submit(g, local, remote, length, dest, imm)
+
+    def wait(self, kind, sources, what):
+        deadline = time.monotonic() + self.timeout
+        sources = np.asarray(sources, dtype=np.int64)
+        while not np.all(self.stamps[kind, sources] == self.stamp):
+            if self.proxy:
+                self.proxy.check(self.group, deadline, what)
+            else:
+                self.group.check()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no {what} within {self.timeout:g} s")
+                os.sched_yield()
+        self.native.m16_acquire()  # ... and the data is read after it
+
+    def _stage(self, expected, then):
+        if self.stage != expected:
+            raise ValueError(f"out of order: this step follows {expected!r}, "
+                             f"but the last one done was {self.stage!r}")
+        self.stage = then
+
+    # --- wire formats -----------------------------------------------------------------
+    def encode(self, x):
+        """float32 tokens (n, hidden) -> wire rows (n, row bytes)."""
+        if self.dtype == "bf16":
+            return ref.to_bf16(x).view(np.uint8)
+        codes, scales = ref.quantize_fp8(x)
+        return np.concatenate([codes, scales.view(np.uint8)], axis=1)
+
+    def split(self, rows):
+        """Wire rows -> (tokens, scales): uint8 e4m3 codes and float32 scales, or bf16 and None."""
+        h = self.L.hidden
+        if self.dtype == "bf16":
+            return rows.view(np.uint16), None
+        return rows[:, :h], np.ascontiguousarray(rows[:, h:]).view(np.float32)
+
+    def decode(self, tokens, scales):
+        return ref.from_bf16(tokens) if scales is None else ref.dequantize_fp8(tokens, scales)
+
+    # --- dispatch -------------------------------------------------------------------
+    def dispatch_send(self, x, indices):
+        """Count, pack, send the counts with the first tokens, then (once every count is
+        in) the rest, one WRITE per peer. x: (n, hidden) float32; indices: (n, topk)."""
+        L, g = self.L, self.group
+        indices = check_tokens(x, indices, L)
+        self._stage("idle", "dispatch sent")
+        self.round += 1
+        self.stamp = self.round % 0x3FFF + 1  # 14 bits, never 0 (a fresh table's value)
+        flat = indices.ravel()
+        self.order = np.argsort(flat, kind="stable")  # by expert (so by rank), then token
+        counts = np.bincount(flat, minlength=L.experts).astype(np.int32)
+        self.per_dest = counts.reshape(L.world, L.local).sum(axis=1)
+        packed = self.encode(x)[self.order // L.topk]
+        # send region: for each peer, [our counts | its tokens]
+        seg = L.send + np.concatenate([[0], np.cumsum(L.header + self.per_dest * L.row)])
+        first = np.concatenate([[0], np.cumsum(self.per_dest)])
+        mem = self.region.bytes
+        for d in range(L.world):
+            mem[seg[d]:seg[d] + 4 * L.experts] = counts.view(np.uint8)
+            mem[seg[d] + L.header:seg[d + 1]] = packed[first[d]:first[d + 1]].ravel()
+        for d in self._peers_in_turn():
+            ahead = min(int(self.per_dest[d]), L.private)
+            self.put(COUNTS, d, seg[d], L.slots + g.rank * L.slot, L.header + ahead * L.row)
+        self.wait(COUNTS, range(L.world), "counts from every rank")
+        slots = self.region.bytes[L.slots:L.slots + L.world * L.slot].reshape(L.world, L.slot)
+        self.matrix = slots[:, :4 * L.experts].copy().view(np.int32)  # [source, expert]
+        into = self.matrix.reshape(L.world, L.world, L.local).sum(axis=2)  # [source, dest]
+        beyond = np.maximum(into - L.private, 0)
+        for d in self._peers_in_turn():
+            if beyond[g.rank, d]:
+                at = int(beyond[:g.rank, d].sum())  # after the senders before us
+                self.put(OVERFLOW, d, seg[d] + L.header + L.private * L.row,
+                         L.overflow + at * L.row, int(beyond[g.rank, d]) * L.row)
+        self.n_tokens = len(indices)
+
+    def dispatch_recv(self):
+        """Wait for the overflow, then lay the tokens out expert-major. Returns
+        (tokens, scales, counts per local expert); scales is None for bf16."""
+        L, g = self.L, self.group
+        self._stage("dispatch sent", "dispatched")
+        mine = self.matrix[:, g.rank * L.local:(g.rank + 1) * L.local]  # [source, local expert]
+        from_each = mine.sum(axis=1)
+        overflowing = np.nonzero(from_each > L.private)[0]
+        self.wait(OVERFLOW, overflowing, "overflow tokens from every sender")
+        mem = self.region.bytes
+        at, streams = 0, []
+        for s in range(L.world):  # each sender's tokens for us, in its order
+            n = int(from_each[s])
+            ahead = min(n, L.private)
+            start = L.slots + s * L.slot + L.header
+            streams.append(mem[start:start + ahead * L.row].reshape(ahead, L.row))
+            if n > ahead:
+                start = L.overflow + at * L.row
+                streams.append(mem[start:start + (n - ahead) * L.row].reshape(n - ahead, L.row))
+                at += n - ahead
+        rows = np.concatenate(streams) if streams else np.zeros((0, L.row), np.uint8)
+        # expert-major: for each local expert, each sender's slice of its stream
+        stream_start = np.concatenate([[0], np.cumsum(from_each)])
+        within = np.concatenate([np.zeros((L.world, 1), np.int64), np.cumsum(mine, axis=1)],
+                                axis=1)
+        self.gather = np.concatenate(
+            [np.arange(stream_start[s] + within[s, e], stream_start[s] + within[s, e + 1])
+             for e in range(L.local) for s in range(L.world)] or [np.zeros(0, np.int64)])
+        self.from_each = from_each
+        tokens, scales = self.split(rows[self.gather])
+        return tokens, scales, mine.sum(axis=0)
+
+    # --- combine --------------------------------------------------------------------
+    def combine_send(self, expert_out):
+        """Send each expert output (expert-major, as dispatch_recv gave the tokens;
+        float32, sent as bf16) back to its token's rank: one WRITE per peer."""
+        L, g = self.L, self.group
+        self._stage("dispatched", "combine sent")
+        if expert_out.shape != (len(self.gather), L.hidden):
+            raise ValueError(f"expert outputs must be ({len(self.gather)}, {L.hidden}), "
+                             f"got {expert_out.shape}")
+        out = np.empty((len(self.gather), L.hidden), np.uint16)
+        out[self.gather] = ref.to_bf16(expert_out)  # back in each sender's order
+        size = out.size * 2
+        self.region.bytes[L.combine_out:L.combine_out + size] = out.view(np.uint8).ravel()
+        start = np.concatenate([[0], np.cumsum(self.from_each)])
+        into = self.matrix.reshape(L.world, L.world, L.local).sum(axis=2)  # [source, dest]
+        for s in self._peers_in_turn():
+            at = int(into[s, :g.rank].sum())  # where the sender packed its tokens for us
+            self.put(COMBINE, s, L.combine_out + int(start[s]) * L.out_row,
+                     L.combine_in + at * L.out_row, int(self.from_each[s]) * L.out_row)
+
+    def combine_recv(self, weights):
+        """Wait for every peer (also the barrier before the next dispatch), then the
+        weighted sum. weights: (n, topk); returns (n, hidden) float32."""
+        L = self.L
+        self._stage("combine sent", "idle")
+        n = self.n_tokens
+        if weights.shape != (n, L.topk):
+            raise ValueError(f"weights must be ({n}, {L.topk}), got {weights.shape}")
+        self.wait(COMBINE, range(L.world), "combine outputs from every rank")
+        if self.proxy:
+            self.proxy.drain(self.group)  # our send region may be reused from here on
+        rows = self.region.bytes[L.combine_in:L.combine_in + n * L.topk * L.out_row]
+        values = np.empty((n * L.topk, L.hidden), np.float32)
+        values[self.order] = ref.from_bf16(rows.view(np.uint16).reshape(-1, L.hidden))
+        return (weights[:, :, None] * values.reshape(n, L.topk, L.hidden)).sum(axis=1)
+
+    def _peers_in_turn(self):
+        """Every rank, starting after ours, so that all do not hit rank 0 first."""
+        g = self.group
+        return [(g.rank + i) % g.world for i in range(g.world)]
+
+
+def check_shape(world, max_tokens, experts, topk, hidden, dtype, private):
+    """Bad layer shapes, refused before anything is opened (one line each)."""
+    if max_tokens < 1 or hidden < 1 or private < 0:
+        raise ValueError("need max tokens >= 1, hidden >= 1, private tokens >= 0")
+    if experts < 1 or experts % world:
+        raise ValueError(f"{experts} experts do not split evenly over {world} ranks")
+    if not 1 <= topk <= experts:
+        raise ValueError(f"top-k ({topk}) must be 1..{experts} (the number of experts)")
+    if dtype not in ("fp8", "bf16"):
+        raise ValueError(f"dispatch dtype must be fp8 or bf16, not {dtype!r}")
+    if dtype == "fp8" and hidden % ref.FP8_BLOCK:
+        raise ValueError(f"fp8 needs hidden ({hidden}) to be a multiple of {ref.FP8_BLOCK}")
+
+
+def check_tokens(x, indices, L):
+    """Refuse a batch that does not fit, before a byte of it is written anywhere."""
+    indices = np.asarray(indices)
+    n = len(indices)
+    if n > L.max_tokens:
+        raise ValueError(f"{n} tokens, more than the maximum of {L.max_tokens}")
+    if x.shape != (n, L.hidden) or indices.shape != (n, L.topk):
+        raise ValueError(f"tokens must be ({n}, {L.hidden}) and indices ({n}, {L.topk}), "
+                         f"got {x.shape} and {indices.shape}")
+    if not np.issubdtype(indices.dtype, np.integer):
+        raise ValueError(f"expert indices must be integers, got {indices.dtype}")
+    if n and (indices.min() < 0 or indices.max() >= L.experts):
+        raise ValueError(f"expert index out of range 0..{L.experts - 1}: "
+                         f"{int(indices.min())}..{int(indices.max())}")
+    if n and (np.diff(np.sort(indices, axis=1), axis=1) == 0).any():
+        raise ValueError("a token names the same expert twice")
+    return indices.astype(np.int64)
+
+
+# %% [markdown]
+# ## Check
+# Every rank can compute every rank's input from the seed, so each checks what
+# it received against the reference alone; the verdicts are gathered on rank 0.
+
+# %%
+def check_case(a2a, case, seed):
+    """One round of dispatch and combine for `case`: (ok, what this rank saw)."""
+    L, g = a2a.L, a2a.group
+    routing = [ref.routing(case, seed, r, L.world, L.max_tokens, L.experts, L.topk)
+               for r in range(L.world)]
+    inputs = [ref.tokens(seed, r, len(routing[r][0]), L.hidden) for r in range(L.world)]
+    indices, weights = routing[g.rank]
+    a2a.dispatch_send(inputs[g.rank], indices)
+    tokens, scales, counts = a2a.dispatch_recv()
+    expected, expected_counts = ref.dispatch(g.rank, L.world, L.experts,
+                                             [r[0] for r in routing],
+                                             [a2a.encode(x) for x in inputs])
+    got = tokens.view(np.uint8)
+    if scales is not None:
+        got = np.concatenate([got, scales.view(np.uint8)], axis=1)
+    counts_ok = np.array_equal(counts, expected_counts)
+    rows_ok = counts_ok and got.shape == expected.shape and np.array_equal(got, expected)
+    # the experts: x -> factor(e) * x
+    first = g.rank * L.local
+    factor = np.repeat([ref.expert_factor(first + e, L.experts) for e in range(L.local)],
+                       counts)[:, None].astype(np.float32)
+    a2a.combine_send(factor * a2a.decode(tokens, scales))
+    out = a2a.combine_recv(weights)
+    mine = a2a.decode(*a2a.split(a2a.encode(inputs[g.rank])))
+    answers = np.stack([ref.from_bf16(ref.to_bf16(ref.expert_factor(indices[:, j], L.experts)
+                                                  [:, None].astype(np.float32) * mine))
+                        for j in range(L.topk)], axis=1) if len(mine) else \
+        np.zeros((0, L.topk, L.hidden), np.float32)
+    want = ref.combine(indices, weights, answers)
+    error = float(np.abs(out - want).max()) if out.size else 0.0
+    tolerance = 2.0 ** -8 * max(1.0, float(np.abs(want).max()) if want.size else 1.0)
+    ok = counts_ok and rows_ok and error <= tolerance
+    return ok, {"received": int(counts.sum()), "counts": counts_ok, "rows": rows_ok,
+                "error": error, "tolerance": tolerance}
+
+
+def run_checks(own_factory, group, args, cases):
+    """Each case on fresh random inputs, for each dtype; rank 0 says what all saw."""
+    seed = int.from_bytes(group.allgather(struct.pack("<Q", args.seed))[0], "little")
+    private_of = {c: 1 if c == "overflow" else args.private_tokens for c in cases}
+    failed = 0
+    for dtype in args.dtypes:
+        for private in sorted(set(private_of.values())):
+            with fi.Closer() as own:
+                a2a = own_factory(own, dtype, private)
+                for case in [c for c in cases if private_of[c] == private]:
+                    ok, seen = check_case(a2a, case, seed)
+                    verdicts = [struct.unpack("<?Qdd", v) for v in group.allgather(
+                        struct.pack("<?Qdd", ok, seen["received"], seen["error"],
+                                    seen["tolerance"]))]
+                    bad = [r for r, v in enumerate(verdicts) if not v[0]]
+                    failed += bool(bad)
+                    if group.rank == 0:
+                        received = sum(v[1] for v in verdicts)
+                        worst = max(v[2] for v in verdicts)
+                        print(f"check {dtype} {case:<12} private {private}: "
+                              f"{received} (token, expert) rows received, counts exact and "
+                              f"each row once{' with its scales' if dtype == 'fp8' else ''} on "
+                              f"{group.world - len(bad)} of {group.world} ranks; combine "
+                              f"max |error| {worst:.2e} (bf16 tolerance "
+                              f"{max(v[3] for v in verdicts):.2e})"
+                              + (f"; FAILED on ranks {bad}" if bad else ""), flush=True)
+                    if not ok:
+                        print(f"rank {group.rank}: {case}: {seen}", flush=True)
+                group.barrier()  # every WRITE completed everywhere before endpoints close
+    if failed:
+        raise ValueError(f"{failed} checks failed (seed {seed}: --seed {seed} repeats them)")
+    if group.rank == 0:
+        print(f"all checks passed (seed {seed})", flush=True)
+
+
+# %% [markdown]
+# ## Benchmark
+# Latency of each half and of the whole, per rank (median over iterations), then
+# p50 and max across ranks. Bytes, as published figures count them: one row
+# per (token, expert) selection, dispatch (hidden + hidden / 128 * 4) bytes in
+# fp8 or 2 * hidden in bf16, combine 2 * hidden.
+
+# %%
+def benchmark(a2a, group, args):
+    L = a2a.L
+    indices, weights = ref.routing("random", args.seed, group.rank, L.world, args.tokens,
+                                   L.experts, L.topk)
+    x = ref.tokens(args.seed, group.rank, args.tokens, L.hidden)
+    times = {k: [] for k in ("dispatch send", "dispatch recv", "combine send", "combine recv")}
+    for i in range(args.warmup + args.iters):
+        group.barrier()
+        t0 = time.perf_counter()
+        a2a.dispatch_send(x, indices)
+        t1 = time.perf_counter()
+        tokens, scales, counts = a2a.dispatch_recv()
+        t2 = time.perf_counter()
+        a2a.combine_send(np.zeros((len(tokens), L.hidden), np.float32))
+        t3 = time.perf_counter()
+        a2a.combine_recv(weights)
+        t4 = time.perf_counter()
+        if i >= args.warmup:
+            for key, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                times[key].append(dt)
+    mine = [statistics.median(v) for v in times.values()]
+    every = [struct.unpack("<4d", b) for b in group.allgather(struct.pack("<4d", *mine))]
+    if group.rank:
+        return
+    rows = args.tokens * L.topk
+    sizes = {"dispatch": rows * L.row, "combine": rows * L.out_row}
+    print(f"benchmark: {args.tokens} tokens per rank, hidden {L.hidden}, top-{L.topk} of "
+          f"{L.experts} experts, {args.dispatch_dtype} dispatch ({L.row} B per row) / bf16 "
+          f"combine ({L.out_row} B); {args.iters} iterations after {args.warmup}; "
+          f"median per rank, then across ranks:")
+    for j, name in enumerate(times):
+        col = [e[j] for e in every]
+        print(f"  {name:<14} p50 {1e6 * statistics.median(col):9.1f} us   "
+              f"max {1e6 * max(col):9.1f} us")
+    for j, name in ((0, "dispatch"), (2, "combine")):
+        col = [e[j] + e[j + 1] for e in every]
+        p50 = statistics.median(col)
+        print(f"  {name:<14} p50 {1e6 * p50:9.1f} us   max {1e6 * max(col):9.1f} us   "
+              f"{sizes[name] / p50 / 1e9:.3f} GB/s ({rows} rows x {sizes[name] // rows} B "
+              f"/ p50)")
+
+
+def main():
+    p = cli.parser(__doc__)
+    p.add_argument("--device", choices=["cpu"], default="cpu",
+                   help="cpu: numpy and host memory (the GPU path is not written yet)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per rank, at most")
+    p.add_argument("--tokens", type=int, help="tokens per rank in the benchmark "
+                   "(default: the maximum)")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--dispatch-dtype", choices=["fp8", "bf16"], default="fp8",
+                   help="the benchmark's (the checks run both)")
+    p.add_argument("--private-tokens", type=int, default=8,
+                   help="tokens per sender that travel with the counts (default 8)")
+    p.add_argument("--check", default="all", help="cases to check: all, none, or some of "
+                   + ", ".join(ref.CASES))
+    p.add_argument("--iters", type=int, default=20, help="benchmark iterations (0: none)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seed", type=int, help="inputs of the checks (default: fresh ones)")
+    p.add_argument("--world", type=int, help="expect this many ranks (refuse otherwise)")
+    args = p.parse_args()
+    place = launch.place_from_environment()
+    args.tokens = args.max_tokens if args.tokens is None else args.tokens
+    args.seed = int.from_bytes(os.urandom(4), "little") if args.seed is None else args.seed
+    cases = list(ref.CASES) if args.check == "all" else [] if args.check == "none" \
+        else args.check.split(",")
+    if set(cases) - set(ref.CASES):
+        raise cli.UsageError(f"--check: unknown case(s) {', '.join(set(cases) - set(ref.CASES))}"
+                             f" (cases: {', '.join(ref.CASES)})")
+    if args.world is not None and args.world != place.world:
+        raise cli.UsageError(f"--world {args.world}, but {place.source} started "
+                             f"{place.world} rank{'s' if place.world > 1 else ''}")
+    if not 0 <= args.tokens <= args.max_tokens:
+        raise cli.UsageError(f"--tokens {args.tokens}: more than --max-tokens "
+                             f"{args.max_tokens} (or negative)")
+    try:
+        check_shape(place.world, args.max_tokens, args.experts, args.topk, args.hidden,
+                    args.dispatch_dtype, args.private_tokens)
+    except ValueError as e:
+        raise cli.UsageError(str(e)) from None
+    if "empty-expert" in cases and args.topk >= args.experts:
+        raise cli.UsageError("the empty-expert check needs --topk < --experts")
+    args.dtypes = ["fp8", "bf16"]
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped: close, then exit
+
+    with launch.Group(place, args.timeout) as group:
+        def build(own, dtype, private):
+            return AllToAll(own, group, args.max_tokens, args.experts, args.topk, args.hidden,
+                            dtype, private, args.provider, args.timeout)
+        if group.rank == 0:
+            where = f"{group.nodes} emulated nodes of {group.ranks_per_node}" \
+                if group.nodes > 1 else "one node"
+            print(f"{group.world} ranks ({place.source}), {where}; device {args.device}: "
+                  f"numpy, host memory; same node: shared memory"
+                  + ("; other nodes: libfabric WRITEs through the proxy" if group.nodes > 1
+                     else ""), flush=True)
+        if cases:
+            run_checks(build, group, args, cases)
+        if args.iters:
+            with fi.Closer() as own:
+                a2a = build(own, args.dispatch_dtype, args.private_tokens)
+                if group.rank == 0 and a2a.proxy:
+                    print(f"provider: {a2a.proxy.provider}", flush=True)
+                benchmark(a2a, group, args)
+                group.barrier()
+
+
+if __name__ == "__main__":
+    cli.run(main)
