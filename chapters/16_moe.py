@@ -539,6 +539,13 @@ def benchmark(a2a, group, args):
                                    L.experts, L.topk)
     x = ref.tokens(args.seed, group.rank, args.tokens, L.hidden)
     times = {k: [] for k in ("dispatch send", "dispatch recv", "combine send", "combine recv")}
+    rows = args.tokens * L.topk
+    sizes = {"dispatch": rows * L.row, "combine": rows * L.out_row}
+    if group.rank == 0:
+        print(f"benchmark: {args.tokens} tokens per rank, hidden {L.hidden}, top-{L.topk} of "
+              f"{L.experts} experts, {args.dispatch_dtype} dispatch ({L.row} B per row) / "
+              f"bf16 combine ({L.out_row} B); {args.iters} iterations after {args.warmup}",
+              flush=True)
     for i in range(args.warmup + args.iters):
         group.barrier()
         t0 = time.perf_counter()
@@ -557,12 +564,7 @@ def benchmark(a2a, group, args):
     every = [struct.unpack("<4d", b) for b in group.allgather(struct.pack("<4d", *mine))]
     if group.rank:
         return
-    rows = args.tokens * L.topk
-    sizes = {"dispatch": rows * L.row, "combine": rows * L.out_row}
-    print(f"benchmark: {args.tokens} tokens per rank, hidden {L.hidden}, top-{L.topk} of "
-          f"{L.experts} experts, {args.dispatch_dtype} dispatch ({L.row} B per row) / bf16 "
-          f"combine ({L.out_row} B); {args.iters} iterations after {args.warmup}; "
-          f"median per rank, then across ranks:")
+    print("latency, the median of each rank, then across ranks:")
     for j, name in enumerate(times):
         col = [e[j] for e in every]
         print(f"  {name:<14} p50 {1e6 * statistics.median(col):9.1f} us   "
@@ -605,8 +607,8 @@ def main():
         raise cli.UsageError(f"--check: unknown case(s) {', '.join(set(cases) - set(ref.CASES))}"
                              f" (cases: {', '.join(ref.CASES)})")
     if args.world is not None and args.world != place.world:
-        raise cli.UsageError(f"--world {args.world}, but {place.source} started "
-                             f"{place.world} rank{'s' if place.world > 1 else ''}")
+        raise cli.UsageError(f"--world {args.world}, but this job has {place.world} "
+                             f"rank{'s' if place.world > 1 else ''} ({place.source})")
     if not 0 <= args.tokens <= args.max_tokens:
         raise cli.UsageError(f"--tokens {args.tokens}: more than --max-tokens "
                              f"{args.max_tokens} (or negative)")

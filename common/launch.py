@@ -355,9 +355,9 @@ def spawn(argv, world, ranks_per_node=None, gpus=None, grace=10.0, out=sys.stdou
     host, port = server.address
     procs, readers = [], []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_node),
-                   LOCAL_WORLD_SIZE=str(per_node), RENDEZVOUS=f"{host}:{port}",
-                   PYTHONUNBUFFERED="1")
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
+                   LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node),
+                   RENDEZVOUS=f"{host}:{port}", PYTHONUNBUFFERED="1")
         if gpus:
             env["RANK_GPU"] = str(gpus[rank % len(gpus)])
         procs.append(subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
@@ -368,20 +368,26 @@ def spawn(argv, world, ranks_per_node=None, gpus=None, grace=10.0, out=sys.stdou
           f"{'s' if world > per_node else ''}); pids {' '.join(str(p.pid) for p in procs)}",
           file=err, flush=True)
     first, stopping_since = None, None
+
+    def first_failure():
+        for rank, p in enumerate(procs):
+            if p.poll() not in (None, 0):
+                server.abort(f"rank {rank} {_how(p.returncode)}")
+                return rank, p.returncode
+        return (None, 1) if server.failure is not None else None
+
     try:
         while any(p.poll() is None for p in procs):
-            for rank, p in enumerate(procs):
-                if first is None and p.poll() not in (None, 0):
-                    first = (rank, p.returncode)
-                    server.abort(f"rank {rank} {_how(p.returncode)}")
-            if first is None and server.failure is not None:
-                first = (None, 1)
+            first = first or first_failure()
             if first is not None and stopping_since is None:
                 stopping_since = time.monotonic()
             if stopping_since is not None and time.monotonic() - stopping_since > grace:
                 _stop(procs)
             time.sleep(0.02)
+        first = first or first_failure()
     except KeyboardInterrupt:
+        server.abort("the launcher was interrupted (Ctrl-C)")
+        stopping_since = stopping_since or time.monotonic()
         _stop(procs)
         first = first or (None, 130)
     for r in readers:
