@@ -16,6 +16,7 @@ struct m16_proxy {
     uint64_t ring_size;             // a power of two
     uint64_t head;                  // commands written so far (device side, release)
     uint64_t posted, completed;     // WRITEs handed to libfabric / completed (proxy)
+    uint64_t eagain;                // times the provider said "full, later"
     struct fi_context2 *contexts;   // one per ring slot
     uint8_t *busy;                  // 1 while that slot's WRITE is in flight
     uint32_t *arrived;              // [kinds][world] stamps, in this rank's region
@@ -70,8 +71,10 @@ static int m16_post(struct m16_proxy *p)
         struct fi_msg_rma msg = { &iov, &p->desc, 1, p->addr[w->peer], &rma, 1,
                                   &p->contexts[slot], w->imm };
         ssize_t rc = fi_writemsg(p->ep, &msg, FI_COMPLETION | FI_REMOTE_CQ_DATA);
-        if (rc == -FI_EAGAIN)
+        if (rc == -FI_EAGAIN) {
+            p->eagain++;
             return 0;
+        }
         if (rc)
             return (int)rc;
         p->busy[slot] = 1;

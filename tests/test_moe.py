@@ -258,3 +258,45 @@ def test_launcher_passes_ctrl_c_on():
         proc.kill()
     assert proc.returncode == 130 and "Traceback" not in err
     assert "launch: the launcher was interrupted (Ctrl-C); all 2 ranks stopped" in err
+
+
+def test_tiny_provider_queues_make_the_proxy_wait_not_fail():
+    """Provider queues of two make fi_writemsg say -FI_EAGAIN; the proxy posts later."""
+    command = [sys.executable, LAUNCH, "-n", "8", "--ranks-per-node", "4", CHAPTER, "-p", "shm",
+               *SMALL, "--check", "random,overflow", "--iters", "3"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=LIMIT,
+                          env=local_env({"FI_SHM_TX_SIZE": "2", "FI_SHM_RX_SIZE": "2",
+                                         "FI_SHM_DISABLE_CMA": "1"}))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(check_lines(done.stdout)) == 4
+    eagain = re.search(r"proxy of rank 0: (\d+) WRITEs, -FI_EAGAIN (\d+) times", done.stdout)
+    assert eagain and int(eagain[1]) > 0 and int(eagain[2]) > 0, done.stdout
+
+
+@pytest.mark.parametrize("spoil", ["swap rows", "drop a scale", "count", "combine"])
+def test_the_check_sees_a_wrong_result(one_rank, monkeypatch, spoil):
+    """The check is not a formality: one wrong byte, count or sum and it says so."""
+    moe, a2a = one_rank
+    if spoil == "combine":
+        real = a2a.combine_recv
+        monkeypatch.setattr(a2a, "combine_recv", lambda w: real(w) * 1.01)
+    else:
+        real = a2a.dispatch_recv
+
+        def spoiled():
+            tokens, scales, counts = real()
+            if spoil == "swap rows":
+                tokens[[0, -1]] = tokens[[-1, 0]]
+            elif spoil == "drop a scale":
+                scales[0, 0] = 0
+            else:
+                counts = counts.copy()
+                counts[0] += 1
+            return tokens, scales, counts
+        monkeypatch.setattr(a2a, "dispatch_recv", spoiled)
+    ok, seen = moe.check_case(a2a, "random", seed=3)
+    assert not ok
+    if spoil == "combine":
+        assert seen["error"] > seen["tolerance"]
+    else:
+        assert not seen["counts" if spoil == "count" else "rows"]
