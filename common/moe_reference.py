@@ -47,9 +47,14 @@ def from_e4m3(code):
 
 
 def to_bf16(x):
-    """float32 -> uint16 bf16, rounded to nearest even."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    """float32 -> uint16 bf16, rounded to nearest even (NaN stays NaN)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    rounded = (bits >> 16) & 1
+    rounded += 0x7FFF
+    rounded += bits  # wraps only for NaNs with every bit set, replaced below
+    half = (rounded >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), half)
 
 
 def from_bf16(half):
