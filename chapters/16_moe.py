@@ -38,7 +38,36 @@ baseline and the GPU benchmark are not written yet.
         --tokens 16 --hidden 256 --experts 32 --topk 4 --iters 0
     torchrun --nproc-per-node 8 chapters/16_moe.py ...                     # a cluster
 
-Transcript: TRANSCRIPT
+Transcript (2-core x86_64 VM, no GPU, no NIC, Debian's libfabric 1.17; 4 ranks as 2
+emulated nodes of 2, so each rank has one peer through shared memory and two through shm
+WRITEs; the decode shape; other processes shared the 2 cores, so run-to-run latency varies
+by 2x; four of the bf16 check lines left out):
+
+    $ python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm
+    launch: 4 ranks, 2 per node (2 nodes); pids 16040 16043 16046 16049
+    [0] 4 ranks (scripts/launch.py), 2 emulated nodes of 2; device cpu: numpy, host memory; same node: shared memory; other nodes: libfabric WRITEs through the proxy
+    [0] check fp8 overflow     private 1: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.15e-02)
+    [0] check fp8 random       private 8: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.15e-02)
+    [0] check fp8 empty-expert private 8: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.26e-02)
+    [0] check fp8 silent-rank  private 8: 3072 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.15e-02)
+    [0] check fp8 one-expert   private 8: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 2.05e-02)
+    [0] check fp8 fewer        private 8: 2072 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.06e-02)
+    [0] check bf16 overflow     private 1: 4096 (token, expert) rows received, counts exact and each row once on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.16e-02)
+    [0] check bf16 fewer        private 8: 2072 (token, expert) rows received, counts exact and each row once on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.07e-02)
+    [0] all checks passed (seed 3016243065)
+    [0] provider: shm
+    [0] benchmark: 128 tokens per rank, hidden 7168, top-8 of 256 experts, fp8 dispatch (7392 B per row) / bf16 combine (14336 B); 20 iterations after 3
+    [0] proxy of rank 0: 138 WRITEs, -FI_EAGAIN 1 times
+    [0] latency, the median of each rank, then across ranks:
+    [0]   dispatch send  p50  363418.6 us   max  371090.2 us
+    [0]   dispatch recv  p50   15202.9 us   max   23579.4 us
+    [0]   combine send   p50  328787.6 us   max  344477.7 us
+    [0]   combine recv   p50  148631.5 us   max  159096.9 us
+    [0]   dispatch       p50  381568.2 us   max  388776.1 us   0.020 GB/s (1024 rows x 7392 B / p50)
+    [0]   combine        p50  477113.9 us   max  503574.6 us   0.031 GB/s (1024 rows x 14336 B / p50)
+
+On --device cpu the latencies are those of numpy on two shared cores (quantising, packing
+and copying megabytes per rank), not what the protocol costs on GPUs.
 """
 # %% [markdown]
 # ## Motivation
