@@ -88,7 +88,6 @@ and copying megabytes per rank), not what the protocol costs on GPUs.
 import mmap
 import os
 import signal
-import statistics
 import struct
 import threading
 import time
@@ -97,6 +96,7 @@ import numpy as np
 
 from common import cli, launch
 from common import moe_reference as ref
+from common._native16 import ffi, lib as native
 from common.fabric import lib
 import common.fabric as fi
 
@@ -151,22 +151,31 @@ class Region:
 
     def __init__(self, job, rank, size):
         self.path = f"{SHM}/moe-{job}-{rank}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
-            self.map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                self.map = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            self.unlink()
+            raise ValueError(f"cannot make {size} bytes of shared memory in {SHM}: "
+                             f"{e.strerror}") from None
         self.bytes = np.frombuffer(self.map, dtype=np.uint8)
         self.ptr = self.bytes.ctypes.data
 
     @staticmethod
     def peer(job, rank, size):
-        fd = os.open(f"{SHM}/moe-{job}-{rank}", os.O_RDWR)
         try:
-            return np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8)
-        finally:
-            os.close(fd)
+            fd = os.open(f"{SHM}/moe-{job}-{rank}", os.O_RDWR)
+            try:
+                return np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise launch.PeerGone(f"cannot map rank {rank}'s memory ({e.strerror}): "
+                                  "is it gone?") from None
 
     def unlink(self):
         """Once every peer has mapped it: nothing is left behind, whatever happens next."""
@@ -183,8 +192,7 @@ class Proxy:
     """The host proxy: chapters/16_moe.c's loop in a thread of its own (GIL released)."""
 
     def __init__(self, own, group, layout, region, provider, timeout):
-        from common._native16 import ffi, lib as native
-        self.ffi, self.native, self.timeout = ffi, native, timeout
+        self.timeout = timeout
         info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA)
         if info.mode & lib.FI_RX_CQ_DATA:
             raise ValueError(f"{fi.provider_of(info)} wants a posted receive per immediate "
@@ -216,14 +224,14 @@ class Proxy:
         own.callback(self.stop)  # before the endpoint closes (the Closer runs backwards)
 
     def _run(self):
-        self.rc = self.native.m16_proxy_run(self.p)
+        self.rc = native.m16_proxy_run(self.p)
 
     def submit(self, group, local, remote, length, peer, imm):
         """Queue one WRITE; waits (bounded) while the ring is full."""
         deadline = time.monotonic() + self.timeout
-        while self.p.head - self.native.m16_completed(self.p) >= RING:
+        while self.p.head - native.m16_completed(self.p) >= RING:
             self.check(group, deadline, "room in the proxy's ring")
-        self.native.m16_submit(self.p, local, remote, length, peer, imm)
+        native.m16_submit(self.p, local, remote, length, peer, imm)
 
     def check(self, group, deadline, what):
         """Between two looks at what we wait for: the proxy's health, the peers', the clock."""
@@ -248,7 +256,7 @@ class Proxy:
     def drain(self, group):
         """Wait until every WRITE we queued has completed: its source may be reused."""
         deadline = time.monotonic() + self.timeout
-        while self.native.m16_completed(self.p) < self.p.head:
+        while native.m16_completed(self.p) < self.p.head:
             self.check(group, deadline, "completion of our WRITEs")
 
     def stop(self):
@@ -263,8 +271,7 @@ class AllToAll:
                  private_tokens=8, provider=None, timeout=30.0):
         check_shape(group.world, max_tokens, experts, topk, hidden, dispatch_dtype,
                     private_tokens)
-        from common._native16 import lib as native
-        self.native, self.group, self.timeout = native, group, timeout
+        self.group, self.timeout = group, timeout
         self.dtype = dispatch_dtype
         self.L = L = Layout(group.world, experts, max_tokens, topk, hidden, dispatch_dtype,
                             private_tokens)
@@ -289,7 +296,7 @@ class AllToAll:
         g = self.group
         if dest in self.view:
             self.view[dest][remote:remote + length] = self.region.bytes[local:local + length]
-            self.native.m16_release()  # the data is visible before the stamp
+            native.m16_release()  # the data is visible before the stamp
             self.peer_stamps[dest][kind, g.rank] = self.stamp
             return
         if length == 0:  # a WRITE needs bytes: 8 into the sender's signal word
@@ -308,7 +315,7 @@ class AllToAll:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no {what} within {self.timeout:g} s")
                 os.sched_yield()
-        self.native.m16_acquire()  # ... and the data is read after it
+        native.m16_acquire()  # ... and the data is read after it
 
     def _stage(self, expected, then):
         if self.stage != expected:
@@ -521,7 +528,7 @@ def check_case(a2a, case, seed):
                 "error": error, "tolerance": tolerance}
 
 
-def run_checks(own_factory, group, args, cases):
+def run_checks(build, group, args, cases):
     """Each case on fresh random inputs, for each dtype; rank 0 says what all saw."""
     seed = int.from_bytes(group.allgather(struct.pack("<Q", args.seed))[0], "little")
     private_of = {c: 1 if c == "overflow" else args.private_tokens for c in cases}
@@ -529,7 +536,7 @@ def run_checks(own_factory, group, args, cases):
     for dtype in args.dtypes:
         for private in sorted(set(private_of.values())):
             with fi.Closer() as own:
-                a2a = own_factory(own, dtype, private)
+                a2a = build(own, dtype, private)
                 for case in [c for c in cases if private_of[c] == private]:
                     ok, seen = check_case(a2a, case, seed)
                     verdicts = [struct.unpack("<?Qdd", v) for v in group.allgather(
@@ -564,19 +571,22 @@ def run_checks(own_factory, group, args, cases):
 # fp8 or 2 * hidden in bf16, combine 2 * hidden.
 
 # %%
+PHASES = ("dispatch send", "dispatch recv", "dispatch", "combine send", "combine recv",
+          "combine")
+
+
 def benchmark(a2a, group, args):
     L = a2a.L
     indices, weights = ref.routing("random", args.seed, group.rank, L.world, args.tokens,
                                    L.experts, L.topk)
     x = ref.tokens(args.seed, group.rank, args.tokens, L.hidden)
-    times = {k: [] for k in ("dispatch send", "dispatch recv", "combine send", "combine recv")}
     rows = args.tokens * L.topk
-    sizes = {"dispatch": rows * L.row, "combine": rows * L.out_row}
     if group.rank == 0:
         print(f"benchmark: {args.tokens} tokens per rank, hidden {L.hidden}, top-{L.topk} of "
               f"{L.experts} experts, {args.dispatch_dtype} dispatch ({L.row} B per row) / "
               f"bf16 combine ({L.out_row} B); {args.iters} iterations after {args.warmup}",
               flush=True)
+    times = []
     for i in range(args.warmup + args.iters):
         group.barrier()
         t0 = time.perf_counter()
@@ -589,26 +599,23 @@ def benchmark(a2a, group, args):
         a2a.combine_recv(weights)
         t4 = time.perf_counter()
         if i >= args.warmup:
-            for key, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                times[key].append(dt)
-    mine = [statistics.median(v) for v in times.values()]
-    every = [struct.unpack("<4d", b) for b in group.allgather(struct.pack("<4d", *mine))]
+            times.append((t1 - t0, t2 - t1, t2 - t0, t3 - t2, t4 - t3, t4 - t2))
+    mine = struct.pack(f"<{len(PHASES)}d", *np.median(np.array(times), axis=0))
+    every = np.array([struct.unpack(f"<{len(PHASES)}d", b) for b in group.allgather(mine)])
     if group.rank:
         return
     if a2a.proxy:
         print(f"proxy of rank 0: {a2a.proxy.p.posted} WRITEs, -FI_EAGAIN {a2a.proxy.p.eagain} "
               "times")
     print("latency, the median of each rank, then across ranks:")
-    for j, name in enumerate(times):
-        col = [e[j] for e in every]
-        print(f"  {name:<14} p50 {1e6 * statistics.median(col):9.1f} us   "
-              f"max {1e6 * max(col):9.1f} us")
-    for j, name in ((0, "dispatch"), (2, "combine")):
-        col = [e[j] + e[j + 1] for e in every]
-        p50 = statistics.median(col)
-        print(f"  {name:<14} p50 {1e6 * p50:9.1f} us   max {1e6 * max(col):9.1f} us   "
-              f"{sizes[name] / p50 / 1e9:.3f} GB/s ({rows} rows x {sizes[name] // rows} B "
-              f"/ p50)")
+    sizes = {"dispatch": rows * L.row, "combine": rows * L.out_row}
+    for name, col in zip(PHASES, every.T):
+        p50 = float(np.median(col))
+        line = f"  {name:<14} p50 {1e6 * p50:9.1f} us   max {1e6 * col.max():9.1f} us"
+        if name in sizes:
+            line += (f"   {sizes[name] / p50 / 1e9:.3f} GB/s ({rows} rows x "
+                     f"{sizes[name] // max(rows, 1)} B / p50)")
+        print(line)
 
 
 def main():

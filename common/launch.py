@@ -369,22 +369,25 @@ def spawn(argv, world, ranks_per_node=None, gpus=None, grace=10.0, out=sys.stdou
           file=err, flush=True)
     first, stopping_since = None, None
 
-    def first_failure():
-        for rank, p in enumerate(procs):
-            if p.poll() not in (None, 0):
-                server.abort(f"rank {rank} {_how(p.returncode)}")
-                return rank, p.returncode
-        return (None, 1) if server.failure is not None else None
+    def failed():
+        """The rank that failed, preferring one killed by a signal: the others that
+        exit with an error then only followed it."""
+        dead = [(rank, p.returncode) for rank, p in enumerate(procs)
+                if p.poll() not in (None, 0)]
+        dead.sort(key=lambda d: d[1] > 0)
+        if dead:
+            server.abort(f"rank {dead[0][0]} {_how(dead[0][1])}")
+        return dead[0] if dead else None
 
     try:
         while any(p.poll() is None for p in procs):
-            first = first or first_failure()
-            if first is not None and stopping_since is None:
+            first = first or failed()
+            if (first or server.failure) and stopping_since is None:
                 stopping_since = time.monotonic()
             if stopping_since is not None and time.monotonic() - stopping_since > grace:
                 _stop(procs)
             time.sleep(0.02)
-        first = first or first_failure()
+        first = first or failed() or ((None, 1) if server.failure else None)
     except KeyboardInterrupt:
         server.abort("the launcher was interrupted (Ctrl-C)")
         stopping_since = stopping_since or time.monotonic()
