@@ -94,7 +94,7 @@ import time
 
 import numpy as np
 
-from common import cli, launch
+from common import cli, launch, memory
 from common import moe_reference as ref
 from common._native16 import ffi, lib as native
 from common.fabric import lib
@@ -117,7 +117,7 @@ def aligned(size):
 
 # %%
 class Layout:
-    """Where everything is in a rank's region: the same offsets on every rank.
+    """Where everything is in a rank's data region: the same offsets on every rank.
 
     A sender can send one receiver at most max_tokens * min(topk, local experts)
     tokens (a token's experts are distinct); that bounds the overflow region."""
@@ -131,8 +131,7 @@ class Layout:
         self.per_peer = max_tokens * min(topk, self.local)
         self.header = aligned(4 * experts)  # a sender's counts, one int32 per expert
         self.slot = self.header + private * self.row
-        sections = [("arrived", 4 * KINDS * world),
-                    ("slots", world * self.slot),
+        sections = [("slots", world * self.slot),
                     ("overflow", world * self.per_peer * self.row),
                     ("combine_in", max_tokens * topk * self.out_row),
                     ("signal_in", 8 * world),
@@ -146,11 +145,10 @@ class Layout:
 
 
 class Region:
-    """One rank's memory (host memory here, GPU memory on a GPU), a file in /dev/shm
-    that the other ranks of its node map, as CUDA IPC would map a peer GPU's buffer."""
+    """Host memory in a /dev/shm file, which the other ranks of the node map."""
 
-    def __init__(self, job, rank, size):
-        self.path = f"{SHM}/moe-{job}-{rank}"
+    def __init__(self, job, name, size):
+        self.path = f"{SHM}/moe-{job}-{name}"
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
@@ -166,15 +164,15 @@ class Region:
         self.ptr = self.bytes.ctypes.data
 
     @staticmethod
-    def peer(job, rank, size):
+    def peer(job, name, size):
         try:
-            fd = os.open(f"{SHM}/moe-{job}-{rank}", os.O_RDWR)
+            fd = os.open(f"{SHM}/moe-{job}-{name}", os.O_RDWR)
             try:
                 return np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8)
             finally:
                 os.close(fd)
         except OSError as e:
-            raise launch.PeerGone(f"cannot map rank {rank}'s memory ({e.strerror}): "
+            raise launch.PeerGone(f"cannot map {name} of a peer ({e.strerror}): "
                                   "is it gone?") from None
 
     def unlink(self):
@@ -183,27 +181,200 @@ class Region:
             os.unlink(self.path)
 
 
-def stamps(region_bytes, layout):
-    return region_bytes[layout.arrived:layout.arrived + 4 * KINDS * layout.world].view(
-        np.uint32).reshape(KINDS, layout.world)
+class HostMemory:
+    """--device cpu: the data region in host memory, a /dev/shm file that the node's
+    ranks map (as CUDA IPC maps a peer GPU's memory); numpy does the kernels' work."""
+    xp, gpu, iface, device = np, None, lib.FI_HMEM_SYSTEM, 0
+
+    def __init__(self, own, group, size):
+        self.job, self.size = group.job, size
+        self.region = Region(group.job, f"{group.rank}-data", size)
+        own.callback(self.region.unlink)
+        self.data = self.mine = self.region.bytes
+        self.ptr = self.region.ptr
+
+    def handle(self):
+        return b""  # its name, known to all, is how node peers find it
+
+    def open(self, own, rank, handle):
+        return Region.peer(self.job, f"{rank}-data", self.size)
+
+    def published(self):
+        self.region.unlink()
+
+    def copy(self, peer, remote, local, length):
+        peer[remote:remote + length] = self.data[local:local + length]
+
+    def ready(self):
+        """What was written so far, copies to peers included, is visible: a stamp may
+        announce it, the proxy may send it."""
+        native.m16_release()
+
+    def settle(self):
+        """A stamp was seen: what it announces may now be read."""
+        native.m16_acquire()
+
+    def quantize_fp8(self, x):
+        return ref.wire_rows("fp8", x)
+
+    def host(self, array):
+        return array
+
+    def mark(self):
+        return time.perf_counter()
+
+    def seconds(self, start, end):
+        return end - start
+
+
+class CudaMemory:
+    """--device cuda: the data region in GPU memory, straight from cudaMalloc (CUDA IPC
+    hands out whole allocations) so that the node's ranks can map it; cupy and the
+    kernels of chapters/16_moe.cu do the work. Written, NOT YET RUN on a GPU."""
+    iface = lib.FI_HMEM_CUDA
+
+    def __init__(self, own, group, size):
+        cp = self.xp = memory.cupy()
+        self.size, self.rt = size, cp.cuda.runtime
+        count = self.rt.getDeviceCount()
+        self.gpu = self.device = group.gpu if group.gpu is not None else group.rank % count
+        memory.use_gpu(self.gpu)
+        self.ptr = self.mine = self.rt.malloc(size)
+        own.callback(self.rt.free, self.ptr)
+        self.rt.memset(self.ptr, 0, size)
+        self.data = cp.ndarray((size,), cp.uint8, cp.cuda.MemoryPointer(
+            cp.cuda.UnownedMemory(self.ptr, size, self, self.gpu), 0))
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.stream.use()  # this rank's cupy work, kernels and copies all go here
+        source = open(os.path.splitext(__file__)[0] + ".cu").read()
+        self.quantize = cp.RawModule(code=source).get_function("m16_quantize_fp8")
+
+    def handle(self):
+        return bytes(self.rt.ipcGetMemHandle(self.ptr))
+
+    def open(self, own, rank, handle):
+        ptr = self.rt.ipcOpenMemHandle(handle)
+        own.callback(self.rt.ipcCloseMemHandle, ptr)
+        return ptr
+
+    def published(self):
+        pass
+
+    def copy(self, peer, remote, local, length):
+        self.rt.memcpyAsync(peer + remote, self.ptr + local, length, self.rt.memcpyDefault,
+                            self.stream.ptr)
+
+    def ready(self):
+        self.stream.synchronize()
+
+    def settle(self):
+        # Chapter 07's lesson: shm's CUDA IPC copies into our memory may still be running
+        # when the immediate arrives; waiting for the device covers them.
+        self.rt.deviceSynchronize()
+
+    def quantize_fp8(self, x):
+        cp = self.xp
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        n, hidden = x.shape
+        row = hidden + hidden // ref.FP8_BLOCK * 4
+        rows = cp.empty((n, row), cp.uint8)
+        if n:
+            self.quantize((n, hidden // ref.FP8_BLOCK), (ref.FP8_BLOCK,),
+                          (x, rows, np.int32(hidden), np.int32(row)))
+        return rows
+
+    def host(self, array):
+        return array.get()
+
+    def mark(self):
+        event = self.xp.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def seconds(self, start, end):
+        end.synchronize()
+        return self.xp.cuda.get_elapsed_time(start, end) / 1e3
+
+
+DEVICES = {"cpu": HostMemory, "cuda": CudaMemory}
+
+
+class Wire:
+    """The dispatch dtype on the wire: fp8 e4m3 codes with their float32 block scales,
+    or bf16; one row of bytes per token."""
+
+    def __init__(self, dtype, hidden, mem):
+        self.dtype, self.hidden, self.mem, self.xp = dtype, hidden, mem, mem.xp
+
+    def encode(self, x):
+        """float32 tokens (n, hidden) -> rows (n, row bytes)."""
+        if self.dtype == "bf16":
+            return ref.to_bf16(x).view(self.xp.uint8)
+        return self.mem.quantize_fp8(x)
+
+    def split(self, rows):
+        """Rows -> (tokens, scales): uint8 e4m3 codes and float32 scales, or bf16 and None."""
+        if self.dtype == "bf16":
+            return rows.view(self.xp.uint16), None
+        h = self.hidden
+        return rows[:, :h], self.xp.ascontiguousarray(rows[:, h:]).view(self.xp.float32)
+
+    def decode(self, tokens, scales):
+        """Back to float32, on the host (for the checks)."""
+        tokens = self.mem.host(tokens)
+        if scales is None:
+            return ref.from_bf16(tokens)
+        return ref.dequantize_fp8(np.ascontiguousarray(tokens), self.mem.host(scales))
+
+
+def send_plan(xp, indices, experts):
+    """The (token, expert) selections sorted by expert, so by rank, then by token:
+    `order` (positions in indices.ravel()), and the count per expert (on the host)."""
+    flat = indices.ravel()
+    order = xp.argsort(flat * max(len(flat), 1) + xp.arange(len(flat)))  # unique keys
+    counts = xp.bincount(flat, minlength=experts).astype(xp.int32)
+    return order, np.asarray(counts if xp is np else counts.get())
+
+
+def receive_plan(matrix, rank, local):
+    """What rank `rank` receives, from the count matrix [source, expert]: the rows from
+    each source, and `gather`: for each expert-major row (by local expert, then source,
+    then the source's token order), where it is in the senders' streams put end to end."""
+    world = len(matrix)
+    mine = matrix[:, rank * local:(rank + 1) * local]  # [source, local expert]
+    from_each = mine.sum(axis=1)
+    start = np.concatenate([[0], np.cumsum(from_each)])
+    within = np.concatenate([np.zeros((world, 1), np.int64), np.cumsum(mine, axis=1)], axis=1)
+    gather = np.concatenate([np.arange(start[s] + within[s, e], start[s] + within[s, e + 1])
+                             for e in range(local) for s in range(world)]
+                            or [np.zeros(0, np.int64)])
+    return from_each, gather, mine.sum(axis=0)
+
+
+def weighted_sum(xp, rows, order, weights, hidden):
+    """combine's last step: bf16 rows in send order -> per token, the weighted sum."""
+    n, topk = weights.shape
+    values = xp.empty((n * topk, hidden), xp.float32)
+    values[order] = ref.from_bf16(rows.view(xp.uint16).reshape(n * topk, hidden))
+    return (weights[:, :, None] * values.reshape(n, topk, hidden)).sum(axis=1)
 
 
 class Proxy:
     """The host proxy: chapters/16_moe.c's loop in a thread of its own (GIL released)."""
 
-    def __init__(self, own, group, layout, region, provider, timeout):
+    def __init__(self, own, group, mem, stamps_ptr, provider, timeout):
         self.timeout = timeout
-        info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA)
+        info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA,
+                          prefer=lib.FI_HMEM if mem.gpu is not None else 0)
         if info.mode & lib.FI_RX_CQ_DATA:
             raise ValueError(f"{fi.provider_of(info)} wants a posted receive per immediate "
                              "(FI_RX_CQ_DATA); this proxy posts none")
         self.provider = fi.provider_of(info)
         domain, self.cq, av, ep = fi.open_endpoint(own, info, cq_size=4 * RING,
                                                    av_count=group.world)
-        mr = own(fi.mr_reg(domain, region.ptr, layout.size, lib.FI_WRITE | lib.FI_REMOTE_WRITE,
-                           key=1))
+        mr = memory.register(own, domain, mem, lib.FI_WRITE | lib.FI_REMOTE_WRITE, key=1)
         me = fi.getname(ep)
-        peers = group.allgather(PEER.pack(fi.remote_base(info, region.ptr), fi.mr_key(mr),
+        peers = group.allgather(PEER.pack(fi.remote_base(info, mem.ptr), fi.mr_key(mr),
                                           len(me)) + me)
         p = self.p = ffi.new("struct m16_proxy *")
         self.keep = [ffi.new("fi_addr_t[]", group.world), ffi.new("uint64_t[]", group.world),
@@ -215,9 +386,9 @@ class Proxy:
             p.remote_base[r], p.remote_key[r] = base, key
             if r // group.ranks_per_node != group.node:
                 p.addr[r] = fi.av_insert(av, blob[PEER.size:PEER.size + length])
-        p.ep, p.cq, p.base, p.desc = ep, self.cq, ffi.cast("char *", region.ptr), fi.mr_desc(mr)
+        p.ep, p.cq, p.base, p.desc = ep, self.cq, ffi.cast("char *", mem.ptr), fi.mr_desc(mr)
         p.ring_size, p.world, p.kinds = RING, group.world, KINDS
-        p.arrived = ffi.cast("uint32_t *", region.ptr + layout.arrived)
+        p.arrived = ffi.cast("uint32_t *", stamps_ptr)
         self.rc = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -268,41 +439,54 @@ class AllToAll:
     """dispatch and combine for one layer shape; each split into a send and a receive half."""
 
     def __init__(self, own, group, max_tokens, experts, topk, hidden, dispatch_dtype="fp8",
-                 private_tokens=8, provider=None, timeout=30.0):
+                 private_tokens=8, provider=None, timeout=30.0, device="cpu"):
         check_shape(group.world, max_tokens, experts, topk, hidden, dispatch_dtype,
                     private_tokens)
         self.group, self.timeout = group, timeout
-        self.dtype = dispatch_dtype
         self.L = L = Layout(group.world, experts, max_tokens, topk, hidden, dispatch_dtype,
                             private_tokens)
-        self.region = Region(group.job, group.rank, L.size)
-        own.callback(self.region.unlink)
-        self.proxy = (Proxy(own, group, L, self.region, provider, timeout)
+        self.mem = mem = DEVICES[device](own, group, L.size)
+        self.xp, self.wire = mem.xp, Wire(dispatch_dtype, hidden, mem)
+        # the arrival table: host memory, stamped by node peers and by our proxy
+        table = Region(group.job, f"{group.rank}-stamps", 4 * KINDS * group.world)
+        own.callback(table.unlink)
+        self.proxy = (Proxy(own, group, mem, table.ptr, provider, timeout)
                       if group.nodes > 1 else None)
-        same_node = [r for r in range(group.world) if r // group.ranks_per_node == group.node]
-        group.barrier()  # every region exists: map the node's
-        self.view = {r: self.region.bytes if r == group.rank else
-                     Region.peer(group.job, r, L.size) for r in same_node}
+        handles = group.allgather(mem.handle())  # every region exists: map the node's
+        node = [r for r in range(group.world) if r // group.ranks_per_node == group.node]
+        self.peer = {r: mem.mine if r == group.rank else mem.open(own, r, handles[r])
+                     for r in node}
+        self.stamps = as_stamps(table.bytes, group.world)
+        self.peer_stamps = {r: self.stamps if r == group.rank else as_stamps(
+            Region.peer(group.job, f"{r}-stamps", table.bytes.size), group.world) for r in node}
         group.barrier()  # every region is mapped by its node: the names can go
-        self.region.unlink()
-        self.stamps = stamps(self.region.bytes, L)
-        self.peer_stamps = {r: stamps(v, L) for r, v in self.view.items()}
-        self.round, self.stage = 0, "idle"
+        mem.published()
+        table.unlink()
+        self.round, self.stage, self.stamping = 0, "idle", []
 
     # --- moving bytes: the node's shared memory, or the proxy ---------------------
     def put(self, kind, dest, local, remote, length):
-        """Copy `length` bytes at `local` in our region to `remote` in dest's, then let
-        dest know (stamp `kind`). Nothing to copy still stamps: the stamp is the signal."""
+        """Send `length` bytes at `local` in our region to `remote` in dest's, and let dest
+        know (stamp `kind`); a node peer's stamp waits for flush(). Nothing to send still
+        stamps: the stamp is the signal."""
         g = self.group
-        if dest in self.view:
-            self.view[dest][remote:remote + length] = self.region.bytes[local:local + length]
-            native.m16_release()  # the data is visible before the stamp
-            self.peer_stamps[dest][kind, g.rank] = self.stamp
+        if dest in self.peer:
+            if length:
+                self.mem.copy(self.peer[dest], remote, local, length)
+            self.stamping.append((dest, kind))
             return
         if length == 0:  # a WRITE needs bytes: 8 into the sender's signal word
-            local, remote, length = self.L.signal_in + 8 * g.rank, self.L.signal_in + 8 * g.rank, 8
+            local = remote = self.L.signal_in + 8 * g.rank
+            length = 8
         imm = kind << 30 | g.rank << 14 | self.stamp
         self.proxy.submit(g, local, remote, length, dest, imm)
+
+    def flush(self):
+        """The node peers' copies are done: stamp them."""
+        self.mem.ready()
+        for dest, kind in self.stamping:
+            self.peer_stamps[dest][kind, self.group.rank] = self.stamp
+        self.stamping = []
 
     def wait(self, kind, sources, what):
         deadline = time.monotonic() + self.timeout
@@ -315,7 +499,7 @@ class AllToAll:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no {what} within {self.timeout:g} s")
                 os.sched_yield()
-        native.m16_acquire()  # ... and the data is read after it
+        self.mem.settle()
 
     def _stage(self, expected, then):
         if self.stage != expected:
@@ -323,51 +507,34 @@ class AllToAll:
                              f"but the last one done was {self.stage!r}")
         self.stage = then
 
-    # --- wire formats -----------------------------------------------------------------
-    def encode(self, x):
-        """float32 tokens (n, hidden) -> wire rows (n, row bytes)."""
-        if self.dtype == "bf16":
-            return ref.to_bf16(x).view(np.uint8)
-        codes, scales = ref.quantize_fp8(x)
-        return np.concatenate([codes, scales.view(np.uint8)], axis=1)
-
-    def split(self, rows):
-        """Wire rows -> (tokens, scales): uint8 e4m3 codes and float32 scales, or bf16 and None."""
-        h = self.L.hidden
-        if self.dtype == "bf16":
-            return rows.view(np.uint16), None
-        return rows[:, :h], np.ascontiguousarray(rows[:, h:]).view(np.float32)
-
-    def decode(self, tokens, scales):
-        return ref.from_bf16(tokens) if scales is None else ref.dequantize_fp8(tokens, scales)
-
     # --- dispatch -------------------------------------------------------------------
     def dispatch_send(self, x, indices):
         """Count, pack, send the counts with the first tokens, then (once every count is
         in) the rest, one WRITE per peer. x: (n, hidden) float32; indices: (n, topk)."""
-        L, g = self.L, self.group
-        indices = check_tokens(x, indices, L)
+        L, g, xp = self.L, self.group, self.xp
+        indices = check_tokens(xp, x, indices, L)
         self._stage("idle", "dispatch sent")
         self.round += 1
         self.stamp = self.round % 0x3FFF + 1  # 14 bits, never 0 (a fresh table's value)
-        flat = indices.ravel()
-        self.order = np.argsort(flat, kind="stable")  # by expert (so by rank), then token
-        counts = np.bincount(flat, minlength=L.experts).astype(np.int32)
+        self.order, counts = send_plan(xp, indices, L.experts)
         self.per_dest = counts.reshape(L.world, L.local).sum(axis=1)
-        packed = self.encode(x)[self.order // L.topk]
+        packed = self.wire.encode(x)[self.order // L.topk]
         # send region: for each peer, [our counts | its tokens]
         seg = L.send + np.concatenate([[0], np.cumsum(L.header + self.per_dest * L.row)])
         first = np.concatenate([[0], np.cumsum(self.per_dest)])
-        mem = self.region.bytes
+        data, header = self.mem.data, xp.asarray(counts).view(xp.uint8)
         for d in range(L.world):
-            mem[seg[d]:seg[d] + 4 * L.experts] = counts.view(np.uint8)
-            mem[seg[d] + L.header:seg[d + 1]] = packed[first[d]:first[d + 1]].ravel()
+            data[seg[d]:seg[d] + 4 * L.experts] = header
+            data[seg[d] + L.header:seg[d + 1]] = packed[first[d]:first[d + 1]].ravel()
+        self.mem.ready()  # packed: the proxy may read it
         for d in self._peers_in_turn():
             ahead = min(int(self.per_dest[d]), L.private)
             self.put(COUNTS, d, seg[d], L.slots + g.rank * L.slot, L.header + ahead * L.row)
+        self.flush()
         self.wait(COUNTS, range(L.world), "counts from every rank")
-        slots = self.region.bytes[L.slots:L.slots + L.world * L.slot].reshape(L.world, L.slot)
-        self.matrix = slots[:, :4 * L.experts].copy().view(np.int32)  # [source, expert]
+        slots = data[L.slots:L.slots + L.world * L.slot].reshape(L.world, L.slot)
+        self.matrix = np.ascontiguousarray(self.mem.host(slots[:, :4 * L.experts])).view(
+            np.int32)  # [source, expert]
         into = self.matrix.reshape(L.world, L.world, L.local).sum(axis=2)  # [source, dest]
         beyond = np.maximum(into - L.private, 0)
         for d in self._peers_in_turn():
@@ -375,59 +542,53 @@ class AllToAll:
                 at = int(beyond[:g.rank, d].sum())  # after the senders before us
                 self.put(OVERFLOW, d, seg[d] + L.header + L.private * L.row,
                          L.overflow + at * L.row, int(beyond[g.rank, d]) * L.row)
+        self.flush()
         self.n_tokens = len(indices)
 
     def dispatch_recv(self):
         """Wait for the overflow, then lay the tokens out expert-major. Returns
-        (tokens, scales, counts per local expert); scales is None for bf16."""
-        L, g = self.L, self.group
+        (tokens, scales, counts per local expert on the host); scales is None for bf16."""
+        L, g, xp = self.L, self.group, self.xp
         self._stage("dispatch sent", "dispatched")
-        mine = self.matrix[:, g.rank * L.local:(g.rank + 1) * L.local]  # [source, local expert]
-        from_each = mine.sum(axis=1)
-        overflowing = np.nonzero(from_each > L.private)[0]
-        self.wait(OVERFLOW, overflowing, "overflow tokens from every sender")
-        mem = self.region.bytes
+        self.from_each, gather, counts = receive_plan(self.matrix, g.rank, L.local)
+        self.wait(OVERFLOW, np.nonzero(self.from_each > L.private)[0],
+                  "overflow tokens from every sender")
+        data = self.mem.data
         at, streams = 0, []
         for s in range(L.world):  # each sender's tokens for us, in its order
-            n = int(from_each[s])
+            n = int(self.from_each[s])
             ahead = min(n, L.private)
             start = L.slots + s * L.slot + L.header
-            streams.append(mem[start:start + ahead * L.row].reshape(ahead, L.row))
+            streams.append(data[start:start + ahead * L.row].reshape(ahead, L.row))
             if n > ahead:
                 start = L.overflow + at * L.row
-                streams.append(mem[start:start + (n - ahead) * L.row].reshape(n - ahead, L.row))
+                streams.append(data[start:start + (n - ahead) * L.row].reshape(n - ahead, L.row))
                 at += n - ahead
-        rows = np.concatenate(streams) if streams else np.zeros((0, L.row), np.uint8)
-        # expert-major: for each local expert, each sender's slice of its stream
-        stream_start = np.concatenate([[0], np.cumsum(from_each)])
-        within = np.concatenate([np.zeros((L.world, 1), np.int64), np.cumsum(mine, axis=1)],
-                                axis=1)
-        self.gather = np.concatenate(
-            [np.arange(stream_start[s] + within[s, e], stream_start[s] + within[s, e + 1])
-             for e in range(L.local) for s in range(L.world)] or [np.zeros(0, np.int64)])
-        self.from_each = from_each
-        tokens, scales = self.split(rows[self.gather])
-        return tokens, scales, mine.sum(axis=0)
+        rows = xp.concatenate(streams) if streams else xp.zeros((0, L.row), xp.uint8)
+        self.gather = xp.asarray(gather)
+        tokens, scales = self.wire.split(rows[self.gather])
+        return tokens, scales, counts
 
     # --- combine --------------------------------------------------------------------
     def combine_send(self, expert_out):
         """Send each expert output (expert-major, as dispatch_recv gave the tokens;
         float32, sent as bf16) back to its token's rank: one WRITE per peer."""
-        L, g = self.L, self.group
+        L, g, xp = self.L, self.group, self.xp
         self._stage("dispatched", "combine sent")
         if expert_out.shape != (len(self.gather), L.hidden):
             raise ValueError(f"expert outputs must be ({len(self.gather)}, {L.hidden}), "
                              f"got {expert_out.shape}")
-        out = np.empty((len(self.gather), L.hidden), np.uint16)
+        out = xp.empty((len(self.gather), L.hidden), xp.uint16)
         out[self.gather] = ref.to_bf16(expert_out)  # back in each sender's order
-        size = out.size * 2
-        self.region.bytes[L.combine_out:L.combine_out + size] = out.view(np.uint8).ravel()
+        self.mem.data[L.combine_out:L.combine_out + out.size * 2] = out.view(xp.uint8).ravel()
+        self.mem.ready()
         start = np.concatenate([[0], np.cumsum(self.from_each)])
         into = self.matrix.reshape(L.world, L.world, L.local).sum(axis=2)  # [source, dest]
         for s in self._peers_in_turn():
             at = int(into[s, :g.rank].sum())  # where the sender packed its tokens for us
             self.put(COMBINE, s, L.combine_out + int(start[s]) * L.out_row,
                      L.combine_in + at * L.out_row, int(self.from_each[s]) * L.out_row)
+        self.flush()
 
     def combine_recv(self, weights):
         """Wait for every peer (also the barrier before the next dispatch), then the
@@ -440,15 +601,17 @@ class AllToAll:
         self.wait(COMBINE, range(L.world), "combine outputs from every rank")
         if self.proxy:
             self.proxy.drain(self.group)  # our send region may be reused from here on
-        rows = self.region.bytes[L.combine_in:L.combine_in + n * L.topk * L.out_row]
-        values = np.empty((n * L.topk, L.hidden), np.float32)
-        values[self.order] = ref.from_bf16(rows.view(np.uint16).reshape(-1, L.hidden))
-        return (weights[:, :, None] * values.reshape(n, L.topk, L.hidden)).sum(axis=1)
+        rows = self.mem.data[L.combine_in:L.combine_in + n * L.topk * L.out_row]
+        return weighted_sum(self.xp, rows, self.order, weights, L.hidden)
 
     def _peers_in_turn(self):
         """Every rank, starting after ours, so that all do not hit rank 0 first."""
         g = self.group
         return [(g.rank + i) % g.world for i in range(g.world)]
+
+
+def as_stamps(table, world):
+    return table.view(np.uint32).reshape(KINDS, world)
 
 
 def check_shape(world, max_tokens, experts, topk, hidden, dtype, private):
@@ -465,9 +628,9 @@ def check_shape(world, max_tokens, experts, topk, hidden, dtype, private):
         raise ValueError(f"fp8 needs hidden ({hidden}) to be a multiple of {ref.FP8_BLOCK}")
 
 
-def check_tokens(x, indices, L):
+def check_tokens(xp, x, indices, L):
     """Refuse a batch that does not fit, before a byte of it is written anywhere."""
-    indices = np.asarray(indices)
+    indices = xp.asarray(indices)
     n = len(indices)
     if n > L.max_tokens:
         raise ValueError(f"{n} tokens, more than the maximum of {L.max_tokens}")
@@ -479,9 +642,9 @@ def check_tokens(x, indices, L):
     if n and (indices.min() < 0 or indices.max() >= L.experts):
         raise ValueError(f"expert index out of range 0..{L.experts - 1}: "
                          f"{int(indices.min())}..{int(indices.max())}")
-    if n and (np.diff(np.sort(indices, axis=1), axis=1) == 0).any():
+    if n and bool((xp.diff(xp.sort(indices, axis=1), axis=1) == 0).any()):
         raise ValueError("a token names the same expert twice")
-    return indices.astype(np.int64)
+    return indices.astype(xp.int64)
 
 
 # %% [markdown]
@@ -492,19 +655,19 @@ def check_tokens(x, indices, L):
 # %%
 def check_case(a2a, case, seed):
     """One round of dispatch and combine for `case`: (ok, what this rank saw)."""
-    L, g = a2a.L, a2a.group
+    L, g, xp, host, dtype = a2a.L, a2a.group, a2a.xp, a2a.mem.host, a2a.wire.dtype
     routing = [ref.routing(case, seed, r, L.world, L.max_tokens, L.experts, L.topk)
                for r in range(L.world)]
     inputs = [ref.tokens(seed, r, len(routing[r][0]), L.hidden) for r in range(L.world)]
     indices, weights = routing[g.rank]
-    a2a.dispatch_send(inputs[g.rank], indices)
+    a2a.dispatch_send(xp.asarray(inputs[g.rank]), xp.asarray(indices))
     tokens, scales, counts = a2a.dispatch_recv()
     expected, expected_counts = ref.dispatch(g.rank, L.world, L.experts,
                                              [r[0] for r in routing],
-                                             [a2a.encode(x) for x in inputs])
-    got = tokens.view(np.uint8)
+                                             [ref.wire_rows(dtype, x) for x in inputs])
+    got = host(tokens).view(np.uint8)
     if scales is not None:
-        got = np.concatenate([got, scales.view(np.uint8)], axis=1)
+        got = np.concatenate([got, host(scales).view(np.uint8)], axis=1)
     counts_ok = np.array_equal(counts, expected_counts)
     rows_ok = counts_ok and got.shape == expected.shape and np.array_equal(got, expected)
     # the experts: x -> factor(e) * x (wrong counts still send something back: the
@@ -513,13 +676,12 @@ def check_case(a2a, case, seed):
     experts = np.repeat(np.arange(first, first + L.local), counts) \
         if counts.sum() == len(tokens) else np.full(len(tokens), first)
     factor = ref.expert_factor(experts, L.experts)[:, None].astype(np.float32)
-    a2a.combine_send(factor * a2a.decode(tokens, scales))
-    out = a2a.combine_recv(weights)
-    mine = a2a.decode(*a2a.split(a2a.encode(inputs[g.rank])))
+    a2a.combine_send(xp.asarray(factor * a2a.wire.decode(tokens, scales)))
+    out = host(a2a.combine_recv(xp.asarray(weights)))
+    mine = ref.round_trip(dtype, inputs[g.rank])
     answers = np.stack([ref.from_bf16(ref.to_bf16(ref.expert_factor(indices[:, j], L.experts)
                                                   [:, None].astype(np.float32) * mine))
-                        for j in range(L.topk)], axis=1) if len(mine) else \
-        np.zeros((0, L.topk, L.hidden), np.float32)
+                        for j in range(L.topk)], axis=1)
     want = ref.combine(indices, weights, answers)
     error = float(np.abs(out - want).max()) if out.size else 0.0
     tolerance = 2.0 ** -8 * max(1.0, float(np.abs(want).max()) if want.size else 1.0)
@@ -579,7 +741,10 @@ def benchmark(a2a, group, args):
     L = a2a.L
     indices, weights = ref.routing("random", args.seed, group.rank, L.world, args.tokens,
                                    L.experts, L.topk)
-    x = ref.tokens(args.seed, group.rank, args.tokens, L.hidden)
+    xp, mem = a2a.xp, a2a.mem
+    x, indices, weights = (xp.asarray(a) for a in (
+        ref.tokens(args.seed, group.rank, args.tokens, L.hidden), indices, weights))
+    expert_out = xp.zeros((L.world * L.per_peer, L.hidden), xp.float32)
     rows = args.tokens * L.topk
     if group.rank == 0:
         print(f"benchmark: {args.tokens} tokens per rank, hidden {L.hidden}, top-{L.topk} of "
@@ -588,18 +753,20 @@ def benchmark(a2a, group, args):
               flush=True)
     times = []
     for i in range(args.warmup + args.iters):
+        mem.ready()
         group.barrier()
-        t0 = time.perf_counter()
+        t0 = mem.mark()  # the machine's clock, or CUDA events on the rank's stream
         a2a.dispatch_send(x, indices)
-        t1 = time.perf_counter()
+        t1 = mem.mark()
         tokens, scales, counts = a2a.dispatch_recv()
-        t2 = time.perf_counter()
-        a2a.combine_send(np.zeros((len(tokens), L.hidden), np.float32))
-        t3 = time.perf_counter()
+        t2 = mem.mark()
+        a2a.combine_send(expert_out[:len(tokens)])
+        t3 = mem.mark()
         a2a.combine_recv(weights)
-        t4 = time.perf_counter()
+        t4 = mem.mark()
         if i >= args.warmup:
-            times.append((t1 - t0, t2 - t1, t2 - t0, t3 - t2, t4 - t3, t4 - t2))
+            t = [mem.seconds(a, b) for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4))]
+            times.append((t[0], t[1], t[0] + t[1], t[2], t[3], t[2] + t[3]))
     mine = struct.pack(f"<{len(PHASES)}d", *np.median(np.array(times), axis=0))
     every = np.array([struct.unpack(f"<{len(PHASES)}d", b) for b in group.allgather(mine)])
     if group.rank:
@@ -620,8 +787,9 @@ def benchmark(a2a, group, args):
 
 def main():
     p = cli.parser(__doc__)
-    p.add_argument("--device", choices=["cpu"], default="cpu",
-                   help="cpu: numpy and host memory (the GPU path is not written yet)")
+    p.add_argument("--device", choices=list(DEVICES), default="cpu",
+                   help="cpu: numpy and host memory (default); cuda: GPU memory, cupy and "
+                   "16_moe.cu (written, not yet run on a GPU)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per rank, at most")
     p.add_argument("--tokens", type=int, help="tokens per rank in the benchmark "
                    "(default: the maximum)")
@@ -666,12 +834,13 @@ def main():
     with launch.Group(place, args.timeout) as group:
         def build(own, dtype, private):
             return AllToAll(own, group, args.max_tokens, args.experts, args.topk, args.hidden,
-                            dtype, private, args.provider, args.timeout)
+                            dtype, private, args.provider, args.timeout, args.device)
         if group.rank == 0:
             where = f"{group.nodes} emulated nodes of {group.ranks_per_node}" \
                 if group.nodes > 1 else "one node"
-            print(f"{group.world} ranks ({place.source}), {where}; device {args.device}: "
-                  f"numpy, host memory; same node: shared memory"
+            how = {"cpu": "numpy, host memory; same node: shared memory",
+                   "cuda": "cupy, GPU memory; same node: CUDA IPC"}[args.device]
+            print(f"{group.world} ranks ({place.source}), {where}; device {args.device}: {how}"
                   + ("; other nodes: libfabric WRITEs through the proxy" if group.nodes > 1
                      else ""), flush=True)
         if cases:

@@ -46,19 +46,29 @@ def from_e4m3(code):
     return np.where(code & 0x80, -value, value).astype(np.float32)
 
 
+def array_module(array):
+    """numpy, or cupy for a cupy array: the bf16 conversions run on either."""
+    if type(array).__module__.partition(".")[0] == "cupy":
+        import cupy
+        return cupy
+    return np
+
+
 def to_bf16(x):
     """float32 -> uint16 bf16, rounded to nearest even (NaN stays NaN)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    bits = x.view(np.uint32)
+    xp = array_module(x)
+    x = xp.ascontiguousarray(x, dtype=xp.float32)
+    bits = x.view(xp.uint32)
     rounded = (bits >> 16) & 1
     rounded += 0x7FFF
     rounded += bits  # wraps only for NaNs with every bit set, replaced below
-    half = (rounded >> 16).astype(np.uint16)
-    return np.where(np.isnan(x), np.uint16(0x7FC0), half)
+    half = (rounded >> 16).astype(xp.uint16)
+    return xp.where(xp.isnan(x), xp.uint16(0x7FC0), half)
 
 
 def from_bf16(half):
-    return (np.asarray(half, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    xp = array_module(half)
+    return (xp.asarray(half, dtype=xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
 
 
 def quantize_fp8(x):
@@ -73,6 +83,22 @@ def quantize_fp8(x):
 def dequantize_fp8(codes, scales):
     blocks = from_e4m3(codes).reshape(len(codes), codes.shape[1] // FP8_BLOCK, FP8_BLOCK)
     return (blocks * scales[:, :, None]).reshape(codes.shape)
+
+
+def wire_rows(dtype, x):
+    """float32 tokens -> what travels, one row of bytes per token: e4m3 codes then the
+    float32 scales (fp8), or bf16."""
+    if dtype == "bf16":
+        return to_bf16(x).view(np.uint8)
+    codes, scales = quantize_fp8(x)
+    return np.concatenate([codes, scales.view(np.uint8)], axis=1)
+
+
+def round_trip(dtype, x):
+    """What a receiver can know of x after the wire: x quantised and back, in float32."""
+    if dtype == "bf16":
+        return from_bf16(to_bf16(x))
+    return dequantize_fp8(*quantize_fp8(x))
 
 
 # --- inputs ------------------------------------------------------------------------
