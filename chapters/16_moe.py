@@ -85,16 +85,20 @@ and copying megabytes per rank), not what the protocol costs on GPUs.
 #                 the peer's proxy turns the immediate into the same stamp
 
 # %%
+import argparse
+import json
 import mmap
 import os
 import signal
 import struct
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
-from common import cli, launch, memory
+from common import bench, cli, launch, memory
 from common import moe_reference as ref
 from common._native16 import ffi, lib as native
 from common.fabric import lib
@@ -234,16 +238,18 @@ class CudaMemory:
     iface = lib.FI_HMEM_CUDA
 
     def __init__(self, own, group, size):
+        """size 0: no region, only the GPU, its stream and kernels (for the NCCL baseline)."""
         cp = self.xp = memory.cupy()
         self.size, self.rt = size, cp.cuda.runtime
         count = self.rt.getDeviceCount()
         self.gpu = self.device = group.gpu if group.gpu is not None else group.rank % count
         memory.use_gpu(self.gpu)
-        self.ptr = self.mine = self.rt.malloc(size)
-        own.callback(self.rt.free, self.ptr)
-        self.rt.memset(self.ptr, 0, size)
-        self.data = cp.ndarray((size,), cp.uint8, cp.cuda.MemoryPointer(
-            cp.cuda.UnownedMemory(self.ptr, size, self, self.gpu), 0))
+        if size:
+            self.ptr = self.mine = self.rt.malloc(size)
+            own.callback(self.rt.free, self.ptr)
+            self.rt.memset(self.ptr, 0, size)
+            self.data = cp.ndarray((size,), cp.uint8, cp.cuda.MemoryPointer(
+                cp.cuda.UnownedMemory(self.ptr, size, self, self.gpu), 0))
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.stream.use()  # this rank's cupy work, kernels and copies all go here
         source = open(os.path.splitext(__file__)[0] + ".cu").read()
@@ -614,6 +620,79 @@ def as_stamps(table, world):
     return table.view(np.uint32).reshape(KINDS, world)
 
 
+class NcclAllToAll:
+    """The baseline: the same job, the same interface, with NCCL (cupy.cuda.nccl) moving
+    the bytes. It has to do all of it: count, pack, exchange the counts (an all-gather),
+    send each peer its tokens (grouped send/recv of per-peer sizes), unpack expert-major;
+    back for combine, then the weighted sum. GPU only. Written, NOT YET RUN on a GPU."""
+
+    def __init__(self, own, group, max_tokens, experts, topk, hidden, dispatch_dtype="fp8"):
+        check_shape(group.world, max_tokens, experts, topk, hidden, dispatch_dtype, 0)
+        self.group = group
+        self.L = Layout(group.world, experts, max_tokens, topk, hidden, dispatch_dtype, 0)
+        self.mem = mem = CudaMemory(own, group, 0)
+        self.xp, self.wire, self.proxy = mem.xp, Wire(dispatch_dtype, hidden, mem), None
+        self.nccl = nccl = mem.xp.cuda.nccl
+        uid = struct.pack("128b", *nccl.get_unique_id()) if group.rank == 0 else b""
+        uid = struct.unpack("128b", group.allgather(uid)[0])
+        self.comm = nccl.NcclCommunicator(group.world, uid, group.rank)
+        own.callback(self.comm.destroy)
+        self.stage = "idle"
+
+    _stage = AllToAll._stage
+
+    def _exchange(self, send, send_sizes, recv, recv_sizes, row):
+        """One grouped round of NCCL send/recv: send[i-th block] to each rank, and each
+        rank's block into recv; sizes in rows of `row` bytes."""
+        nccl, stream = self.nccl, self.mem.stream.ptr
+        out_at = np.concatenate([[0], np.cumsum(send_sizes)]) * row
+        in_at = np.concatenate([[0], np.cumsum(recv_sizes)]) * row
+        nccl.groupStart()
+        for peer in range(self.group.world):
+            if send_sizes[peer]:
+                self.comm.send(send.data.ptr + int(out_at[peer]), int(send_sizes[peer]) * row,
+                               nccl.NCCL_UINT8, peer, stream)
+            if recv_sizes[peer]:
+                self.comm.recv(recv.data.ptr + int(in_at[peer]), int(recv_sizes[peer]) * row,
+                               nccl.NCCL_UINT8, peer, stream)
+        nccl.groupEnd()
+
+    def dispatch_send(self, x, indices):
+        L, xp = self.L, self.xp
+        indices = check_tokens(xp, x, indices, L)
+        self._stage("idle", "dispatch sent")
+        self.order, counts = send_plan(xp, indices, L.experts)
+        self.per_dest = counts.reshape(L.world, L.local).sum(axis=1)
+        packed = xp.ascontiguousarray(self.wire.encode(x)[self.order // L.topk])
+        every = xp.empty(L.world * L.experts, xp.int32)
+        self.comm.allGather(xp.asarray(counts).data.ptr, every.data.ptr, L.experts,
+                            self.nccl.NCCL_INT32, self.mem.stream.ptr)
+        self.matrix = every.get().reshape(L.world, L.experts)  # waits: sizes come from it
+        self.from_each, gather, self.counts = receive_plan(self.matrix, self.group.rank,
+                                                           L.local)
+        self.received = xp.empty((int(self.from_each.sum()), L.row), xp.uint8)
+        self._exchange(packed, self.per_dest, self.received, self.from_each, L.row)
+        self.gather, self.n_tokens = xp.asarray(gather), len(indices)
+
+    def dispatch_recv(self):
+        self._stage("dispatch sent", "dispatched")
+        tokens, scales = self.wire.split(self.received[self.gather])
+        return tokens, scales, self.counts
+
+    def combine_send(self, expert_out):
+        L, xp = self.L, self.xp
+        self._stage("dispatched", "combine sent")
+        out = xp.empty((len(self.gather), L.hidden), xp.uint16)
+        out[self.gather] = ref.to_bf16(expert_out)
+        self.back = xp.empty((self.n_tokens * L.topk, L.hidden), xp.uint16)
+        self._exchange(out, self.from_each, self.back, self.per_dest, L.out_row)
+
+    def combine_recv(self, weights):
+        self._stage("combine sent", "idle")
+        return weighted_sum(self.xp, self.back.view(self.xp.uint8), self.order, weights,
+                            self.L.hidden)
+
+
 def check_shape(world, max_tokens, experts, topk, hidden, dtype, private):
     """Bad layer shapes, refused before anything is opened (one line each)."""
     if max_tokens < 1 or hidden < 1 or private < 0:
@@ -690,10 +769,11 @@ def check_case(a2a, case, seed):
                 "error": error, "tolerance": tolerance}
 
 
-def run_checks(build, group, args, cases):
+def run_checks(build, group, args, cases, name=""):
     """Each case on fresh random inputs, for each dtype; rank 0 says what all saw."""
     seed = int.from_bytes(group.allgather(struct.pack("<Q", args.seed))[0], "little")
-    private_of = {c: 1 if c == "overflow" else args.private_tokens for c in cases}
+    # our overflow case shrinks the private slots (the baseline has none)
+    private_of = {c: 1 if c == "overflow" and not name else args.private_tokens for c in cases}
     failed = 0
     for dtype in args.dtypes:
         for private in sorted(set(private_of.values())):
@@ -709,7 +789,7 @@ def run_checks(build, group, args, cases):
                     if group.rank == 0:
                         received = sum(v[1] for v in verdicts)
                         worst = max(v[2] for v in verdicts)
-                        print(f"check {dtype} {case:<12} private {private}: "
+                        print(f"check {name}{dtype} {case:<12} private {private}: "
                               f"{received} (token, expert) rows received, counts exact and "
                               f"each row once{' with its scales' if dtype == 'fp8' else ''} on "
                               f"{group.world - len(bad)} of {group.world} ranks; combine "
@@ -737,18 +817,18 @@ PHASES = ("dispatch send", "dispatch recv", "dispatch", "combine send", "combine
           "combine")
 
 
-def benchmark(a2a, group, args):
+def benchmark(a2a, group, args, tokens, name):
+    """Time `tokens` tokens per rank; rank 0 prints and returns a row of figures."""
     L = a2a.L
-    indices, weights = ref.routing("random", args.seed, group.rank, L.world, args.tokens,
+    indices, weights = ref.routing("random", args.seed, group.rank, L.world, tokens,
                                    L.experts, L.topk)
     xp, mem = a2a.xp, a2a.mem
     x, indices, weights = (xp.asarray(a) for a in (
-        ref.tokens(args.seed, group.rank, args.tokens, L.hidden), indices, weights))
+        ref.tokens(args.seed, group.rank, tokens, L.hidden), indices, weights))
     expert_out = xp.zeros((L.world * L.per_peer, L.hidden), xp.float32)
-    rows = args.tokens * L.topk
     if group.rank == 0:
-        print(f"benchmark: {args.tokens} tokens per rank, hidden {L.hidden}, top-{L.topk} of "
-              f"{L.experts} experts, {args.dispatch_dtype} dispatch ({L.row} B per row) / "
+        print(f"benchmark {name}: {tokens} tokens per rank, hidden {L.hidden}, top-{L.topk} of "
+              f"{L.experts} experts, {a2a.wire.dtype} dispatch ({L.row} B per row) / "
               f"bf16 combine ({L.out_row} B); {args.iters} iterations after {args.warmup}",
               flush=True)
     times = []
@@ -758,9 +838,9 @@ def benchmark(a2a, group, args):
         t0 = mem.mark()  # the machine's clock, or CUDA events on the rank's stream
         a2a.dispatch_send(x, indices)
         t1 = mem.mark()
-        tokens, scales, counts = a2a.dispatch_recv()
+        received, scales, counts = a2a.dispatch_recv()
         t2 = mem.mark()
-        a2a.combine_send(expert_out[:len(tokens)])
+        a2a.combine_send(expert_out[:len(received)])
         t3 = mem.mark()
         a2a.combine_recv(weights)
         t4 = mem.mark()
@@ -770,19 +850,53 @@ def benchmark(a2a, group, args):
     mine = struct.pack(f"<{len(PHASES)}d", *np.median(np.array(times), axis=0))
     every = np.array([struct.unpack(f"<{len(PHASES)}d", b) for b in group.allgather(mine)])
     if group.rank:
-        return
+        return None
     if a2a.proxy:
         print(f"proxy of rank 0: {a2a.proxy.p.posted} WRITEs, -FI_EAGAIN {a2a.proxy.p.eagain} "
               "times")
     print("latency, the median of each rank, then across ranks:")
+    rows = tokens * L.topk
     sizes = {"dispatch": rows * L.row, "combine": rows * L.out_row}
-    for name, col in zip(PHASES, every.T):
-        p50 = float(np.median(col))
-        line = f"  {name:<14} p50 {1e6 * p50:9.1f} us   max {1e6 * col.max():9.1f} us"
-        if name in sizes:
-            line += (f"   {sizes[name] / p50 / 1e9:.3f} GB/s ({rows} rows x "
-                     f"{sizes[name] // max(rows, 1)} B / p50)")
-        print(line)
+    figures = {"implementation": name, "tokens": tokens, "rows": rows,
+               "dispatch_bytes": sizes["dispatch"], "combine_bytes": sizes["combine"]}
+    for phase, col in zip(PHASES, every.T):
+        p50, worst = float(np.median(col)), float(col.max())
+        key = phase.replace(" ", "_")
+        figures[f"{key}_p50_us"], figures[f"{key}_max_us"] = 1e6 * p50, 1e6 * worst
+        line = f"  {phase:<14} p50 {1e6 * p50:9.1f} us   max {1e6 * worst:9.1f} us"
+        if phase in sizes:
+            figures[f"{key}_gb_per_s"] = sizes[phase] / p50 / 1e9
+            line += (f"   {sizes[phase] / p50 / 1e9:.3f} GB/s ({rows} rows x "
+                     f"{sizes[phase] // max(rows, 1)} B / p50)")
+        print(line, flush=True)
+    return figures
+
+
+def record(path, args, group, provider, rows):
+    """The benchmark as JSON: what ran, where, and a row per (implementation, tokens)."""
+    data = {"chapter": "16_moe", "args": sys.argv[1:], "device": args.device,
+            "world": group.world, "ranks_per_node": group.ranks_per_node,
+            "provider": provider, "libfabric": "%d.%d" % fi.version(),
+            "machine": bench.machine(0 if args.device == "cuda" else None),
+            "git": bench.git_sha(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "shape": {"hidden": args.hidden, "experts": args.experts, "topk": args.topk,
+                      "dispatch": args.dispatch_dtype, "combine": "bf16",
+                      "private_tokens": args.private_tokens},
+            "runs": rows}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)  # never a half-written file
+    return path
+
+
+def token_list(text):
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tokens takes numbers like 1,8,128, got '{text}'") \
+            from None
 
 
 def main():
@@ -791,8 +905,8 @@ def main():
                    help="cpu: numpy and host memory (default); cuda: GPU memory, cupy and "
                    "16_moe.cu (written, not yet run on a GPU)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per rank, at most")
-    p.add_argument("--tokens", type=int, help="tokens per rank in the benchmark "
-                   "(default: the maximum)")
+    p.add_argument("--tokens", type=token_list, help="tokens per rank in the benchmark, "
+                   "one run each, e.g. 1,8,128 (default: the maximum)")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
@@ -800,15 +914,19 @@ def main():
                    help="the benchmark's (the checks run both)")
     p.add_argument("--private-tokens", type=int, default=8,
                    help="tokens per sender that travel with the counts (default 8)")
+    p.add_argument("--baseline", choices=["nccl"], help="also check and time the NCCL "
+                   "all-to-all (--device cuda)")
     p.add_argument("--check", default="all", help="cases to check: all, none, or some of "
                    + ", ".join(ref.CASES))
     p.add_argument("--iters", type=int, default=20, help="benchmark iterations (0: none)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, help="inputs of the checks (default: fresh ones)")
     p.add_argument("--world", type=int, help="expect this many ranks (refuse otherwise)")
+    p.add_argument("--json", nargs="?", const="auto", help="rank 0 writes the benchmark "
+                   "as JSON to this file (default results/runs/16_moe-...json)")
     args = p.parse_args()
     place = launch.place_from_environment()
-    args.tokens = args.max_tokens if args.tokens is None else args.tokens
+    args.tokens = [args.max_tokens] if args.tokens is None else args.tokens
     args.seed = int.from_bytes(os.urandom(4), "little") if args.seed is None else args.seed
     cases = list(ref.CASES) if args.check == "all" else [] if args.check == "none" \
         else args.check.split(",")
@@ -818,9 +936,12 @@ def main():
     if args.world is not None and args.world != place.world:
         raise cli.UsageError(f"--world {args.world}, but this job has {place.world} "
                              f"rank{'s' if place.world > 1 else ''} ({place.source})")
-    if not 0 <= args.tokens <= args.max_tokens:
-        raise cli.UsageError(f"--tokens {args.tokens}: more than --max-tokens "
-                             f"{args.max_tokens} (or negative)")
+    for tokens in args.tokens:
+        if not 0 <= tokens <= args.max_tokens:
+            raise cli.UsageError(f"--tokens {tokens}: more than --max-tokens "
+                                 f"{args.max_tokens} (or negative)")
+    if args.baseline and args.device != "cuda":
+        raise cli.UsageError("--baseline nccl needs --device cuda")
     try:
         check_shape(place.world, args.max_tokens, args.experts, args.topk, args.hidden,
                     args.dispatch_dtype, args.private_tokens)
@@ -832,9 +953,14 @@ def main():
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped: close, then exit
 
     with launch.Group(place, args.timeout) as group:
-        def build(own, dtype, private):
+        def ours(own, dtype, private):
             return AllToAll(own, group, args.max_tokens, args.experts, args.topk, args.hidden,
                             dtype, private, args.provider, args.timeout, args.device)
+
+        def nccl(own, dtype, private):
+            return NcclAllToAll(own, group, args.max_tokens, args.experts, args.topk,
+                                args.hidden, dtype)
+        builds = {"ours": ours, **({"nccl": nccl} if args.baseline else {})}
         if group.rank == 0:
             where = f"{group.nodes} emulated nodes of {group.ranks_per_node}" \
                 if group.nodes > 1 else "one node"
@@ -844,14 +970,23 @@ def main():
                   + ("; other nodes: libfabric WRITEs through the proxy" if group.nodes > 1
                      else ""), flush=True)
         if cases:
-            run_checks(build, group, args, cases)
-        if args.iters:
+            for name, build in builds.items():
+                run_checks(build, group, args, cases, "" if name == "ours" else name + " ")
+        rows, provider = [], None
+        for name, build in builds.items() if args.iters else ():
             with fi.Closer() as own:
                 a2a = build(own, args.dispatch_dtype, args.private_tokens)
-                if group.rank == 0 and a2a.proxy:
-                    print(f"provider: {a2a.proxy.provider}", flush=True)
-                benchmark(a2a, group, args)
+                if a2a.proxy:
+                    provider = a2a.proxy.provider
+                    if group.rank == 0:
+                        print(f"provider: {provider}", flush=True)
+                for tokens in args.tokens:
+                    rows.append(benchmark(a2a, group, args, tokens, name))
                 group.barrier()
+        if args.json and group.rank == 0 and rows:
+            path = bench.run_path(args.json, "16_moe", args.device, f"{group.world}ranks",
+                                  f"{group.nodes}nodes")
+            print(f"result: {record(path, args, group, provider, rows)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Chapter 16 on --device cpu: every case against the reference, on 2, 4 and 8 ranks,
 one and two emulated nodes; bad input; a rank killed mid-run."""
 import importlib.util
+import json
 import re
 import signal
 import socket
@@ -15,6 +16,7 @@ import common.fabric as fi
 from common import launch
 from common import moe_reference as ref
 from scripts.pair import ROOT, chapter_path, local_env
+from tests.gpu import needs_gpu
 from tests.test_bad_input import assert_one_line_error, run
 
 CHAPTER = str(chapter_path(16))
@@ -79,6 +81,23 @@ def test_benchmark_reports_each_half_and_bandwidth():
     assert "[0] provider: shm" in done.stdout
 
 
+def test_benchmark_sweeps_tokens_into_json(tmp_path):
+    path = tmp_path / "moe.json"
+    done = launched(2, 2, *SMALL, "--check", "none", "--iters", "2", "--warmup", "0",
+                    "--tokens", "0,2,6", "--json", str(path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(path.read_text())
+    assert (data["chapter"], data["device"], data["world"]) == ("16_moe", "cpu", 2)
+    assert [r["tokens"] for r in data["runs"]] == [0, 2, 6]
+    for row in data["runs"]:
+        assert row["implementation"] == "ours" and row["rows"] == row["tokens"] * TOPK
+        assert row["dispatch_bytes"] == row["rows"] * (128 + 4)
+        assert row["combine_bytes"] == row["rows"] * 256
+        for phase in ("dispatch_send", "dispatch_recv", "dispatch", "combine_send",
+                      "combine_recv", "combine"):
+            assert 0 < row[f"{phase}_p50_us"] <= row[f"{phase}_max_us"]
+
+
 @pytest.mark.parametrize("per_node", [4, 2], ids=["one-node", "two-nodes"])
 def test_a_rank_killed_mid_run_stops_the_others(per_node):
     proc = subprocess.Popen([sys.executable, LAUNCH, "-n", "4", "--ranks-per-node", str(per_node),
@@ -114,6 +133,9 @@ def test_a_rank_killed_mid_run_stops_the_others(per_node):
     (["--check", "random,bogus"], "unknown case(s) bogus"),
     (["--world", "2"], "--world 2, but this job has 1 rank (no launcher: one rank)"),
     (["--device", "gpu"], "invalid choice: 'gpu'"),
+    (["--baseline", "nccl"], "--baseline nccl needs --device cuda"),
+    (["--tokens", "1,x"], "--tokens takes numbers like 1,8,128"),
+    (["--tokens", "4,200"], "--tokens 200: more than --max-tokens 128"),
 ])
 def test_bad_input_is_one_line(args, pattern):
     done, _ = run(16, *args)
@@ -300,3 +322,39 @@ def test_the_check_sees_a_wrong_result(one_rank, monkeypatch, spoil):
         assert seen["error"] > seen["tolerance"]
     else:
         assert not seen["counts" if spoil == "count" else "rows"]
+
+
+# --- on GPUs (skipped here): the same, with --device cuda -------------------------------
+
+def gpus():
+    import cupy
+    return ",".join(str(g) for g in range(cupy.cuda.runtime.getDeviceCount()))
+
+
+@needs_gpu
+@pytest.mark.parametrize("ranks,per_node", [(2, 2), (2, 1), (4, 2)],
+                         ids=["2-one-node", "2-two-nodes", "4-two-nodes"])
+def test_gpu_every_case_matches_the_reference(ranks, per_node):
+    command = [sys.executable, LAUNCH, "-n", str(ranks), "--ranks-per-node", str(per_node),
+               "--gpus", gpus(), CHAPTER, "-p", "shm", "--device", "cuda", *SMALL,
+               "--baseline", "nccl", "--iters", "0"]
+    done = subprocess.run(command, capture_output=True, text=True, env=local_env(),
+                          timeout=LIMIT, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ours = {k: v for k, v in check_lines(done.stdout).items() if k[0] != "nccl"}
+    assert set(ours) == {(d, c) for d in ("fp8", "bf16") for c in ref.CASES}
+    assert all(ok == of == ranks for _, ok, of in ours.values())
+    assert done.stdout.count("all checks passed") == 2  # ours, then NCCL's
+
+
+@needs_gpu
+def test_gpu_decode_benchmark_against_nccl(tmp_path):
+    path = tmp_path / "moe.json"
+    command = [sys.executable, LAUNCH, "-n", "2", "--gpus", gpus(), CHAPTER, "--device",
+               "cuda", "--baseline", "nccl", "--check", "none", "--iters", "20", "--json",
+               str(path)]
+    done = subprocess.run(command, capture_output=True, text=True, env=local_env(),
+                          timeout=LIMIT, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = json.loads(path.read_text())["runs"]
+    assert [r["implementation"] for r in runs] == ["ours", "nccl"]
