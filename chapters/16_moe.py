@@ -349,11 +349,12 @@ def receive_plan(matrix, rank, local):
     world = len(matrix)
     mine = matrix[:, rank * local:(rank + 1) * local]  # [source, local expert]
     from_each = mine.sum(axis=1)
-    start = np.concatenate([[0], np.cumsum(from_each)])
-    within = np.concatenate([np.zeros((world, 1), np.int64), np.cumsum(mine, axis=1)], axis=1)
-    gather = np.concatenate([np.arange(start[s] + within[s, e], start[s] + within[s, e + 1])
-                             for e in range(local) for s in range(world)]
-                            or [np.zeros(0, np.int64)])
+    stream_start = np.cumsum(from_each) - from_each  # [source]
+    within = np.cumsum(mine, axis=1) - mine          # [source, expert]: before that expert
+    starts = (stream_start[:, None] + within).T.ravel()  # each (expert, source) slice
+    lengths = mine.T.ravel()
+    before = np.cumsum(lengths) - lengths  # where each slice starts in the output
+    gather = np.repeat(starts - before, lengths) + np.arange(lengths.sum())
     return from_each, gather, mine.sum(axis=0)
 
 
