@@ -337,7 +337,9 @@ def send_plan(xp, indices, experts):
     """The (token, expert) selections sorted by expert, so by rank, then by token:
     `order` (positions in indices.ravel()), and the count per expert (on the host)."""
     flat = indices.ravel()
-    order = xp.argsort(flat * max(len(flat), 1) + xp.arange(len(flat)))  # unique keys
+    if not len(flat):
+        return xp.zeros(0, xp.int64), np.zeros(experts, np.int32)
+    order = xp.argsort(flat * len(flat) + xp.arange(len(flat)))  # unique keys: stable
     counts = xp.bincount(flat, minlength=experts).astype(xp.int32)
     return order, np.asarray(counts if xp is np else counts.get())
 
@@ -346,7 +348,6 @@ def receive_plan(matrix, rank, local):
     """What rank `rank` receives, from the count matrix [source, expert]: the rows from
     each source, and `gather`: for each expert-major row (by local expert, then source,
     then the source's token order), where it is in the senders' streams put end to end."""
-    world = len(matrix)
     mine = matrix[:, rank * local:(rank + 1) * local]  # [source, local expert]
     from_each = mine.sum(axis=1)
     stream_start = np.cumsum(from_each) - from_each  # [source]
@@ -625,7 +626,8 @@ class NcclAllToAll:
     """The baseline: the same job, the same interface, with NCCL (cupy.cuda.nccl) moving
     the bytes. It has to do all of it: count, pack, exchange the counts (an all-gather),
     send each peer its tokens (grouped send/recv of per-peer sizes), unpack expert-major;
-    back for combine, then the weighted sum. GPU only. Written, NOT YET RUN on a GPU."""
+    back for combine, then the weighted sum. GPU only, one GPU per rank (NCCL refuses two
+    ranks on one GPU). Written, NOT YET RUN on a GPU."""
 
     def __init__(self, own, group, max_tokens, experts, topk, hidden, dispatch_dtype="fp8"):
         check_shape(group.world, max_tokens, experts, topk, hidden, dispatch_dtype, 0)
@@ -664,15 +666,16 @@ class NcclAllToAll:
         self._stage("idle", "dispatch sent")
         self.order, counts = send_plan(xp, indices, L.experts)
         self.per_dest = counts.reshape(L.world, L.local).sum(axis=1)
-        packed = xp.ascontiguousarray(self.wire.encode(x)[self.order // L.topk])
-        every = xp.empty(L.world * L.experts, xp.int32)
-        self.comm.allGather(xp.asarray(counts).data.ptr, every.data.ptr, L.experts,
+        # kept in self: NCCL reads them on the stream after this returns
+        self.packed = xp.ascontiguousarray(self.wire.encode(x)[self.order // L.topk])
+        self.counts_out, every = xp.asarray(counts), xp.empty(L.world * L.experts, xp.int32)
+        self.comm.allGather(self.counts_out.data.ptr, every.data.ptr, L.experts,
                             self.nccl.NCCL_INT32, self.mem.stream.ptr)
         self.matrix = every.get().reshape(L.world, L.experts)  # waits: sizes come from it
         self.from_each, gather, self.counts = receive_plan(self.matrix, self.group.rank,
                                                            L.local)
         self.received = xp.empty((int(self.from_each.sum()), L.row), xp.uint8)
-        self._exchange(packed, self.per_dest, self.received, self.from_each, L.row)
+        self._exchange(self.packed, self.per_dest, self.received, self.from_each, L.row)
         self.gather, self.n_tokens = xp.asarray(gather), len(indices)
 
     def dispatch_recv(self):
@@ -683,10 +686,10 @@ class NcclAllToAll:
     def combine_send(self, expert_out):
         L, xp = self.L, self.xp
         self._stage("dispatched", "combine sent")
-        out = xp.empty((len(self.gather), L.hidden), xp.uint16)
-        out[self.gather] = ref.to_bf16(expert_out)
+        self.out = xp.empty((len(self.gather), L.hidden), xp.uint16)
+        self.out[self.gather] = ref.to_bf16(expert_out)
         self.back = xp.empty((self.n_tokens * L.topk, L.hidden), xp.uint16)
-        self._exchange(out, self.from_each, self.back, self.per_dest, L.out_row)
+        self._exchange(self.out, self.from_each, self.back, self.per_dest, L.out_row)
 
     def combine_recv(self, weights):
         self._stage("combine sent", "idle")
