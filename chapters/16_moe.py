@@ -29,13 +29,23 @@ New since chapter 07 (independent of 08-15): ranks and a rendezvous
 (common/launch.py, scripts/launch.py, or torchrun / Slurm variables); fp8
 e4m3 with block scales and bf16 (common/moe_reference.py, also the reference
 every run is checked against); the proxy; --device cpu, where numpy stands in
-for the kernels and host memory for GPU memory. The GPU kernels, the NCCL
-baseline and the GPU benchmark are not written yet.
+for the kernels and host memory for GPU memory.
+
+--device cuda runs the same protocol on GPU memory: cupy and the fp8 kernel of
+chapters/16_moe.cu do the packing, node peers are copied to through CUDA IPC,
+other nodes get WRITEs from registered GPU memory (FI_HMEM); --baseline nccl
+checks and times NCCL doing the whole job. Both are written but have NOT yet
+run on a GPU. The GPU work is still driven from the host (kernels pack and
+unpack; the host copies, stamps and waits); the article's design, where the
+kernels push over NVLink themselves and wake the proxy through host-mapped
+memory, is the step after that.
 
     python scripts/launch.py -n 4 chapters/16_moe.py                       # one node
     python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm
     python scripts/launch.py -n 8 --ranks-per-node 4 chapters/16_moe.py -p tcp \\
-        --tokens 16 --hidden 256 --experts 32 --topk 4 --iters 0
+        --max-tokens 16 --hidden 256 --experts 32 --topk 4 --iters 0       # checks only
+    python scripts/launch.py -n 2 chapters/16_moe.py --check none --tokens 1,8,32,128 --json
+    python scripts/launch.py -n 2 --gpus 0,1 chapters/16_moe.py --device cuda --baseline nccl
     torchrun --nproc-per-node 8 chapters/16_moe.py ...                     # a cluster
 
 Transcript (2-core x86_64 VM, no GPU, no NIC, Debian's libfabric 1.17; 4 ranks as 2
@@ -44,27 +54,27 @@ WRITEs; the decode shape; other processes shared the 2 cores, so run-to-run late
 by 2x; four of the bf16 check lines left out):
 
     $ python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm
-    launch: 4 ranks, 2 per node (2 nodes); pids 16040 16043 16046 16049
+    launch: 4 ranks, 2 per node (2 nodes); pids 29897 29900 29903 29906
     [0] 4 ranks (scripts/launch.py), 2 emulated nodes of 2; device cpu: numpy, host memory; same node: shared memory; other nodes: libfabric WRITEs through the proxy
-    [0] check fp8 overflow     private 1: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.15e-02)
-    [0] check fp8 random       private 8: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.15e-02)
-    [0] check fp8 empty-expert private 8: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.26e-02)
-    [0] check fp8 silent-rank  private 8: 3072 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.15e-02)
-    [0] check fp8 one-expert   private 8: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 2.05e-02)
-    [0] check fp8 fewer        private 8: 2072 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.06e-02)
-    [0] check bf16 overflow     private 1: 4096 (token, expert) rows received, counts exact and each row once on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.16e-02)
-    [0] check bf16 fewer        private 8: 2072 (token, expert) rows received, counts exact and each row once on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.07e-02)
-    [0] all checks passed (seed 3016243065)
+    [0] check fp8 overflow     private 1: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.25e-02)
+    [0] check fp8 random       private 8: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.25e-02)
+    [0] check fp8 empty-expert private 8: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.27e-02)
+    [0] check fp8 silent-rank  private 8: 3072 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.25e-02)
+    [0] check fp8 one-expert   private 8: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 2.09e-02)
+    [0] check fp8 fewer        private 8: 2024 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.05e-02)
+    [0] check bf16 overflow     private 1: 4096 (token, expert) rows received, counts exact and each row once on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.25e-02)
+    [0] check bf16 fewer        private 8: 2024 (token, expert) rows received, counts exact and each row once on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.06e-02)
+    [0] all checks passed (seed 3336909466)
     [0] provider: shm
-    [0] benchmark: 128 tokens per rank, hidden 7168, top-8 of 256 experts, fp8 dispatch (7392 B per row) / bf16 combine (14336 B); 20 iterations after 3
-    [0] proxy of rank 0: 138 WRITEs, -FI_EAGAIN 1 times
+    [0] benchmark ours: 128 tokens per rank, hidden 7168, top-8 of 256 experts, fp8 dispatch (7392 B per row) / bf16 combine (14336 B); 20 iterations after 3
+    [0] proxy of rank 0: 138 WRITEs, -FI_EAGAIN 3 times
     [0] latency, the median of each rank, then across ranks:
-    [0]   dispatch send  p50  363418.6 us   max  371090.2 us
-    [0]   dispatch recv  p50   15202.9 us   max   23579.4 us
-    [0]   combine send   p50  328787.6 us   max  344477.7 us
-    [0]   combine recv   p50  148631.5 us   max  159096.9 us
-    [0]   dispatch       p50  381568.2 us   max  388776.1 us   0.020 GB/s (1024 rows x 7392 B / p50)
-    [0]   combine        p50  477113.9 us   max  503574.6 us   0.031 GB/s (1024 rows x 14336 B / p50)
+    [0]   dispatch send  p50  200121.8 us   max  201619.1 us
+    [0]   dispatch recv  p50    9667.1 us   max   11669.2 us
+    [0]   dispatch       p50  211258.1 us   max  217600.6 us   0.036 GB/s (1024 rows x 7392 B / p50)
+    [0]   combine send   p50  103821.3 us   max  108418.9 us
+    [0]   combine recv   p50  102008.6 us   max  130804.6 us
+    [0]   combine        p50  222136.6 us   max  226506.0 us   0.066 GB/s (1024 rows x 14336 B / p50)
 
 On --device cpu the latencies are those of numpy on two shared cores (quantising, packing
 and copying megabytes per rank), not what the protocol costs on GPUs.
