@@ -28,8 +28,8 @@ int m16_proxy_run(struct m16_proxy *p);
 void m16_submit(struct m16_proxy *p, uint64_t local, uint64_t remote, uint64_t len,
                 uint32_t peer, uint32_t imm);
 uint64_t m16_completed(struct m16_proxy *p);
-void m16_release(void);
-void m16_acquire(void);
+void m16_set_stamp(uint32_t *table, size_t at, uint32_t stamp);
+int m16_all_stamped(uint32_t *row, int64_t *sources, size_t n, uint32_t stamp);
 */
 /* Chapter 16's host proxy: the thread that drives the NIC for the device side.
  *
@@ -48,7 +48,7 @@ void m16_acquire(void);
 
 #define M16_BATCH 64
 
-static void m16_stamp(struct m16_proxy *p, uint64_t imm)
+static void m16_note_immediate(struct m16_proxy *p, uint64_t imm)
 {
     uint32_t kind = (uint32_t)(imm >> 30) & 3, source = (uint32_t)(imm >> 14) & 0xFFFF;
     if (kind < p->kinds && source < p->world)
@@ -94,7 +94,7 @@ static ssize_t m16_reap(struct m16_proxy *p)
         return n;  /* -FI_EAVAIL: Python reads the error entry and its text */
     for (ssize_t i = 0; i < n; i++) {
         if (entries[i].flags & FI_REMOTE_CQ_DATA) {
-            m16_stamp(p, entries[i].data);
+            m16_note_immediate(p, entries[i].data);
             continue;
         }
         size_t slot = (struct fi_context2 *)entries[i].op_context - p->contexts;
@@ -148,14 +148,17 @@ uint64_t m16_completed(struct m16_proxy *p)
     return __atomic_load_n(&p->completed, __ATOMIC_ACQUIRE);
 }
 
-/* Fences for the node-local path, where numpy copies the data and then stamps:
- * the data must be visible before the stamp (release), and read after it (acquire). */
-void m16_release(void)
+/* The node-local path: a peer copies the data into our region, then stamps our table.
+ * A release store and acquire loads make "stamp seen" mean "data readable". */
+void m16_set_stamp(uint32_t *table, size_t at, uint32_t stamp)
 {
-    __atomic_thread_fence(__ATOMIC_RELEASE);
+    __atomic_store_n(&table[at], stamp, __ATOMIC_RELEASE);
 }
 
-void m16_acquire(void)
+int m16_all_stamped(uint32_t *row, int64_t *sources, size_t n, uint32_t stamp)
 {
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    for (size_t i = 0; i < n; i++)
+        if (__atomic_load_n(&row[sources[i]], __ATOMIC_ACQUIRE) != stamp)
+            return 0;
+    return 1;
 }

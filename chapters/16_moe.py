@@ -97,7 +97,6 @@ and copying megabytes per rank), not what the protocol costs on GPUs.
 # %%
 import argparse
 import json
-import mmap
 import os
 import signal
 import struct
@@ -111,6 +110,10 @@ import numpy as np
 from common import bench, cli, launch, memory
 from common import moe_reference as ref
 from common._native16 import ffi, lib as native
+from common.moe import Shape, Stages, Wire, check_shape, check_tokens, receive_plan, \
+    send_plan, weighted_sum
+from common.moe_memory import DEVICES, Region
+from common.moe_nccl import NcclAllToAll
 from common.fabric import lib
 import common.fabric as fi
 
@@ -119,7 +122,7 @@ KINDS = 3
 RING = 256                 # commands the device side may queue for the proxy
 ALIGN = 64
 PEER = struct.Struct("<QQH")  # region base, MR key, address length (+ the address)
-SHM = "/dev/shm"
+KERNELS = os.path.splitext(os.path.abspath(__file__))[0] + ".cu"  # 16_moe.cu, for cuda
 
 
 def aligned(size):
@@ -130,19 +133,12 @@ def aligned(size):
 # ## Code
 
 # %%
-class Layout:
-    """Where everything is in a rank's data region: the same offsets on every rank.
-
-    A sender can send one receiver at most max_tokens * min(topk, local experts)
-    tokens (a token's experts are distinct); that bounds the overflow region."""
+class Layout(Shape):
+    """Where everything is in a rank's data region: the same offsets on every rank."""
 
     def __init__(self, world, experts, max_tokens, topk, hidden, dtype, private):
-        self.world, self.experts, self.local = world, experts, experts // world
-        self.max_tokens, self.topk, self.hidden, self.private = max_tokens, topk, hidden, private
-        # one token on the wire: fp8 codes + a float32 scale per 128 values, or bf16
-        self.row = hidden + hidden // ref.FP8_BLOCK * 4 if dtype == "fp8" else 2 * hidden
-        self.out_row = 2 * hidden  # combine: bf16
-        self.per_peer = max_tokens * min(topk, self.local)
+        super().__init__(world, experts, max_tokens, topk, hidden, dtype)
+        self.private = private
         self.header = aligned(4 * experts)  # a sender's counts, one int32 per expert
         self.slot = self.header + private * self.row
         sections = [("slots", world * self.slot),
@@ -156,225 +152,6 @@ class Layout:
             setattr(self, name, at)
             at += aligned(size)
         self.size = at
-
-
-class Region:
-    """Host memory in a /dev/shm file, which the other ranks of the node map."""
-
-    def __init__(self, job, name, size):
-        self.path = f"{SHM}/moe-{job}-{name}"
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, size)
-                self.map = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            self.unlink()
-            raise ValueError(f"cannot make {size} bytes of shared memory in {SHM}: "
-                             f"{e.strerror}") from None
-        self.bytes = np.frombuffer(self.map, dtype=np.uint8)
-        self.ptr = self.bytes.ctypes.data
-
-    @staticmethod
-    def peer(job, name, size):
-        try:
-            fd = os.open(f"{SHM}/moe-{job}-{name}", os.O_RDWR)
-            try:
-                return np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            raise launch.PeerGone(f"cannot map {name} of a peer ({e.strerror}): "
-                                  "is it gone?") from None
-
-    def unlink(self):
-        """Once every peer has mapped it: nothing is left behind, whatever happens next."""
-        if os.path.exists(self.path):
-            os.unlink(self.path)
-
-
-class HostMemory:
-    """--device cpu: the data region in host memory, a /dev/shm file that the node's
-    ranks map (as CUDA IPC maps a peer GPU's memory); numpy does the kernels' work."""
-    xp, gpu, iface, device = np, None, lib.FI_HMEM_SYSTEM, 0
-
-    def __init__(self, own, group, size):
-        self.job, self.size = group.job, size
-        self.region = Region(group.job, f"{group.rank}-data", size)
-        own.callback(self.region.unlink)
-        self.data = self.mine = self.region.bytes
-        self.ptr = self.region.ptr
-
-    def handle(self):
-        return b""  # its name, known to all, is how node peers find it
-
-    def open(self, own, rank, handle):
-        return Region.peer(self.job, f"{rank}-data", self.size)
-
-    def published(self):
-        self.region.unlink()
-
-    def copy(self, peer, remote, local, length):
-        peer[remote:remote + length] = self.data[local:local + length]
-
-    def ready(self):
-        """What was written so far, copies to peers included, is visible: a stamp may
-        announce it, the proxy may send it."""
-        native.m16_release()
-
-    def settle(self):
-        """A stamp was seen: what it announces may now be read."""
-        native.m16_acquire()
-
-    def quantize_fp8(self, x):
-        return ref.wire_rows("fp8", x)
-
-    def host(self, array):
-        return array
-
-    def mark(self):
-        return time.perf_counter()
-
-    def seconds(self, start, end):
-        return end - start
-
-
-class CudaMemory:
-    """--device cuda: the data region in GPU memory, straight from cudaMalloc (CUDA IPC
-    hands out whole allocations) so that the node's ranks can map it; cupy and the
-    kernels of chapters/16_moe.cu do the work. Written, NOT YET RUN on a GPU."""
-    iface = lib.FI_HMEM_CUDA
-
-    def __init__(self, own, group, size):
-        """size 0: no region, only the GPU, its stream and kernels (for the NCCL baseline)."""
-        cp = self.xp = memory.cupy()
-        self.size, self.rt = size, cp.cuda.runtime
-        count = self.rt.getDeviceCount()
-        self.gpu = self.device = group.gpu if group.gpu is not None else group.rank % count
-        memory.use_gpu(self.gpu)
-        if size:
-            self.ptr = self.mine = self.rt.malloc(size)
-            own.callback(self.rt.free, self.ptr)
-            self.rt.memset(self.ptr, 0, size)
-            self.data = cp.ndarray((size,), cp.uint8, cp.cuda.MemoryPointer(
-                cp.cuda.UnownedMemory(self.ptr, size, self, self.gpu), 0))
-        self.stream = cp.cuda.Stream(non_blocking=True)
-        self.stream.use()  # this rank's cupy work, kernels and copies all go here
-        source = open(os.path.splitext(__file__)[0] + ".cu").read()
-        self.quantize = cp.RawModule(code=source).get_function("m16_quantize_fp8")
-
-    def handle(self):
-        return bytes(self.rt.ipcGetMemHandle(self.ptr))
-
-    def open(self, own, rank, handle):
-        ptr = self.rt.ipcOpenMemHandle(handle)
-        own.callback(self.rt.ipcCloseMemHandle, ptr)
-        return ptr
-
-    def published(self):
-        pass
-
-    def copy(self, peer, remote, local, length):
-        self.rt.memcpyAsync(peer + remote, self.ptr + local, length, self.rt.memcpyDefault,
-                            self.stream.ptr)
-
-    def ready(self):
-        self.stream.synchronize()
-
-    def settle(self):
-        # Chapter 07's lesson: shm's CUDA IPC copies into our memory may still be running
-        # when the immediate arrives; waiting for the device covers them.
-        self.rt.deviceSynchronize()
-
-    def quantize_fp8(self, x):
-        cp = self.xp
-        x = cp.ascontiguousarray(x, dtype=cp.float32)
-        n, hidden = x.shape
-        row = hidden + hidden // ref.FP8_BLOCK * 4
-        rows = cp.empty((n, row), cp.uint8)
-        if n:
-            self.quantize((n, hidden // ref.FP8_BLOCK), (ref.FP8_BLOCK,),
-                          (x, rows, np.int32(hidden), np.int32(row)))
-        return rows
-
-    def host(self, array):
-        return array.get()
-
-    def mark(self):
-        event = self.xp.cuda.Event()
-        event.record(self.stream)
-        return event
-
-    def seconds(self, start, end):
-        end.synchronize()
-        return self.xp.cuda.get_elapsed_time(start, end) / 1e3
-
-
-DEVICES = {"cpu": HostMemory, "cuda": CudaMemory}
-
-
-class Wire:
-    """The dispatch dtype on the wire: fp8 e4m3 codes with their float32 block scales,
-    or bf16; one row of bytes per token."""
-
-    def __init__(self, dtype, hidden, mem):
-        self.dtype, self.hidden, self.mem, self.xp = dtype, hidden, mem, mem.xp
-
-    def encode(self, x):
-        """float32 tokens (n, hidden) -> rows (n, row bytes)."""
-        if self.dtype == "bf16":
-            return ref.to_bf16(x).view(self.xp.uint8)
-        return self.mem.quantize_fp8(x)
-
-    def split(self, rows):
-        """Rows -> (tokens, scales): uint8 e4m3 codes and float32 scales, or bf16 and None."""
-        if self.dtype == "bf16":
-            return rows.view(self.xp.uint16), None
-        h = self.hidden
-        return rows[:, :h], self.xp.ascontiguousarray(rows[:, h:]).view(self.xp.float32)
-
-    def decode(self, tokens, scales):
-        """Back to float32, on the host (for the checks)."""
-        tokens = self.mem.host(tokens)
-        if scales is None:
-            return ref.from_bf16(tokens)
-        return ref.dequantize_fp8(np.ascontiguousarray(tokens), self.mem.host(scales))
-
-
-def send_plan(xp, indices, experts):
-    """The (token, expert) selections sorted by expert, so by rank, then by token:
-    `order` (positions in indices.ravel()), and the count per expert (on the host)."""
-    flat = indices.ravel()
-    if not len(flat):
-        return xp.zeros(0, xp.int64), np.zeros(experts, np.int32)
-    order = xp.argsort(flat * len(flat) + xp.arange(len(flat)))  # unique keys: stable
-    counts = xp.bincount(flat, minlength=experts).astype(xp.int32)
-    return order, np.asarray(counts if xp is np else counts.get())
-
-
-def receive_plan(matrix, rank, local):
-    """What rank `rank` receives, from the count matrix [source, expert]: the rows from
-    each source, and `gather`: for each expert-major row (by local expert, then source,
-    then the source's token order), where it is in the senders' streams put end to end."""
-    mine = matrix[:, rank * local:(rank + 1) * local]  # [source, local expert]
-    from_each = mine.sum(axis=1)
-    stream_start = np.cumsum(from_each) - from_each  # [source]
-    within = np.cumsum(mine, axis=1) - mine          # [source, expert]: before that expert
-    starts = (stream_start[:, None] + within).T.ravel()  # each (expert, source) slice
-    lengths = mine.T.ravel()
-    before = np.cumsum(lengths) - lengths  # where each slice starts in the output
-    gather = np.repeat(starts - before, lengths) + np.arange(lengths.sum())
-    return from_each, gather, mine.sum(axis=0)
-
-
-def weighted_sum(xp, rows, order, weights, hidden):
-    """combine's last step: bf16 rows in send order -> per token, the weighted sum."""
-    n, topk = weights.shape
-    values = xp.empty((n * topk, hidden), xp.float32)
-    values[order] = ref.from_bf16(rows.view(xp.uint16).reshape(n * topk, hidden))
-    return (weights[:, :, None] * values.reshape(n, topk, hidden)).sum(axis=1)
 
 
 class Proxy:
@@ -453,7 +230,7 @@ class Proxy:
         self.thread.join()
 
 
-class AllToAll:
+class AllToAll(Stages):
     """dispatch and combine for one layer shape; each split into a send and a receive half."""
 
     def __init__(self, own, group, max_tokens, experts, topk, hidden, dispatch_dtype="fp8",
@@ -463,10 +240,11 @@ class AllToAll:
         self.group, self.timeout = group, timeout
         self.L = L = Layout(group.world, experts, max_tokens, topk, hidden, dispatch_dtype,
                             private_tokens)
-        self.mem = mem = DEVICES[device](own, group, L.size)
+        self.mem = mem = DEVICES[device](own, group, L.size, KERNELS)
         self.xp, self.wire = mem.xp, Wire(dispatch_dtype, hidden, mem)
-        # the arrival table: host memory, stamped by node peers and by our proxy
-        table = Region(group.job, f"{group.rank}-stamps", 4 * KINDS * group.world)
+        # the arrival table, [kind][source]: host memory, stamped by node peers and our proxy
+        size = 4 * KINDS * group.world
+        table = Region(group.job, f"{group.rank}-stamps", size)
         own.callback(table.unlink)
         self.proxy = (Proxy(own, group, mem, table.ptr, provider, timeout)
                       if group.nodes > 1 else None)
@@ -474,13 +252,13 @@ class AllToAll:
         node = [r for r in range(group.world) if r // group.ranks_per_node == group.node]
         self.peer = {r: mem.mine if r == group.rank else mem.open(own, r, handles[r])
                      for r in node}
-        self.stamps = as_stamps(table.bytes, group.world)
-        self.peer_stamps = {r: self.stamps if r == group.rank else as_stamps(
-            Region.peer(group.job, f"{r}-stamps", table.bytes.size), group.world) for r in node}
+        self.tables = {r: table.bytes if r == group.rank else
+                       Region.peer(group.job, f"{r}-stamps", size) for r in node}
+        self.table = {r: ffi.cast("uint32_t *", t.ctypes.data) for r, t in self.tables.items()}
         group.barrier()  # every region is mapped by its node: the names can go
         mem.published()
         table.unlink()
-        self.round, self.stage, self.stamping = 0, "idle", []
+        self.round, self.stamping = 0, []
 
     # --- moving bytes: the node's shared memory, or the proxy ---------------------
     def put(self, kind, dest, local, remote, length):
@@ -500,16 +278,23 @@ class AllToAll:
         self.proxy.submit(g, local, remote, length, dest, imm)
 
     def flush(self):
-        """The node peers' copies are done: stamp them."""
+        """The node peers' copies are done: stamp them (a release store, in C: the bytes
+        are visible before the stamp)."""
+        g = self.group
         self.mem.ready()
         for dest, kind in self.stamping:
-            self.peer_stamps[dest][kind, self.group.rank] = self.stamp
+            native.m16_set_stamp(self.table[dest], kind * g.world + g.rank, self.stamp)
         self.stamping = []
 
     def wait(self, kind, sources, what):
+        """Until every one of `sources` has stamped `kind` for this round (acquire loads,
+        in C: what a stamp announces is read after it)."""
+        g = self.group
         deadline = time.monotonic() + self.timeout
         sources = np.asarray(sources, dtype=np.int64)
-        while not np.all(self.stamps[kind, sources] == self.stamp):
+        row, listed = self.table[g.rank] + kind * g.world, ffi.cast("int64_t *",
+                                                                    sources.ctypes.data)
+        while not native.m16_all_stamped(row, listed, len(sources), self.stamp):
             if self.proxy:
                 self.proxy.check(self.group, deadline, what)
             else:
@@ -518,12 +303,6 @@ class AllToAll:
                     raise TimeoutError(f"no {what} within {self.timeout:g} s")
                 os.sched_yield()
         self.mem.settle()
-
-    def _stage(self, expected, then):
-        if self.stage != expected:
-            raise ValueError(f"out of order: this step follows {expected!r}, "
-                             f"but the last one done was {self.stage!r}")
-        self.stage = then
 
     # --- dispatch -------------------------------------------------------------------
     def dispatch_send(self, x, indices):
@@ -627,117 +406,6 @@ class AllToAll:
         g = self.group
         return [(g.rank + i) % g.world for i in range(g.world)]
 
-
-def as_stamps(table, world):
-    return table.view(np.uint32).reshape(KINDS, world)
-
-
-class NcclAllToAll:
-    """The baseline: the same job, the same interface, with NCCL (cupy.cuda.nccl) moving
-    the bytes. It has to do all of it: count, pack, exchange the counts (an all-gather),
-    send each peer its tokens (grouped send/recv of per-peer sizes), unpack expert-major;
-    back for combine, then the weighted sum. GPU only, one GPU per rank (NCCL refuses two
-    ranks on one GPU). Written, NOT YET RUN on a GPU."""
-
-    def __init__(self, own, group, max_tokens, experts, topk, hidden, dispatch_dtype="fp8"):
-        check_shape(group.world, max_tokens, experts, topk, hidden, dispatch_dtype, 0)
-        self.group = group
-        self.L = Layout(group.world, experts, max_tokens, topk, hidden, dispatch_dtype, 0)
-        self.mem = mem = CudaMemory(own, group, 0)
-        self.xp, self.wire, self.proxy = mem.xp, Wire(dispatch_dtype, hidden, mem), None
-        self.nccl = nccl = mem.xp.cuda.nccl
-        uid = struct.pack("128b", *nccl.get_unique_id()) if group.rank == 0 else b""
-        uid = struct.unpack("128b", group.allgather(uid)[0])
-        self.comm = nccl.NcclCommunicator(group.world, uid, group.rank)
-        own.callback(self.comm.destroy)
-        self.stage = "idle"
-
-    _stage = AllToAll._stage
-
-    def _exchange(self, send, send_sizes, recv, recv_sizes, row):
-        """One grouped round of NCCL send/recv: send[i-th block] to each rank, and each
-        rank's block into recv; sizes in rows of `row` bytes."""
-        nccl, stream = self.nccl, self.mem.stream.ptr
-        out_at = np.concatenate([[0], np.cumsum(send_sizes)]) * row
-        in_at = np.concatenate([[0], np.cumsum(recv_sizes)]) * row
-        nccl.groupStart()
-        for peer in range(self.group.world):
-            if send_sizes[peer]:
-                self.comm.send(send.data.ptr + int(out_at[peer]), int(send_sizes[peer]) * row,
-                               nccl.NCCL_UINT8, peer, stream)
-            if recv_sizes[peer]:
-                self.comm.recv(recv.data.ptr + int(in_at[peer]), int(recv_sizes[peer]) * row,
-                               nccl.NCCL_UINT8, peer, stream)
-        nccl.groupEnd()
-
-    def dispatch_send(self, x, indices):
-        L, xp = self.L, self.xp
-        indices = check_tokens(xp, x, indices, L)
-        self._stage("idle", "dispatch sent")
-        self.order, counts = send_plan(xp, indices, L.experts)
-        self.per_dest = counts.reshape(L.world, L.local).sum(axis=1)
-        # kept in self: NCCL reads them on the stream after this returns
-        self.packed = xp.ascontiguousarray(self.wire.encode(x)[self.order // L.topk])
-        self.counts_out, every = xp.asarray(counts), xp.empty(L.world * L.experts, xp.int32)
-        self.comm.allGather(self.counts_out.data.ptr, every.data.ptr, L.experts,
-                            self.nccl.NCCL_INT32, self.mem.stream.ptr)
-        self.matrix = every.get().reshape(L.world, L.experts)  # waits: sizes come from it
-        self.from_each, gather, self.counts = receive_plan(self.matrix, self.group.rank,
-                                                           L.local)
-        self.received = xp.empty((int(self.from_each.sum()), L.row), xp.uint8)
-        self._exchange(self.packed, self.per_dest, self.received, self.from_each, L.row)
-        self.gather, self.n_tokens = xp.asarray(gather), len(indices)
-
-    def dispatch_recv(self):
-        self._stage("dispatch sent", "dispatched")
-        tokens, scales = self.wire.split(self.received[self.gather])
-        return tokens, scales, self.counts
-
-    def combine_send(self, expert_out):
-        L, xp = self.L, self.xp
-        self._stage("dispatched", "combine sent")
-        self.out = xp.empty((len(self.gather), L.hidden), xp.uint16)
-        self.out[self.gather] = ref.to_bf16(expert_out)
-        self.back = xp.empty((self.n_tokens * L.topk, L.hidden), xp.uint16)
-        self._exchange(self.out, self.from_each, self.back, self.per_dest, L.out_row)
-
-    def combine_recv(self, weights):
-        self._stage("combine sent", "idle")
-        return weighted_sum(self.xp, self.back.view(self.xp.uint8), self.order, weights,
-                            self.L.hidden)
-
-
-def check_shape(world, max_tokens, experts, topk, hidden, dtype, private):
-    """Bad layer shapes, refused before anything is opened (one line each)."""
-    if max_tokens < 1 or hidden < 1 or private < 0:
-        raise ValueError("need max tokens >= 1, hidden >= 1, private tokens >= 0")
-    if experts < 1 or experts % world:
-        raise ValueError(f"{experts} experts do not split evenly over {world} ranks")
-    if not 1 <= topk <= experts:
-        raise ValueError(f"top-k ({topk}) must be 1..{experts} (the number of experts)")
-    if dtype not in ("fp8", "bf16"):
-        raise ValueError(f"dispatch dtype must be fp8 or bf16, not {dtype!r}")
-    if dtype == "fp8" and hidden % ref.FP8_BLOCK:
-        raise ValueError(f"fp8 needs hidden ({hidden}) to be a multiple of {ref.FP8_BLOCK}")
-
-
-def check_tokens(xp, x, indices, L):
-    """Refuse a batch that does not fit, before a byte of it is written anywhere."""
-    indices = xp.asarray(indices)
-    n = len(indices)
-    if n > L.max_tokens:
-        raise ValueError(f"{n} tokens, more than the maximum of {L.max_tokens}")
-    if x.shape != (n, L.hidden) or indices.shape != (n, L.topk):
-        raise ValueError(f"tokens must be ({n}, {L.hidden}) and indices ({n}, {L.topk}), "
-                         f"got {x.shape} and {indices.shape}")
-    if not np.issubdtype(indices.dtype, np.integer):
-        raise ValueError(f"expert indices must be integers, got {indices.dtype}")
-    if n and (indices.min() < 0 or indices.max() >= L.experts):
-        raise ValueError(f"expert index out of range 0..{L.experts - 1}: "
-                         f"{int(indices.min())}..{int(indices.max())}")
-    if n and bool((xp.diff(xp.sort(indices, axis=1), axis=1) == 0).any()):
-        raise ValueError("a token names the same expert twice")
-    return indices.astype(xp.int64)
 
 
 # %% [markdown]
@@ -973,7 +641,7 @@ def main():
 
         def nccl(own, dtype, private):
             return NcclAllToAll(own, group, args.max_tokens, args.experts, args.topk,
-                                args.hidden, dtype)
+                                args.hidden, dtype, KERNELS)
         builds = {"ours": ours, **({"nccl": nccl} if args.baseline else {})}
         if group.rank == 0:
             where = f"{group.nodes} emulated nodes of {group.ranks_per_node}" \
