@@ -98,7 +98,6 @@ and copying megabytes per rank), not what the protocol costs on GPUs.
 import argparse
 import json
 import os
-import signal
 import struct
 import sys
 import threading
@@ -632,7 +631,6 @@ def main():
     if "empty-expert" in cases and args.topk >= args.experts:
         raise cli.UsageError("the empty-expert check needs --topk < --experts")
     args.dtypes = ["fp8", "bf16"]
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped: close, then exit
 
     with launch.Group(place, args.timeout) as group:
         def ours(own, dtype, private):

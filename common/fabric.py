@@ -124,6 +124,9 @@ def _take_back_signals():
         signal.signal(signal.SIGTERM, _interrupted)
 
 
+_take_back_signals()  # loading the binding is enough for PSM's handlers to be installed
+
+
 def dupinfo(info):
     """fi_dupinfo: a copy of one entry (without its `next`), owned by the caller."""
     copy = lib.fi_dupinfo(info)

@@ -255,12 +255,18 @@ class Group:
             self.job = secrets.token_hex(4)
             return
         if place.serve:
-            self.server = RendezvousServer(place.world, place.ranks_per_node, "",
-                                           place.rendezvous[1], join_timeout=timeout)
+            try:
+                self.server = RendezvousServer(place.world, place.ranks_per_node, "",
+                                               place.rendezvous[1], join_timeout=timeout)
+            except OSError as e:
+                raise ValueError(f"cannot serve the rendezvous on port {place.rendezvous[1]} "
+                                 f"(MASTER_PORT + 1): {e.strerror}") from None
         self.sock = self._connect(place.rendezvous, timeout)
         _send(self.sock, JOIN, HELLO.pack(place.rank, place.world, place.ranks_per_node))
         kind, payload = self._reply(timeout, "a welcome from the rendezvous")
         self.job = payload.decode()
+        # Everyone is here before anyone starts; a missing rank is the server's to report.
+        self.barrier(timeout + 5)
 
     @staticmethod
     def _connect(address, timeout):

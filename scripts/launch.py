@@ -18,6 +18,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.launch import spawn  # noqa: E402
 
 
+class UsageError(ValueError):
+    pass
+
+
+class Parser(argparse.ArgumentParser):
+    """One line for bad input, as the chapters do. (Not common.cli's: that loads
+    libfabric, whose providers may take over Ctrl-C, which the launcher must keep.)"""
+
+    def error(self, message):
+        raise UsageError(message)
+
+
 def gpu_list(text):
     try:
         return [int(g) for g in text.split(",")]
@@ -26,7 +38,15 @@ def gpu_list(text):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    try:
+        return launch()
+    except UsageError as e:  # one line, like the chapters
+        print(f"launch.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+def launch():
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("-n", "--ranks", type=int, required=True, help="how many ranks (world size)")
     p.add_argument("--ranks-per-node", type=int,
                    help="ranks per emulated node (default: all on one node)")

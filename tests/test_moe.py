@@ -365,3 +365,26 @@ def test_gpu_decode_benchmark_against_nccl(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     runs = json.loads(path.read_text())["runs"]
     assert [r["implementation"] for r in runs] == ["ours", "nccl"]
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["-n", "3", "--ranks-per-node", "2", CHAPTER], "--ranks-per-node (2) must divide"),
+    (["-n", "2", "nosuch.py"], "no program 'nosuch.py'"),
+    (["-n", "2", "--gpus", "0,x", CHAPTER], "--gpus takes numbers like 0,1"),
+])
+def test_launcher_bad_input_is_one_line(args, pattern):
+    done = subprocess.run([sys.executable, LAUNCH, *args], capture_output=True, text=True,
+                          env=local_env(), timeout=LIMIT, cwd=ROOT)
+    assert_one_line_error(done, pattern)
+
+
+def test_a_rank_that_never_comes_is_reported():
+    """torchrun-style: rank 0 of 2 alone; it serves the rendezvous, waits, says why it stops."""
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, CHAPTER, "--iters", "0", "--check", "none",
+                           "--timeout", "2"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=LIMIT, env=local_env({
+                              "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                              "MASTER_PORT": str(free_port() - 1)}))
+    assert time.monotonic() - start < 15
+    assert_one_line_error(done, "only 1 of 2 ranks joined the rendezvous within 2 s")
