@@ -136,6 +136,9 @@ def test_a_rank_killed_mid_run_stops_the_others(per_node):
     (["--baseline", "nccl"], "--baseline nccl needs --device cuda"),
     (["--tokens", "1,x"], "--tokens takes numbers like 1,8,128"),
     (["--tokens", "4,200"], "--tokens 200: more than --max-tokens 128"),
+    pytest.param(["--device", "cuda", "--max-tokens", "4", "--hidden", "128"],
+                 "GPU memory needs cupy", marks=pytest.mark.skipif(
+                     importlib.util.find_spec("cupy") is not None, reason="cupy is here")),
 ])
 def test_bad_input_is_one_line(args, pattern):
     done, _ = run(16, *args)
