@@ -23,7 +23,7 @@ extern "C" __global__ void m16_quantize_fp8(const float *x, unsigned char *rows,
 {
     __shared__ float warp_max[4];
     int token = blockIdx.x, block = blockIdx.y, i = threadIdx.x;
-    float v = x[(size_t)token * hidden + block * 128 + i];
+    float v = x[(long long)token * hidden + block * 128 + i];
     float a = fabsf(v);
     for (int offset = 16; offset; offset >>= 1)
         a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
@@ -32,7 +32,7 @@ extern "C" __global__ void m16_quantize_fp8(const float *x, unsigned char *rows,
     __syncthreads();
     float amax = fmaxf(fmaxf(warp_max[0], warp_max[1]), fmaxf(warp_max[2], warp_max[3]));
     float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
-    unsigned char *row = rows + (size_t)token * row_bytes;
+    unsigned char *row = rows + (long long)token * row_bytes;
     row[block * 128 + i] = m16_e4m3(v / scale);
     if (i == 0)
         ((float *)(row + hidden))[block] = scale;
