@@ -391,3 +391,30 @@ def test_a_rank_that_never_comes_is_reported():
                               "MASTER_PORT": str(free_port() - 1)}))
     assert time.monotonic() - start < 15
     assert_one_line_error(done, "only 1 of 2 ranks joined the rendezvous within 2 s")
+
+
+def test_torchrun_style_rank_0_killed_stops_the_other():
+    """Without our launcher rank 0 serves the rendezvous: when it dies, the others learn it.
+    (One node: a killed rank's libfabric shm files would stay, with no launcher to remove
+    them.)"""
+    port = free_port() - 1
+    procs = [subprocess.Popen(
+        [sys.executable, CHAPTER, *SMALL, "--check", "none", "--iters", "1000000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env=local_env({"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})) for r in range(2)]
+    try:
+        started = time.monotonic()
+        while "benchmark" not in procs[0].stdout.readline():
+            assert time.monotonic() - started < LIMIT
+        procs[0].kill()
+        killed = time.monotonic()
+        _, err = procs[1].communicate(timeout=30)
+        elapsed = time.monotonic() - killed
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert elapsed < 15 and procs[1].returncode == 1
+    assert err.strip() == ("16_moe.py: error: the rendezvous closed (its host, rank 0 or the "
+                           "launcher, is gone)")
