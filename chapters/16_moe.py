@@ -199,11 +199,12 @@ class Proxy:
         native.m16_submit(self.p, local, remote, length, peer, imm)
 
     def check(self, group, deadline, what):
-        """Between two looks at what we wait for: the proxy's health, the peers', the clock."""
+        """Between two looks at what we wait for: the proxy's health, the peers', the clock
+        (None: the caller watches it)."""
         if self.rc is not None:
             raise self.failure()
         group.check()
-        if time.monotonic() > deadline:
+        if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"no {what} within {self.timeout:g} s")
         os.sched_yield()
 
@@ -294,12 +295,14 @@ class AllToAll(Stages):
         row, listed = self.table[g.rank] + kind * g.world, ffi.cast("int64_t *",
                                                                     sources.ctypes.data)
         while not native.m16_all_stamped(row, listed, len(sources), self.stamp):
+            if time.monotonic() > deadline:  # name who is late: hung, or far behind
+                seen = self.tables[g.rank].view(np.uint32)[kind * g.world + sources]
+                late = ", ".join(str(r) for r in sources[seen != self.stamp])
+                raise TimeoutError(f"no {what} from rank {late} within {self.timeout:g} s")
             if self.proxy:
-                self.proxy.check(self.group, deadline, what)
+                self.proxy.check(self.group, None, what)
             else:
                 self.group.check()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no {what} within {self.timeout:g} s")
                 os.sched_yield()
         self.mem.settle()
 
@@ -327,7 +330,7 @@ class AllToAll(Stages):
             ahead = min(int(self.per_dest[d]), L.private)
             self.put(COUNTS, d, seg[d], L.slots + g.rank * L.slot, L.header + ahead * L.row)
         self.flush()
-        self.wait(COUNTS, range(L.world), "counts from every rank")
+        self.wait(COUNTS, range(L.world), "counts")
         slots = data[L.slots:L.slots + L.world * L.slot].reshape(L.world, L.slot)
         self.matrix = np.ascontiguousarray(self.mem.host(slots[:, :4 * L.experts])).view(
             np.int32)  # [source, expert]
@@ -347,8 +350,7 @@ class AllToAll(Stages):
         L, g, xp = self.L, self.group, self.xp
         self._stage("dispatch sent", "dispatched")
         self.from_each, gather, counts = receive_plan(self.matrix, g.rank, L.local)
-        self.wait(OVERFLOW, np.nonzero(self.from_each > L.private)[0],
-                  "overflow tokens from every sender")
+        self.wait(OVERFLOW, np.nonzero(self.from_each > L.private)[0], "overflow tokens")
         data = self.mem.data
         at, streams = 0, []
         for s in range(L.world):  # each sender's tokens for us, in its order
@@ -394,7 +396,7 @@ class AllToAll(Stages):
         n = self.n_tokens
         if weights.shape != (n, L.topk):
             raise ValueError(f"weights must be ({n}, {L.topk}), got {weights.shape}")
-        self.wait(COMBINE, range(L.world), "combine outputs from every rank")
+        self.wait(COMBINE, range(L.world), "combine outputs")
         if self.proxy:
             self.proxy.drain(self.group)  # our send region may be reused from here on
         rows = self.mem.data[L.combine_in:L.combine_in + n * L.topk * L.out_row]

@@ -243,21 +243,28 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_torchrun_style_ranks_meet_without_our_launcher():
+@pytest.mark.parametrize("launcher", ["torchrun", "Slurm"])
+def test_ranks_meet_without_our_launcher(launcher):
     port = free_port() - 1  # the rendezvous is served on MASTER_PORT + 1
+
+    def env(rank):
+        where = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        if launcher == "torchrun":
+            return {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": "2", **where}
+        return {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+                "SLURM_NTASKS_PER_NODE": "2", **where}
     procs = [subprocess.Popen(
         [sys.executable, CHAPTER, *SMALL, "--check", "random", "--iters", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env=local_env({"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
-                       "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)})) for r in range(2)]
+        env=local_env(env(r))) for r in range(2)]
     try:
         results = [p.communicate(timeout=LIMIT) for p in procs]
     finally:
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], results
-    assert "2 ranks (torchrun variables), one node" in results[0][0]
+    assert f"2 ranks ({launcher} variables), one node" in results[0][0]
     assert "check bf16 random" in results[0][0] and "on 2 of 2 ranks" in results[0][0]
 
 
@@ -418,3 +425,29 @@ def test_torchrun_style_rank_0_killed_stops_the_other():
     assert elapsed < 15 and procs[1].returncode == 1
     assert err.strip() == ("16_moe.py: error: the rendezvous closed (its host, rank 0 or the "
                            "launcher, is gone)")
+
+
+@pytest.mark.parametrize("per_node", [2, 1], ids=["one-node", "two-nodes"])
+def test_a_hung_rank_is_named_and_the_job_ends(per_node):
+    """A rank that stops answering (SIGSTOP) is not gone: the others time out naming it,
+    then the launcher ends it."""
+    proc = subprocess.Popen([sys.executable, LAUNCH, "-n", "2", "--ranks-per-node",
+                             str(per_node), "--grace", "1", CHAPTER, "-p", "shm", *SMALL,
+                             "--check", "none", "--iters", "1000000", "--timeout", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=local_env(), cwd=ROOT)
+    try:
+        pids = re.search(r"pids ([\d ]+)$", proc.stderr.readline())
+        while "benchmark" not in proc.stdout.readline():
+            pass
+        stopped = time.monotonic()
+        subprocess.run(["kill", "-STOP", pids[1].split()[1]], check=True)
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - stopped
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and elapsed < 20, (elapsed, err)
+    # in a stamp wait it names the rank; in a rendezvous barrier, the rendezvous says so
+    assert re.search(r"^\[0\] 16_moe.py: error: no (\w[\w ]* from rank 1|allgather from "
+                     r"every rank) within 2 s$", err, re.MULTILINE), err
+    assert "launch: rank 0 exited with code 1" in err or "launch: rank 1 was killed" in err
