@@ -84,7 +84,7 @@ import sys
 import time
 
 from common import bench, cli, memory
-from common.queue import CONTEXTS, HEARTBEAT, Heartbeat, OpQueue, write_messages
+from common.opqueue import CONTEXTS, HEARTBEAT, Heartbeat, OpQueue, write_messages
 from common.fabric import lib
 import common.fabric as fi
 

@@ -16,7 +16,7 @@ host memory.
 
 New since chapter 07: the NICs from common/topo.py; a control endpoint
 (CONNECT, heartbeats, LANDED) beside G x N data endpoints ("lanes") on each
-side; one OpQueue per lane (the queue of chapter 07, now common/queue.py);
+side; one OpQueue per lane (the queue of chapter 07, now common/opqueue.py);
 keys per (buffer, NIC); WRITEs round robin; an immediate per NIC. The code
 is common/multinet.py, which the chapters after this one build on: read it
 beside this page (scripts/diff.sh 09 shows it too).

@@ -1,5 +1,5 @@
 /* cdef
-struct w11_lane {
+struct lane {
     struct fid_ep *ep;
     struct fid_cq *cq;
     struct fi_msg_rma *msgs;       // this NIC's WRITE messages, built once
@@ -10,12 +10,11 @@ struct w11_lane {
     size_t *free_slots, nfree, nslots;
     size_t *pending, pend_head, pend_len, pend_cap;  // messages waiting for room
 };
-int w11_worker(struct w11_lane *lanes, size_t nlanes, uint64_t *total, int *stop,
-               int *failed_lane);
+int worker(struct lane *lanes, size_t nlanes, uint64_t *total, int *stop, int *failed_lane);
 */
 /* Chapter 11's worker: the loop of chapters 09-10, in C, for one thread.
  *
- * Python starts one thread per GPU and calls w11_worker in it; cffi releases
+ * Python starts one thread per GPU and calls worker in it; cffi releases
  * the GIL for the call, so the threads really run at the same time. The loop
  * is the one of common/multinet.py: visit each lane, post WRITEs (a refused
  * one waits in the lane's pending ring, in order), read the CQ, and send each
@@ -24,10 +23,10 @@ int w11_worker(struct w11_lane *lanes, size_t nlanes, uint64_t *total, int *stop
  */
 #include <rdma/fi_rma.h>
 
-#define W11_BURST 1  /* new WRITEs per visit: one, as in the series; chapter 14 posts more */
-#define W11_CQ_BATCH 64
+#define BURST 1  /* new WRITEs per visit: one, as in the series; chapter 14 posts more */
+#define CQ_BATCH 64
 
-static int w11_post(struct w11_lane *l, size_t msg, uint64_t flags)
+static int post(struct lane *l, size_t msg, uint64_t flags)
 {
     if (!l->nfree)
         return -FI_EAGAIN;  /* every context in flight: wait like for the provider */
@@ -45,10 +44,10 @@ static int w11_post(struct w11_lane *l, size_t msg, uint64_t flags)
 }
 
 /* Post from the pending ring, oldest first, until it is empty or the provider is full. */
-static int w11_drain(struct w11_lane *l)
+static int drain(struct lane *l)
 {
     while (l->pend_len) {
-        int rc = w11_post(l, l->pending[l->pend_head], FI_COMPLETION);
+        int rc = post(l, l->pending[l->pend_head], FI_COMPLETION);
         if (rc == -FI_EAGAIN)
             return 0;
         if (rc)
@@ -59,13 +58,13 @@ static int w11_drain(struct w11_lane *l)
     return 0;
 }
 
-/* Up to W11_BURST new WRITEs into the ring (posted at once when it was empty). */
-static int w11_submit(struct w11_lane *l)
+/* Up to BURST new WRITEs into the ring (posted at once when it was empty). */
+static int submit(struct lane *l)
 {
     uint64_t last = l->iters - 1;
-    for (int n = 0; n < W11_BURST && l->submitted < last && l->pend_len < l->pend_cap; n++) {
+    for (int n = 0; n < BURST && l->submitted < last && l->pend_len < l->pend_cap; n++) {
         size_t msg = l->submitted % l->nmsgs;
-        int rc = l->pend_len ? -FI_EAGAIN : w11_post(l, msg, FI_COMPLETION);
+        int rc = l->pend_len ? -FI_EAGAIN : post(l, msg, FI_COMPLETION);
         if (rc == -FI_EAGAIN)
             l->pending[(l->pend_head + l->pend_len++) % l->pend_cap] = msg;
         else if (rc)
@@ -75,7 +74,7 @@ static int w11_submit(struct w11_lane *l)
     if (l->submitted == last && l->completed == last) {  /* the last, with immediate data */
         size_t msg = last % l->nmsgs;
         l->msgs[msg].data = l->iters;
-        int rc = w11_post(l, msg, FI_COMPLETION | FI_REMOTE_CQ_DATA);
+        int rc = post(l, msg, FI_COMPLETION | FI_REMOTE_CQ_DATA);
         if (rc && rc != -FI_EAGAIN)
             return rc;
         if (rc == 0)
@@ -85,10 +84,10 @@ static int w11_submit(struct w11_lane *l)
 }
 
 /* Read completions; each gives its context back. Returns WRITEs completed, or < 0. */
-static ssize_t w11_reap(struct w11_lane *l)
+static ssize_t reap(struct lane *l)
 {
-    struct fi_cq_data_entry entries[W11_CQ_BATCH];
-    ssize_t n = fi_cq_read(l->cq, entries, W11_CQ_BATCH);
+    struct fi_cq_data_entry entries[CQ_BATCH];
+    ssize_t n = fi_cq_read(l->cq, entries, CQ_BATCH);
     if (n == -FI_EAGAIN)
         return 0;
     if (n < 0)
@@ -104,24 +103,23 @@ static ssize_t w11_reap(struct w11_lane *l)
     return n;
 }
 
-int w11_worker(struct w11_lane *lanes, size_t nlanes, uint64_t *total, int *stop,
-               int *failed_lane)
+int worker(struct lane *lanes, size_t nlanes, uint64_t *total, int *stop, int *failed_lane)
 {
     size_t busy = nlanes;
     while (busy && !__atomic_load_n(stop, __ATOMIC_RELAXED)) {
         busy = 0;
         for (size_t i = 0; i < nlanes; i++) {
-            struct w11_lane *l = &lanes[i];
+            struct lane *l = &lanes[i];
             if (l->completed == l->iters)
                 continue;
             busy++;
-            ssize_t rc = w11_submit(l);
+            ssize_t rc = submit(l);
             if (rc == 0)
-                rc = w11_reap(l);
+                rc = reap(l);
             if (rc > 0)
                 __atomic_add_fetch(total, (uint64_t)rc, __ATOMIC_RELAXED);
             if (rc >= 0)  /* also with nothing completed: a refusal may be over */
-                rc = w11_drain(l);
+                rc = drain(l);
             if (rc < 0) {
                 *failed_lane = (int)i;
                 return (int)rc;

@@ -10,10 +10,11 @@ worker's loop into C (chapters/11_multithread.c, through cffi, which releases
 the GIL during the call): then each thread is a real, parallel worker, and
 Python only starts them, watches the shared counter and sends heartbeats.
 
-New since chapter 10 (whose warmup it keeps): the engine. One thread per group (GPU) of lanes; the
-loop of common/multinet.py rewritten in C (w11_worker: submit, pending ring,
-reap, immediate on each NIC's last WRITE); a shared atomic counter;
---engine python|native.
+New since chapter 10 (whose warmup it keeps): the engine. One thread per
+group (GPU) of lanes; the loop of common/multinet.py rewritten in C
+(worker(): submit, pending ring, reap, immediate on each NIC's last WRITE);
+a shared atomic counter; --engine python|native. Python's side of the
+workers (start, watch, stop) is common/workers.py, which 12-15 share.
 
     python chapters/11_multithread.py                                  # server
     python chapters/11_multithread.py ADDRESS --groups 2 --nics-per-gpu 2
@@ -69,29 +70,25 @@ The same with the worker loop in C, the GIL released:
 
 # %%
 import threading
-import time
 
-from common import bench, cli, multinet
-from common._native11 import ffi, lib as native
+from common import cli, memory, multinet, workers
+import common._native11 as native
 from common.warmup import warm_up
-import common.fabric as fi
 
 
 # %% [markdown]
 # ## Code
 
 # %%
-def by_group(lanes):
-    groups = {}
-    for lane in lanes:
-        groups.setdefault(lane.group, []).append(lane)
-    return list(groups.values())
+def threaded(args, lanes, control, beat, page_size, timeout):
+    """One worker per group; the main thread keeps the control endpoint going."""
+    errors, control.keep = [], []
+    if args.engine == "python":
+        total, lock, stop = [0], threading.Lock(), threading.Event()
+        halt = stop.set
 
-
-def python_workers(lanes, total, lock, stop, errors):
-    """One Python thread per group: the loop of chapter 09 over that group's lanes."""
-    def work(mine):
-        try:
+        def work(k, mine):  # the loop of chapter 09 over this group's lanes
+            memory.current(mine[0].gpu)  # the thread's GPU, once (common/memory.py says why)
             busy = list(mine)
             while busy and not stop.is_set():
                 for lane in busy:
@@ -101,96 +98,18 @@ def python_workers(lanes, total, lock, stop, errors):
                         with lock:  # the shared counter: one thread at a time
                             total[0] += done
                 busy = [lane for lane in busy if lane.queue.completed < lane.iters]
-        except Exception as e:  # handed to the main thread, which says it in one line
-            errors.append(e)
-    return [threading.Thread(target=work, args=(mine,)) for mine in by_group(lanes)]
-
-
-def native_workers(lanes, control, total, stop, errors):
-    """One thread per group, each inside w11_worker (C) for the whole run."""
-    keep = []  # C arrays, alive as long as the lanes they describe
-    structs = []
-    for mine in by_group(lanes):
-        array = ffi.new("struct w11_lane[]", len(mine))
-        for w, lane in zip(array, mine):
-            slots = 4 * lane.info.tx_attr.size + 64
-            w.ep, w.cq, w.iters = lane.ep, lane.cq, lane.iters
-            w.msgs, w.nmsgs = lane.messages[0], len(lane.messages)
-            w.contexts = keep_new(keep, "struct fi_context2[]", slots)
-            w.busy = keep_new(keep, "uint8_t[]", slots)
-            w.free_slots = keep_new(keep, "size_t[]", list(range(slots)))
-            w.nfree = w.nslots = slots
-            w.pending = keep_new(keep, "size_t[]", slots)
-            w.pend_cap = slots
-        structs.append((array, mine))
-    control.keep = (keep, structs, total, stop)  # until the next client: endpoints close first
-
-    def work(array, mine):
-        failed = ffi.new("int *")
-        rc = native.w11_worker(array, len(mine), total, stop, failed)  # GIL released
-        if rc:
-            errors.append(native_error(rc, mine[failed[0]]))
-    return [threading.Thread(target=work, args=s) for s in structs], structs
-
-
-def keep_new(keep, ctype, init):
-    keep.append(ffi.new(ctype, init))
-    return keep[-1]
-
-
-def native_error(rc, lane):
-    if rc == -fi.lib.FI_EAVAIL:  # a failed WRITE: its entry and the provider's text
-        try:
-            fi.cq_read(lane.cq, fi.cq_entries(1))
-        except fi.FabricError as e:
-            return e
-    if rc == -fi.lib.FI_EOTHER:
-        return ValueError("a completion for no WRITE in flight")
-    return fi.FabricError("fi_writemsg/fi_cq_read (in w11_worker)", rc)
-
-
-def threaded(args, lanes, control, beat, page_size, timeout):
-    """Start one worker per group; the main thread keeps the control endpoint going."""
-    total_ops = sum(lane.iters for lane in lanes)
-    progress = bench.Progress("WRITEs completed", total_ops, page_size)
-    errors = []
-    if args.engine == "python":
-        total, lock, stop = [0], threading.Lock(), threading.Event()
-        threads = python_workers(lanes, total, lock, stop, errors)
-        halt = stop.set
     else:
-        total, stop = ffi.new("uint64_t *"), ffi.new("int *")
-        threads, structs = native_workers(lanes, control, total, stop, errors)
+        total, stop = native.ffi.new("uint64_t *"), native.ffi.new("int *")
         halt = lambda: stop.__setitem__(0, 1)  # noqa: E731 (the workers read it atomically)
+
+        def work(k, mine):  # the same loop in C; it adds to `total` atomically
+            memory.current(mine[0].gpu)
+            workers.call(native, mine, errors, control.keep, total, stop)
+
+    threads = workers.threads_for(lanes, work, errors)
     print(f"{len(threads)} {args.engine} worker threads, one per GPU", flush=True)
-    start = last = time.perf_counter()
-    seen = 0
-    for t in threads:
-        t.start()
-    try:
-        while any(t.is_alive() for t in threads) and not errors:
-            control.queue.progress()
-            now, done = time.perf_counter(), total[0]
-            if done != seen:
-                seen, last = done, now
-            elif now - last > timeout:
-                raise TimeoutError(f"no WRITE completed for {timeout:g} s ({done} of "
-                                   f"{total_ops} done): is the client still there?")
-            if beat.maybe(control.queue, done):
-                progress.update(done)
-            time.sleep(0.0005)  # the workers do the work; this thread only watches
-    finally:
-        halt()
-        for t in threads:
-            t.join()
-        progress.close()
-    if errors:
-        raise errors[0]
-    if args.engine == "native":  # the counts, for the report
-        for array, mine in structs:
-            for w, lane in zip(array, mine):
-                lane.queue.completed, lane.queue.eagain = w.completed, w.eagain
-    return start
+    return workers.run(threads, lanes, control, beat, page_size, timeout, lambda: total[0],
+                       halt, errors)
 
 
 def add_args(p):

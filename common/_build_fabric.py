@@ -131,6 +131,7 @@ struct fi_msg_rma { const struct iovec *msg_iov; void **desc; size_t iov_count; 
 /* error numbers (returned negated) */
 #define FI_EAGAIN ...
 #define FI_EAVAIL ...
+#define FI_EOTHER ...
 #define FI_ENODATA ...
 #define FI_ENOSYS ...
 #define FI_EINVAL ...
@@ -180,10 +181,12 @@ int tut_mr_reg(struct fid_domain *domain, void *buf, size_t len, uint64_t access
                uint64_t key, int iface, int device, uint64_t flags, struct fid_mr **mr);
 size_t tut_nic_speed(const struct fi_info *info);
 int tut_nic_pci(const struct fi_info *info, char *buf, size_t len);
+int tut_wait_data(struct fid_cq *cq, uint64_t *data, int *stop);
 char *strdup(const char *s);
 """
 
 SOURCE = r"""
+#include <sched.h>
 #include <stdio.h>
 #include <string.h>
 #include <rdma/fabric.h>
@@ -209,6 +212,32 @@ static int tut_mr_reg(struct fid_domain *domain, void *buf, size_t len, uint64_t
     attr.iface = (enum fi_hmem_iface)iface;
     attr.device.cuda = device;
     return fi_mr_regattr(domain, &attr, flags, mr);
+}
+
+/* Wait for the completion carrying immediate data on `cq`: the receiving
+   side of chapters 09+, one thread per NIC, with the GIL released. Reading a
+   CQ is also what makes shm copy the data in (the receiver moves it), so a
+   Python loop here would cap the writer. Returns 0 with the immediate in
+   *data, 1 when *stop was set, or < 0 (-FI_EAVAIL: the error entry waits). */
+static int tut_wait_data(struct fid_cq *cq, uint64_t *data, int *stop)
+{
+    struct fi_cq_data_entry entries[16];
+    while (!__atomic_load_n(stop, __ATOMIC_RELAXED)) {
+        ssize_t n = fi_cq_read(cq, entries, 16);
+        if (n == -FI_EAGAIN) {
+            sched_yield();  /* nothing yet: let a peer on the same core run */
+            continue;
+        }
+        if (n < 0)
+            return (int)n;
+        for (ssize_t i = 0; i < n; i++) {
+            if (entries[i].flags & FI_REMOTE_CQ_DATA) {
+                *data = entries[i].data;
+                return 0;
+            }
+        }
+    }
+    return 1;
 }
 
 /* Link speed in bits/s, 0 when the provider does not say. */

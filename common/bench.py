@@ -80,8 +80,9 @@ def same_machine(a, b):
     return (a["cpu"], a["cores"], a.get("gpu")) == (b["cpu"], b["cores"], b.get("gpu"))
 
 
-def baseline(provider, memory, size, here):
-    """The median fi_rma_bw Gbps recorded for this machine, provider, memory and size, or None."""
+def baseline(provider, memory, size, here, tool="fi_rma_bw"):
+    """The median Gbps of `tool` (fi_rma_bw by default) recorded for this machine, provider,
+    memory and size, and where it is written; or None."""
     for path in sorted(BASELINES.glob("*.json")):
         try:
             data = json.loads(path.read_text())
@@ -91,21 +92,22 @@ def baseline(provider, memory, size, here):
                 or not same_machine(data.get("machine", {}), here):
             continue
         for row in data.get("runs", []):
-            if row["tool"].startswith("fi_rma_bw") and row["size"] == size:
-                return row["median_gbps"], f"fi_rma_bw here ({path.relative_to(ROOT)})"
+            if row["tool"].startswith(tool) and row["size"] == size:
+                return row["median_gbps"], f"{tool} here ({path.relative_to(ROOT)})"
     return None
 
 
-def limit(infos, provider, memory, size, here):
+def limit(infos, provider, memory, size, here, tool="fi_rma_bw"):
     """(Gbps, what it is) to measure a run against, or (None, why there is none).
-    `infos`: the fi_info of the NIC used, or a list of them (their speeds add up)."""
+    `infos`: the fi_info of the NIC used, or a list of them (their speeds add up);
+    without a link speed, the baseline of `tool` measured here."""
     infos = infos if isinstance(infos, list) else [infos]
     speed = sum(lib.tut_nic_speed(i) for i in infos)
     if speed and len(infos) == 1:
         return speed / 1e9, f"link speed of {fi.string(infos[0].domain_attr.name)}"
     if speed:
         return speed / 1e9, f"link speed of {len(infos)} NICs"
-    return baseline(provider, memory, size, here) or (
+    return baseline(provider, memory, size, here, tool) or (
         None, "no link speed and no baseline here: run scripts/baseline.py")
 
 

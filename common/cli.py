@@ -71,6 +71,19 @@ def parse_size(text):
     return int(m[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[m[2].upper()]
 
 
+def count(lo, hi):
+    """An argparse type: a whole number in lo..hi."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected a number {lo}..{hi}, not '{text}'")
+        return value
+    return parse
+
+
 def add_pages(p, pages, buffer_size, gpu=True):
     """The flags of the chapters that WRITE pages into a client's buffers (06 on)."""
     p.add_argument("--page-size", type=parse_size, default=64 << 10, help="default 64K")

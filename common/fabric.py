@@ -391,6 +391,17 @@ class Inbox:
         return message
 
 
+def native_error(rc, cq, call):
+    """The exception for `rc`, a negative return of C code that called `call` on `cq`:
+    for -FI_EAVAIL, the failed operation's error entry, in the provider's words."""
+    if rc == -lib.FI_EAVAIL:
+        try:
+            cq_read(cq, cq_entries(1))
+        except FabricError as e:
+            return e
+    return FabricError(call, rc)
+
+
 def cq_entries(count):
     return ffi.new("struct fi_cq_data_entry[]", count)
 

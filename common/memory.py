@@ -89,6 +89,20 @@ def use_gpu(gpu):
     cp.cuda.runtime.setDevice(gpu)
 
 
+def current(gpu):
+    """Make GPU `gpu` (None: leave it) the current device of the calling thread.
+
+    libfabric (2.1) finds a GPU buffer's allocation, for shm's CUDA IPC, in
+    the thread's current CUDA context: a WRITE from GPU 1's memory posted
+    while GPU 0 is current fails that lookup and falls back to copies staged
+    through host memory, ~50x slower. So a thread that serves several GPUs
+    switches before each one's operations (a cheap call), and a thread per GPU
+    switches once.
+    """
+    if gpu is not None:
+        cupy().cuda.runtime.setDevice(gpu)
+
+
 def synchronize(gpu):
     """Wait until GPU `gpu` has finished all its work, copies made for libfabric included."""
     if gpu is not None:

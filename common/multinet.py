@@ -6,14 +6,14 @@ G x N lanes, a group's pages round robin over its lanes, one thread visiting
 every lane. Where a host has no NIC, a lane is one more domain of shm or tcp
 (a "virtual NIC"). Chapter 10 passes `warmup`, run before the clock starts.
 """
-import os
 import struct
 import sys
+import threading
 import time
 
 from common import bench, cli, memory, topo
-from common.fabric import lib
-from common.queue import CONTEXTS, HEARTBEAT, Heartbeat, OpQueue, write_messages
+from common.fabric import ffi, lib
+from common.opqueue import CONTEXTS, HEARTBEAT, Heartbeat, OpQueue, write_messages
 import common.fabric as fi
 
 CAPS = lib.FI_MSG | lib.FI_RMA
@@ -28,8 +28,8 @@ BURST = 1  # new WRITEs per lane per visit: one, as in the series; chapter 14 po
 class Lane:
     """One NIC's endpoint, CQ, AV and queue; and, on the server, its share of the WRITEs."""
 
-    def __init__(self, own, info):
-        self.info = info
+    def __init__(self, own, info, gpu=None):
+        self.info, self.gpu = info, gpu  # gpu: whose memory it carries (None: host)
         self.domain, self.cq, self.av, self.ep = fi.open_endpoint(own, info)
         self.poller = fi.Poller(self.cq)
         self.queue = OpQueue(self.ep, self.cq, self.poller,
@@ -114,7 +114,7 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
         for g in range(groups):
             for n in range(per_group):
                 at += addrlen
-                lane = Lane(own, infos[g][n])
+                lane = Lane(own, infos[g][n], args.gpus[g] if args.gpus else None)
                 lane.group = g
                 lane.peer = fi.av_insert(lane.av, request[at:at + addrlen])
                 lanes.append(lane)
@@ -170,6 +170,7 @@ def write_all(lanes, control, beat, page_size, timeout):
     busy = [lane for lane in lanes if lane.iters]
     while busy:
         for lane in busy:
+            memory.current(lane.gpu)
             lane.post_some()
             if lane.queue.progress():
                 last_completion = time.perf_counter()
@@ -196,8 +197,10 @@ def report(args, lanes, sources, iters, page_size, elapsed):
     f = bench.figures(iters, page_size, elapsed)
     memory_kind = "cuda" if args.gpus else "host"
     here = bench.machine(args.gpus[0] if args.gpus else None)
+    # GPUs writing to each other: what NVLink carries both ways at once is the ceiling
+    both_ways = args.gpus and len(set(args.gpus)) == 2
     lim = bench.limit([lane.info for lane in lanes], args.provider_used, memory_kind,
-                      page_size, here)
+                      page_size, here, "cudaMemcpyPeer both ways" if both_ways else "fi_rma_bw")
     print(bench.summary(f, lim), flush=True)
     if args.json:
         path = bench.run_path(args.json, args.chapter, args.provider_used, memory_kind,
@@ -212,7 +215,8 @@ def client(info, args, addr, infos):
         control = Lane(own, info)
         inbox = fi.Inbox(own, control.domain, control.ep, HEARTBEAT.size)
         server_addr = fi.av_insert(control.av, addr)
-        lanes = [Lane(own, i) for group in infos for i in group]
+        lanes = [Lane(own, i, args.gpus[g] if args.gpus else None)
+                 for g, group in enumerate(infos) for i in group]
         for lane in lanes:  # a posted receive, for providers that use one per immediate
             fi.Inbox(own, lane.domain, lane.ep, 64)
         buffers = [[memory.Buffer(args.buffer_size, args.gpus[g] if args.gpus else None)
@@ -248,28 +252,43 @@ def client(info, args, addr, infos):
 
 
 def wait_immediates(control, inbox, lanes, args):
-    """One immediate per lane; heartbeats on the control endpoint keep the wait alive."""
+    """One immediate per lane, waited for by one thread per lane in C (GIL released): on
+    shm the receiver's CQ reads are what copy the data in, so each NIC needs a reader
+    that keeps up with the writer. This thread reads the heartbeats that keep the wait
+    alive."""
     progress = bench.Progress("WRITEs completed (server's count)", args.iters, args.page_size)
-    data = [None] * len(lanes)
+    data, stop, errors = ffi.new("uint64_t[]", len(lanes)), ffi.new("int *"), []
+    got = [False] * len(lanes)
+
+    def wait(k):
+        memory.current(lanes[k].gpu)  # shm copies into this lane's GPU from this thread
+        rc = lib.tut_wait_data(lanes[k].cq, data + k, stop)
+        if rc < 0:
+            errors.append(fi.native_error(rc, lanes[k].cq, "fi_cq_read (tut_wait_data)"))
+        got[k] = rc == 0
+    threads = [threading.Thread(target=wait, args=(k,)) for k in range(len(lanes))]
+    for t in threads:
+        t.start()
     deadline = time.monotonic() + args.timeout
-    while None in data:
-        seen = 0
-        for k, lane in enumerate(lanes):
-            if data[k] is None:
-                seen += lane.poller.poll()
-                if lane.poller.remote_data:
-                    data[k] = lane.poller.remote_data.pop(0)
-        if not seen + control.poller.poll():
-            os.sched_yield()  # nothing yet: let a peer on the same core run
-        if fi.key(inbox.ctx) in control.poller.done:
-            length = control.poller.done.pop(fi.key(inbox.ctx))
-            progress.update(HEARTBEAT.unpack(inbox.take(length))[0])
-            deadline = time.monotonic() + args.timeout
-        elif time.monotonic() > deadline:
-            raise TimeoutError(f"no heartbeat from the server within {args.timeout:g} s "
-                               f"({len(data) - data.count(None)} of {len(lanes)} NICs done)")
-    progress.close()
-    return data
+    try:
+        while any(t.is_alive() for t in threads) and not errors:
+            control.poller.poll()
+            if fi.key(inbox.ctx) in control.poller.done:
+                length = control.poller.done.pop(fi.key(inbox.ctx))
+                progress.update(HEARTBEAT.unpack(inbox.take(length))[0])
+                deadline = time.monotonic() + args.timeout
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"no heartbeat from the server within {args.timeout:g} s "
+                                   f"({sum(got)} of {len(lanes)} NICs done)")
+            time.sleep(0.001)  # the waiting threads do the work; this one only listens
+    finally:
+        stop[0] = 1
+        for t in threads:
+            t.join()
+        progress.close()
+    if errors:
+        raise errors[0]
+    return list(data[0:len(lanes)])
 
 
 def parse(doc, add_args=None):

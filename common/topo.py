@@ -186,3 +186,21 @@ def take(groups, per_group):
     if have % per_group:
         raise ValueError(f"{have} NICs per GPU do not split evenly into {per_group}")
     return [g[:per_group] for g in groups]
+
+
+def worker_cores(gpus, groups, sysfs=SYSFS):
+    """The core to pin each group's worker thread to (chapter 12): for GPUs, the core
+    layout() picked for each; for groups of host memory, the middle core of an even
+    share of the physical cores. Only cores this process may run on are used."""
+    allowed = os.sched_getaffinity(0)
+    if gpus:
+        buses, why = gpus_here()
+        if not buses:
+            raise ValueError(f"no GPU to pin workers next to: {why}")
+        picked = [layout(buses, [], sysfs)[g].core for g in gpus]
+        if all(core in allowed for core in picked):
+            return picked
+    cores = [c for node in physical_cores(sysfs).values() for c in node if c in allowed]
+    cores = cores or sorted(allowed)
+    share = max(1, len(cores) // groups)
+    return [cores[min(g * share + share // 2, len(cores) - 1)] for g in range(groups)]

@@ -6,12 +6,15 @@ state says how much a run that skips the warmup pays.
 """
 import time
 
+from common import memory
+
 
 def warm_up(lanes, control, timeout):
     """One WRITE per lane, each waited for; returns what prints the comparison later."""
     first = []
     for lane in lanes:
         start = time.perf_counter()
+        memory.current(lane.gpu)
         lane.queue.write(lane.messages[0])
         deadline = time.monotonic() + timeout
         while not lane.queue.progress():

@@ -9,7 +9,10 @@ fi_rma_bw (write and writedata), and on GPUs UCX's put bandwidth and
 cudaMemcpyPeer, so that every ratio compares figures taken minutes apart.
 The chapters write 64 distinct pages in a loop, the footprint of fi_rma_bw's
 window of 64; 09-11 spread them over --nics-per-gpu NICs (virtual ones on
-shm and tcp). Writes results/<chapter>/<label>-<provider>-<memory>.json and
+shm and tcp). With --gpus A,B, chapters 09 on put buffers on both GPUs on
+both sides, and each GPU writes to the other one's: every byte crosses
+NVLink, both ways at once, against the ceiling of cudaMemcpyPeer both ways.
+Writes results/<chapter>/<label>-<provider>-<memory>.json and
 results/baselines/<label>-<provider>-<memory>.json.
 """
 import json
@@ -19,25 +22,28 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baseline import baseline_tools, measure, parse, parser, save  # noqa: E402
+from baseline import baseline_tools, measure, memcpy_peer, parse, parser, save  # noqa: E402
 from pair import chapter_path, run_pair  # noqa: E402
 
 WINDOW = 64  # distinct pages, as fi_rma_bw's default window
 
 
-def run_chapter(chapter, provider, size, iters, gpus, nics, timeout):
-    """One run of a chapter as a pair; the server's Gbps, from its --json record."""
+def run_chapter(chapter, provider, size, iters, gpus, nics, timeout, groups=1):
+    """One run of a chapter as a pair; the server's Gbps, from its --json record.
+    Chapters 09 on: `nics` per GPU, and with host memory `groups` stand-ins for GPUs."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         server = ["--clients", "1", "--json", str(out)]
         client = ["--page-size", str(size), "--buffers", "1", "--buffer-size", str(WINDOW * size),
                   "--pages", f"0-{WINDOW - 1}", "--iters", str(iters), "--timeout", "30"]
         if chapter >= 9:
-            client += ["--nics-per-gpu", str(nics)]
-        if gpus:
-            flag = "--gpu" if chapter < 9 else "--gpus"
-            server += [flag, str(gpus[0])]
-            client += [flag, str(gpus[1])]
+            client += ["--nics-per-gpu", str(nics)] + ([] if gpus else ["--groups", str(groups)])
+        if gpus and chapter < 9:
+            server += ["--gpu", str(gpus[0])]
+            client += ["--gpu", str(gpus[1])]
+        elif gpus:  # buffers on both GPUs; each GPU writes to the other: all over NVLink
+            server += ["--gpus", f"{gpus[0]},{gpus[1]}"]
+            client += ["--gpus", f"{gpus[1]},{gpus[0]}"]
         pair = run_pair(chapter, provider, server, [client], timeout=timeout)
         if not pair.ok or not out.exists():
             failed = next((r for r in [*pair.clients, pair.server] if r.rc), pair.server)
@@ -46,8 +52,10 @@ def run_chapter(chapter, provider, size, iters, gpus, nics, timeout):
         return json.loads(out.read_text())["gbps"], " ".join(client)
 
 
-def tool_name(chapter, nics):
-    return f"chapter {chapter:02d}" + (f" ({nics} NICs)" if chapter >= 9 else "")
+def tool_name(chapter, nics, gpus):
+    if chapter < 9:
+        return f"chapter {chapter:02d}"
+    return f"chapter {chapter:02d} ({'2 GPUs x ' if gpus else ''}{nics} NICs)"
 
 
 def main():
@@ -57,11 +65,15 @@ def main():
     p.add_argument("--nics-per-gpu", type=int, default=4, help="for 09 on (default 4)")
     args = parse(p)
     chapters = [int(c) for c in args.chapters.split(",")]
-    tools = [(tool_name(c, args.nics_per_gpu),
+    tools = [(tool_name(c, args.nics_per_gpu, args.gpus),
               lambda size, iters, c=c: run_chapter(c, args.provider, size, iters, args.gpus,
                                                    args.nics_per_gpu, args.timeout))
              for c in chapters]
     tools += baseline_tools(args.provider, args.gpus, args.ucx, args.timeout)
+    if args.gpus and max(chapters) >= 9:  # the ceiling of 09 on: both directions at once
+        pairs = [args.gpus, args.gpus[::-1]]
+        tools.append(("cudaMemcpyPeer both ways", lambda size, iters: memcpy_peer(size, iters,
+                                                                                  pairs)))
     try:
         rows = measure(tools, args.sizes, args.repeats, args.bytes)
     except (FileNotFoundError, RuntimeError, subprocess.TimeoutExpired) as e:
@@ -75,7 +87,7 @@ def main():
               f"{row['ratio_to fi_rma_bw -o write']:.2f}")
     for c in chapters:
         name = chapter_path(c).stem
-        save([r for r in ours if r["tool"] == tool_name(c, args.nics_per_gpu)], name,
+        save([r for r in ours if r["tool"] == tool_name(c, args.nics_per_gpu, args.gpus)], name,
              args.label, args.provider, args.gpus)
     save([r for r in rows if r not in ours], "baseline", args.label, args.provider, args.gpus)
 

@@ -1,6 +1,7 @@
 """Execute every notebook in notebooks/ in place, so the outputs committed match results/.
 
     python scripts/run_notebooks.py            # after scripts/bench.py added results
+    python scripts/run_notebooks.py journey    # only notebooks/journey.ipynb
 
 The tests execute the notebooks too, on a copy; this writes the outputs back.
 """
@@ -14,7 +15,12 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
 def main():
-    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+    names = sys.argv[1:]
+    paths = [NOTEBOOKS / f"{n}.ipynb" for n in names] or sorted(NOTEBOOKS.glob("*.ipynb"))
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        sys.exit(f"run_notebooks: no {', '.join(missing)} in notebooks/")
+    for path in paths:
         notebook = nbformat.read(path, as_version=4)
         try:
             nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",

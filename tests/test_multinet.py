@@ -1,4 +1,4 @@
-"""Chapters 09-11: G groups x N (virtual) NICs, one immediate per NIC, every page checked."""
+"""Chapters 09-15: G groups x N (virtual) NICs, one immediate per NIC, every page checked."""
 import re
 
 import pytest
@@ -12,10 +12,12 @@ from tests.test_queue import client_gone_server_survives
 SMALL = ["--buffer-size", "4M", "--pages", "0-63", "--iters", "3001"]
 
 
-ENGINES = [(9, []), (10, []), (11, ["--engine", "native"]), (11, ["--engine", "python"])]
+ENGINES = [(9, []), (10, []), (11, ["--engine", "native"]), (11, ["--engine", "python"]),
+           (12, []), (13, []), (14, []), (15, [])]
+IDS = ["09", "10", "11c", "11py", "12", "13", "14", "15"]
 
 
-@pytest.mark.parametrize("chapter,server_args", ENGINES, ids=["09", "10", "11c", "11py"])
+@pytest.mark.parametrize("chapter,server_args", ENGINES, ids=IDS)
 @pytest.mark.parametrize("groups,nics", [(1, 1), (1, 4), (2, 2)])
 def test_every_nic_delivers(chapter, server_args, groups, nics, provider):
     pair = run_pair(chapter, provider, ["--clients", "1", *server_args],
@@ -33,7 +35,9 @@ def test_every_nic_delivers(chapter, server_args, groups, nics, provider):
     assert f"WRITEs per NIC: {' '.join(map(str, counts))}" in server
     if chapter == 11:
         assert f"{groups} {server_args[1]} worker threads, one per GPU" in server
-    if chapter == 10:
+    if chapter >= 12:
+        assert re.search(rf"{groups} native worker threads, one per GPU, pinned to cores \d+", server)
+    if chapter >= 10:
         assert re.search(rf"warmup: first WRITE per NIC [\d.]+ ms on average, [\d.]+ ms at most "
                          rf"\({lanes} NICs\)", server)
         assert "first contact vs steady state:" in server
@@ -55,7 +59,7 @@ def test_real_nics_are_shared_out_evenly():
         topo.split(nics(4), 3)
 
 
-@pytest.mark.parametrize("chapter", [9, 10, 11])
+@pytest.mark.parametrize("chapter", [9, 10, 11, 12, 13, 14, 15])
 @pytest.mark.parametrize("args,pattern", [
     (["--nics-per-gpu", "0"], "must be 1..64"),
     (["--groups", "0"], "must be 1..64"),
@@ -69,10 +73,12 @@ def test_bad_input(chapter, args, pattern):
     assert_one_line_error(done, pattern)
 
 
-@pytest.mark.parametrize("engine", ["native", "python"])
-def test_11_refusals_wait_in_order_and_nothing_is_lost(engine):
+@pytest.mark.parametrize("chapter,server_args", [(11, ["--engine", "native"]),
+                                                 (11, ["--engine", "python"]), (14, []),
+                                                 (15, [])], ids=["11c", "11py", "14", "15"])
+def test_refusals_wait_in_order_and_nothing_is_lost(chapter, server_args):
     # shm without CMA runs out of bounce buffers at once: -FI_EAGAIN on every NIC
-    pair = run_pair(11, "shm", ["--clients", "1", "--engine", engine],
+    pair = run_pair(chapter, "shm", ["--clients", "1", *server_args],
                     [["--groups", "2", "--nics-per-gpu", "2", *SMALL]],
                     env={"FI_SHM_DISABLE_CMA": "1", "FI_SHM_RX_SIZE": "8", "FI_SHM_TX_SIZE": "8"})
     assert pair.ok, pair
@@ -81,8 +87,13 @@ def test_11_refusals_wait_in_order_and_nothing_is_lost(engine):
     assert "verified 2 x 64 pages (8388608 bytes): 0 wrong bytes" in pair.clients[0].out
 
 
-
-@pytest.mark.parametrize("chapter,server_args", ENGINES, ids=["09", "10", "11c", "11py"])
+@pytest.mark.parametrize("chapter,server_args", ENGINES, ids=IDS)
 def test_client_gone_mid_run_server_survives(chapter, server_args):
     client_gone_server_survives(chapter, "shm", server_args,
                                 ["--groups", "2", "--nics-per-gpu", "2"])
+
+
+@pytest.mark.parametrize("chapter", [14, 15])
+def test_batch_is_bounded(chapter):
+    done, _ = run(chapter, "-p", "shm", SHM_DEAD, "--batch", "0")
+    assert_one_line_error(done, "expected a number 1..1024, not '0'")

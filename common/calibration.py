@@ -1,0 +1,146 @@
+"""The model (common/model.py) calibrated on the series' p5 run.
+
+Each parameter says where its value comes from:
+- "blog": a p5 fact the series reports that is not a chapter's headline figure
+  (link speed, the fabtests peak of one NIC, a cold vs a warm first WRITE);
+- "assumed": not known for a p5; the notebook what_if shows how much it matters;
+- "fitted on NN": solved so that the model gives chapter NN's figure. At most
+  three chapters are spent this way.
+- "own chapter NN": a mechanism only chapter NN shows (threads moved across
+  NUMA nodes, one counter shared by eight threads): the value is solved from
+  that chapter itself, so the chapter is described, not predicted.
+The chapters neither fitted nor described are predictions.
+"""
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from common.model import Costs, Layout, Machine, throughput
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+TOLERANCE = 10  # percent: what a predicted chapter may miss the blog's figure by
+
+ONE_THREAD_PER_GPU = Layout(threads_per_gpu=1)
+CHAPTERS = {  # each chapter's layout on the p5, and what it changes
+    "07": ("one NIC, one thread", Layout(gpus=1, nics_per_gpu=1, warmup=False, ops=1_000_000)),
+    "09": ("32 NICs, one thread, cold NICs", Layout(warmup=False)),
+    "10": ("32 NICs, one thread, warmed up", Layout()),
+    "11": ("a thread per GPU, unpinned, shared atomic",
+           replace(ONE_THREAD_PER_GPU, pinned=False, shared_counter=True)),
+    "12": ("threads pinned to their GPU's cores", replace(ONE_THREAD_PER_GPU, shared_counter=True)),
+    "13": ("a counter per GPU", ONE_THREAD_PER_GPU),
+    "14": ("16 WRITEs per visit", replace(ONE_THREAD_PER_GPU, batch=16)),
+    "15": ("lazy posting", replace(ONE_THREAD_PER_GPU, batch=16, lazy=True)),
+}
+
+# name: (unit, meaning)
+MEANINGS = {
+    "link_gbps": ("Gbps", "one EFA NIC's link speed"),
+    "efficiency": ("1", "share of the link one NIC delivers at best"),
+    "first_contact_ms": ("ms", "extra time of a NIC's first WRITE (cold minus warm)"),
+    "op_us": ("us", "one thread's time per WRITE at one WRITE per NIC visit (post + CQ read)"),
+    "post_share": ("1", "share of op_us spent in fi_writemsg (the rest recurs per visit)"),
+    "latency_us": ("us", "post to completion, beyond the WRITE's wire time"),
+    "crowd": ("1", "slowdown per other busy thread on the same NUMA node"),
+    "inflight": ("WRITEs", "WRITEs one NIC holds in flight"),
+    "atomic_us": ("us", "one update of the counter all threads share (its cache line's trip)"),
+    "unpinned": ("1", "factor on every CPU cost when threads are not pinned"),
+}
+ASSUMED = {"post_share": 0.5, "latency_us": 15.0}
+# (parameter, chapter, search range): solved in this order, the first three "fitted"
+FITS = [("op_us", "10", (0.01, 100)), ("crowd", "13", (0, 10)), ("inflight", "14", (1, 1e4)),
+        ("atomic_us", "12", (0, 100)), ("unpinned", "11", (1, 100))]
+FITTED = 3
+
+
+def load_blog(results=RESULTS):
+    return json.loads((Path(results) / "blog_p5.json").read_text())
+
+
+def blog_facts(blog):
+    """The parameters the series measured on the p5 outside its chapter figures."""
+    link = blog["topology"]["nic_gbps"]
+    return {"link_gbps": link,
+            "efficiency": blog["fabtests"]["fi_rma_bw_one_nic_peak_MBps"] * 8 / 1e3 / link,
+            "first_contact_ms": blog["first_write_ms"]["cold"] - blog["first_write_ms"]["warm"]}
+
+
+def build(params, topology):
+    """The p5 Machine and Costs for a dict of parameter values."""
+    machine = Machine(gpus=topology["gpus"], nics_per_gpu=topology["nics_per_gpu"],
+                      link_gbps=params["link_gbps"], efficiency=params["efficiency"],
+                      numa_nodes=topology["numa_nodes"], inflight=params["inflight"],
+                      latency_us=params["latency_us"])
+    post = params["op_us"] * params["post_share"]
+    costs = Costs(post_us=post, visit_us=params["op_us"] - post, atomic_us=params["atomic_us"],
+                  crowd=params["crowd"], unpinned=params["unpinned"],
+                  first_contact_ms=params["first_contact_ms"])
+    return machine, costs
+
+
+def model_gbps(params, topology, chapter):
+    return throughput(*build(params, topology), CHAPTERS[chapter][1]).gbps
+
+
+def solve(f, target, lo, hi, steps=100):
+    """x in [lo, hi] with f(x) = target, for f monotonic (either way), by bisection."""
+    rising = f(hi) > f(lo)
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        if (f(mid) < target) == rising:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def calibrate(blog, assumed=None):
+    """Parameter values (with their sources) and the table: chapter, blog, model, error.
+    `assumed`: other values for the assumed parameters (the notebook what_if tries some)."""
+    topology = blog["topology"]
+    assumed = {**ASSUMED, **(assumed or {})}
+    params = {**blog_facts(blog), **assumed, "op_us": 1.0, "crowd": 0.0, "inflight": float("inf"),
+              "atomic_us": 0.0, "unpinned": 1.0}
+    for _ in range(3):  # each fit moves the others a little: go round until they settle
+        for name, chapter, (lo, hi) in FITS:
+            target = blog["chapters"][chapter]["gbps"]
+            params[name] = solve(lambda v: model_gbps({**params, name: v}, topology, chapter),
+                                 target, lo, hi)
+    source = {name: "blog" for name in blog_facts(blog)}
+    source.update({name: "assumed" for name in assumed})
+    role = {}
+    for i, (name, chapter, _) in enumerate(FITS):
+        source[name] = f"fitted on {chapter}" if i < FITTED else f"own chapter {chapter}"
+        role[chapter] = "fitted" if i < FITTED else "described"
+    machine, costs = build(params, topology)
+    rows = []
+    for chapter, (what, layout) in CHAPTERS.items():
+        result = throughput(machine, costs, layout)
+        figure = blog["chapters"][chapter]["gbps"]
+        rows.append({"chapter": chapter, "what": what, "blog_gbps": figure,
+                     "model_gbps": round(result.gbps, 1),
+                     "error_percent": round(100 * (result.gbps / figure - 1), 1),
+                     "role": role.get(chapter, "predicted"), "limit": result.limit,
+                     "percent_of_line": round(result.percent, 1)})
+    return {"parameters": {name: {"value": round(params[name], 6), "unit": MEANINGS[name][0],
+                                  "meaning": MEANINGS[name][1], "source": source[name]}
+                           for name in MEANINGS},
+            "topology": topology, "tolerance_percent": TOLERANCE, "chapters": rows}
+
+
+def table(result):
+    """The prediction table and the parameters, as text."""
+    lines = [f"{'ch':<3} {'what':<42} {'blog':>8} {'model':>8} {'error':>7}  role, limit"]
+    for r in result["chapters"]:
+        lines.append(f"{r['chapter']:<3} {r['what']:<42} {r['blog_gbps']:>8.1f} "
+                     f"{r['model_gbps']:>8.1f} {r['error_percent']:>+6.1f}%  {r['role']}, {r['limit']}")
+    lines.append("")
+    for name, p in result["parameters"].items():
+        lines.append(f"{name:<17} {p['value']:>10.4g} {p['unit']:<7} {p['source']:<16} {p['meaning']}")
+    return "\n".join(lines)
+
+
+def p5(calibration):
+    """The calibrated p5 Machine and Costs, from calibrate()'s output."""
+    values = {name: p["value"] for name, p in calibration["parameters"].items()}
+    return build(values, calibration["topology"])

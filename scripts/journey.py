@@ -1,0 +1,35 @@
+"""Draw the journey: the blog's p5 figures, the model's, and ours, chapter by chapter.
+
+    python scripts/journey.py                     # results/ -> results/journey.png
+    python scripts/journey.py --results DIR --out FILE.png
+
+Ours: every results/<NN_name>/<setup>.json at 64 KiB, as % of the best
+baseline measured in the same setup (scripts/bench.py writes both).
+"""
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT.parent))
+from calibrate import load  # noqa: E402
+from common import calibration, journey  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", default=str(ROOT.parent / "results"), help="folder of results")
+    p.add_argument("--out", help="the PNG to write (default: RESULTS/journey.png)")
+    args = p.parse_args()
+    blog = load(args.results)
+    out = Path(args.out or Path(args.results) / "journey.png")
+    if out.suffix.lower() != ".png" or not out.parent.is_dir():
+        sys.exit(f"journey: --out must be a .png in an existing folder, not {out}")
+    ours = journey.measured(args.results)
+    journey.plot(blog, calibration.calibrate(blog), ours, out)
+    print(f"wrote {out} ({len(ours)} setups of ours: {', '.join(sorted(ours)) or 'none'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Chapters 09 to 15 back to back, on one machine with the same arguments: the series' steps, here.
+
+    python scripts/progression.py -p shm --sizes 64K --label my-laptop
+    python scripts/progression.py -p shm --sizes 64K,1M --gpus 0,1 --label h200x2
+
+With --gpus A,B the buffers are on both GPUs on both sides and each GPU
+writes to the other's (every byte crosses NVLink, both ways at once); the
+ceiling is cudaMemcpyPeer both ways. With host memory, --groups stand-ins
+for GPUs share the machine, against fabtests' fi_rma_bw -o write. Each
+repeat runs every chapter, then the ceiling, so the figures of one repeat
+are minutes apart at most. Writes results/progression/<label>-<provider>-
+<memory>.json (per chapter and size: Gbps of each repeat, median, Mpps, %
+of the ceiling) and prints them beside the series' p5 figures (% of 3200).
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baseline import ROOT, fi_rma_bw, measure, memcpy_peer, parse, parser, save  # noqa: E402
+from bench import run_chapter  # noqa: E402
+
+CHAPTERS = range(9, 16)
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--nics-per-gpu", type=int, default=2, help="(virtual) NICs per GPU (2)")
+    p.add_argument("--groups", type=int, default=2, help="host memory: GPUs stood in for (2)")
+    args = parse(p)
+    tools = [(f"chapter {c:02d}", lambda size, iters, c=c: run_chapter(
+        c, args.provider, size, iters, args.gpus, args.nics_per_gpu, args.timeout, args.groups))
+        for c in CHAPTERS]
+    if args.gpus:
+        pairs = [args.gpus, args.gpus[::-1]]
+        ceiling = ("cudaMemcpyPeer both ways", lambda size, iters: memcpy_peer(size, iters, pairs))
+    else:
+        ceiling = ("fi_rma_bw -o write", lambda size, iters: fi_rma_bw(
+            args.provider, "write", size, iters, None, args.timeout))
+    try:
+        rows = measure(tools + [ceiling], args.sizes, args.repeats, args.bytes)
+    except (FileNotFoundError, RuntimeError, subprocess.TimeoutExpired) as e:
+        sys.exit(f"progression: {e}")
+    blog = json.loads((ROOT / "results" / "blog_p5.json").read_text())
+    print(f"\nceiling: {ceiling[0]}; the series' p5: % of 3200 Gbps\n"
+          f"{'chapter':<12}{'size':>10}{'Gbps':>10}{'Mpps':>9}{'% ceiling':>11}{'p5 %':>8}")
+    for row in rows:
+        limit = next(r for r in rows if r["size"] == row["size"] and r["tool"] == ceiling[0])
+        row["mpps"] = round(row["median_gbps"] * 1e9 / 8 / row["size"] / 1e6, 4)
+        row["percent_of_ceiling"] = round(100 * row["median_gbps"] / limit["median_gbps"], 1)
+        row["ceiling"] = ceiling[0]
+        p5 = blog["chapters"].get(row["tool"][-2:], {}).get("gbps")
+        if row["tool"].startswith("chapter"):
+            print(f"{row['tool']:<12}{row['size']:>10}{row['median_gbps']:>10.1f}"
+                  f"{row['mpps']:>9.3f}{row['percent_of_ceiling']:>10.1f}%"
+                  f"{100 * p5 / blog['limit_gbps']:>7.1f}%")
+    save(rows, "progression", args.label, args.provider, args.gpus)
+
+
+if __name__ == "__main__":
+    main()

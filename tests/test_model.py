@@ -1,0 +1,194 @@
+"""The model on cases with known answers, its calibration against the blog, and its scripts."""
+import json
+import math
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from common import calibration, journey
+from common.model import Costs, Layout, Machine, throughput, wire_us
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = 64 << 10
+FAST_LINK = Machine(gpus=8, nics_per_gpu=4, link_gbps=1e6)  # never the limit
+
+
+def close(a, b, rel=1e-6):
+    return math.isclose(a, b, rel_tol=rel)
+
+
+def test_one_nic_without_cpu_cost_runs_at_the_link():
+    nic = Machine(gpus=1, nics_per_gpu=1, link_gbps=100, efficiency=0.9)
+    result = throughput(nic, Costs(), Layout())
+    assert close(result.gbps, 90) and result.limit == "link" and close(result.percent, 90)
+
+
+def test_links_add_up():
+    p5 = Machine(gpus=8, nics_per_gpu=4, link_gbps=100)
+    assert close(throughput(p5, Costs(), Layout(threads_per_gpu=1)).gbps, 3200)
+
+
+@pytest.mark.parametrize("nics_per_gpu", [1, 4])
+def test_one_thread_does_one_write_per_post_and_visit(nics_per_gpu):
+    costs = Costs(post_us=0.5, visit_us=1.5)
+    result = throughput(FAST_LINK, costs, Layout(nics_per_gpu=nics_per_gpu))
+    assert close(result.mpps, 1 / 2.0) and result.limit == "cpu"
+
+
+def test_threads_multiply_and_batches_share_the_visit():
+    costs = Costs(post_us=0.5, visit_us=1.5)
+    assert close(throughput(FAST_LINK, costs, Layout(threads_per_gpu=1)).mpps, 8 / 2.0)
+    batched = throughput(FAST_LINK, costs, Layout(threads_per_gpu=1, batch=16))
+    assert close(batched.mpps, 8 / (0.5 + 1.5 / 16))
+    assert close(batched.per_visit, 16)
+
+
+def test_crowding_and_unpinned_threads_slow_each_one():
+    two_nodes = replace(FAST_LINK, numa_nodes=2)  # 4 threads per node
+    costs = Costs(post_us=1, visit_us=1, crowd=0.25, unpinned=3)
+    pinned = throughput(two_nodes, costs, Layout(threads_per_gpu=1))
+    assert close(pinned.mpps, 8 / (2 * (1 + 0.25 * 3)))
+    unpinned = throughput(two_nodes, costs, Layout(threads_per_gpu=1, pinned=False))
+    assert close(unpinned.mpps, pinned.mpps / 3)
+
+
+def test_a_shared_counter_serves_one_update_at_a_time():
+    costs = Costs(post_us=0.1, visit_us=0.1, atomic_us=0.5)
+    shared = throughput(FAST_LINK, costs, Layout(threads_per_gpu=1, shared_counter=True))
+    assert close(shared.mpps, 1 / 0.5) and shared.limit == "shared counter"
+    alone = throughput(FAST_LINK, costs, Layout(shared_counter=True))  # one thread: no contention
+    assert close(alone.mpps, 1 / 0.2)
+
+
+def test_queue_limit_is_littles_law():
+    nic = Machine(gpus=1, nics_per_gpu=1, link_gbps=100, inflight=2, latency_us=10)
+    result = throughput(nic, Costs(), Layout())
+    per_us = 2 / (wire_us(nic, PAGE) + 10)
+    assert close(result.mpps, per_us) and result.limit == "queue"
+
+
+def test_lazy_posting_refills_a_round_sooner():
+    nic = Machine(gpus=1, nics_per_gpu=1, link_gbps=100, inflight=2, latency_us=10)
+    costs = Costs(visit_us=4)  # a round of one NIC is one visit: 4 us
+    held = wire_us(nic, PAGE) + 10
+    eager = throughput(nic, costs, Layout(batch=64))
+    lazy = throughput(nic, costs, Layout(batch=64, lazy=True))
+    assert close(eager.mpps, 2 / (held + 1.5 * 4)) and close(lazy.mpps, 2 / (held + 0.5 * 4))
+
+
+def test_cold_nics_cost_their_first_contact_once_each():
+    nic = Machine(gpus=1, nics_per_gpu=4, link_gbps=100)
+    layout = Layout(warmup=False, ops=1_000_000)
+    result = throughput(nic, Costs(first_contact_ms=20), layout)
+    steady = layout.ops * 8 * PAGE / 400e9
+    assert close(result.gbps, layout.ops * 8 * PAGE / (steady + 4 * 0.020) / 1e9)
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    return calibration.calibrate(calibration.load_blog())
+
+
+def test_predictions_are_within_the_stated_tolerance(fresh):
+    blog = calibration.load_blog()["chapters"]
+    rows = {r["chapter"]: r for r in fresh["chapters"]}
+    assert set(rows) == set(blog) and fresh["tolerance_percent"] == 10
+    for chapter, row in rows.items():
+        error = 100 * abs(row["model_gbps"] / blog[chapter]["gbps"] - 1)
+        limit = fresh["tolerance_percent"] if row["role"] == "predicted" else 0.1
+        assert error <= limit, (chapter, row)
+    assert sum(r["role"] == "fitted" for r in rows.values()) <= 3
+    assert sum(r["role"] == "predicted" for r in rows.values()) >= 3
+
+
+def test_every_parameter_says_where_it_comes_from(fresh):
+    for name, p in fresh["parameters"].items():
+        assert p["unit"] and p["meaning"], name
+        assert p["source"] in ("blog", "assumed") or p["source"].split()[-1] in calibration.CHAPTERS
+
+
+def test_committed_calibration_is_current(fresh):
+    committed = json.loads((ROOT / "results" / "model" / "calibration.json").read_text())
+    assert committed == json.loads(json.dumps(fresh)), "run scripts/calibrate.py"
+
+
+def test_the_calibrated_p5_gives_back_its_table(fresh):
+    machine, costs = calibration.p5(fresh)
+    for row in fresh["chapters"]:
+        gbps = throughput(machine, costs, calibration.CHAPTERS[row["chapter"]][1]).gbps
+        assert abs(gbps - row["model_gbps"]) < 0.5
+
+
+def write_results(folder):
+    """A results tree: the blog, one setup of ours with chapter 07, its baselines, junk."""
+    shutil.copy(ROOT / "results" / "blog_p5.json", folder)
+    (folder / "07_queue").mkdir()
+    (folder / "baselines").mkdir()
+    run = {"tool": "chapter 07", "size": PAGE, "median_gbps": 30.0}
+    (folder / "07_queue" / "box-shm-host.json").write_text(json.dumps({"runs": [run]}))
+    base = [{"tool": "fi_rma_bw -o write", "size": PAGE, "median_gbps": 40.0},
+            {"tool": "fi_rma_bw -o writedata", "size": PAGE, "median_gbps": 60.0},
+            {"tool": "fi_rma_bw -o writedata", "size": 2 * PAGE, "median_gbps": 90.0}]
+    (folder / "baselines" / "box-shm-host.json").write_text(json.dumps({"runs": base}))
+    (folder / "07_queue" / "broken.json").write_text("{")
+
+
+def test_ours_are_shares_of_the_best_baseline_of_their_setup(tmp_path):
+    write_results(tmp_path)
+    ours = journey.measured(tmp_path)
+    assert list(ours) == ["box-shm-host"]
+    figure = ours["box-shm-host"]["chapters"]["07"]
+    assert figure["limit"] == "fi_rma_bw -o writedata" and close(figure["percent"], 50)
+
+
+def script(name, *args):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_journey_script_draws_from_any_results_folder(tmp_path):
+    write_results(tmp_path)
+    done = script("journey.py", "--results", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "journey.png").stat().st_size > 10_000
+
+
+def test_calibrate_script_writes_and_prints_the_table(tmp_path, fresh):
+    write_results(tmp_path)
+    done = script("calibrate.py", "--results", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "model" / "calibration.json").read_text()) == \
+        json.loads(json.dumps(fresh))
+    assert calibration.table(fresh) in done.stdout
+
+
+@pytest.mark.parametrize("blog,pattern", [
+    (None, "cannot read"),
+    ("{", "is not JSON"),
+    ('{"chapters": {}}', "lacks"),
+])
+def test_scripts_reject_bad_results_in_one_line(tmp_path, blog, pattern):
+    if blog is not None:
+        (tmp_path / "blog_p5.json").write_text(blog)
+    for name in ("calibrate.py", "journey.py"):
+        done = script(name, "--results", str(tmp_path))
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 1 and len(lines) == 1 and pattern in lines[0], done.stderr
+
+
+def test_readme_table_is_the_calibration(fresh):
+    """README's table of the model is a copy: it must say what calibrate() says."""
+    readme = (ROOT / "README.md").read_text()
+    for row in fresh["chapters"]:
+        cells = next(line for line in readme.splitlines()
+                     if line.startswith(f"| {row['chapter']} | {row['blog_gbps']:.1f} |")).split("|")
+        assert float(cells[3]) == row["model_gbps"] and cells[5].strip() == row["role"], cells
+
+
+def test_nics_must_split_evenly_among_threads():
+    with pytest.raises(ValueError, match="split evenly"):
+        throughput(FAST_LINK, Costs(), Layout(threads_per_gpu=3))
