@@ -350,7 +350,11 @@ class AllToAll(Stages):
         L, g, xp = self.L, self.group, self.xp
         self._stage("dispatch sent", "dispatched")
         self.from_each, gather, counts = receive_plan(self.matrix, g.rank, L.local)
-        self.wait(OVERFLOW, np.nonzero(self.from_each > L.private)[0], "overflow tokens")
+        overflowing = np.nonzero(self.from_each > L.private)[0]
+        self.wait(OVERFLOW, overflowing, "overflow tokens")
+        for s in overflowing:  # counts and combine stamp every round, overflow not: a stamp
+            # left here could equal a round's 16383 rounds later and pass for fresh
+            native.m16_set_stamp(self.table[g.rank], OVERFLOW * g.world + int(s), 0)
         data = self.mem.data
         at, streams = 0, []
         for s in range(L.world):  # each sender's tokens for us, in its order
