@@ -156,13 +156,16 @@ class Layout(Shape):
 class Proxy:
     """The host proxy: chapters/16_moe.c's loop in a thread of its own (GIL released)."""
 
-    def __init__(self, own, group, mem, stamps_ptr, provider, timeout):
+    def __init__(self, own, group, mem, stamps_ptr, provider, timeout, largest):
         self.timeout = timeout
         info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA,
                           prefer=lib.FI_HMEM if mem.gpu is not None else 0)
         if info.mode & lib.FI_RX_CQ_DATA:
             raise ValueError(f"{fi.provider_of(info)} wants a posted receive per immediate "
                              "(FI_RX_CQ_DATA); this proxy posts none")
+        if largest > info.ep_attr.max_msg_size:  # one WRITE per peer, never split
+            raise ValueError(f"a WRITE of up to {largest} bytes, more than "
+                             f"{fi.provider_of(info)} takes ({info.ep_attr.max_msg_size})")
         self.provider = fi.provider_of(info)
         domain, self.cq, av, ep = fi.open_endpoint(own, info, cq_size=4 * RING,
                                                    av_count=group.world)
@@ -246,7 +249,8 @@ class AllToAll(Stages):
         size = 4 * KINDS * group.world
         table = Region(group.job, f"{group.rank}-stamps", size)
         own.callback(table.unlink)
-        self.proxy = (Proxy(own, group, mem, table.ptr, provider, timeout)
+        largest = max(L.slot, L.per_peer * L.row, max_tokens * topk * L.out_row)
+        self.proxy = (Proxy(own, group, mem, table.ptr, provider, timeout, largest)
                       if group.nodes > 1 else None)
         handles = group.allgather(mem.handle())  # every region exists: map the node's
         node = [r for r in range(group.world) if r // group.ranks_per_node == group.node]
