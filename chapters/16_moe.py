@@ -380,10 +380,11 @@ class AllToAll(Stages):
         """Send each expert output (expert-major, as dispatch_recv gave the tokens;
         float32, sent as bf16) back to its token's rank: one WRITE per peer."""
         L, g, xp = self.L, self.group, self.xp
-        self._stage("dispatched", "combine sent")
-        if expert_out.shape != (len(self.gather), L.hidden):
-            raise ValueError(f"expert outputs must be ({len(self.gather)}, {L.hidden}), "
+        rows = len(self.gather) if self.stage == "dispatched" else None
+        if rows is not None and expert_out.shape != (rows, L.hidden):
+            raise ValueError(f"expert outputs must be ({rows}, {L.hidden}), "
                              f"got {expert_out.shape}")
+        self._stage("dispatched", "combine sent")
         out = xp.empty((len(self.gather), L.hidden), xp.uint16)
         out[self.gather] = ref.to_bf16(expert_out)  # back in each sender's order
         self.mem.data[L.combine_out:L.combine_out + out.size * 2] = out.view(xp.uint8).ravel()
@@ -400,10 +401,10 @@ class AllToAll(Stages):
         """Wait for every peer (also the barrier before the next dispatch), then the
         weighted sum. weights: (n, topk); returns (n, hidden) float32."""
         L = self.L
-        self._stage("combine sent", "idle")
-        n = self.n_tokens
-        if weights.shape != (n, L.topk):
+        n = self.n_tokens if self.stage == "combine sent" else None
+        if n is not None and weights.shape != (n, L.topk):
             raise ValueError(f"weights must be ({n}, {L.topk}), got {weights.shape}")
+        self._stage("combine sent", "idle")
         self.wait(COMBINE, range(L.world), "combine outputs")
         if self.proxy:
             self.proxy.drain(self.group)  # our send region may be reused from here on
@@ -411,10 +412,10 @@ class AllToAll(Stages):
         return weighted_sum(self.xp, rows, self.order, weights, L.hidden)
 
     def _peers_in_turn(self):
-        """Every rank, starting after ours, so that all do not hit rank 0 first."""
+        """Every rank, ours first and then the ones after it, so that all do not hit
+        rank 0 first."""
         g = self.group
         return [(g.rank + i) % g.world for i in range(g.world)]
-
 
 
 # %% [markdown]

@@ -205,6 +205,19 @@ def test_halves_out_of_order_are_refused(one_rank):
         a2a.combine_recv(np.ones((0, 2), np.float32))
 
 
+def test_wrong_combine_shapes_are_refused_and_the_round_goes_on(one_rank):
+    moe, a2a = one_rank
+    a2a.dispatch_send(np.ones((2, 128), np.float32), np.array([[0, 5], [1, 5]]))
+    tokens, _, _ = a2a.dispatch_recv()
+    with pytest.raises(ValueError, match=r"expert outputs must be \(4, 128\)"):
+        a2a.combine_send(np.ones((3, 128), np.float32))
+    a2a.combine_send(np.ones((4, 128), np.float32))
+    with pytest.raises(ValueError, match=r"weights must be \(2, 2\)"):
+        a2a.combine_recv(np.ones((2, 3), np.float32))
+    out = a2a.combine_recv(np.full((2, 2), 0.5, np.float32))
+    assert np.array_equal(out, np.ones((2, 128), np.float32))  # 0.5 * 1 + 0.5 * 1
+
+
 @pytest.mark.parametrize("shape,pattern", [
     (dict(experts=8, topk=9), "top-k (9) must be 1..8"),
     (dict(experts=0, topk=1), "0 experts do not split evenly"),
