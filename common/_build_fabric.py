@@ -181,7 +181,8 @@ int tut_mr_reg(struct fid_domain *domain, void *buf, size_t len, uint64_t access
                uint64_t key, int iface, int device, uint64_t flags, struct fid_mr **mr);
 size_t tut_nic_speed(const struct fi_info *info);
 int tut_nic_pci(const struct fi_info *info, char *buf, size_t len);
-int tut_wait_data(struct fid_cq *cq, uint64_t *data, int *stop);
+int tut_wait_data(struct fid_cq **cqs, size_t n, uint64_t *data, uint8_t *got, int *stop,
+                  size_t *failed);
 char *strdup(const char *s);
 """
 
@@ -214,30 +215,44 @@ static int tut_mr_reg(struct fid_domain *domain, void *buf, size_t len, uint64_t
     return fi_mr_regattr(domain, &attr, flags, mr);
 }
 
-/* Wait for the completion carrying immediate data on `cq`: the receiving
-   side of chapters 09+, one thread per NIC, with the GIL released. Reading a
-   CQ is also what makes shm copy the data in (the receiver moves it), so a
-   Python loop here would cap the writer. Returns 0 with the immediate in
-   *data, 1 when *stop was set, or < 0 (-FI_EAVAIL: the error entry waits). */
-static int tut_wait_data(struct fid_cq *cq, uint64_t *data, int *stop)
+/* Wait for one completion carrying immediate data on each of n CQs: the
+   receiving side of chapters 09+, run by one thread per GPU with the GIL
+   released. Reading a CQ is also what makes shm copy the data in (the
+   receiver moves it), so a Python loop here would cap the writer. CQ i's
+   immediate goes to data[i], got[i] = 1. Returns 0 when all arrived, 1 when
+   *stop was set, or < 0 for CQ *failed (-FI_EAVAIL: its error entry waits). */
+static int tut_wait_data(struct fid_cq **cqs, size_t n, uint64_t *data, uint8_t *got, int *stop,
+                         size_t *failed)
 {
-    struct fi_cq_data_entry entries[16];
-    while (!__atomic_load_n(stop, __ATOMIC_RELAXED)) {
-        ssize_t n = fi_cq_read(cq, entries, 16);
-        if (n == -FI_EAGAIN) {
-            sched_yield();  /* nothing yet: let a peer on the same core run */
-            continue;
-        }
-        if (n < 0)
-            return (int)n;
-        for (ssize_t i = 0; i < n; i++) {
-            if (entries[i].flags & FI_REMOTE_CQ_DATA) {
-                *data = entries[i].data;
-                return 0;
+    size_t left = 0;
+    for (size_t i = 0; i < n; i++)
+        left += !got[i];
+    while (left) {
+        if (__atomic_load_n(stop, __ATOMIC_RELAXED))
+            return 1;
+        int seen = 0;
+        for (size_t i = 0; i < n; i++) {
+            struct fi_cq_data_entry entries[16];
+            ssize_t k = got[i] ? 0 : fi_cq_read(cqs[i], entries, 16);
+            if (k == -FI_EAGAIN)
+                continue;
+            if (k < 0) {
+                *failed = i;
+                return (int)k;
+            }
+            seen += (int)k;
+            for (ssize_t j = 0; j < k; j++) {
+                if (entries[j].flags & FI_REMOTE_CQ_DATA && !got[i]) {
+                    data[i] = entries[j].data;
+                    got[i] = 1;
+                    left--;
+                }
             }
         }
+        if (!seen)
+            sched_yield();  /* nothing yet: let a peer on the same core run */
     }
-    return 1;
+    return 0;
 }
 
 /* Link speed in bits/s, 0 when the provider does not say. */

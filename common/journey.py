@@ -113,8 +113,8 @@ def plot(blog, calibration, ours, path=None):
     bottom.set_xticks(range(len(chapters)), chapters)
     bottom.set_xlabel("chapter")
     bottom.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    bottom.set_title("% of each machine's limit (ours: best fi_rma_bw / UCX / cudaMemcpyPeer "
-                     "at 64 KiB, same run)", fontsize=10)
+    bottom.set_title("% of each machine's limit (ours: against fi_rma_bw / UCX / cudaMemcpyPeer "
+                     "measured in the same run; 64 KiB unless the legend says)", fontsize=10)
     fig.tight_layout()
     if path:
         fig.savefig(path, dpi=110)

@@ -252,21 +252,23 @@ def client(info, args, addr, infos):
 
 
 def wait_immediates(control, inbox, lanes, args):
-    """One immediate per lane, waited for by one thread per lane in C (GIL released): on
-    shm the receiver's CQ reads are what copy the data in, so each NIC needs a reader
-    that keeps up with the writer. This thread reads the heartbeats that keep the wait
-    alive."""
+    """One immediate per lane, waited for by one thread per group in C (GIL released):
+    on shm the receiver's CQ reads are what copy the data in, so they must keep up
+    with the writer. This thread reads the heartbeats that keep the wait alive."""
     progress = bench.Progress("WRITEs completed (server's count)", args.iters, args.page_size)
-    data, stop, errors = ffi.new("uint64_t[]", len(lanes)), ffi.new("int *"), []
-    got = [False] * len(lanes)
+    per_group = len(lanes) // len(args.gpus or [None] * args.groups)
+    data, got = ffi.new("uint64_t[]", len(lanes)), ffi.new("uint8_t[]", len(lanes))
+    stop, errors = ffi.new("int *"), []
 
-    def wait(k):
-        memory.current(lanes[k].gpu)  # shm copies into this lane's GPU from this thread
-        rc = lib.tut_wait_data(lanes[k].cq, data + k, stop)
+    def wait(first):
+        mine = lanes[first:first + per_group]
+        memory.current(mine[0].gpu)  # shm copies into this group's GPU from this thread
+        cqs, failed = ffi.new("struct fid_cq *[]", [lane.cq for lane in mine]), ffi.new("size_t *")
+        rc = lib.tut_wait_data(cqs, len(mine), data + first, got + first, stop, failed)
         if rc < 0:
-            errors.append(fi.native_error(rc, lanes[k].cq, "fi_cq_read (tut_wait_data)"))
-        got[k] = rc == 0
-    threads = [threading.Thread(target=wait, args=(k,)) for k in range(len(lanes))]
+            errors.append(fi.native_error(rc, mine[failed[0]].cq, "fi_cq_read (tut_wait_data)"))
+    threads = [threading.Thread(target=wait, args=(first,))
+               for first in range(0, len(lanes), per_group)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + args.timeout
@@ -279,7 +281,7 @@ def wait_immediates(control, inbox, lanes, args):
                 deadline = time.monotonic() + args.timeout
             elif time.monotonic() > deadline:
                 raise TimeoutError(f"no heartbeat from the server within {args.timeout:g} s "
-                                   f"({sum(got)} of {len(lanes)} NICs done)")
+                                   f"({sum(got[0:len(lanes)])} of {len(lanes)} NICs done)")
             time.sleep(0.001)  # the waiting threads do the work; this one only listens
     finally:
         stop[0] = 1

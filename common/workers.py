@@ -1,6 +1,6 @@
-"""The native worker threads of chapters 11-15: one per GPU, each running its chapter's C loop.
+"""Chapter 11's worker threads, shared by 11-15: one per GPU, each running its chapter's C loop.
 
-Chapter 11 introduced them. Chapters 12-15 change where a worker runs and
+Chapters 12-15 change where a worker runs and
 what its C loop does, not how Python starts, watches and stops the workers,
 which is here. Each chapter's C module (common._nativeNN, built from
 chapters/NN_name.c) has a `struct lane` (one NIC: endpoint, CQ, WRITE

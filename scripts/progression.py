@@ -10,7 +10,8 @@ for GPUs share the machine, against fabtests' fi_rma_bw -o write. Each
 repeat runs every chapter, then the ceiling, so the figures of one repeat
 are minutes apart at most. Writes results/progression/<label>-<provider>-
 <memory>.json (per chapter and size: Gbps of each repeat, median, Mpps, %
-of the ceiling) and prints them beside the series' p5 figures (% of 3200).
+of the ceiling; the ceiling also to results/baselines/) and prints them
+beside the series' p5 figures (% of 3200).
 """
 import json
 import subprocess
@@ -56,6 +57,9 @@ def main():
                   f"{row['mpps']:>9.3f}{row['percent_of_ceiling']:>10.1f}%"
                   f"{100 * p5 / blog['limit_gbps']:>7.1f}%")
     save(rows, "progression", args.label, args.provider, args.gpus)
+    # the chapters find the ceiling there, to say what share of it a run reaches
+    save([r for r in rows if r["tool"] == ceiling[0]], "baseline", args.label, args.provider,
+         args.gpus)
 
 
 if __name__ == "__main__":

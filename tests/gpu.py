@@ -38,3 +38,13 @@ def needs_gpu(test):
     """Skip `test`, saying why, unless GPU memory can be used with libfabric here."""
     reason = why_not()
     return pytest.mark.skipif(reason is not None, reason=reason or "")(test)
+
+
+def needs_gpus(count):
+    """Skip unless GPU tests can run here on `count` GPUs."""
+    reason = why_not()
+    if reason is None:
+        import cupy
+        have = cupy.cuda.runtime.getDeviceCount()
+        reason = f"needs {count} GPUs, has {have}" if have < count else None
+    return pytest.mark.skipif(reason is not None, reason=reason or "")

@@ -5,7 +5,7 @@ import pytest
 
 from common import topo
 from scripts.pair import run_pair
-from tests.gpu import has_gpu
+from tests.gpu import has_gpu, needs_gpus
 from tests.test_bad_input import SHM_DEAD, assert_one_line_error, run
 from tests.test_queue import client_gone_server_survives
 
@@ -97,3 +97,15 @@ def test_client_gone_mid_run_server_survives(chapter, server_args):
 def test_batch_is_bounded(chapter):
     done, _ = run(chapter, "-p", "shm", SHM_DEAD, "--batch", "0")
     assert_one_line_error(done, "expected a number 1..1024, not '0'")
+
+
+@needs_gpus(2)
+@pytest.mark.parametrize("chapter", [9, 11, 15])
+def test_gpu_each_writes_to_the_other(chapter):
+    # server's groups on GPUs 0 and 1, client's on 1 and 0: every page crosses between GPUs
+    pair = run_pair(chapter, "shm", ["--clients", "1", "--gpus", "0,1"],
+                    [["--gpus", "1,0", "--nics-per-gpu", "2", "--page-size", "1M",
+                      "--buffer-size", "64M", "--pages", "0-63", "--iters", "2000"]])
+    assert pair.ok, pair
+    assert "immediate data from 4 NICs, one each: 500 500 500 500" in pair.clients[0].out
+    assert "verified 2 x 64 pages (134217728 bytes): 0 wrong bytes" in pair.clients[0].out
