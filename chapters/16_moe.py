@@ -186,12 +186,14 @@ class Proxy:
         p.ep, p.cq, p.base, p.desc = ep, self.cq, ffi.cast("char *", mem.ptr), fi.mr_desc(mr)
         p.ring_size, p.world, p.kinds = RING, group.world, KINDS
         p.arrived = ffi.cast("uint32_t *", stamps_ptr)
-        self.rc = None
+        self.rc, self.gpu = None, mem.gpu
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
         own.callback(self.stop)  # before the endpoint closes (the Closer runs backwards)
 
     def _run(self):
+        if self.gpu is not None:  # libfabric's CUDA copies use this thread's current GPU
+            memory.use_gpu(self.gpu)  # (left at GPU 0, shm stages through host memory)
         self.rc = native.m16_proxy_run(self.p)
 
     def submit(self, group, local, remote, length, peer, imm):
