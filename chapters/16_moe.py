@@ -186,15 +186,18 @@ class Proxy:
         p.ep, p.cq, p.base, p.desc = ep, self.cq, ffi.cast("char *", mem.ptr), fi.mr_desc(mr)
         p.ring_size, p.world, p.kinds = RING, group.world, KINDS
         p.arrived = ffi.cast("uint32_t *", stamps_ptr)
-        self.rc, self.gpu = None, mem.gpu
+        self.rc, self.error, self.gpu = None, None, mem.gpu
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
         own.callback(self.stop)  # before the endpoint closes (the Closer runs backwards)
 
     def _run(self):
-        if self.gpu is not None:  # libfabric's CUDA copies use this thread's current GPU
-            memory.use_gpu(self.gpu)  # (left at GPU 0, shm stages through host memory)
-        self.rc = native.m16_proxy_run(self.p)
+        try:
+            if self.gpu is not None:  # libfabric's CUDA copies use this thread's GPU
+                memory.use_gpu(self.gpu)  # (left at GPU 0, shm stages via host memory)
+            self.rc = native.m16_proxy_run(self.p)
+        except Exception as e:  # said by the main thread, in one line, at its next check
+            self.error, self.rc = e, -lib.FI_EOTHER
 
     def submit(self, group, local, remote, length, peer, imm):
         """Queue one WRITE; waits (bounded) while the ring is full."""
@@ -214,6 +217,8 @@ class Proxy:
         os.sched_yield()
 
     def failure(self):
+        if self.error is not None:
+            return self.error
         call = {1: "fi_writemsg", 2: "fi_cq_read", 3: "fi_cq_read"}.get(self.p.failed_call, "")
         if self.rc == -lib.FI_EAVAIL:  # a failed WRITE: its entry and the provider's text
             try:
