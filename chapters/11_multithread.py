@@ -11,10 +11,11 @@ the GIL during the call): then each thread is a real, parallel worker, and
 Python only starts them, watches the shared counter and sends heartbeats.
 
 New since chapter 10 (whose warmup it keeps): the engine. One thread per
-group (GPU) of lanes; the loop of common/multinet.py rewritten in C
-(worker(): submit, pending ring, reap, immediate on each NIC's last WRITE);
-a shared atomic counter; --engine python|native. Python's side of the
-workers (start, watch, stop) is common/workers.py, which 12-15 share.
+group (GPU) of lanes; the loop of common/multinet.py rewritten in C: a visit
+to a lane in chapters/11_multithread.c, the moves it makes (submit, pending
+ring, reap, immediate on each NIC's last WRITE) in common/lane.h; a shared
+atomic counter; --engine python|native. Python's side of the workers
+(start, watch, stop) is common/workers.py. Chapters 12-15 share both.
 
     python chapters/11_multithread.py                                  # server
     python chapters/11_multithread.py ADDRESS --groups 2 --nics-per-gpu 2

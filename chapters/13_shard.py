@@ -9,8 +9,9 @@ Here each worker writes a counter of its own, padded so that no other
 variable shares its cache line; the main thread adds them up.
 
 New since chapter 12: struct counter in chapters/13_shard.c, one per
-worker, allocated by the pinned worker; worker() stores into it instead of
+worker, allocated by the pinned worker; a visit stores into it instead of
 an atomic add on a shared total; the progress and stall check sum them.
+Starting the workers moves to common/shards.py, which 14 and 15 reuse.
 
     python chapters/13_shard.py                                   # server
     python chapters/13_shard.py ADDRESS --groups 2 --nics-per-gpu 2
@@ -51,9 +52,7 @@ the series had eight threads on two sockets.
 #                 main thread: sum(counter)              (reads only)
 
 # %%
-import os
-
-from common import cli, memory, multinet, topo, workers
+from common import cli, multinet, shards
 import common._native13 as native
 from common.warmup import warm_up
 
@@ -63,22 +62,8 @@ from common.warmup import warm_up
 
 # %%
 def threaded(args, lanes, control, beat, page_size, timeout):
-    cores = topo.worker_cores(args.gpus, len(workers.by_group(lanes)))
-    errors, control.keep = [], []
-    counters, stop = [None] * len(cores), native.ffi.new("int *")
-
-    def work(k, mine):  # chapter 12's, counting on its own
-        os.sched_setaffinity(0, {cores[k]})  # 0: the calling thread only, on Linux
-        memory.current(mine[0].gpu)
-        counters[k] = native.ffi.new("struct counter *")  # its own, allocated after pinning
-        workers.call(native, mine, errors, control.keep, counters[k], stop)
-
-    threads = workers.threads_for(lanes, work, errors)
-    print(f"{len(threads)} native worker threads, one per GPU, pinned to cores "
-          f"{' '.join(map(str, cores))}, a counter each", flush=True)
-    done = lambda: sum(c.value for c in counters if c is not None)  # noqa: E731
-    return workers.run(threads, lanes, control, beat, page_size, timeout, done,
-                       lambda: stop.__setitem__(0, 1), errors)
+    """Chapter 12's pinned workers, each with a counter of its own (common/shards.py)."""
+    return shards.run(native, args.gpus, lanes, control, beat, page_size, timeout)
 
 
 if __name__ == "__main__":

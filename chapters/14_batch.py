@@ -7,8 +7,8 @@ The series let a visit post up to 16 WRITEs and went from 48% to 81% of
 3200 Gbps: the visit's cost is shared by up to 16 WRITEs, and each NIC gets
 its work in bursts. --batch sets how many (1 gives chapter 13 back).
 
-New since chapter 13: worker() takes `batch` (chapters/14_batch.c: submit()
-posts up to `batch` new WRITEs per visit instead of one); --batch.
+New since chapter 13: worker() takes `batch`, and a visit submits up to
+`batch` new WRITEs instead of one (chapters/14_batch.c); --batch.
 
     python chapters/14_batch.py                                   # server
     python chapters/14_batch.py ADDRESS --groups 2 --nics-per-gpu 2
@@ -50,9 +50,7 @@ is not there is what chapter 15 stops.
 #     chapter 14, per visit: post up to B WRITEs (B = 16), read the CQ
 
 # %%
-import os
-
-from common import cli, memory, multinet, topo, workers
+from common import cli, multinet, shards
 import common._native14 as native
 from common.warmup import warm_up
 
@@ -62,22 +60,9 @@ from common.warmup import warm_up
 
 # %%
 def threaded(args, lanes, control, beat, page_size, timeout):
-    cores = topo.worker_cores(args.gpus, len(workers.by_group(lanes)))
-    errors, control.keep = [], []
-    counters, stop = [None] * len(cores), native.ffi.new("int *")
-
-    def work(k, mine):  # chapter 13's, posting up to args.batch per visit
-        os.sched_setaffinity(0, {cores[k]})  # 0: the calling thread only, on Linux
-        memory.current(mine[0].gpu)
-        counters[k] = native.ffi.new("struct counter *")  # its own, allocated after pinning
-        workers.call(native, mine, errors, control.keep, args.batch, counters[k], stop)
-
-    threads = workers.threads_for(lanes, work, errors)
-    print(f"{len(threads)} native worker threads, one per GPU, pinned to cores "
-          f"{' '.join(map(str, cores))}, a counter each, up to {args.batch} WRITEs per visit", flush=True)
-    done = lambda: sum(c.value for c in counters if c is not None)  # noqa: E731
-    return workers.run(threads, lanes, control, beat, page_size, timeout, done,
-                       lambda: stop.__setitem__(0, 1), errors)
+    """Chapter 13's workers (common/shards.py), posting up to args.batch per visit."""
+    return shards.run(native, args.gpus, lanes, control, beat, page_size, timeout, args.batch,
+                      say=f", up to {args.batch} WRITEs per visit")
 
 
 def add_args(p):

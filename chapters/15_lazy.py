@@ -8,10 +8,10 @@ lazy (submit only enqueues; the queue is drained when polling completions,
 which is when room appears) and reached 97% of 3200 Gbps. The count of
 -FI_EAGAIN in the report shows the difference.
 
-New since chapter 14: in chapters/15_lazy.c, submit() only fills the pending
-ring, and worker() drains it only after reap() gave completions back, as
-many WRITEs as completed (with nothing in flight: until the provider is
-full).
+New since chapter 14: in chapters/15_lazy.c, a visit calls enqueue(), which
+only fills the pending ring, in place of submit(), and drains the ring only
+after reap() gave completions back, as many WRITEs as completed (with
+nothing in flight: until the provider is full).
 
     python chapters/15_lazy.py                                    # server
     python chapters/15_lazy.py ADDRESS --groups 2 --nics-per-gpu 2
@@ -74,9 +74,7 @@ scripts/progression.py):
 #                            completions made room
 
 # %%
-import os
-
-from common import cli, memory, multinet, topo, workers
+from common import cli, multinet, shards
 import common._native15 as native
 from common.warmup import warm_up
 
@@ -86,23 +84,9 @@ from common.warmup import warm_up
 
 # %%
 def threaded(args, lanes, control, beat, page_size, timeout):
-    cores = topo.worker_cores(args.gpus, len(workers.by_group(lanes)))
-    errors, control.keep = [], []
-    counters, stop = [None] * len(cores), native.ffi.new("int *")
-
-    def work(k, mine):  # chapter 14's; its C loop now posts lazily
-        os.sched_setaffinity(0, {cores[k]})  # 0: the calling thread only, on Linux
-        memory.current(mine[0].gpu)
-        counters[k] = native.ffi.new("struct counter *")  # its own, allocated after pinning
-        workers.call(native, mine, errors, control.keep, args.batch, counters[k], stop)
-
-    threads = workers.threads_for(lanes, work, errors)
-    print(f"{len(threads)} native worker threads, one per GPU, pinned to cores "
-          f"{' '.join(map(str, cores))}, a counter each, up to {args.batch} WRITEs per visit,"
-          " posted lazily", flush=True)
-    done = lambda: sum(c.value for c in counters if c is not None)  # noqa: E731
-    return workers.run(threads, lanes, control, beat, page_size, timeout, done,
-                       lambda: stop.__setitem__(0, 1), errors)
+    """Chapter 14's workers, whose C loop now posts lazily."""
+    return shards.run(native, args.gpus, lanes, control, beat, page_size, timeout, args.batch,
+                      say=f", up to {args.batch} WRITEs per visit, posted lazily")
 
 
 def add_args(p):

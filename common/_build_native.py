@@ -1,8 +1,10 @@
 """The C helpers that live next to their chapters (chapters/NN_name.c): one cffi module each.
 
 A chapter's .c file begins with a comment `/* cdef ... */` holding what Python
-sees of it (its structs and functions, compiled ahead of the rest); it is compiled against the same libfabric as common._fabric and
-shares its types, so an endpoint or a message built there can be passed here.
+sees of it (its structs and functions, compiled ahead of the rest), and may
+include common/lane.h (the lane its worker drives, whose struct Python fills
+in). It is compiled against the same libfabric as common._fabric and shares
+its types, so an endpoint or a message built there can be passed here.
 setup.py builds them all (module common._nativeNN); `python common/_build_native.py`
 builds them in place.
 """
@@ -16,20 +18,29 @@ from cffi import FFI
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _build_fabric import _flags, ffibuilder as fabric  # noqa: E402
 
-CHAPTERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "chapters")
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHAPTERS = os.path.join(os.path.dirname(HERE), "chapters")
+LANE = os.path.join(HERE, "lane.h")  # the lane of chapters 11-15, shared by their C files
+
+
+def cdef_of(path):
+    """What the `/* cdef ... */` comment a C file begins with declares."""
+    cdef = re.match(r"/\* cdef\n(.*?)\*/", open(path).read(), re.S)
+    if not cdef:
+        sys.exit(f"{path}: must begin with a /* cdef ... */ comment")
+    return cdef[1]
 
 
 def builder(path):
-    source = open(path).read()
-    cdef = re.match(r"/\* cdef\n(.*?)\*/", source, re.S)
-    if not cdef:
-        sys.exit(f"{path}: must begin with a /* cdef ... */ comment")
+    lane, mine = cdef_of(LANE), cdef_of(path)  # struct lane: every chapter's C uses it
     ffi = FFI()
     ffi.include(fabric)
-    ffi.cdef(re.sub(r"//.*", "", cdef[1]))
+    ffi.cdef(re.sub(r"//.*", "", lane + mine))
+    flags = _flags()
+    flags["include_dirs"] = flags.get("include_dirs", []) + [HERE]
     # The declarations are C too: compiled ahead of the file, they are written once.
     ffi.set_source(f"common._native{os.path.basename(path)[:2]}",
-                   "#include <rdma/fi_rma.h>\n" + cdef[1] + source, **_flags())
+                   "#include <rdma/fi_rma.h>\n" + lane + mine + open(path).read(), **flags)
     return ffi
 
 

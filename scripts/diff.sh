@@ -16,7 +16,10 @@ a=$(pick "$from" py); b=$(pick "$to" py)
 git --no-pager diff --no-index --color=auto -- "$a" "$b" || true
 ca=$(pick "$from" c); cb=$(pick "$to" c)
 [ -z "$ca$cb" ] || git --no-pager diff --no-index --color=auto -- "${ca:-/dev/null}" "${cb:-/dev/null}" || true
-# Code a chapter moved into common/ (its first line names the chapter) is part of its lesson.
-for f in $(grep -il "^\"\"\".*chapter $(printf %02d "$to")" common/*.py || true); do
+# Code a chapter moved into common/ (its first line names the chapter) is part of its lesson;
+# a C header, whose first lines are its cdef, names it in its first comment.
+n=$(printf %02d "$to")
+for f in $(grep -il "^\"\"\".*chapter $n" common/*.py || true) \
+         $(grep -l "^/\* .*chapters\? $n" common/*.h || true); do
     git --no-pager diff --no-index --color=auto -- /dev/null "$f" || true
 done
