@@ -124,6 +124,9 @@ def _take_back_signals():
         signal.signal(signal.SIGTERM, _interrupted)
 
 
+_take_back_signals()  # loading the binding is enough for PSM's handlers to be installed
+
+
 def dupinfo(info):
     """fi_dupinfo: a copy of one entry (without its `next`), owned by the caller."""
     copy = lib.fi_dupinfo(info)
@@ -299,15 +302,15 @@ class Closer(contextlib.ExitStack):
         return obj
 
 
-def open_endpoint(own, info):
+def open_endpoint(own, info, cq_size=64, av_count=16):
     """fabric -> domain -> CQ + AV -> endpoint, bound and enabled (taught in chapter 04).
 
     `own` is a Closer; returns (domain, cq, av, ep).
     """
     fabric = own(fabric_open(info))
     domain = own(domain_open(fabric, info))
-    cq = own(cq_open(domain, size=64))
-    av = own(av_open(domain))
+    cq = own(cq_open(domain, size=cq_size))
+    av = own(av_open(domain, av_count))
     ep = own(endpoint_open(domain, info))
     ep_bind(ep, cq, lib.FI_SEND | lib.FI_RECV)
     ep_bind(ep, av)

@@ -84,6 +84,20 @@ def multinet(chapter, provider):
     return True, [f"{groups} x {4 // groups} NICs x 5000 WRITEs: {speed[2]} Gbps{extra}"]
 
 
+def ch16(provider):
+    """4 ranks as 2 emulated nodes: every check, then a short benchmark."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "launch.py"), "-n", "4", "--ranks-per-node", "2",
+         str(chapter_path(16)), *(["-p", provider] if provider else []), "--max-tokens", "16",
+         "--hidden", "256", "--experts", "16", "--topk", "4", "--iters", "5"],
+        capture_output=True, text=True, env=local_env(), cwd=ROOT, timeout=300)
+    checks = len(re.findall(r"^\[0\] check .* on 4 of 4 ranks", done.stdout, re.MULTILINE))
+    latency = re.search(r"^\[0\]   dispatch +p50 +([\d.]+) us", done.stdout, re.MULTILINE)
+    if done.returncode or "all checks passed" not in done.stdout or not latency:
+        return False, ((done.stderr or done.stdout).strip().splitlines() or ["no output"])[-1:]
+    return True, [f"{checks} checks exact on 4 ranks / 2 nodes; dispatch p50 {latency[1]} us"]
+
+
 def _failure(pair):
     for run in [*pair.clients, pair.server]:
         if run.rc:
@@ -92,7 +106,7 @@ def _failure(pair):
 
 
 STEPS = {3: ch03, 4: ch04, 5: ch05, 6: ch06, 7: ch07, 8: ch08,
-         **{n: partial(multinet, n) for n in range(9, 16)}}
+         **{n: partial(multinet, n) for n in range(9, 16)}, 16: ch16}
 
 
 def title(path):

@@ -1,5 +1,9 @@
 """The cffi binding: versions, fi_getinfo, errors, closing order."""
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -117,3 +121,19 @@ def test_closer_closes_in_reverse_order_also_on_error():
 def test_tostr_uses_libfabric_names():
     assert "FI_RMA" in fi.tostr(lib.FI_RMA | lib.FI_MSG, lib.FI_TYPE_CAPS)
     assert fi.tostr(lib.FI_EP_RDM, lib.FI_TYPE_EP_TYPE) == "FI_EP_RDM"
+
+
+def test_ctrl_c_stays_ours_from_import_on():
+    """Loading libfabric lets PSM install handlers that exit(1) on Ctrl-C; importing the
+    binding takes SIGINT back at once (not only at the first fi_getinfo)."""
+    child = subprocess.Popen([sys.executable, "-c", "import common.fabric, time; "
+                              "print('up', flush=True); time.sleep(30)"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        child.stdout.readline()
+        time.sleep(0.2)
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=10)
+    finally:
+        child.kill()
+    assert "KeyboardInterrupt" in err and child.returncode != 1

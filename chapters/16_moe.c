@@ -1,0 +1,164 @@
+/* cdef
+struct m16_write {            // one WRITE the device side asks the proxy for
+    uint64_t local, remote;   // byte offsets into this rank's and the peer's region
+    uint64_t len;
+    uint32_t peer;            // the peer's rank
+    uint32_t imm;             // immediate data: what the peer's proxy will see
+};
+struct m16_proxy {
+    struct fid_ep *ep;
+    struct fid_cq *cq;
+    char *base;                     // this rank's registered region
+    void *desc;                     // its registration's descriptor
+    fi_addr_t *addr;                // per rank (only peers on other nodes are used)
+    uint64_t *remote_base, *remote_key;  // per rank
+    struct m16_write *ring;         // commands from the device side
+    uint64_t ring_size;             // a power of two
+    uint64_t head;                  // commands written so far (device side, release)
+    uint64_t posted, completed;     // WRITEs handed to libfabric / completed (proxy)
+    uint64_t eagain;                // times the provider said "full, later"
+    struct fi_context2 *contexts;   // one per ring slot
+    uint8_t *busy;                  // 1 while that slot's WRITE is in flight
+    uint32_t *arrived;              // [kinds][world] stamps, in this rank's region
+    uint32_t world, kinds;
+    int stop;                       // set by Python to end the loop
+    int failed_call;                // 1: fi_writemsg, 2: fi_cq_read, 3: a stray completion
+};
+int m16_proxy_run(struct m16_proxy *p);
+void m16_submit(struct m16_proxy *p, uint64_t local, uint64_t remote, uint64_t len,
+                uint32_t peer, uint32_t imm);
+uint64_t m16_completed(struct m16_proxy *p);
+void m16_set_stamp(uint32_t *table, size_t at, uint32_t stamp);
+int m16_all_stamped(uint32_t *row, int64_t *sources, size_t n, uint32_t stamp);
+*/
+/* Chapter 16's host proxy: the thread that drives the NIC for the device side.
+ *
+ * The device side (the GPU kernels; numpy with --device cpu) never calls
+ * libfabric. It writes commands ("WRITE these bytes to that peer, with this
+ * immediate") into a ring in host memory and moves `head`; this loop, in its
+ * own thread with the GIL released, posts them, reads the CQ, and turns each
+ * immediate that arrives into a stamp in the arrival table, the same table
+ * that peers on this node stamp directly. Waiting for data is then one thing
+ * for the device side: look at a stamp, whichever way the data came.
+ *
+ * The immediate says what arrived: kind (2 bits), source rank (16), stamp (14).
+ */
+#include <sched.h>
+#include <rdma/fi_rma.h>
+
+#define M16_BATCH 64
+
+static void m16_note_immediate(struct m16_proxy *p, uint64_t imm)
+{
+    uint32_t kind = (uint32_t)(imm >> 30) & 3, source = (uint32_t)(imm >> 14) & 0xFFFF;
+    if (kind < p->kinds && source < p->world)
+        __atomic_store_n(&p->arrived[kind * p->world + source], (uint32_t)(imm & 0x3FFF),
+                         __ATOMIC_RELEASE);
+}
+
+/* Post what the device side queued, in order, until the provider says -FI_EAGAIN. */
+static int m16_post(struct m16_proxy *p)
+{
+    uint64_t head = __atomic_load_n(&p->head, __ATOMIC_ACQUIRE);
+    while (p->posted < head) {
+        uint64_t slot = p->posted & (p->ring_size - 1);
+        if (p->busy[slot])
+            return 0;  /* that slot's previous WRITE has not completed yet */
+        struct m16_write *w = &p->ring[slot];
+        struct iovec iov = { p->base + w->local, w->len };
+        struct fi_rma_iov rma = { p->remote_base[w->peer] + w->remote, w->len,
+                                  p->remote_key[w->peer] };
+        struct fi_msg_rma msg = { &iov, &p->desc, 1, p->addr[w->peer], &rma, 1,
+                                  &p->contexts[slot], w->imm };
+        ssize_t rc = fi_writemsg(p->ep, &msg, FI_COMPLETION | FI_REMOTE_CQ_DATA);
+        if (rc == -FI_EAGAIN) {
+            p->eagain++;
+            return 0;
+        }
+        if (rc)
+            return (int)rc;
+        p->busy[slot] = 1;
+        p->posted++;
+    }
+    return 0;
+}
+
+/* Read completions: ours free their slot, a peer's immediate becomes a stamp. */
+static ssize_t m16_reap(struct m16_proxy *p)
+{
+    struct fi_cq_data_entry entries[M16_BATCH];
+    ssize_t n = fi_cq_read(p->cq, entries, M16_BATCH);
+    if (n == -FI_EAGAIN)
+        return 0;
+    if (n < 0)
+        return n;  /* -FI_EAVAIL: Python reads the error entry and its text */
+    for (ssize_t i = 0; i < n; i++) {
+        if (entries[i].flags & FI_REMOTE_CQ_DATA) {
+            m16_note_immediate(p, entries[i].data);
+            continue;
+        }
+        size_t slot = (struct fi_context2 *)entries[i].op_context - p->contexts;
+        if (slot >= p->ring_size || !p->busy[slot]) {
+            p->failed_call = 3;
+            return -FI_EOTHER;
+        }
+        p->busy[slot] = 0;
+        __atomic_add_fetch(&p->completed, 1, __ATOMIC_RELEASE);
+    }
+    return n;
+}
+
+int m16_proxy_run(struct m16_proxy *p)
+{
+    while (!__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) {
+        uint64_t before = p->posted;
+        int rc = m16_post(p);
+        if (rc) {
+            p->failed_call = 1;
+            return rc;
+        }
+        ssize_t n = m16_reap(p);
+        if (n < 0) {
+            if (!p->failed_call)
+                p->failed_call = 2;
+            return (int)n;
+        }
+        if (n == 0 && p->posted == before)
+            sched_yield();  /* idle: let the device side (or another rank) have the core */
+    }
+    return 0;
+}
+
+/* The device side's half: one command into the ring. The caller has checked
+ * that the ring has room (head - completed < ring_size). */
+void m16_submit(struct m16_proxy *p, uint64_t local, uint64_t remote, uint64_t len,
+                uint32_t peer, uint32_t imm)
+{
+    struct m16_write *w = &p->ring[p->head & (p->ring_size - 1)];
+    w->local = local;
+    w->remote = remote;
+    w->len = len;
+    w->peer = peer;
+    w->imm = imm;
+    __atomic_store_n(&p->head, p->head + 1, __ATOMIC_RELEASE);
+}
+
+uint64_t m16_completed(struct m16_proxy *p)
+{
+    return __atomic_load_n(&p->completed, __ATOMIC_ACQUIRE);
+}
+
+/* The node-local path: a peer copies the data into our region, then stamps our table.
+ * A release store and acquire loads make "stamp seen" mean "data readable". */
+void m16_set_stamp(uint32_t *table, size_t at, uint32_t stamp)
+{
+    __atomic_store_n(&table[at], stamp, __ATOMIC_RELEASE);
+}
+
+int m16_all_stamped(uint32_t *row, int64_t *sources, size_t n, uint32_t stamp)
+{
+    for (size_t i = 0; i < n; i++)
+        if (__atomic_load_n(&row[sources[i]], __ATOMIC_ACQUIRE) != stamp)
+            return 0;
+    return 1;
+}

@@ -1,0 +1,450 @@
+"""Multi-process runs: who am I (rank, world, node, GPU), a rendezvous, and a launcher.
+
+A rank learns its place from the environment, under the names torchrun uses
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or
+those Slurm's srun sets (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
+SLURM_NTASKS_PER_NODE; MASTER_ADDR and MASTER_PORT from the job script), so
+a program started by either runs one rank per process on a real cluster. Our
+own launcher (spawn, below; scripts/launch.py) sets the torchrun names for W
+ranks on this host, where `--ranks-per-node L` makes each block of L ranks an
+emulated node, plus RANK_GPU and RENDEZVOUS (the address it serves).
+
+The rendezvous is one TCP server: every rank connects, says who it is, and can
+then `allgather` bytes (libfabric addresses, MR keys, shared-memory names,
+CUDA IPC handles) and `barrier`. The launcher serves it itself; under
+torchrun or Slurm, rank 0 serves it on MASTER_PORT + 1 (torchrun's own store
+holds MASTER_PORT). The server also watches: a rank whose connection closes
+before it said goodbye is gone (killed, crashed), and every other rank is
+told so. Ranks ask (`check`, cheap, from their wait loops), so they stop
+within a bounded time with a clear message instead of waiting forever.
+"""
+import os
+import secrets
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+FRAME = struct.Struct("<IB")   # payload length, message type
+HELLO = struct.Struct("<III")  # rank, world size, ranks per node
+JOIN, WELCOME, GATHER, GATHERED, ABORT, BYE = range(1, 7)
+LENGTH = struct.Struct("<I")
+CHECK_EVERY = 0.01  # seconds between two looks at the rendezvous from a wait loop
+SHM = Path("/dev/shm")
+
+
+class PeerGone(ConnectionError):
+    """Another rank (or the rendezvous) is gone; this rank must stop."""
+
+
+# --- who am I ----------------------------------------------------------------
+
+@dataclass
+class Place:
+    rank: int
+    world: int
+    ranks_per_node: int
+    gpu: int | None
+    rendezvous: tuple   # (host, port)
+    serve: bool         # this rank serves the rendezvous (rank 0 under torchrun/Slurm)
+    source: str         # where the above came from, for the reader
+
+    @property
+    def node(self):
+        return self.rank // self.ranks_per_node
+
+    @property
+    def nodes(self):
+        return self.world // self.ranks_per_node
+
+
+def _int(env, name):
+    try:
+        return int(env[name])
+    except (KeyError, ValueError):
+        raise ValueError(f"environment variable {name} must be an integer, "
+                         f"got {env.get(name)!r}") from None
+
+
+def place_from_environment(env=None):
+    """This process's Place, from our launcher's, torchrun's or Slurm's variables;
+    one rank of one (nothing to rendezvous with) when none are set."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        per_node = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world
+        source = "scripts/launch.py" if "RENDEZVOUS" in env else "torchrun variables"
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        per_node = _int(env, "SLURM_NTASKS_PER_NODE") if "SLURM_NTASKS_PER_NODE" in env \
+            else world
+        source = "Slurm variables"
+    else:
+        return Place(0, 1, 1, None, None, False, "no launcher: one rank")
+    if not 0 <= rank < world or per_node < 1 or world % per_node:
+        raise ValueError(f"rank {rank} of world {world} with {per_node} ranks per node "
+                         "does not make sense")
+    gpu = int(env["RANK_GPU"]) if env.get("RANK_GPU", "").isdigit() else None
+    if "RENDEZVOUS" in env:
+        host, _, port = env["RENDEZVOUS"].rpartition(":")
+        return Place(rank, world, per_node, gpu, (host, int(port)), False, source)
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        raise ValueError(f"{source} found, but no MASTER_ADDR and MASTER_PORT to meet at "
+                         "(Slurm: export them in the job script, e.g. the first host of "
+                         "SLURM_JOB_NODELIST and a free port)")
+    return Place(rank, world, per_node, gpu, (env["MASTER_ADDR"], _int(env, "MASTER_PORT") + 1),
+                 rank == 0, source)
+
+
+# --- messages ------------------------------------------------------------------
+
+def _send(sock, kind, payload=b""):
+    sock.sendall(FRAME.pack(len(payload), kind) + payload)
+
+
+def _recv_exact(sock, size):
+    data = bytearray()
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return bytes(data)
+
+
+def _recv(sock):
+    size, kind = FRAME.unpack(_recv_exact(sock, FRAME.size))
+    return kind, _recv_exact(sock, size)
+
+
+def _pack_list(items):
+    return b"".join(LENGTH.pack(len(i)) + i for i in items)
+
+
+def _unpack_list(data):
+    items, at = [], 0
+    while at < len(data):
+        (size,), at = LENGTH.unpack_from(data, at), at + LENGTH.size
+        items.append(data[at:at + size])
+        at += size
+    return items
+
+
+# --- the server ------------------------------------------------------------------
+
+class RendezvousServer(threading.Thread):
+    """Serves one job of `world` ranks: joins, allgathers, and the news of a rank gone."""
+
+    def __init__(self, world, ranks_per_node, host="127.0.0.1", port=0, join_timeout=60.0):
+        super().__init__(daemon=True)
+        self.world, self.ranks_per_node, self.join_timeout = world, ranks_per_node, join_timeout
+        self.job = secrets.token_hex(4)  # names this job's shared-memory files
+        self.listener = socket.create_server((host, port), reuse_port=False)
+        self.address = self.listener.getsockname()[:2]
+        self.ranks = {}        # rank -> socket
+        self.gathered = {}     # rank -> payload of the allgather in progress
+        self.left = set()      # ranks that said goodbye
+        self.failure = None    # the first reason the job stopped
+        self.lock = threading.Lock()
+        self.start()
+
+    def abort(self, why):
+        """Tell every rank (now, and any that joins later) that the job is over.
+        Called from the launcher's thread too: sends hold the lock, so frames never mix."""
+        with self.lock:
+            if self.failure is None:
+                self.failure = why
+            for sock in list(self.ranks.values()):
+                try:
+                    _send(sock, ABORT, self.failure.encode())
+                except OSError:
+                    pass
+
+    def run(self):
+        started = time.monotonic()
+        sockets = {self.listener: None}  # socket -> rank (None: not joined yet)
+        while True:
+            if len(self.left) == self.world:
+                break
+            if len(self.ranks) < self.world and self.failure is None \
+                    and time.monotonic() - started > self.join_timeout:
+                self.abort(f"only {len(self.ranks)} of {self.world} ranks joined the "
+                           f"rendezvous within {self.join_timeout:g} s")
+            readable, _, _ = select.select(list(sockets), [], [], 0.1)
+            for sock in readable:
+                if sock is self.listener:
+                    conn, _ = self.listener.accept()
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    sockets[conn] = None
+                    continue
+                try:
+                    kind, payload = _recv(sock)
+                except (EOFError, OSError):
+                    kind, payload = None, b""
+                rank = sockets[sock]
+                if kind is None:  # closed: gone without a goodbye, unless it said one
+                    del sockets[sock]
+                    sock.close()
+                    if rank is not None and rank not in self.left:
+                        with self.lock:
+                            self.ranks.pop(rank, None)
+                        self.abort(f"rank {rank} is gone (its connection to the rendezvous "
+                                   "closed without a goodbye: killed or crashed)")
+                elif kind == JOIN:
+                    sockets[sock] = self._join(sock, payload)
+                elif kind == GATHER:
+                    self._gather(rank, payload)
+                elif kind == BYE:
+                    self.left.add(rank)
+                    if self.gathered and rank not in self.gathered:
+                        self.abort(f"rank {rank} finished while the others still wait for it")
+        for sock in sockets:
+            sock.close()
+
+    def _join(self, sock, payload):
+        rank, world, per_node = HELLO.unpack(payload)
+        problem = None
+        if world != self.world or per_node != self.ranks_per_node:
+            problem = (f"rank {rank} expects {world} ranks, {per_node} per node; this job has "
+                       f"{self.world}, {self.ranks_per_node} per node")
+        elif rank >= self.world or rank in self.ranks:
+            problem = f"rank {rank} joined twice, or is not in 0..{self.world - 1}"
+        if problem:
+            self.abort(problem)
+        if self.failure is not None:
+            with self.lock:
+                _send(sock, ABORT, self.failure.encode())
+            return None
+        with self.lock:
+            self.ranks[rank] = sock
+            _send(sock, WELCOME, self.job.encode())
+        return rank
+
+    def _gather(self, rank, payload):
+        self.gathered[rank] = payload
+        if len(self.gathered) == self.world and self.failure is None:
+            reply = _pack_list([self.gathered[r] for r in range(self.world)])
+            self.gathered = {}
+            with self.lock:
+                for sock in self.ranks.values():
+                    try:
+                        _send(sock, GATHERED, reply)
+                    except OSError:  # that rank is gone: its close is read next
+                        pass
+
+
+# --- a rank's side ---------------------------------------------------------------
+
+class Group:
+    """This rank's view of the job: its Place, and the rendezvous to gather and barrier on."""
+
+    def __init__(self, place, timeout=30.0):
+        self.place, self.timeout = place, timeout
+        self.rank, self.world = place.rank, place.world
+        self.node, self.nodes, self.gpu = place.node, place.nodes, place.gpu
+        self.ranks_per_node = place.ranks_per_node
+        self.server = self.sock = None
+        self.next_check = 0.0
+        if self.world == 1:
+            self.job = secrets.token_hex(4)
+            return
+        if place.serve:
+            try:
+                self.server = RendezvousServer(place.world, place.ranks_per_node, "",
+                                               place.rendezvous[1], join_timeout=timeout)
+            except OSError as e:
+                raise ValueError(f"cannot serve the rendezvous on port {place.rendezvous[1]} "
+                                 f"(MASTER_PORT + 1): {e.strerror}") from None
+        self.sock = self._connect(place.rendezvous, timeout)
+        _send(self.sock, JOIN, HELLO.pack(place.rank, place.world, place.ranks_per_node))
+        kind, payload = self._reply(timeout, "a welcome from the rendezvous")
+        self.job = payload.decode()
+        # Everyone is here before anyone starts; a missing rank is the server's to report.
+        self.barrier(timeout + 5)
+
+    @staticmethod
+    def _connect(address, timeout):
+        deadline = time.monotonic() + timeout
+        while True:  # rank 0 may not be listening yet
+            try:
+                sock = socket.create_connection(address, timeout=timeout)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return sock
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise PeerGone(f"no rendezvous at {address[0]}:{address[1]} within "
+                                   f"{timeout:g} s ({e.strerror or e})") from None
+                time.sleep(0.05)
+
+    def _reply(self, timeout, what):
+        """The next message from the server; an ABORT, a closed socket or silence raise."""
+        deadline = time.monotonic() + timeout
+        while True:
+            readable, _, _ = select.select([self.sock], [], [], 0.1)
+            if readable:
+                try:
+                    kind, payload = _recv(self.sock)
+                except (EOFError, OSError):
+                    raise PeerGone("the rendezvous closed (its host, rank 0 or the launcher, "
+                                   "is gone)") from None
+                if kind == ABORT:
+                    raise PeerGone(f"stopping: {payload.decode()}")
+                return kind, payload
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {what} within {timeout:g} s")
+
+    def allgather(self, payload, timeout=None):
+        """Every rank's `payload` (bytes), in rank order."""
+        if self.world == 1:
+            return [payload]
+        _send(self.sock, GATHER, payload)
+        _, reply = self._reply(timeout or self.timeout, "allgather from every rank")
+        return _unpack_list(reply)
+
+    def barrier(self, timeout=None):
+        self.allgather(b"", timeout)
+
+    def check(self):
+        """Raise PeerGone if the job was stopped (another rank is gone). Cheap: looks at
+        the socket at most every CHECK_EVERY seconds; call it from every wait loop."""
+        if self.sock is None:
+            return
+        now = time.monotonic()
+        if now < self.next_check:
+            return
+        self.next_check = now + CHECK_EVERY
+        if select.select([self.sock], [], [], 0)[0]:
+            self._reply(0, "message")  # only ABORT, or a close, can come unasked
+
+    def close(self):
+        """Say goodbye (so that leaving is not mistaken for dying) and disconnect."""
+        if self.sock is not None:
+            try:
+                _send(self.sock, BYE)
+            except OSError:
+                pass
+            self.sock.close()
+            self.sock = None
+        if self.server is not None:
+            self.server.join(self.timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *_):
+        if kind is None:
+            self.close()
+        elif self.sock is not None:  # failing: close without a goodbye, so others stop too
+            self.sock.close()
+            self.sock = None
+
+
+# --- the launcher -----------------------------------------------------------------
+
+def spawn(argv, world, ranks_per_node=None, gpus=None, grace=10.0, out=sys.stdout,
+          err=sys.stderr):
+    """Run `argv` (a Python program and its arguments) as `world` ranks on this host.
+
+    Each line a rank prints comes out prefixed with its rank. When a rank fails
+    (non-zero exit, or killed), the others are told through the rendezvous and
+    get `grace` seconds to stop by themselves, then SIGTERM, then SIGKILL.
+    Returns the exit code: 0 when every rank succeeded, else the first failure's.
+    """
+    per_node = ranks_per_node or world
+    server = RendezvousServer(world, per_node)
+    host, port = server.address
+    procs, readers = [], []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
+                   LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node),
+                   RENDEZVOUS=f"{host}:{port}", PYTHONUNBUFFERED="1")
+        if gpus:
+            env["RANK_GPU"] = str(gpus[rank % len(gpus)])
+        procs.append(subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+        readers += [_prefixed(procs[-1].stdout, f"[{rank}] ", out),
+                    _prefixed(procs[-1].stderr, f"[{rank}] ", err)]
+    print(f"launch: {world} ranks, {per_node} per node ({world // per_node} node"
+          f"{'s' if world > per_node else ''}); pids {' '.join(str(p.pid) for p in procs)}",
+          file=err, flush=True)
+    first, stopping_since = None, None
+
+    def failed():
+        """The rank that failed, preferring one killed by a signal: the others that
+        exit with an error then only followed it."""
+        dead = [(rank, p.returncode) for rank, p in enumerate(procs)
+                if p.poll() not in (None, 0)]
+        dead.sort(key=lambda d: d[1] > 0)
+        if dead:
+            server.abort(f"rank {dead[0][0]} {_how(dead[0][1])}")
+        return dead[0] if dead else None
+
+    try:
+        while any(p.poll() is None for p in procs):
+            first = first or failed()
+            if (first or server.failure) and stopping_since is None:
+                stopping_since = time.monotonic()
+            if stopping_since is not None and time.monotonic() - stopping_since > grace:
+                _stop(procs)
+            time.sleep(0.02)
+        first = first or failed() or ((None, 1) if server.failure else None)
+    except KeyboardInterrupt:
+        server.abort("the launcher was interrupted (Ctrl-C)")
+        stopping_since = stopping_since or time.monotonic()
+        _stop(procs)
+        first = first or (None, 130)
+    for r in readers:
+        r.join(grace)
+    _remove_leftovers(server.job, [p.pid for p in procs if p.returncode and p.returncode < 0])
+    if first is None:
+        return 0
+    rank, rc = first
+    elapsed = time.monotonic() - stopping_since if stopping_since else 0.0
+    what = f"rank {rank} {_how(rc)}" if rank is not None else server.failure
+    print(f"launch: {what}; all {world} ranks stopped {elapsed:.1f} s later", file=err, flush=True)
+    return rc if rc > 0 else 1
+
+
+def _how(rc):
+    if rc < 0:
+        return f"was killed by {signal.Signals(-rc).name}"
+    return f"exited with code {rc}"
+
+
+def _stop(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()  # SIGTERM: the chapters close their libfabric objects on it
+    deadline = time.monotonic() + 5
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _prefixed(stream, prefix, sink):
+    def copy():
+        for line in stream:
+            sink.write(prefix + line)
+            sink.flush()
+    t = threading.Thread(target=copy, daemon=True)
+    t.start()
+    return t
+
+
+def _remove_leftovers(job, killed_pids):
+    """What killed ranks could not remove: this job's shared-memory files (named
+    after `job`), and the shm provider's, which it names after the pid."""
+    if not SHM.is_dir():
+        return
+    for path in SHM.iterdir():
+        if job in path.name or any(path.name.startswith(f"{pid}:") for pid in killed_pids):
+            path.unlink(missing_ok=True)

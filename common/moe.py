@@ -1,0 +1,130 @@
+"""The bookkeeping of an expert-parallel all-to-all, whatever moves the bytes: the layer's
+shape and the checks of its inputs, the wire format, where each (token, expert) selection
+goes and where it lands, the weighted sum of combine, and the order of the four halves.
+Chapter 16's all-to-all and its NCCL baseline (common/moe_nccl.py) share it; it runs on
+numpy or cupy arrays (`xp`).
+"""
+import numpy as np
+
+from common import moe_reference as ref
+
+
+class Shape:
+    """One MoE layer over `world` ranks; rank r hosts experts r * local .. (r + 1) * local - 1.
+
+    A sender can send one receiver at most max_tokens * min(topk, local) tokens (a
+    token's experts are distinct): per_peer bounds what arrives from one sender."""
+
+    def __init__(self, world, experts, max_tokens, topk, hidden, dtype):
+        self.world, self.experts, self.local = world, experts, experts // world
+        self.max_tokens, self.topk, self.hidden, self.dtype = max_tokens, topk, hidden, dtype
+        # one token on the wire: fp8 codes + a float32 scale per 128 values, or bf16
+        self.row = hidden + hidden // ref.FP8_BLOCK * 4 if dtype == "fp8" else 2 * hidden
+        self.out_row = 2 * hidden  # combine: bf16
+        self.per_peer = max_tokens * min(topk, self.local)
+
+
+class Stages:
+    """dispatch send -> dispatch receive -> combine send -> combine receive, in that order."""
+    stage = "idle"
+
+    def _stage(self, expected, then):
+        if self.stage != expected:
+            raise ValueError(f"out of order: this step follows {expected!r}, "
+                             f"but the last one done was {self.stage!r}")
+        self.stage = then
+
+
+def check_shape(world, max_tokens, experts, topk, hidden, dtype, private):
+    """Bad layer shapes, refused before anything is opened (one line each)."""
+    if max_tokens < 1 or hidden < 1 or private < 0:
+        raise ValueError("need max tokens >= 1, hidden >= 1, private tokens >= 0")
+    if experts < 1 or experts % world:
+        raise ValueError(f"{experts} experts do not split evenly over {world} ranks")
+    if not 1 <= topk <= experts:
+        raise ValueError(f"top-k ({topk}) must be 1..{experts} (the number of experts)")
+    if dtype not in ("fp8", "bf16"):
+        raise ValueError(f"dispatch dtype must be fp8 or bf16, not {dtype!r}")
+    if dtype == "fp8" and hidden % ref.FP8_BLOCK:
+        raise ValueError(f"fp8 needs hidden ({hidden}) to be a multiple of {ref.FP8_BLOCK}")
+
+
+def check_tokens(xp, x, indices, L):
+    """Refuse a batch that does not fit, before a byte of it is written anywhere."""
+    indices = xp.asarray(indices)
+    n = len(indices)
+    if n > L.max_tokens:
+        raise ValueError(f"{n} tokens, more than the maximum of {L.max_tokens}")
+    if x.shape != (n, L.hidden) or indices.shape != (n, L.topk):
+        raise ValueError(f"tokens must be ({n}, {L.hidden}) and indices ({n}, {L.topk}), "
+                         f"got {x.shape} and {indices.shape}")
+    if not np.issubdtype(indices.dtype, np.integer):
+        raise ValueError(f"expert indices must be integers, got {indices.dtype}")
+    if n and (indices.min() < 0 or indices.max() >= L.experts):
+        raise ValueError(f"expert index out of range 0..{L.experts - 1}: "
+                         f"{int(indices.min())}..{int(indices.max())}")
+    if n and bool((xp.diff(xp.sort(indices, axis=1), axis=1) == 0).any()):
+        raise ValueError("a token names the same expert twice")
+    return indices.astype(xp.int64)
+
+
+class Wire:
+    """The dispatch dtype on the wire: fp8 e4m3 codes with their float32 block scales,
+    or bf16; one row of bytes per token."""
+
+    def __init__(self, dtype, hidden, mem):
+        self.dtype, self.hidden, self.mem, self.xp = dtype, hidden, mem, mem.xp
+
+    def encode(self, x):
+        """float32 tokens (n, hidden) -> rows (n, row bytes)."""
+        if self.dtype == "bf16":
+            return ref.to_bf16(x).view(self.xp.uint8)
+        return self.mem.quantize_fp8(x)
+
+    def split(self, rows):
+        """Rows -> (tokens, scales): uint8 e4m3 codes and float32 scales, or bf16 and None."""
+        if self.dtype == "bf16":
+            return rows.view(self.xp.uint16), None
+        h = self.hidden
+        return rows[:, :h], self.xp.ascontiguousarray(rows[:, h:]).view(self.xp.float32)
+
+    def decode(self, tokens, scales):
+        """Back to float32, on the host (for the checks)."""
+        tokens = self.mem.host(tokens)
+        if scales is None:
+            return ref.from_bf16(tokens)
+        return ref.dequantize_fp8(np.ascontiguousarray(tokens), self.mem.host(scales))
+
+
+def send_plan(xp, indices, experts):
+    """The (token, expert) selections sorted by expert, so by rank, then by token:
+    `order` (positions in indices.ravel()), and the count per expert (on the host)."""
+    flat = indices.ravel()
+    if not len(flat):
+        return xp.zeros(0, xp.int64), np.zeros(experts, np.int32)
+    order = xp.argsort(flat * len(flat) + xp.arange(len(flat)))  # unique keys: stable
+    counts = xp.bincount(flat, minlength=experts).astype(xp.int32)
+    return order, np.asarray(counts if xp is np else counts.get())
+
+
+def receive_plan(matrix, rank, local):
+    """What rank `rank` receives, from the count matrix [source, expert]: the rows from
+    each source, and `gather`: for each expert-major row (by local expert, then source,
+    then the source's token order), where it is in the senders' streams put end to end."""
+    mine = matrix[:, rank * local:(rank + 1) * local]  # [source, local expert]
+    from_each = mine.sum(axis=1)
+    stream_start = np.cumsum(from_each) - from_each  # [source]
+    within = np.cumsum(mine, axis=1) - mine          # [source, expert]: before that expert
+    starts = (stream_start[:, None] + within).T.ravel()  # each (expert, source) slice
+    lengths = mine.T.ravel()
+    before = np.cumsum(lengths) - lengths  # where each slice starts in the output
+    gather = np.repeat(starts - before, lengths) + np.arange(lengths.sum())
+    return from_each, gather, mine.sum(axis=0)
+
+
+def weighted_sum(xp, rows, order, weights, hidden):
+    """combine's last step: bf16 rows in send order -> per token, the weighted sum."""
+    n, topk = weights.shape
+    values = xp.empty((n * topk, hidden), xp.float32)
+    values[order] = ref.from_bf16(rows.view(xp.uint16).reshape(n * topk, hidden))
+    return (weights[:, :, None] * values.reshape(n, topk, hidden)).sum(axis=1)

@@ -1,0 +1,177 @@
+"""Where chapter 16's all-to-all keeps its bytes, and what does its kernels' work.
+
+HostMemory (--device cpu): host memory in /dev/shm files that the other ranks of the
+node map, numpy for the kernels. CudaMemory (--device cuda): GPU memory that the node's
+ranks map through CUDA IPC, cupy and chapters/16_moe.cu for the kernels. Both offer the
+same few operations: a region, a handle for node peers and the opening of theirs, a copy
+into a peer's region, `ready` (queued work done) and `settle` (arrived data readable),
+the fp8 quantisation, a copy to the host, and a clock.
+"""
+import mmap
+import os
+import time
+
+import numpy as np
+
+from common import launch, memory
+from common import moe_reference as ref
+from common.fabric import lib
+
+SHM = "/dev/shm"
+
+
+class Region:
+    """Host memory in a /dev/shm file, which the other ranks of the node map."""
+
+    def __init__(self, job, name, size):
+        self.path = f"{SHM}/moe-{job}-{name}"
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                self.map = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            self.unlink()
+            raise ValueError(f"cannot make {size} bytes of shared memory in {SHM}: "
+                             f"{e.strerror}") from None
+        self.bytes = np.frombuffer(self.map, dtype=np.uint8)
+        self.ptr = self.bytes.ctypes.data
+
+    @staticmethod
+    def peer(job, name, size):
+        try:
+            fd = os.open(f"{SHM}/moe-{job}-{name}", os.O_RDWR)
+            try:
+                return np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise launch.PeerGone(f"cannot map {name} of a peer ({e.strerror}): "
+                                  "is it gone?") from None
+
+    def unlink(self):
+        """Once every peer has mapped it: nothing is left behind, whatever happens next."""
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+class HostMemory:
+    """--device cpu: the data region in host memory, a /dev/shm file that the node's
+    ranks map (as CUDA IPC maps a peer GPU's memory); numpy does the kernels' work."""
+    xp, gpu, iface, device = np, None, lib.FI_HMEM_SYSTEM, 0
+
+    def __init__(self, own, group, size, kernels=None):
+        self.job, self.size = group.job, size
+        self.region = Region(group.job, f"{group.rank}-data", size)
+        own.callback(self.region.unlink)
+        self.data = self.mine = self.region.bytes
+        self.ptr = self.region.ptr
+
+    def handle(self):
+        return b""  # its name, known to all, is how node peers find it
+
+    def open(self, own, rank, handle):
+        return Region.peer(self.job, f"{rank}-data", self.size)
+
+    def published(self):
+        self.region.unlink()
+
+    def copy(self, peer, remote, local, length):
+        peer[remote:remote + length] = self.data[local:local + length]
+
+    def ready(self):
+        """Wait until what was queued (kernels, copies to peers) is done: then a stamp may
+        announce it and the proxy may send it. numpy queues nothing; the stamps' own
+        release and acquire order the bytes around them."""
+
+    def settle(self):
+        """A stamp was seen: make what it announces readable here."""
+
+    def quantize_fp8(self, x):
+        return ref.wire_rows("fp8", x)
+
+    def host(self, array):
+        return array
+
+    def mark(self):
+        return time.perf_counter()
+
+    def seconds(self, start, end):
+        return end - start
+
+
+class CudaMemory:
+    """--device cuda: the data region in GPU memory, straight from cudaMalloc (CUDA IPC
+    hands out whole allocations) so that the node's ranks can map it; cupy and the
+    kernels of chapters/16_moe.cu do the work. Written, NOT YET RUN on a GPU."""
+    iface = lib.FI_HMEM_CUDA
+
+    def __init__(self, own, group, size, kernels):
+        """size 0: no region, only the GPU, its stream and kernels (for the NCCL baseline).
+        `kernels`: the path of the CUDA source (chapters/16_moe.cu)."""
+        cp = self.xp = memory.cupy()
+        self.size, self.rt = size, cp.cuda.runtime
+        count = self.rt.getDeviceCount()
+        self.gpu = self.device = group.gpu if group.gpu is not None else group.rank % count
+        memory.use_gpu(self.gpu)
+        if size:
+            self.ptr = self.mine = self.rt.malloc(size)
+            own.callback(self.rt.free, self.ptr)
+            self.rt.memset(self.ptr, 0, size)
+            self.data = cp.ndarray((size,), cp.uint8, cp.cuda.MemoryPointer(
+                cp.cuda.UnownedMemory(self.ptr, size, self, self.gpu), 0))
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.stream.use()  # this rank's cupy work, kernels and copies all go here
+        source = open(kernels).read()
+        self.quantize = cp.RawModule(code=source).get_function("m16_quantize_fp8")
+
+    def handle(self):
+        return bytes(self.rt.ipcGetMemHandle(self.ptr))
+
+    def open(self, own, rank, handle):
+        ptr = self.rt.ipcOpenMemHandle(handle)
+        own.callback(self.rt.ipcCloseMemHandle, ptr)
+        return ptr
+
+    def published(self):
+        pass
+
+    def copy(self, peer, remote, local, length):
+        self.rt.memcpyAsync(peer + remote, self.ptr + local, length, self.rt.memcpyDefault,
+                            self.stream.ptr)
+
+    def ready(self):
+        self.stream.synchronize()
+
+    def settle(self):
+        # Chapter 07's lesson: shm's CUDA IPC copies into our memory may still be running
+        # when the immediate arrives; waiting for the device covers them.
+        self.rt.deviceSynchronize()
+
+    def quantize_fp8(self, x):
+        cp = self.xp
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        n, hidden = x.shape
+        row = hidden + hidden // ref.FP8_BLOCK * 4
+        rows = cp.empty((n, row), cp.uint8)
+        if n:
+            self.quantize((n, hidden // ref.FP8_BLOCK), (ref.FP8_BLOCK,),
+                          (x, rows, np.int32(hidden), np.int32(row)))
+        return rows
+
+    def host(self, array):
+        return array.get()
+
+    def mark(self):
+        event = self.xp.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def seconds(self, start, end):
+        end.synchronize()
+        return self.xp.cuda.get_elapsed_time(start, end) / 1e3
+
+
+DEVICES = {"cpu": HostMemory, "cuda": CudaMemory}

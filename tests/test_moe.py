@@ -1,0 +1,466 @@
+"""Chapter 16 on --device cpu: every case against the reference, on 2, 4 and 8 ranks,
+one and two emulated nodes; bad input; a rank killed mid-run."""
+import importlib.util
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import common.fabric as fi
+from common import launch
+from common import moe_reference as ref
+from scripts.pair import ROOT, chapter_path, local_env
+from tests.gpu import needs_gpu
+from tests.test_bad_input import assert_one_line_error, run
+
+CHAPTER = str(chapter_path(16))
+LAUNCH = str(ROOT / "scripts" / "launch.py")
+TOKENS, TOPK = 6, 3
+SMALL = ["--max-tokens", str(TOKENS), "--hidden", "128", "--experts", "16", "--topk", str(TOPK),
+         "--private-tokens", "2"]
+LIMIT = 120  # seconds for a whole launch, 8 ranks on 2 cores included
+
+
+def launched(ranks, per_node, *args, provider=None):
+    command = [sys.executable, LAUNCH, "-n", str(ranks), "--ranks-per-node", str(per_node),
+               CHAPTER, *(["-p", provider] if provider else []), *args]
+    return subprocess.run(command, capture_output=True, text=True, env=local_env(), timeout=LIMIT,
+                          cwd=ROOT)
+
+
+def check_lines(out):
+    """{(dtype, case): (rows received, ranks that passed, of how many)} from rank 0's lines."""
+    found = re.findall(r"^\[0\] check (\w+) (\S+) +private \d+: (\d+) \(token, expert\) rows "
+                       r"received, counts exact and each row once(?: with its scales)? on "
+                       r"(\d+) of (\d+) ranks; combine max \|error\| \S+ \(bf16 tolerance \S+\)$",
+                       out, re.MULTILINE)
+    return {(d, c): (int(n), int(ok), int(of)) for d, c, n, ok, of in found}
+
+
+@pytest.mark.parametrize("ranks,per_node,provider", [
+    (2, 2, None), (2, 1, "shm"), (4, 4, None), (4, 2, "tcp"), (8, 8, None), (8, 4, "shm")],
+    ids=["2-one-node", "2-two-nodes-shm", "4-one-node", "4-two-nodes-tcp", "8-one-node",
+         "8-two-nodes-shm"])
+def test_every_case_matches_the_reference(ranks, per_node, provider):
+    done = launched(ranks, per_node, *SMALL, "--iters", "0", provider=provider)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = check_lines(done.stdout)
+    assert set(lines) == {(d, c) for d in ("fp8", "bf16") for c in ref.CASES}, done.stdout
+    for (dtype, case), (rows, ok, of) in lines.items():
+        assert ok == of == ranks, (dtype, case)
+        every = ranks * TOKENS * TOPK  # each token's 3 experts are distinct: 3 rows each
+        if case in ("random", "empty-expert", "one-expert", "overflow"):
+            assert rows == every, (dtype, case)
+        if case == "silent-rank":
+            assert rows == every - TOKENS * TOPK, (dtype, case)
+        if case == "fewer":
+            assert rows < every, (dtype, case)
+    assert re.search(r"^\[0\] all checks passed \(seed \d+\)$", done.stdout, re.MULTILINE)
+    nodes = ranks // per_node
+    assert (f"{nodes} emulated nodes of {per_node}" if nodes > 1 else "one node") in done.stdout
+
+
+def test_benchmark_reports_each_half_and_bandwidth():
+    done = launched(2, 1, *SMALL, "--check", "none", "--iters", "3", "--warmup", "1",
+                    provider="shm")
+    assert done.returncode == 0, done.stdout + done.stderr
+    for half in ("dispatch send", "dispatch recv", "combine send", "combine recv"):
+        assert re.search(rf"^\[0\]   {half} +p50 +[\d.]+ us   max +[\d.]+ us$", done.stdout,
+                         re.MULTILINE), half
+    row = 128 + 128 // 128 * 4
+    assert re.search(rf"dispatch +p50 .* [\d.]+ GB/s \({TOKENS * TOPK} rows x {row} B / p50\)",
+                     done.stdout)
+    assert re.search(rf"combine +p50 .* [\d.]+ GB/s \({TOKENS * TOPK} rows x 256 B / p50\)",
+                     done.stdout)
+    assert "[0] provider: shm" in done.stdout
+
+
+def test_benchmark_sweeps_tokens_into_json(tmp_path):
+    path = tmp_path / "moe.json"
+    done = launched(2, 2, *SMALL, "--check", "none", "--iters", "2", "--warmup", "0",
+                    "--tokens", "0,2,6", "--json", str(path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(path.read_text())
+    assert (data["chapter"], data["device"], data["world"]) == ("16_moe", "cpu", 2)
+    assert [r["tokens"] for r in data["runs"]] == [0, 2, 6]
+    for row in data["runs"]:
+        assert row["implementation"] == "ours" and row["rows"] == row["tokens"] * TOPK
+        assert row["dispatch_bytes"] == row["rows"] * (128 + 4)
+        assert row["combine_bytes"] == row["rows"] * 256
+        for phase in ("dispatch_send", "dispatch_recv", "dispatch", "combine_send",
+                      "combine_recv", "combine"):
+            assert 0 < row[f"{phase}_p50_us"] <= row[f"{phase}_max_us"]
+
+
+@pytest.mark.parametrize("per_node", [4, 2], ids=["one-node", "two-nodes"])
+def test_a_rank_killed_mid_run_stops_the_others(per_node):
+    proc = subprocess.Popen([sys.executable, LAUNCH, "-n", "4", "--ranks-per-node", str(per_node),
+                             CHAPTER, "-p", "shm", *SMALL, "--check", "none", "--iters",
+                             "1000000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=local_env(), cwd=ROOT)
+    try:
+        pids = re.search(r"pids ([\d ]+)$", proc.stderr.readline())
+        assert pids, "the launcher names its ranks' pids"
+        started = time.monotonic()
+        while "benchmark" not in proc.stdout.readline():  # the ranks are in the loop
+            assert time.monotonic() - started < LIMIT
+        victim = int(pids[1].split()[1])
+        killed = time.monotonic()
+        subprocess.run(["kill", "-KILL", str(victim)], check=True)
+        out, err = proc.communicate(timeout=30)
+        elapsed = time.monotonic() - killed
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert elapsed < 15, f"the others took {elapsed:.1f} s to stop"
+    assert "launch: rank 1 was killed by SIGKILL; all 4 ranks stopped" in err
+    for rank in (0, 2, 3):
+        assert re.search(rf"^\[{rank}\] 16_moe.py: error: stopping: rank 1 "
+                         r"(is gone|was killed by SIGKILL)", err, re.MULTILINE), err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["--tokens", "9", "--max-tokens", "8"], "--tokens 9: more than --max-tokens 8"),
+    (["--topk", "9", "--experts", "8"], "top-k (9) must be 1..8"),
+    (["--hidden", "100"], "fp8 needs hidden (100) to be a multiple of 128"),
+    (["--check", "random,bogus"], "unknown case(s) bogus"),
+    (["--world", "2"], "--world 2, but this job has 1 rank (no launcher: one rank)"),
+    (["--device", "gpu"], "invalid choice: 'gpu'"),
+    (["--baseline", "nccl"], "--baseline nccl needs --device cuda"),
+    (["--tokens", "1,x"], "--tokens takes numbers like 1,8,128"),
+    (["--tokens", "4,200"], "--tokens 200: more than --max-tokens 128"),
+    pytest.param(["--device", "cuda", "--max-tokens", "4", "--hidden", "128"],
+                 "GPU memory needs cupy", marks=pytest.mark.skipif(
+                     importlib.util.find_spec("cupy") is not None, reason="cupy is here")),
+])
+def test_bad_input_is_one_line(args, pattern):
+    done, _ = run(16, *args)
+    assert_one_line_error(done, pattern)
+
+
+def test_world_size_not_matching_the_launcher():
+    done = launched(2, 2, *SMALL, "--world", "4")
+    assert done.returncode == 2
+    assert "[0] 16_moe.py: error: --world 4, but this job has 2 ranks (scripts/launch.py)" \
+        in done.stderr
+    assert "launch: rank" in done.stderr and "exited with code 2" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_experts_that_do_not_split_over_the_ranks():
+    done = launched(3, 3, *SMALL)
+    assert done.returncode == 2
+    assert "error: 16 experts do not split evenly over 3 ranks" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+# --- the API, in this process (one rank) -------------------------------------------------
+
+def chapter_module():
+    spec = importlib.util.spec_from_file_location("moe16", CHAPTER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def one_rank():
+    moe = chapter_module()
+    group = launch.Group(launch.Place(0, 1, 1, None, None, False, "test"))
+    with fi.Closer() as own:
+        yield moe, moe.AllToAll(own, group, max_tokens=4, experts=8, topk=2, hidden=128)
+
+
+@pytest.mark.parametrize("tokens,indices,pattern", [
+    (5, [[0, 1]] * 5, "5 tokens, more than the maximum of 4"),
+    (2, [[0, 8], [1, 2]], "expert index out of range 0..7"),
+    (2, [[0, -1], [1, 2]], "expert index out of range 0..7"),
+    (2, [[3, 3], [1, 2]], "a token names the same expert twice"),
+    (2, [[0, 1, 2], [1, 2, 3]], "indices (2, 2)"),
+    (2, [[0.0, 1.0], [1.0, 2.0]], "expert indices must be integers"),
+])
+def test_bad_batches_are_refused_before_anything_moves(one_rank, tokens, indices, pattern):
+    moe, a2a = one_rank
+    x = np.ones((tokens, 128), np.float32)
+    with pytest.raises(ValueError, match=re.escape(pattern)):
+        a2a.dispatch_send(x, np.array(indices))
+    assert a2a.stage == "idle" and a2a.round == 0  # nothing was sent: a good batch still goes
+    a2a.dispatch_send(np.ones((1, 128), np.float32), np.array([[0, 5]]))
+    tokens_out, scales, counts = a2a.dispatch_recv()
+    assert counts.tolist() == [1, 0, 0, 0, 0, 1, 0, 0] and tokens_out.shape == (2, 128)
+
+
+def test_halves_out_of_order_are_refused(one_rank):
+    moe, a2a = one_rank
+    with pytest.raises(ValueError, match="out of order"):
+        a2a.dispatch_recv()
+    with pytest.raises(ValueError, match="out of order"):
+        a2a.combine_recv(np.ones((0, 2), np.float32))
+
+
+def test_wrong_combine_shapes_are_refused_and_the_round_goes_on(one_rank):
+    moe, a2a = one_rank
+    a2a.dispatch_send(np.ones((2, 128), np.float32), np.array([[0, 5], [1, 5]]))
+    tokens, _, _ = a2a.dispatch_recv()
+    with pytest.raises(ValueError, match=r"expert outputs must be \(4, 128\)"):
+        a2a.combine_send(np.ones((3, 128), np.float32))
+    a2a.combine_send(np.ones((4, 128), np.float32))
+    with pytest.raises(ValueError, match=r"weights must be \(2, 2\)"):
+        a2a.combine_recv(np.ones((2, 3), np.float32))
+    out = a2a.combine_recv(np.full((2, 2), 0.5, np.float32))
+    assert np.array_equal(out, np.ones((2, 128), np.float32))  # 0.5 * 1 + 0.5 * 1
+
+
+@pytest.mark.parametrize("shape,pattern", [
+    (dict(experts=8, topk=9), "top-k (9) must be 1..8"),
+    (dict(experts=0, topk=1), "0 experts do not split evenly"),
+    (dict(experts=8, topk=2, hidden=100), "multiple of 128"),
+    (dict(experts=8, topk=2, dispatch_dtype="fp16"), "fp8 or bf16"),
+])
+def test_bad_shapes_are_refused(shape, pattern):
+    moe = chapter_module()
+    group = launch.Group(launch.Place(0, 1, 1, None, None, False, "test"))
+    with fi.Closer() as own, pytest.raises(ValueError, match=re.escape(pattern)):
+        moe.AllToAll(own, group, max_tokens=4, **{"hidden": 128, **shape})
+
+
+# --- the launcher's environment modes ------------------------------------------------------
+
+def test_place_from_torchrun_slurm_and_nothing():
+    torchrun = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+                "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    p = launch.place_from_environment(torchrun)
+    assert (p.rank, p.world, p.node, p.nodes, p.rendezvous, p.serve) == \
+        (5, 8, 1, 2, ("10.0.0.1", 29501), False)
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "16", "SLURM_NTASKS_PER_NODE": "8",
+             "MASTER_ADDR": "node1", "MASTER_PORT": "1234"}
+    p = launch.place_from_environment(slurm)
+    assert (p.rank, p.world, p.nodes, p.serve, p.source) == (0, 16, 2, True, "Slurm variables")
+    assert launch.place_from_environment({}).world == 1
+    with pytest.raises(ValueError, match="no MASTER_ADDR and MASTER_PORT"):
+        launch.place_from_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+    with pytest.raises(ValueError, match="does not make sense"):
+        launch.place_from_environment({**torchrun, "RANK": "8"})
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "Slurm"])
+def test_ranks_meet_without_our_launcher(launcher):
+    port = free_port() - 1  # the rendezvous is served on MASTER_PORT + 1
+
+    def env(rank):
+        where = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        if launcher == "torchrun":
+            return {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": "2", **where}
+        return {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+                "SLURM_NTASKS_PER_NODE": "2", **where}
+    procs = [subprocess.Popen(
+        [sys.executable, CHAPTER, *SMALL, "--check", "random", "--iters", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env=local_env(env(r))) for r in range(2)]
+    try:
+        results = [p.communicate(timeout=LIMIT) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], results
+    assert f"2 ranks ({launcher} variables), one node" in results[0][0]
+    assert "check bf16 random" in results[0][0] and "on 2 of 2 ranks" in results[0][0]
+
+
+def test_a_rank_of_another_world_is_turned_away():
+    server = launch.RendezvousServer(world=2, ranks_per_node=2)
+    place = launch.Place(0, 3, 3, None, server.address, False, "test")
+    with pytest.raises(launch.PeerGone, match="rank 0 expects 3 ranks, 3 per node; this job "
+                                              "has 2, 2 per node"):
+        launch.Group(place, timeout=5)
+
+
+def test_launcher_passes_ctrl_c_on():
+    """Ctrl-C on the launcher stops every rank, which close what they opened."""
+    proc = subprocess.Popen([sys.executable, LAUNCH, "-n", "2", CHAPTER, *SMALL, "--check",
+                             "none", "--iters", "1000000"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=local_env(), cwd=ROOT)
+    try:
+        while "benchmark" not in proc.stdout.readline():
+            pass
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err
+    assert "launch: the launcher was interrupted (Ctrl-C); all 2 ranks stopped" in err
+
+
+def test_tiny_provider_queues_make_the_proxy_wait_not_fail():
+    """Provider queues of two make fi_writemsg say -FI_EAGAIN; the proxy posts later."""
+    command = [sys.executable, LAUNCH, "-n", "8", "--ranks-per-node", "4", CHAPTER, "-p", "shm",
+               *SMALL, "--check", "random,overflow", "--iters", "3"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=LIMIT,
+                          env=local_env({"FI_SHM_TX_SIZE": "2", "FI_SHM_RX_SIZE": "2",
+                                         "FI_SHM_DISABLE_CMA": "1"}))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(check_lines(done.stdout)) == 4
+    eagain = re.search(r"proxy of rank 0: (\d+) WRITEs, -FI_EAGAIN (\d+) times", done.stdout)
+    assert eagain and int(eagain[1]) > 0 and int(eagain[2]) > 0, done.stdout
+
+
+@pytest.mark.parametrize("spoil", ["swap rows", "drop a scale", "count", "combine"])
+def test_the_check_sees_a_wrong_result(one_rank, monkeypatch, spoil):
+    """The check is not a formality: one wrong byte, count or sum and it says so."""
+    moe, a2a = one_rank
+    if spoil == "combine":
+        real = a2a.combine_recv
+        monkeypatch.setattr(a2a, "combine_recv", lambda w: real(w) * 1.01)
+    else:
+        real = a2a.dispatch_recv
+
+        def spoiled():
+            tokens, scales, counts = real()
+            if spoil == "swap rows":
+                tokens[[0, -1]] = tokens[[-1, 0]]
+            elif spoil == "drop a scale":
+                scales[0, 0] = 0
+            else:
+                counts = counts.copy()
+                counts[0] += 1
+            return tokens, scales, counts
+        monkeypatch.setattr(a2a, "dispatch_recv", spoiled)
+    ok, seen = moe.check_case(a2a, "random", seed=3)
+    assert not ok
+    if spoil == "combine":
+        assert seen["error"] > seen["tolerance"]
+    else:
+        assert not seen["counts" if spoil == "count" else "rows"]
+
+
+# --- on GPUs (skipped here): the same, with --device cuda -------------------------------
+
+def gpu_count():
+    import cupy
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+def gpus():
+    return ",".join(str(g) for g in range(gpu_count()))
+
+
+@needs_gpu
+@pytest.mark.parametrize("ranks,per_node", [(2, 2), (2, 1), (4, 2)],
+                         ids=["2-one-node", "2-two-nodes", "4-two-nodes"])
+def test_gpu_every_case_matches_the_reference(ranks, per_node):
+    baseline = ["--baseline", "nccl"] if ranks <= gpu_count() else []  # a GPU per rank
+    command = [sys.executable, LAUNCH, "-n", str(ranks), "--ranks-per-node", str(per_node),
+               "--gpus", gpus(), CHAPTER, "-p", "shm", "--device", "cuda", *SMALL, *baseline,
+               "--iters", "0"]
+    done = subprocess.run(command, capture_output=True, text=True, env=local_env(),
+                          timeout=LIMIT, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ours = {k: v for k, v in check_lines(done.stdout).items() if k[0] != "nccl"}
+    assert set(ours) == {(d, c) for d in ("fp8", "bf16") for c in ref.CASES}
+    assert all(ok == of == ranks for _, ok, of in ours.values())
+    assert done.stdout.count("all checks passed") == 1 + bool(baseline)  # ours, NCCL's
+
+
+@needs_gpu
+def test_gpu_decode_benchmark_against_nccl(tmp_path):
+    if gpu_count() < 2:
+        pytest.skip("the NCCL baseline needs a GPU per rank: two")
+    path = tmp_path / "moe.json"
+    command = [sys.executable, LAUNCH, "-n", "2", "--gpus", gpus(), CHAPTER, "--device",
+               "cuda", "--baseline", "nccl", "--check", "none", "--iters", "20", "--json",
+               str(path)]
+    done = subprocess.run(command, capture_output=True, text=True, env=local_env(),
+                          timeout=LIMIT, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = json.loads(path.read_text())["runs"]
+    assert [r["implementation"] for r in runs] == ["ours", "nccl"]
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["-n", "3", "--ranks-per-node", "2", CHAPTER], "--ranks-per-node (2) must divide"),
+    (["-n", "2", "nosuch.py"], "no program 'nosuch.py'"),
+    (["-n", "2", "--gpus", "0,x", CHAPTER], "--gpus takes numbers like 0,1"),
+])
+def test_launcher_bad_input_is_one_line(args, pattern):
+    done = subprocess.run([sys.executable, LAUNCH, *args], capture_output=True, text=True,
+                          env=local_env(), timeout=LIMIT, cwd=ROOT)
+    assert_one_line_error(done, pattern)
+
+
+def test_a_rank_that_never_comes_is_reported():
+    """torchrun-style: rank 0 of 2 alone; it serves the rendezvous, waits, says why it stops."""
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, CHAPTER, "--iters", "0", "--check", "none",
+                           "--timeout", "2"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=LIMIT, env=local_env({
+                              "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                              "MASTER_PORT": str(free_port() - 1)}))
+    assert time.monotonic() - start < 15
+    assert_one_line_error(done, "only 1 of 2 ranks joined the rendezvous within 2 s")
+
+
+def test_torchrun_style_rank_0_killed_stops_the_other():
+    """Without our launcher rank 0 serves the rendezvous: when it dies, the others learn it.
+    (One node: a killed rank's libfabric shm files would stay, with no launcher to remove
+    them.)"""
+    port = free_port() - 1
+    procs = [subprocess.Popen(
+        [sys.executable, CHAPTER, *SMALL, "--check", "none", "--iters", "1000000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env=local_env({"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})) for r in range(2)]
+    try:
+        started = time.monotonic()
+        while "benchmark" not in procs[0].stdout.readline():
+            assert time.monotonic() - started < LIMIT
+        procs[0].kill()
+        killed = time.monotonic()
+        _, err = procs[1].communicate(timeout=30)
+        elapsed = time.monotonic() - killed
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert elapsed < 15 and procs[1].returncode == 1
+    assert err.strip() == ("16_moe.py: error: the rendezvous closed (its host, rank 0 or the "
+                           "launcher, is gone)")
+
+
+@pytest.mark.parametrize("per_node", [2, 1], ids=["one-node", "two-nodes"])
+def test_a_hung_rank_is_named_and_the_job_ends(per_node):
+    """A rank that stops answering (SIGSTOP) is not gone: the others time out naming it,
+    then the launcher ends it."""
+    proc = subprocess.Popen([sys.executable, LAUNCH, "-n", "2", "--ranks-per-node",
+                             str(per_node), "--grace", "1", CHAPTER, "-p", "shm", *SMALL,
+                             "--check", "none", "--iters", "1000000", "--timeout", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=local_env(), cwd=ROOT)
+    try:
+        pids = re.search(r"pids ([\d ]+)$", proc.stderr.readline())
+        while "benchmark" not in proc.stdout.readline():
+            pass
+        stopped = time.monotonic()
+        subprocess.run(["kill", "-STOP", pids[1].split()[1]], check=True)
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - stopped
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and elapsed < 20, (elapsed, err)
+    # in a stamp wait it names the rank; in a rendezvous barrier, the rendezvous says so
+    assert re.search(r"^\[0\] 16_moe.py: error: no (\w[\w ]* from rank 1|allgather from "
+                     r"every rank) within 2 s$", err, re.MULTILINE), err
+    assert "launch: rank 0 exited with code 1" in err or "launch: rank 1 was killed" in err
