@@ -139,8 +139,9 @@ class CudaMemory:
         pass
 
     def copy(self, peer, remote, local, length):
-        self.rt.memcpyAsync(peer + remote, self.ptr + local, length, self.rt.memcpyDefault,
-                            self.stream.ptr)
+        # offsets may be numpy integers; cupy's runtime takes Python ints only
+        self.rt.memcpyAsync(int(peer + remote), int(self.ptr + local), int(length),
+                            self.rt.memcpyDefault, self.stream.ptr)
 
     def ready(self):
         self.stream.synchronize()
