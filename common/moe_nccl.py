@@ -24,8 +24,9 @@ class NcclAllToAll(Stages):
         self.xp, self.wire, self.proxy = mem.xp, Wire(dispatch_dtype, hidden, mem), None
         from cupy.cuda import nccl  # cupy is needed here only
         self.nccl = nccl
-        uid = struct.pack("128b", *nccl.get_unique_id()) if group.rank == 0 else b""
-        uid = struct.unpack("128b", group.allgather(uid)[0])
+        # 128 ids of a char, signed or not depending on cupy: 16 bits carry either
+        uid = struct.pack("128h", *nccl.get_unique_id()) if group.rank == 0 else b""
+        uid = struct.unpack("128h", group.allgather(uid)[0])
         self.comm = nccl.NcclCommunicator(group.world, uid, group.rank)
         own.callback(self.comm.destroy)
 
