@@ -1,5 +1,4 @@
 """The baseline for chapter 16: an all-to-all that NCCL moves (cupy.cuda.nccl)."""
-import struct
 
 import numpy as np
 
@@ -24,9 +23,9 @@ class NcclAllToAll(Stages):
         self.xp, self.wire, self.proxy = mem.xp, Wire(dispatch_dtype, hidden, mem), None
         from cupy.cuda import nccl  # cupy is needed here only
         self.nccl = nccl
-        # 128 ids of a char, signed or not depending on cupy: 16 bits carry either
-        uid = struct.pack("128h", *nccl.get_unique_id()) if group.rank == 0 else b""
-        uid = struct.unpack("128h", group.allgather(uid)[0])
+        # the id is 128 chars (cupy 14 takes it as bytes; its values, signed or not, mod 256)
+        uid = bytes(v % 256 for v in nccl.get_unique_id()) if group.rank == 0 else b""
+        uid = group.allgather(uid)[0]
         self.comm = nccl.NcclCommunicator(group.world, uid, group.rank)
         own.callback(self.comm.destroy)
 
