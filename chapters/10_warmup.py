@@ -20,15 +20,15 @@ host memory, 4 virtual NICs; the first WRITE on each opens a TCP connection):
 
     $ python chapters/10_warmup.py -p tcp --clients 1
     provider: tcp;ofi_rxm (asked for), domain lo
-    server address: 0200a0f37f0000010000000000000000
-    run the client: python chapters/10_warmup.py -p tcp 0200a0f37f0000010000000000000000
+    server address: 02008f1d7f0000010000000000000000
+    run the client: python chapters/10_warmup.py -p tcp 02008f1d7f0000010000000000000000
     1 x 4 virtual NICs: independent domains of tcp (no NIC with a PCI address here)
-    warmup: first WRITE per NIC 68.571 ms on average, 71.458 ms at most (4 NICs)
-    wrote from 1 x host memory; WRITEs per NIC: 2500 2500 2500 2500, each NIC's last with immediate data; -FI_EAGAIN 14419 times
-    10000 WRITEs of 65536 bytes in 0.327 s: 16.021 Gbps, 0.031 Mpps (149.6% of 10.708 Gbps, fi_rma_bw here (results/baselines/vm-2core-tcp-host.json))
-    first contact vs steady state: 71.458 ms vs 130.9 us per WRITE per NIC (546x)
+    warmup: first WRITE per NIC 34.352 ms on average, 60.487 ms at most (4 NICs)
+    wrote from 1 x host memory; WRITEs per NIC: 2500 2500 2500 2500, each NIC's last with immediate data; -FI_EAGAIN 11785 times
+    10000 WRITEs of 65536 bytes in 0.272 s: 19.244 Gbps, 0.037 Mpps (179.7% of 10.708 Gbps, fi_rma_bw here (results/baselines/vm-2core-tcp-host.json))
+    first contact vs steady state: 60.487 ms vs 109.0 us per WRITE per NIC (555x)
 
-    $ python chapters/10_warmup.py -p tcp 0200a0f37f0000010000000000000000 --nics-per-gpu 4 --iters 10000 --buffer-size 64M --pages 0-63
+    $ python chapters/10_warmup.py 02008f1d7f0000010000000000000000 -p tcp --nics-per-gpu 4 --iters 10000 --buffer-size 64M --pages 0-63
     provider: tcp;ofi_rxm (asked for), domain lo
     1 x 4 virtual NICs: independent domains of tcp (no NIC with a PCI address here)
     memory: 1 x 2 x 67108864 bytes of host memory
