@@ -1,4 +1,4 @@
-// Chapter 16's kernels for --device cuda (cupy RawModule). Written, not yet run on a GPU.
+// Chapter 16's kernels for --device cuda (cupy RawModule). Run on 2 x H200: its fp8 rows match the reference.
 //
 // m16_quantize_fp8: one block of 128 threads per (token, block of 128 values). The
 // block's largest magnitude sets its scale (amax / 448, or 1 when all are zero); each
