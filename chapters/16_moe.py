@@ -35,8 +35,8 @@ for the kernels and host memory for GPU memory.
 chapters/16_moe.cu do the packing, node peers are copied to through CUDA IPC,
 other nodes get WRITEs from registered GPU memory (FI_HMEM); --baseline nccl
 checks and times NCCL doing the whole job. On 2 x H200 every check passes
-with 2 ranks, one node or two; 4 ranks sharing 2 GPUs on two nodes get a
-wrong combine (open; README says more). The GPU work is still driven from the host (kernels pack and
+with 2 ranks, one node or two; 4 ranks sharing 2 GPUs on two nodes needed
+a whole-device synchronisation before each send (README says more). The GPU work is still driven from the host (kernels pack and
 unpack; the host copies, stamps and waits); the article's design, where the
 kernels push over NVLink themselves and wake the proxy through host-mapped
 memory, is the step after that.

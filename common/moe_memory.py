@@ -105,8 +105,7 @@ class HostMemory:
 class CudaMemory:
     """--device cuda: the data region in GPU memory, straight from cudaMalloc (CUDA IPC
     hands out whole allocations) so that the node's ranks can map it; cupy and the
-    kernels of chapters/16_moe.cu do the work. Run on 2 x H200 (2 ranks; 4 ranks sharing
-    2 GPUs on two nodes get a wrong combine, open)."""
+    kernels of chapters/16_moe.cu do the work. Run on 2 x H200 (see ready())."""
     iface = lib.FI_HMEM_CUDA
 
     def __init__(self, own, group, size, kernels):
@@ -145,7 +144,11 @@ class CudaMemory:
                             self.rt.memcpyDefault, self.stream.ptr)
 
     def ready(self):
-        self.stream.synchronize()
+        # The whole device, not our stream alone: with only the stream, 4 ranks on two
+        # emulated nodes got wrong combine sums (every run; right with
+        # CUDA_LAUNCH_BLOCKING=1, and right with this). libfabric's own copies run on
+        # the legacy stream from the proxy thread; which of them raced is not pinned down.
+        self.rt.deviceSynchronize()
 
     def settle(self):
         # Chapter 07's lesson: shm's CUDA IPC copies into our memory may still be running
