@@ -97,13 +97,11 @@ and copying megabytes per rank), not what the protocol costs on GPUs.
 
 # %%
 import argparse
-import json
 import os
 import struct
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -583,12 +581,7 @@ def record(path, args, group, provider, rows):
                       "dispatch": args.dispatch_dtype, "combine": "bf16",
                       "private_tokens": args.private_tokens},
             "runs": rows}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)  # never a half-written file
-    return path
+    return bench.write_json(path, data)
 
 
 def token_list(text):

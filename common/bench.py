@@ -135,11 +135,17 @@ def record(path, chapter, args, info, memory, here, f, lim):
             "git": git_sha(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             **f, "limit_gbps": gbps, "limit": what,
             "percent_of_limit": 100 * f["gbps"] / gbps if gbps else None}
+    return write_json(path, data)
+
+
+def write_json(path, data):
+    """Write `data` to `path` as indented JSON, through a temporary file, so that a reader
+    never finds it half-written; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)  # never a half-written file
+    tmp.replace(path)
     return path
 
 

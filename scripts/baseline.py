@@ -190,10 +190,7 @@ def save(rows, kind, label, provider, gpus):
     data = {"kind": kind, "provider": provider, "memory": memory, "gpus": gpus,
             "libfabric": (re.findall(r"libfabric: ([\d.]+)", version) or [None])[0],
             "machine": bench.machine(gpus[1] if gpus else None), **stamp, "runs": runs}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
+    bench.write_json(path, data)
     print(f"wrote {path.relative_to(ROOT)}")
     return path
 
