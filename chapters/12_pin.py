@@ -21,7 +21,8 @@ of chapter 11 made its point and is gone.
 
 Transcript (2 x H200 box: 32-core Xeon, one NUMA node, CUDA-enabled libfabric
 2.1.0, shm with CUDA IPC; buffers on GPUs 0 and 1 on both sides, each GPU
-writing to the other's; 2 virtual NICs per GPU; 1 MiB pages):
+writing to the other's; 2 virtual NICs per GPU; 1 MiB pages; commit 1f179a6,
+before the moves every C loop shares went to common/lane.h: the same loop):
 
     $ python chapters/12_pin.py -p shm --clients 1 --gpus 0,1
     provider: shm (asked for), domain shm
