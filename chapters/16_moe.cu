@@ -37,3 +37,337 @@ extern "C" __global__ void m16_quantize_fp8(const float *x, unsigned char *rows,
     if (i == 0)
         ((float *)(row + hidden))[block] = scale;
 }
+
+// ---------------------------------------------------------------------------------------
+// The GPU-driven all-to-all of one node (common/moe_nvlink.py): no host in the loop.
+// Every rank's region (cudaMalloc, mapped by the node's ranks through CUDA IPC) holds
+//   flags      uint32 [2][world]: the round each peer last finished (counts, combine)
+//   slots      [world][header | private rows]: a sender's counts and its first rows
+//   overflow   [world][per_peer rows]: the rest, a stripe per sender
+//   combine_in [world][per_peer bf16 rows]: what each peer's experts sent back
+// A sender's stream to a peer is its selections of that peer's experts, by expert, then
+// by token; row q of it lands in the sender's slot (q < private) or in its stripe.
+// Writes to peers are plain stores through mapped pointers (NVLink); the last block of
+// a kernel, once every block fenced its stores, stores the round into each peer's flag.
+
+#define M16_COUNTS 0
+#define M16_COMBINE 1
+
+__device__ unsigned long long m16_now()
+{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// One thread: wait until every flag has reached `round`. Returns the first source that
+// did not within timeout_ns, or -1.
+__device__ int m16_wait_flags(const volatile unsigned int *flags, int world,
+                              unsigned int round, unsigned long long timeout_ns)
+{
+    unsigned long long start = m16_now();
+    for (int s = 0; s < world;) {
+        if ((int)(flags[s] - round) >= 0) {
+            s++;
+        } else if (m16_now() - start > timeout_ns) {
+            return s;
+        } else {
+            __nanosleep(64);
+        }
+    }
+    __threadfence_system();  // what the flags announce is read after them
+    return -1;
+}
+
+// Called by every thread of every block at its end: the last block to finish stores
+// `round` into flag word `flag_at` of each peer's region.
+__device__ void m16_signal_when_last(unsigned int *done, const unsigned long long *peers,
+                                     long long flag_at, int world, unsigned int round)
+{
+    __syncthreads();  // this block's stores are issued...
+    if (threadIdx.x != 0)
+        return;
+    __threadfence_system();  // ...and visible everywhere before it counts itself done
+    if (atomicAdd(done, 1u) != gridDim.x - 1)
+        return;
+    __threadfence_system();  // the last: every block's stores are visible, then the flags
+    for (int peer = 0; peer < world; peer++)
+        *(volatile unsigned int *)(peers[peer] + flag_at) = round;
+    *done = 0;  // for the next launch (stream-ordered after this one)
+}
+
+__device__ int m16_block_sum(int v)
+{
+    __shared__ int warp_sum[32];
+    for (int offset = 16; offset; offset >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    __syncthreads();  // warp_sum may still be read by a previous call
+    if ((threadIdx.x & 31) == 0)
+        warp_sum[threadIdx.x >> 5] = v;
+    __syncthreads();
+    int total = 0;
+    for (int w = 0; w < (blockDim.x + 31) >> 5; w++)
+        total += warp_sum[w];
+    return total;
+}
+
+// A block copies one row; 16 bytes at a time when everything is 16-byte aligned. Loads
+// bypass L1 (__ldcg): the row may have just been stored by a peer.
+__device__ void m16_copy_row(unsigned char *to, const unsigned char *from, long long bytes)
+{
+    if (((bytes | (long long)to | (long long)from) & 15) == 0) {
+        for (long long i = threadIdx.x; i < bytes / 16; i += blockDim.x)
+            ((uint4 *)to)[i] = __ldcg((const uint4 *)from + i);
+    } else {
+        for (long long i = threadIdx.x; i < bytes; i += blockDim.x)
+            to[i] = __ldcg(from + i);
+    }
+}
+
+// dispatch, 1: a block per expert counts its selections and numbers them in token order
+// (a ballot per warp, warps in turn), so the layout is the same every run. It also
+// checks the batch: *error becomes 1 for an index out of range (block 0 looks), 2 for
+// a token naming an expert twice (that expert's block sees it); then nothing is sent.
+extern "C" __global__ void m16_route(const long long *indices, int entries, int topk,
+                                     int experts, int *counts, int *position, int *error)
+{
+    __shared__ int warp_sum[32];
+    int e = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int base = 0;
+    for (int first = 0; first < entries; first += blockDim.x) {
+        int i = first + threadIdx.x;
+        bool mine = i < entries && indices[i] == e;
+        if (e == 0 && i < entries && (indices[i] < 0 || indices[i] >= experts))
+            atomicMax(error, 1);
+        for (int other = mine ? i - i % topk : 0; mine && other < i; other++)
+            if (indices[other] == e)
+                atomicMax(error, 2);
+        unsigned int ballot = __ballot_sync(0xffffffffu, mine);
+        if (lane == 0)
+            warp_sum[warp] = __popc(ballot);
+        __syncthreads();
+        int before = base + __popc(ballot & ((1u << lane) - 1));
+        for (int w = 0; w < warp; w++)
+            before += warp_sum[w];
+        if (mine)
+            position[i] = before;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++)
+            base += warp_sum[w];
+        __syncthreads();  // warp_sum is rewritten by the next chunk
+    }
+    if (threadIdx.x == 0)
+        counts[e] = base;
+}
+
+// dispatch, 2: a block per selection pushes its token's row to the expert's rank; one
+// block more per peer writes our counts into its slot for us. Then the counts flag.
+extern "C" __global__ void m16_dispatch_push(
+    const unsigned char *rows, const long long *indices, const int *position,
+    const int *counts, int entries, int topk, int experts, int local, long long row_bytes,
+    int private_rows, long long per_peer, const unsigned long long *peers, long long slots,
+    long long slot_bytes, long long header_bytes, long long overflow, long long flags,
+    int rank, int world, unsigned int round, int *stream_pos, const int *error,
+    unsigned int *done)
+{
+    if (*error)  // a bad batch: nothing leaves, no flag is raised
+        return;
+    int b = blockIdx.x;
+    if (b < entries) {
+        int e = (int)indices[b], d = e / local;
+        int start = 0;  // the rows of d's experts before e, in our stream to d
+        for (int x = d * local + threadIdx.x; x < e; x += blockDim.x)
+            start += counts[x];
+        int q = m16_block_sum(start) + position[b];
+        long long at = q < private_rows
+            ? slots + rank * slot_bytes + header_bytes + q * row_bytes
+            : overflow + (rank * per_peer + q - private_rows) * row_bytes;
+        m16_copy_row((unsigned char *)peers[d] + at, rows + (long long)(b / topk) * row_bytes,
+                     row_bytes);
+        if (threadIdx.x == 0)
+            stream_pos[b] = q;
+    } else {
+        int *to = (int *)((unsigned char *)peers[b - entries] + slots + rank * slot_bytes);
+        for (int x = threadIdx.x; x < experts; x += blockDim.x)
+            to[x] = counts[x];
+    }
+    m16_signal_when_last(done, peers, flags + 4 * (M16_COUNTS * world + rank), world, round);
+}
+
+// dispatch, 3 (one block, dynamic shared memory of 3 * experts ints): wait for every
+// sender's counts, then plan the expert-major output, entry x = (local expert, source):
+// plan[x] its first output row, plan[E + x] its first row in the source's stream,
+// plan[2E + x] its length. report (zeroed by the host before the route): rows per local
+// expert, the total, the source that was late (+1, or 0), [local + 2] for combine, and
+// [local + 3] the route's verdict on the batch.
+extern "C" __global__ void m16_dispatch_plan(
+    const unsigned char *region, long long flags, long long slots, long long slot_bytes,
+    int rank, int world, int local, unsigned int round, unsigned long long timeout_ns,
+    int *plan, int *report)
+{
+    extern __shared__ int table[];  // length, then stream start, then output start
+    __shared__ int late, carry;
+    int E = world * local;
+    if (report[local + 3])  // our batch was refused: nobody sent us anything this round
+        return;
+    if (threadIdx.x == 0)
+        late = m16_wait_flags((const volatile unsigned int *)(region + flags) +
+                              M16_COUNTS * world, world, round, timeout_ns);
+    __syncthreads();
+    if (late >= 0) {
+        if (threadIdx.x == 0)
+            report[local + 1] = late + 1;
+        return;
+    }
+    for (int x = threadIdx.x; x < E; x += blockDim.x) {
+        int e = x / world, s = x % world;
+        const int *sent = (const int *)(region + slots + s * slot_bytes);
+        table[x] = __ldcg(sent + rank * local + e);
+    }
+    __syncthreads();
+    for (int x = threadIdx.x; x < E; x += blockDim.x) {
+        int e = x / world, s = x % world, start = 0;
+        for (int before = 0; before < e; before++)
+            start += table[before * world + s];
+        table[E + x] = start;
+    }
+    if (threadIdx.x == 0)
+        carry = 0;
+    for (int first = 0; first < E; first += blockDim.x) {  // exclusive scan of lengths
+        int x = first + threadIdx.x;
+        int v = x < E ? table[x] : 0, inclusive = v;
+        for (int offset = 1; offset < 32; offset <<= 1) {
+            int up = __shfl_up_sync(0xffffffffu, inclusive, offset);
+            if ((threadIdx.x & 31) >= offset)
+                inclusive += up;
+        }
+        __shared__ int warp_total[32];
+        __syncthreads();
+        if ((threadIdx.x & 31) == 31)
+            warp_total[threadIdx.x >> 5] = inclusive;
+        __syncthreads();
+        int before = carry;
+        for (int w = 0; w < (int)(threadIdx.x >> 5); w++)
+            before += warp_total[w];
+        if (x < E)
+            table[2 * E + x] = before + inclusive - v;
+        __syncthreads();
+        if (threadIdx.x == blockDim.x - 1)
+            carry = before + inclusive;
+        __syncthreads();
+    }
+    for (int x = threadIdx.x; x < E; x += blockDim.x) {
+        plan[x] = table[2 * E + x];
+        plan[E + x] = table[E + x];
+        plan[2 * E + x] = table[x];
+    }
+    for (int e = threadIdx.x; e < local; e += blockDim.x) {
+        int rows = 0;
+        for (int s = 0; s < world; s++)
+            rows += table[e * world + s];
+        report[e] = rows;
+    }
+    if (threadIdx.x == 0)
+        report[local] = carry;
+}
+
+// dispatch, 4: blocks stride over the output rows: each finds its (expert, source) entry
+// in the plan, copies the row from the slot or the stripe, and notes where it came from
+// (source, row in the source's stream) for combine.
+extern "C" __global__ void m16_dispatch_gather(
+    const unsigned char *region, const int *plan, const int *report, int local, int world,
+    long long row_bytes, int private_rows, long long per_peer, long long slots,
+    long long slot_bytes, long long header_bytes, long long overflow, unsigned char *out,
+    int *row_source, int *row_stream)
+{
+    int E = world * local, total = report[local];
+    for (int j = blockIdx.x; j < total; j += gridDim.x) {
+        int lo = 0, hi = E - 1;  // the last entry that starts at or before j
+        while (lo < hi) {
+            int mid = (lo + hi + 1) / 2;
+            if (plan[mid] <= j)
+                lo = mid;
+            else
+                hi = mid - 1;
+        }
+        int s = lo % world, q = plan[E + lo] + j - plan[lo];
+        long long at = q < private_rows
+            ? slots + s * slot_bytes + header_bytes + q * row_bytes
+            : overflow + (s * per_peer + q - private_rows) * row_bytes;
+        m16_copy_row(out + j * row_bytes, region + at, row_bytes);
+        if (threadIdx.x == 0) {
+            row_source[j] = s;
+            row_stream[j] = q;
+        }
+    }
+}
+
+__device__ unsigned short m16_bf16(float v)  // round to nearest even, as the reference
+{
+    unsigned int bits = __float_as_uint(v);
+    if (v != v)
+        return 0x7FC0;
+    return (unsigned short)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// combine, 1: a block per received row sends its expert output, as bf16, back into the
+// source's combine_in stripe for us, at the row's place in the source's stream.
+extern "C" __global__ void m16_combine_push(
+    const float *expert_out, const int *row_source, const int *row_stream, int rows,
+    int hidden, const unsigned long long *peers, long long combine_in, long long per_peer,
+    long long flags, int rank, int world, unsigned int round, unsigned int *done)
+{
+    int j = blockIdx.x;
+    if (j < rows) {
+        unsigned short *to = (unsigned short *)((unsigned char *)peers[row_source[j]] +
+            combine_in) + (rank * per_peer + row_stream[j]) * hidden;
+        const float *from = expert_out + (long long)j * hidden;
+        if (hidden % 8 == 0) {  // 16-byte stores over NVLink: 8 values a thread
+            for (int h = 8 * threadIdx.x; h < hidden; h += 8 * blockDim.x) {
+                float4 a = *(const float4 *)(from + h), b = *(const float4 *)(from + h + 4);
+                uint4 v = {m16_bf16(a.x) | (unsigned int)m16_bf16(a.y) << 16,
+                           m16_bf16(a.z) | (unsigned int)m16_bf16(a.w) << 16,
+                           m16_bf16(b.x) | (unsigned int)m16_bf16(b.y) << 16,
+                           m16_bf16(b.z) | (unsigned int)m16_bf16(b.w) << 16};
+                *(uint4 *)(to + h) = v;
+            }
+        } else {
+            for (int h = threadIdx.x; h < hidden; h += blockDim.x)
+                to[h] = m16_bf16(from[h]);
+        }
+    }
+    m16_signal_when_last(done, peers, flags + 4 * (M16_COMBINE * world + rank), world, round);
+}
+
+// combine, 2: a block per token waits for every peer's outputs (the barrier before the
+// next dispatch too), then sums its topk rows, weighted. report[local + 2]: the late
+// source + 1, or 0.
+extern "C" __global__ void m16_combine_sum(
+    const unsigned char *region, long long flags, long long combine_in, const long long *indices,
+    const int *stream_pos, const float *weights, int tokens, int topk, int hidden, int local,
+    long long per_peer, int world, unsigned int round, unsigned long long timeout_ns,
+    float *out, int *report)
+{
+    __shared__ int late;
+    if (threadIdx.x == 0)
+        late = m16_wait_flags((const volatile unsigned int *)(region + flags) +
+                              M16_COMBINE * world, world, round, timeout_ns);
+    __syncthreads();
+    if (late >= 0) {
+        if (threadIdx.x == 0)
+            report[local + 2] = late + 1;
+        return;
+    }
+    int t = blockIdx.x;
+    if (t >= tokens)
+        return;
+    const unsigned short *rows = (const unsigned short *)(region + combine_in);
+    for (int h = threadIdx.x; h < hidden; h += blockDim.x) {
+        float sum = 0.0f;
+        for (int k = 0; k < topk; k++) {
+            int i = t * topk + k, d = (int)(indices[i] / local);
+            unsigned short v = __ldcg(rows + (d * per_peer + stream_pos[i]) * hidden + h);
+            sum += weights[i] * __uint_as_float((unsigned int)v << 16);
+        }
+        out[(long long)t * hidden + h] = sum;
+    }
+}

@@ -112,6 +112,7 @@ from common.moe import Shape, Stages, Wire, check_shape, check_tokens, receive_p
     send_plan, weighted_sum
 from common.moe_memory import DEVICES, Region
 from common.moe_nccl import NcclAllToAll
+from common.moe_nvlink import NvlinkAllToAll
 from common.fabric import lib
 import common.fabric as fi
 
@@ -573,7 +574,7 @@ def benchmark(a2a, group, args, tokens, name):
 def record(path, args, group, provider, rows):
     """The benchmark as JSON: what ran, where, and a row per (implementation, tokens)."""
     data = {"chapter": "16_moe", "args": sys.argv[1:], "device": args.device,
-            "world": group.world, "ranks_per_node": group.ranks_per_node,
+            "drive": args.drive, "world": group.world, "ranks_per_node": group.ranks_per_node,
             "provider": provider, "libfabric": "%d.%d" % fi.version(),
             "machine": bench.machine(0 if args.device == "cuda" else None),
             "git": bench.git_sha(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -607,6 +608,9 @@ def main():
                    help="the benchmark's (the checks run both)")
     p.add_argument("--private-tokens", type=int, default=8,
                    help="tokens per sender that travel with the counts (default 8)")
+    p.add_argument("--drive", choices=["gpu", "host"], help="--device cuda on one node: "
+                   "gpu (default), the kernels push over NVLink (common/moe_nvlink.py); host, "
+                   "this file's protocol driven from Python, as on cpu and across nodes")
     p.add_argument("--baseline", choices=["nccl"], help="also check and time the NCCL "
                    "all-to-all (--device cuda)")
     p.add_argument("--check", default="all", help="cases to check: all, none, or some of "
@@ -633,6 +637,11 @@ def main():
         if not 0 <= tokens <= args.max_tokens:
             raise cli.UsageError(f"--tokens {tokens}: more than --max-tokens "
                                  f"{args.max_tokens} (or negative)")
+    gpu_driven = args.device == "cuda" and place.nodes == 1
+    if args.drive == "gpu" and not gpu_driven:
+        raise cli.UsageError("--drive gpu needs --device cuda and one node (across nodes the "
+                             "host drives the proxy)")
+    args.drive = args.drive or ("gpu" if gpu_driven else "host")
     if args.baseline and args.device != "cuda":
         raise cli.UsageError("--baseline nccl needs --device cuda")
     try:
@@ -646,6 +655,9 @@ def main():
 
     with launch.Group(place, args.timeout) as group:
         def ours(own, dtype, private):
+            if args.drive == "gpu":
+                return NvlinkAllToAll(own, group, args.max_tokens, args.experts, args.topk,
+                                      args.hidden, dtype, private, args.timeout, KERNELS)
             return AllToAll(own, group, args.max_tokens, args.experts, args.topk, args.hidden,
                             dtype, private, args.provider, args.timeout, args.device)
 
@@ -657,7 +669,9 @@ def main():
             where = f"{group.nodes} emulated nodes of {group.ranks_per_node}" \
                 if group.nodes > 1 else "one node"
             how = {"cpu": "numpy, host memory; same node: shared memory",
-                   "cuda": "cupy, GPU memory; same node: CUDA IPC"}[args.device]
+                   "cuda": "GPU memory; same node: CUDA IPC, "
+                   + ("kernels push over NVLink" if args.drive == "gpu"
+                      else "copies driven by the host")}[args.device]
             print(f"{group.world} ranks ({place.source}), {where}; device {args.device}: {how}"
                   + ("; other nodes: libfabric WRITEs through the proxy" if group.nodes > 1
                      else ""), flush=True)

@@ -49,8 +49,18 @@ def check_shape(world, max_tokens, experts, topk, hidden, dtype, private):
         raise ValueError(f"fp8 needs hidden ({hidden}) to be a multiple of {ref.FP8_BLOCK}")
 
 
-def check_tokens(xp, x, indices, L):
-    """Refuse a batch that does not fit, before a byte of it is written anywhere."""
+OUT_OF_RANGE, TWICE = 1, 2  # what is wrong with a batch's expert indices (0: nothing)
+
+
+def index_error(code, experts):
+    return {OUT_OF_RANGE: f"expert index out of range 0..{experts - 1}",
+            TWICE: "a token names the same expert twice"}[code]
+
+
+def check_tokens(xp, x, indices, L, values=True):
+    """Refuse a batch that does not fit, before a byte of it is written anywhere.
+    values=False leaves the indices' values to the caller (a kernel that checks them
+    on the GPU, where reading a verdict back would cost a wait)."""
     indices = xp.asarray(indices)
     n = len(indices)
     if n > L.max_tokens:
@@ -60,12 +70,13 @@ def check_tokens(xp, x, indices, L):
                          f"got {x.shape} and {indices.shape}")
     if not np.issubdtype(indices.dtype, np.integer):
         raise ValueError(f"expert indices must be integers, got {indices.dtype}")
-    if n and (indices.min() < 0 or indices.max() >= L.experts):
-        raise ValueError(f"expert index out of range 0..{L.experts - 1}: "
-                         f"{int(indices.min())}..{int(indices.max())}")
-    if n and bool((xp.diff(xp.sort(indices, axis=1), axis=1) == 0).any()):
-        raise ValueError("a token names the same expert twice")
-    return indices.astype(xp.int64)
+    if values and n:  # one look at the verdicts (on a GPU, one wait)
+        verdicts = xp.stack([((indices < 0) | (indices >= L.experts)).any(),
+                             (xp.diff(xp.sort(indices, axis=1), axis=1) == 0).any()])
+        for code, bad in zip((OUT_OF_RANGE, TWICE), verdicts.tolist()):
+            if bad:
+                raise ValueError(index_error(code, L.experts))
+    return indices.astype(xp.int64, copy=False)
 
 
 class Wire:

@@ -122,10 +122,16 @@ class CudaMemory:
             self.rt.memset(self.ptr, 0, size)
             self.data = cp.ndarray((size,), cp.uint8, cp.cuda.MemoryPointer(
                 cp.cuda.UnownedMemory(self.ptr, size, self, self.gpu), 0))
-        self.stream = cp.cuda.Stream(non_blocking=True)
+        # A blocking stream: it waits for work on CUDA's legacy default stream, and that
+        # waits for it. Our own copies from host arrays and libfabric's copies (shm, from
+        # the proxy thread) are ordered with our kernels without asking. With a
+        # non-blocking stream the NCCL baseline read counts that had not landed yet
+        # (garbage in its second check on 2 x H200, every run; right under
+        # CUDA_LAUNCH_BLOCKING=1).
+        self.stream = cp.cuda.Stream(non_blocking=False)
         self.stream.use()  # this rank's cupy work, kernels and copies all go here
-        source = open(kernels).read()
-        self.quantize = cp.RawModule(code=source).get_function("m16_quantize_fp8")
+        self.module = cp.RawModule(code=open(kernels).read())
+        self.quantize = self.module.get_function("m16_quantize_fp8")
 
     def handle(self):
         return bytes(self.rt.ipcGetMemHandle(self.ptr))

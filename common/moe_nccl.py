@@ -27,7 +27,9 @@ class NcclAllToAll(Stages):
         uid = bytes(v % 256 for v in nccl.get_unique_id()) if group.rank == 0 else b""
         uid = group.allgather(uid)[0]
         self.comm = nccl.NcclCommunicator(group.world, uid, group.rank)
-        own.callback(self.comm.destroy)
+        # abort, not destroy: NCCL 2.28's destroy waited forever on both ranks when a check
+        # raised mid-round (2 x H200); every operation of ours has completed by then anyway
+        own.callback(self.comm.abort)
 
     def _exchange(self, send, send_sizes, recv, recv_sizes, row):
         """One grouped round of NCCL send/recv: send[i-th block] to each rank, and each

@@ -134,6 +134,7 @@ def test_a_rank_killed_mid_run_stops_the_others(per_node):
     (["--world", "2"], "--world 2, but this job has 1 rank (no launcher: one rank)"),
     (["--device", "gpu"], "invalid choice: 'gpu'"),
     (["--baseline", "nccl"], "--baseline nccl needs --device cuda"),
+    (["--drive", "gpu"], "--drive gpu needs --device cuda and one node"),
     (["--tokens", "1,x"], "--tokens takes numbers like 1,8,128"),
     (["--tokens", "4,200"], "--tokens 200: more than --max-tokens 128"),
     pytest.param(["--device", "cuda", "--max-tokens", "4", "--hidden", "128"],
@@ -178,14 +179,17 @@ def one_rank():
         yield moe, moe.AllToAll(own, group, max_tokens=4, experts=8, topk=2, hidden=128)
 
 
-@pytest.mark.parametrize("tokens,indices,pattern", [
+BAD_BATCHES = [
     (5, [[0, 1]] * 5, "5 tokens, more than the maximum of 4"),
     (2, [[0, 8], [1, 2]], "expert index out of range 0..7"),
     (2, [[0, -1], [1, 2]], "expert index out of range 0..7"),
     (2, [[3, 3], [1, 2]], "a token names the same expert twice"),
     (2, [[0, 1, 2], [1, 2, 3]], "indices (2, 2)"),
     (2, [[0.0, 1.0], [1.0, 2.0]], "expert indices must be integers"),
-])
+]
+
+
+@pytest.mark.parametrize("tokens,indices,pattern", BAD_BATCHES)
 def test_bad_batches_are_refused_before_anything_moves(one_rank, tokens, indices, pattern):
     moe, a2a = one_rank
     x = np.ones((tokens, 128), np.float32)
@@ -359,13 +363,16 @@ def gpus():
 
 
 @needs_gpu
-@pytest.mark.parametrize("ranks,per_node", [(2, 2), (2, 1), (4, 2)],
-                         ids=["2-one-node", "2-two-nodes", "4-two-nodes"])
-def test_gpu_every_case_matches_the_reference(ranks, per_node):
-    baseline = ["--baseline", "nccl"] if ranks <= gpu_count() else []  # a GPU per rank
+@pytest.mark.parametrize("ranks,per_node,drive", [
+    (2, 2, "gpu"), (4, 4, "gpu"), (2, 2, "host"), (2, 1, "host"), (4, 2, "host")],
+    ids=["2-one-node-gpu-driven", "4-one-node-gpu-driven", "2-one-node-host-driven",
+         "2-two-nodes", "4-two-nodes"])
+def test_gpu_every_case_matches_the_reference(ranks, per_node, drive):
+    # the baseline wants a GPU per rank
+    baseline = ["--baseline", "nccl"] if ranks <= gpu_count() and drive == "gpu" else []
     command = [sys.executable, LAUNCH, "-n", str(ranks), "--ranks-per-node", str(per_node),
-               "--gpus", gpus(), CHAPTER, "-p", "shm", "--device", "cuda", *SMALL, *baseline,
-               "--iters", "0"]
+               "--gpus", gpus(), CHAPTER, "-p", "shm", "--device", "cuda", "--drive", drive,
+               *SMALL, *baseline, "--iters", "0"]
     done = subprocess.run(command, capture_output=True, text=True, env=local_env(),
                           timeout=LIMIT, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -373,6 +380,27 @@ def test_gpu_every_case_matches_the_reference(ranks, per_node):
     assert set(ours) == {(d, c) for d in ("fp8", "bf16") for c in ref.CASES}
     assert all(ok == of == ranks for _, ok, of in ours.values())
     assert done.stdout.count("all checks passed") == 1 + bool(baseline)  # ours, NCCL's
+
+
+@needs_gpu
+@pytest.mark.parametrize("tokens,indices,pattern", BAD_BATCHES)
+def test_gpu_driven_bad_batches_are_refused_and_nothing_moves(tokens, indices, pattern):
+    """The GPU-driven path checks index values in its route kernel: dispatch_recv says so,
+    nothing was pushed, and a good batch goes on."""
+    moe = chapter_module()
+    group = launch.Group(launch.Place(0, 1, 1, 0, None, False, "test"))
+    with fi.Closer() as own:
+        a2a = moe.NvlinkAllToAll(own, group, max_tokens=4, experts=8, topk=2, hidden=128,
+                                 timeout=5.0, kernels=moe.KERNELS)
+        cp = a2a.xp
+        with pytest.raises(ValueError, match=re.escape(pattern)):
+            a2a.dispatch_send(cp.ones((tokens, 128), cp.float32), cp.asarray(indices))
+            a2a.dispatch_recv()
+        assert a2a.stage == "idle"
+        assert not bool(a2a.mem.data[:a2a.L.overflow].any())  # no flag raised, no count sent
+        a2a.dispatch_send(cp.ones((1, 128), cp.float32), cp.asarray([[0, 5]]))
+        tokens_out, scales, counts = a2a.dispatch_recv()
+        assert counts.tolist() == [1, 0, 0, 0, 0, 1, 0, 0] and tokens_out.shape == (2, 128)
 
 
 @needs_gpu

@@ -1,0 +1,186 @@
+"""Chapter 16's all-to-all on one node, driven by the GPU: the kernels of
+chapters/16_moe.cu push every row over NVLink into the peers' memory (mapped through CUDA
+IPC) and tell them with a flag; no host thread copies, stamps or polls in between.
+
+The protocol is chapter 16's: a sender's counts and first rows go into its private slot on
+each receiver, the rest into one region. On one node, room for every sender's largest
+stream costs little next to a GPU's memory, so each sender owns a stripe of that region
+and needs nobody else's counts to know where to write: it never waits in dispatch-send.
+A flag holds the round a peer last finished (counts, combine); the receive halves wait
+for every peer's, on the GPU. combine-recv waiting for every peer's outputs is also the
+barrier: a peer's next dispatch comes after its combine-recv, so it cannot overwrite a
+slot that was not read yet. The host launches kernels, and waits only where the caller
+needs the answer: the counts at the end of dispatch-recv, the sums at the end of combine.
+"""
+import os
+import time
+
+import numpy as np
+
+from common.moe import Shape, Stages, Wire, check_shape, check_tokens, index_error
+from common.moe_memory import CudaMemory
+
+ALIGN = 256
+THREADS = 256
+
+
+def aligned(size):
+    return -(-size // ALIGN) * ALIGN
+
+
+class NodeLayout(Shape):
+    """A rank's region, the same offsets on every rank (see chapters/16_moe.cu)."""
+
+    def __init__(self, world, experts, max_tokens, topk, hidden, dtype, private):
+        super().__init__(world, experts, max_tokens, topk, hidden, dtype)
+        self.private = private
+        self.header = aligned(4 * experts)  # a sender's counts, one int32 per expert
+        self.slot = aligned(self.header + private * self.row)
+        at = 0
+        for name, size in [("flags", 4 * 2 * world), ("slots", world * self.slot),
+                           ("overflow", world * self.per_peer * self.row),
+                           ("combine_in", world * self.per_peer * self.out_row)]:
+            setattr(self, name, at)
+            at += aligned(size)
+        self.size = at
+
+
+class NvlinkAllToAll(Stages):
+    """dispatch and combine among the ranks of one node, the GPUs moving every byte."""
+    proxy = None
+
+    def __init__(self, own, group, max_tokens, experts, topk, hidden, dispatch_dtype="fp8",
+                 private_tokens=8, timeout=30.0, kernels=None):
+        check_shape(group.world, max_tokens, experts, topk, hidden, dispatch_dtype,
+                    private_tokens)
+        if group.nodes > 1:
+            raise ValueError("the GPU-driven all-to-all reaches peers through NVLink only: "
+                             "one node (other nodes take the host-driven path)")
+        self.group, self.timeout = group, timeout
+        self.L = L = NodeLayout(group.world, experts, max_tokens, topk, hidden,
+                                dispatch_dtype, private_tokens)
+        self.mem = mem = CudaMemory(own, group, L.size, kernels)
+        cp = self.xp = mem.xp
+        self.wire = Wire(dispatch_dtype, hidden, mem)
+        self.k = {name: mem.module.get_function("m16_" + name) for name in (
+            "route", "dispatch_push", "dispatch_plan", "dispatch_gather", "combine_push",
+            "combine_sum")}
+        handles = group.allgather(mem.handle())
+        self.peers = cp.asarray(np.array(
+            [mem.mine if r == group.rank else mem.open(own, r, handles[r])
+             for r in range(group.world)], np.uint64))
+        entries, rows = max_tokens * topk, group.world * L.per_peer
+        self.counts = cp.zeros(experts, cp.int32)
+        self.position = cp.zeros(entries, cp.int32)  # of a selection among its expert's
+        self.stream_pos = cp.zeros(entries, cp.int32)  # ...and in our stream to its rank
+        self.plan = cp.zeros(3 * experts, cp.int32)
+        self.report = cp.zeros(L.local + 4, cp.int32)  # see m16_dispatch_plan
+        self.row_source = cp.zeros(rows, cp.int32)
+        self.row_stream = cp.zeros(rows, cp.int32)
+        self.received = cp.zeros((rows, L.row), cp.uint8)
+        self.done = cp.zeros(2, cp.uint32)  # the last-block counters of the two pushes
+        self.timeout_ns = np.uint64(timeout * 1e9)
+        mem.ready()  # zeroed flags everywhere before anyone pushes
+        group.barrier()
+        self.round = 0
+
+    def _launch(self, name, blocks, *args, shared=0):
+        self.k[name]((max(blocks, 1),), (THREADS if name != "dispatch_plan" else 1024,),
+                     args, shared_mem=shared)
+
+    def _finish(self, what):
+        """Wait for this rank's GPU work (watching the other ranks meanwhile), then for what
+        the kernels reported: the counts and who, if anyone, was late."""
+        stream, deadline = self.mem.stream, time.monotonic() + self.timeout + 10
+        while not stream.done:
+            self.group.check()
+            if time.monotonic() > deadline:  # the kernels give up on their own before this
+                raise TimeoutError(f"the GPU did not finish {what} within "
+                                   f"{self.timeout + 10:g} s")
+            os.sched_yield()
+        report = self.report.get()
+        local = self.L.local
+        if report[local + 3]:  # nothing was sent: the next batch may go
+            self.stage = "idle"
+            raise ValueError(index_error(int(report[local + 3]), self.L.experts))
+        for late, kind in ((report[local + 1], "counts"), (report[local + 2],
+                                                            "combine outputs")):
+            if late:
+                raise TimeoutError(f"no {kind} from rank {late - 1} within "
+                                   f"{self.timeout:g} s")
+        return report
+
+    def dispatch_send(self, x, indices):
+        """Quantise, number each selection, push every row to its expert's rank. The
+        indices' values are checked on the GPU: a bad batch is refused (nothing sent) and
+        said by dispatch_recv."""
+        L, g, xp = self.L, self.group, self.xp
+        indices = check_tokens(xp, x, indices, L, values=False)
+        self._stage("idle", "dispatch sent")
+        self.round += 1
+        self.indices, entries = indices, indices.size
+        rows = self.wire.encode(x)
+        I, i64 = np.int32, np.int64
+        report = self.report
+        xp.cuda.runtime.memsetAsync(report.data.ptr, 0, report.nbytes, self.mem.stream.ptr)
+        self._launch("route", L.experts, indices, I(entries), I(L.topk), I(L.experts),
+                     self.counts, self.position, report[L.local + 3:])
+        self._launch("dispatch_push", entries + L.world, rows, indices, self.position,
+                     self.counts, I(entries), I(L.topk), I(L.experts), I(L.local),
+                     i64(L.row), I(L.private), i64(L.per_peer), self.peers, i64(L.slots),
+                     i64(L.slot), i64(L.header), i64(L.overflow), i64(L.flags), I(g.rank),
+                     I(L.world), np.uint32(self.round), self.stream_pos,
+                     report[L.local + 3:], self.done[0:])
+        self.rows = rows  # the push reads it after we return
+
+    def dispatch_recv(self):
+        """Wait for every sender, lay the rows out expert-major. Returns (tokens, scales,
+        counts per local expert on the host); scales is None for bf16."""
+        L, g = self.L, self.group
+        self._stage("dispatch sent", "dispatched")
+        I, i64 = np.int32, np.int64
+        region = self.mem.data
+        self._launch("dispatch_plan", 1, region, i64(L.flags), i64(L.slots), i64(L.slot),
+                     I(g.rank), I(L.world), I(L.local), np.uint32(self.round),
+                     self.timeout_ns, self.plan, self.report, shared=3 * 4 * L.experts)
+        self._launch("dispatch_gather", min(len(self.received), 4096), region, self.plan,
+                     self.report, I(L.local), I(L.world), i64(L.row), I(L.private),
+                     i64(L.per_peer), i64(L.slots), i64(L.slot), i64(L.header),
+                     i64(L.overflow), self.received, self.row_source, self.row_stream)
+        report = self._finish("dispatch")
+        self.total = int(report[L.local])
+        tokens, scales = self.wire.split(self.received[:self.total])
+        return tokens, scales, report[:L.local].astype(np.int64)
+
+    def combine_send(self, expert_out):
+        """Send each expert output (float32, expert-major as dispatch_recv gave the
+        tokens) back as bf16, straight into its source's memory."""
+        L, g, xp = self.L, self.group, self.xp
+        if self.stage == "dispatched" and expert_out.shape != (self.total, L.hidden):
+            raise ValueError(f"expert outputs must be ({self.total}, {L.hidden}), "
+                             f"got {expert_out.shape}")
+        self._stage("dispatched", "combine sent")
+        self.expert_out = xp.ascontiguousarray(expert_out, dtype=xp.float32)
+        I, i64 = np.int32, np.int64
+        self._launch("combine_push", self.total, self.expert_out, self.row_source,
+                     self.row_stream, I(self.total), I(L.hidden), self.peers,
+                     i64(L.combine_in), i64(L.per_peer), i64(L.flags), I(g.rank),
+                     I(L.world), np.uint32(self.round), self.done[1:])
+
+    def combine_recv(self, weights):
+        """Wait for every peer's outputs (the barrier before the next dispatch), then the
+        weighted sum. weights: (n, topk); returns (n, hidden) float32."""
+        L, g, xp = self.L, self.group, self.xp
+        n = len(self.indices) if self.stage == "combine sent" else None
+        if n is not None and weights.shape != (n, L.topk):
+            raise ValueError(f"weights must be ({n}, {L.topk}), got {weights.shape}")
+        self._stage("combine sent", "idle")
+        weights = xp.ascontiguousarray(weights, dtype=xp.float32)
+        out = xp.empty((n, L.hidden), xp.float32)
+        I, i64 = np.int32, np.int64
+        self._launch("combine_sum", n, self.mem.data, i64(L.flags), i64(L.combine_in),
+                     self.indices, self.stream_pos, weights, I(n), I(L.topk), I(L.hidden),
+                     I(L.local), i64(L.per_peer), I(L.world), np.uint32(self.round),
+                     self.timeout_ns, out, self.report)
+        self._finish("combine")
+        return out
