@@ -196,28 +196,37 @@ extern "C" __global__ void m16_dispatch_push(
 // dispatch, 3 (one block, dynamic shared memory of 3 * experts ints): wait for every
 // sender's counts, then plan the expert-major output, entry x = (local expert, source):
 // plan[x] its first output row, plan[E + x] its first row in the source's stream,
-// plan[2E + x] its length. report (zeroed by the host before the route): rows per local
-// expert, the total, the source that was late (+1, or 0), [local + 2] for combine, and
-// [local + 3] the route's verdict on the batch.
+// plan[2E + x] its length. state (GPU memory): [0] the route's verdict, [1] the total.
+// report (host memory the GPU writes, read by the host once the stream is done): rows
+// per local expert, the total, the source that was late (+1, or 0), [local + 2] the same
+// for combine, [local + 3] the route's verdict on the batch.
 extern "C" __global__ void m16_dispatch_plan(
     const unsigned char *region, long long flags, long long slots, long long slot_bytes,
     int rank, int world, int local, unsigned int round, unsigned long long timeout_ns,
-    int *plan, int *report)
+    int *plan, int *state, int *report)
 {
     extern __shared__ int table[];  // length, then stream start, then output start
     __shared__ int late, carry;
     int E = world * local;
-    if (report[local + 3])  // our batch was refused: nobody sent us anything this round
-        return;
-    if (threadIdx.x == 0)
-        late = m16_wait_flags((const volatile unsigned int *)(region + flags) +
-                              M16_COUNTS * world, world, round, timeout_ns);
-    __syncthreads();
-    if (late >= 0) {
+    if (threadIdx.x == 0) {
+        report[local + 2] = 0;
+        report[local + 3] = state[0];
+        state[1] = 0;
+    }
+    if (state[0]) {  // our batch was refused: nobody sent us anything this round
+        __syncthreads();
         if (threadIdx.x == 0)
-            report[local + 1] = late + 1;
+            state[0] = 0;  // the next batch starts clean
         return;
     }
+    if (threadIdx.x == 0) {
+        late = m16_wait_flags((const volatile unsigned int *)(region + flags) +
+                              M16_COUNTS * world, world, round, timeout_ns);
+        report[local + 1] = late + 1;
+    }
+    __syncthreads();
+    if (late >= 0)
+        return;
     for (int x = threadIdx.x; x < E; x += blockDim.x) {
         int e = x / world, s = x % world;
         const int *sent = (const int *)(region + slots + s * slot_bytes);
@@ -267,19 +276,20 @@ extern "C" __global__ void m16_dispatch_plan(
         report[e] = rows;
     }
     if (threadIdx.x == 0)
-        report[local] = carry;
+        report[local] = state[1] = carry;
 }
 
 // dispatch, 4: blocks stride over the output rows: each finds its (expert, source) entry
 // in the plan, copies the row from the slot or the stripe, and notes where it came from
-// (source, row in the source's stream) for combine.
+// (source, row in the source's stream) for combine. A row's first `split` bytes go to
+// `out`, the rest (fp8's scales) to `tail`.
 extern "C" __global__ void m16_dispatch_gather(
-    const unsigned char *region, const int *plan, const int *report, int local, int world,
-    long long row_bytes, int private_rows, long long per_peer, long long slots,
-    long long slot_bytes, long long header_bytes, long long overflow, unsigned char *out,
-    int *row_source, int *row_stream)
+    const unsigned char *region, const int *plan, const int *state, int local, int world,
+    long long row_bytes, long long split, int private_rows, long long per_peer,
+    long long slots, long long slot_bytes, long long header_bytes, long long overflow,
+    unsigned char *out, unsigned char *tail, int *row_source, int *row_stream)
 {
-    int E = world * local, total = report[local];
+    int E = world * local, total = state[1];
     for (int j = blockIdx.x; j < total; j += gridDim.x) {
         int lo = 0, hi = E - 1;  // the last entry that starts at or before j
         while (lo < hi) {
@@ -293,7 +303,10 @@ extern "C" __global__ void m16_dispatch_gather(
         long long at = q < private_rows
             ? slots + s * slot_bytes + header_bytes + q * row_bytes
             : overflow + (s * per_peer + q - private_rows) * row_bytes;
-        m16_copy_row(out + j * row_bytes, region + at, row_bytes);
+        m16_copy_row(out + j * split, region + at, split);
+        if (split < row_bytes)
+            m16_copy_row(tail + j * (row_bytes - split), region + at + split,
+                         row_bytes - split);
         if (threadIdx.x == 0) {
             row_source[j] = s;
             row_stream[j] = q;
@@ -340,7 +353,7 @@ extern "C" __global__ void m16_combine_push(
 
 // combine, 2: a block per token waits for every peer's outputs (the barrier before the
 // next dispatch too), then sums its topk rows, weighted. report[local + 2]: the late
-// source + 1, or 0.
+// source + 1 (the plan set it to 0).
 extern "C" __global__ void m16_combine_sum(
     const unsigned char *region, long long flags, long long combine_in, const long long *indices,
     const int *stream_pos, const float *weights, int tokens, int topk, int hidden, int local,

@@ -161,12 +161,13 @@ class CudaMemory:
         # when the immediate arrives; waiting for the device covers them.
         self.rt.deviceSynchronize()
 
-    def quantize_fp8(self, x):
+    def quantize_fp8(self, x, out=None):
+        """float32 tokens -> fp8 rows, into `out` (rows of the right width) if given."""
         cp = self.xp
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         n, hidden = x.shape
         row = hidden + hidden // ref.FP8_BLOCK * 4
-        rows = cp.empty((n, row), cp.uint8)
+        rows = cp.empty((n, row), cp.uint8) if out is None else out[:n]
         if n:
             self.quantize((n, hidden // ref.FP8_BLOCK), (ref.FP8_BLOCK,),
                           (x, rows, np.int32(hidden), np.int32(row)))

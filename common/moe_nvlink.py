@@ -74,10 +74,20 @@ class NvlinkAllToAll(Stages):
         self.position = cp.zeros(entries, cp.int32)  # of a selection among its expert's
         self.stream_pos = cp.zeros(entries, cp.int32)  # ...and in our stream to its rank
         self.plan = cp.zeros(3 * experts, cp.int32)
-        self.report = cp.zeros(L.local + 4, cp.int32)  # see m16_dispatch_plan
+        self.state = cp.zeros(2, cp.int32)  # see m16_dispatch_plan
+        # host memory the kernels write (mapped: one address for both): the host reads
+        # the counts and the verdicts once the stream is done, without a copy
+        import cupyx
+        self.report = cupyx.zeros_pinned(L.local + 4, np.int32)
+        self.report_at = np.uintp(self.report.ctypes.data)
         self.row_source = cp.zeros(rows, cp.int32)
         self.row_stream = cp.zeros(rows, cp.int32)
-        self.received = cp.zeros((rows, L.row), cp.uint8)
+        self.rows = cp.zeros((max_tokens, L.row), cp.uint8)  # our tokens on the wire
+        # what dispatch_recv hands out (valid until the next one): the tokens, and fp8's
+        # scales, which the gather writes apart
+        self.split = hidden if dispatch_dtype == "fp8" else L.row
+        self.tokens = cp.zeros((rows, self.split), cp.uint8)
+        self.scales = cp.zeros((rows, L.row - self.split), cp.uint8)
         self.done = cp.zeros(2, cp.uint32)  # the last-block counters of the two pushes
         self.timeout_ns = np.uint64(timeout * 1e9)
         mem.ready()  # zeroed flags everywhere before anyone pushes
@@ -98,7 +108,7 @@ class NvlinkAllToAll(Stages):
                 raise TimeoutError(f"the GPU did not finish {what} within "
                                    f"{self.timeout + 10:g} s")
             os.sched_yield()
-        report = self.report.get()
+        report = self.report.copy()
         local = self.L.local
         if report[local + 3]:  # nothing was sent: the next batch may go
             self.stage = "idle"
@@ -119,38 +129,42 @@ class NvlinkAllToAll(Stages):
         self._stage("idle", "dispatch sent")
         self.round += 1
         self.indices, entries = indices, indices.size
-        rows = self.wire.encode(x)
+        rows = self.mem.quantize_fp8(x, out=self.rows) if L.dtype == "fp8" \
+            else self.wire.encode(x)
+        self.sending = rows  # the push reads it after we return
         I, i64 = np.int32, np.int64
-        report = self.report
-        xp.cuda.runtime.memsetAsync(report.data.ptr, 0, report.nbytes, self.mem.stream.ptr)
         self._launch("route", L.experts, indices, I(entries), I(L.topk), I(L.experts),
-                     self.counts, self.position, report[L.local + 3:])
+                     self.counts, self.position, self.state)
         self._launch("dispatch_push", entries + L.world, rows, indices, self.position,
                      self.counts, I(entries), I(L.topk), I(L.experts), I(L.local),
                      i64(L.row), I(L.private), i64(L.per_peer), self.peers, i64(L.slots),
                      i64(L.slot), i64(L.header), i64(L.overflow), i64(L.flags), I(g.rank),
-                     I(L.world), np.uint32(self.round), self.stream_pos,
-                     report[L.local + 3:], self.done[0:])
-        self.rows = rows  # the push reads it after we return
+                     I(L.world), np.uint32(self.round), self.stream_pos, self.state,
+                     self.done[0:])
 
     def dispatch_recv(self):
         """Wait for every sender, lay the rows out expert-major. Returns (tokens, scales,
-        counts per local expert on the host); scales is None for bf16."""
+        counts per local expert on the host); scales is None for bf16. tokens and scales
+        live in this object's buffers: valid until the next dispatch_recv."""
         L, g = self.L, self.group
         self._stage("dispatch sent", "dispatched")
         I, i64 = np.int32, np.int64
         region = self.mem.data
         self._launch("dispatch_plan", 1, region, i64(L.flags), i64(L.slots), i64(L.slot),
                      I(g.rank), I(L.world), I(L.local), np.uint32(self.round),
-                     self.timeout_ns, self.plan, self.report, shared=3 * 4 * L.experts)
-        self._launch("dispatch_gather", min(len(self.received), 4096), region, self.plan,
-                     self.report, I(L.local), I(L.world), i64(L.row), I(L.private),
-                     i64(L.per_peer), i64(L.slots), i64(L.slot), i64(L.header),
-                     i64(L.overflow), self.received, self.row_source, self.row_stream)
+                     self.timeout_ns, self.plan, self.state, self.report_at,
+                     shared=3 * 4 * L.experts)
+        self._launch("dispatch_gather", min(len(self.tokens), 4096), region, self.plan,
+                     self.state, I(L.local), I(L.world), i64(L.row), i64(self.split),
+                     I(L.private), i64(L.per_peer), i64(L.slots), i64(L.slot),
+                     i64(L.header), i64(L.overflow), self.tokens, self.scales,
+                     self.row_source, self.row_stream)
         report = self._finish("dispatch")
-        self.total = int(report[L.local])
-        tokens, scales = self.wire.split(self.received[:self.total])
-        return tokens, scales, report[:L.local].astype(np.int64)
+        self.total = n = int(report[L.local])
+        if L.dtype == "fp8":
+            return self.tokens[:n], self.scales[:n].view(self.xp.float32), \
+                report[:L.local].astype(np.int64)
+        return self.tokens[:n].view(self.xp.uint16), None, report[:L.local].astype(np.int64)
 
     def combine_send(self, expert_out):
         """Send each expert output (float32, expert-major as dispatch_recv gave the
@@ -181,6 +195,6 @@ class NvlinkAllToAll(Stages):
         self._launch("combine_sum", n, self.mem.data, i64(L.flags), i64(L.combine_in),
                      self.indices, self.stream_pos, weights, I(n), I(L.topk), I(L.hidden),
                      I(L.local), i64(L.per_peer), I(L.world), np.uint32(self.round),
-                     self.timeout_ns, out, self.report)
+                     self.timeout_ns, out, self.report_at)
         self._finish("combine")
         return out
