@@ -31,15 +31,16 @@ e4m3 with block scales and bf16 (common/moe_reference.py, also the reference
 every run is checked against); the proxy; --device cpu, where numpy stands in
 for the kernels and host memory for GPU memory.
 
---device cuda runs the same protocol on GPU memory: cupy and the fp8 kernel of
-chapters/16_moe.cu do the packing, node peers are copied to through CUDA IPC,
-other nodes get WRITEs from registered GPU memory (FI_HMEM); --baseline nccl
-checks and times NCCL doing the whole job. On 2 x H200 every check passes
-with 2 ranks, one node or two; 4 ranks sharing 2 GPUs on two nodes needed
-a whole-device synchronisation before each send (README says more). The GPU work is still driven from the host (kernels pack and
-unpack; the host copies, stamps and waits); the article's design, where the
-kernels push over NVLink themselves and wake the proxy through host-mapped
-memory, is the step after that.
+--device cuda keeps the data in GPU memory. On one node the GPU drives it all
+(common/moe_nvlink.py and the kernels of chapters/16_moe.cu): kernels count, push each row
+over NVLink into its receiver's memory and raise a flag; the receiver's kernels wait for
+the flags and gather; the host only launches and waits once per receive half. That
+changes one thing in the protocol: each sender owns a stripe of the receiver's region, so
+nobody waits for the counts before sending the rest. --drive host runs this file's
+host-driven protocol on GPUs too (cupy packs, the host copies, stamps and waits), and so
+do two or more nodes, where the proxy's WRITEs carry the bytes. --baseline nccl checks and
+times NCCL doing the whole job. On 2 x H200 at the decode shape: 218 / 167 us GPU-driven,
+1628 / 675 us NCCL, 2528 / 968 us host-driven over libfabric (README has the table).
 
     python scripts/launch.py -n 4 chapters/16_moe.py                       # one node
     python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm

@@ -150,10 +150,10 @@ class CudaMemory:
                             self.rt.memcpyDefault, self.stream.ptr)
 
     def ready(self):
-        # The whole device, not our stream alone: with only the stream, 4 ranks on two
-        # emulated nodes got wrong combine sums (every run; right with
-        # CUDA_LAUNCH_BLOCKING=1, and right with this). libfabric's own copies run on
-        # the legacy stream from the proxy thread; which of them raced is not pinned down.
+        # The whole device, not our stream alone: with only the stream (then a non-blocking
+        # one), 4 host-driven ranks on two emulated nodes got wrong combine sums (every
+        # run; right with CUDA_LAUNCH_BLOCKING=1, and right with this). libfabric's own
+        # copies run from the proxy thread; which of them raced is not pinned down.
         self.rt.deviceSynchronize()
 
     def settle(self):
