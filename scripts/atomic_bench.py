@@ -89,7 +89,8 @@ static void *add(void *arg)
     uint64_t i = 0;
     for (; i < j->updates && !__atomic_load_n(j->stop, __ATOMIC_RELAXED); i++) {
         if (j->mode == TURNS)  /* wait until the count says it is this thread's turn */
-            while (__atomic_load_n(&j->counter->value, __ATOMIC_ACQUIRE) % j->threads != (uint64_t)j->me)
+            while (__atomic_load_n(&j->counter->value, __ATOMIC_ACQUIRE) % j->threads
+                   != (uint64_t)j->me)
                 if (__atomic_load_n(j->stop, __ATOMIC_RELAXED))
                     goto done;
         __atomic_fetch_add(&j->counter->value, 1, __ATOMIC_SEQ_CST);
