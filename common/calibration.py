@@ -3,22 +3,24 @@
 Each parameter says where its value comes from:
 - "blog": a p5 fact the series reports that is not a chapter's headline figure
   (link speed, the fabtests peak of one NIC, a cold vs a warm first WRITE);
+- "measured": on our machines, read from the file under results/ that the
+  source names (how one C worker spends its time per WRITE, how long a cache
+  line takes to pass between cores). Neither machine is a p5 and neither
+  WRITE goes to an EFA NIC: the README says what carries over;
 - "assumed": not known for a p5; the notebook what_if shows how much it matters;
-- "fitted on NN": solved so that the model gives chapter NN's figure. At most
-  three chapters are spent this way.
-- "own chapter NN": a mechanism only chapter NN shows (threads moved across
-  NUMA nodes, one counter shared by eight threads): the value is solved from
-  that chapter itself, so the chapter is described, not predicted.
-The chapters neither fitted nor described are predictions.
+- "fitted on NN": solved so that the model gives chapter NN's figure. Three
+  chapters are spent this way, no more.
+The other chapters are predictions.
 """
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
 from common.model import Costs, Layout, Machine, throughput
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-TOLERANCE = 10  # percent: what a predicted chapter may miss the blog's figure by
+TOLERANCE = 10  # percent: the aim for a predicted chapter's distance from the blog's figure
 
 ONE_THREAD_PER_GPU = Layout(threads_per_gpu=1)
 CHAPTERS = {  # each chapter's layout on the p5, and what it changes
@@ -47,10 +49,13 @@ MEANINGS = {
     "unpinned": ("1", "factor on every CPU cost when threads are not pinned"),
 }
 ASSUMED = {"post_share": 0.5, "latency_us": 15.0}
-# (parameter, chapter, search range): solved in this order, the first three "fitted"
-FITS = [("op_us", "10", (0.01, 100)), ("crowd", "13", (0, 10)), ("inflight", "14", (1, 1e4)),
-        ("atomic_us", "12", (0, 100)), ("unpinned", "11", (1, 100))]
-FITTED = 3
+# (parameter, chapter, search range), solved in this order. Threads left unpinned (11) cannot
+# be measured on our one-NUMA-node machines, so it is one of the three.
+FITS = [("crowd", "13", (0, 10)), ("inflight", "14", (1, 1e4)), ("unpinned", "11", (1, 100))]
+# The files under results/ that the two other CPU costs are measured in:
+ATOMIC = "model/atomic-vm-2core.json"        # scripts/atomic_bench.py, the 2-core VM
+WORKER = "progression/h200x2-shm-host.json"  # scripts/progression.py, the 2 x H200 box's Xeon
+WORKER_RUN = ("chapter 13", 4096)  # pinned C workers, a counter each, one WRITE per visit
 
 
 def load_blog(results=RESULTS):
@@ -63,6 +68,27 @@ def blog_facts(blog):
     return {"link_gbps": link,
             "efficiency": blog["fabtests"]["fi_rma_bw_one_nic_peak_MBps"] * 8 / 1e3 / link,
             "first_contact_ms": blog["first_write_ms"]["cold"] - blog["first_write_ms"]["warm"]}
+
+
+def measured(results=RESULTS):
+    """{parameter: (value, source)} for the parameters measured on our machines.
+
+    op_us: a C worker's time per WRITE in chapter 13 (threads / Mpps), the layout op_us
+    is defined on; host memory and 4 KiB pages, where the copy shm makes costs least. The
+    loop and the libfabric calls are the p5's, but a post goes to shm, not to a NIC, and shm
+    refuses posts while the receiver copies: the writer's own time is this or less.
+    atomic_us: the counter's line passed between cores that take turns."""
+    results = Path(results)
+    atomic = json.loads((results / ATOMIC).read_text())
+    turns = max(atomic["runs"], key=lambda r: r["threads"], default={})  # the most threads
+    tool, size = WORKER_RUN
+    runs = json.loads((results / WORKER).read_text())["runs"]
+    run = {(r["tool"], r["size"]): r for r in runs}[WORKER_RUN]
+    threads = int(re.search(r"--groups (\d+)", run["command"])[1])  # one worker thread per group
+    return {"atomic_us": (turns["turns_ns"] / 1e3,
+                          f"measured: results/{ATOMIC}, {turns['threads']} threads in turns"),
+            "op_us": (threads / run["mpps"],
+                      f"measured: results/{WORKER}, {tool} at {size >> 10} KiB, {threads} threads")}
 
 
 def build(params, topology):
@@ -94,13 +120,14 @@ def solve(f, target, lo, hi, steps=100):
     return (lo + hi) / 2
 
 
-def calibrate(blog, assumed=None):
+def calibrate(blog, ours, assumed=None):
     """Parameter values (with their sources) and the table: chapter, blog, model, error.
-    `assumed`: other values for the assumed parameters (the notebook what_if tries some)."""
+    `ours`: measured(); `assumed`: other values for the assumed parameters (the notebook
+    what_if tries some)."""
     topology = blog["topology"]
     assumed = {**ASSUMED, **(assumed or {})}
-    params = {**blog_facts(blog), **assumed, "op_us": 1.0, "crowd": 0.0, "inflight": float("inf"),
-              "atomic_us": 0.0, "unpinned": 1.0}
+    params = {**blog_facts(blog), **assumed, **{name: v for name, (v, _) in ours.items()},
+              "crowd": 0.0, "inflight": float("inf"), "unpinned": 1.0}
     for _ in range(3):  # each fit moves the others a little: go round until they settle
         for name, chapter, (lo, hi) in FITS:
             target = blog["chapters"][chapter]["gbps"]
@@ -108,10 +135,9 @@ def calibrate(blog, assumed=None):
                                  target, lo, hi)
     source = {name: "blog" for name in blog_facts(blog)}
     source.update({name: "assumed" for name in assumed})
-    role = {}
-    for i, (name, chapter, _) in enumerate(FITS):
-        source[name] = f"fitted on {chapter}" if i < FITTED else f"own chapter {chapter}"
-        role[chapter] = "fitted" if i < FITTED else "described"
+    source.update({name: where for name, (_, where) in ours.items()})
+    source.update({name: f"fitted on {chapter}" for name, chapter, _ in FITS})
+    fitted = {chapter for _, chapter, _ in FITS}
     machine, costs = build(params, topology)
     rows = []
     for chapter, (what, layout) in CHAPTERS.items():
@@ -120,7 +146,7 @@ def calibrate(blog, assumed=None):
         rows.append({"chapter": chapter, "what": what, "blog_gbps": figure,
                      "model_gbps": round(result.gbps, 1),
                      "error_percent": round(100 * (result.gbps / figure - 1), 1),
-                     "role": role.get(chapter, "predicted"), "limit": result.limit,
+                     "role": "fitted" if chapter in fitted else "predicted", "limit": result.limit,
                      "percent_of_line": round(result.percent, 1)})
     return {"parameters": {name: {"value": round(params[name], 6), "unit": MEANINGS[name][0],
                                   "meaning": MEANINGS[name][1], "source": source[name]}
@@ -136,7 +162,8 @@ def table(result):
                      f"{r['model_gbps']:>8.1f} {r['error_percent']:>+6.1f}%  {r['role']}, {r['limit']}")
     lines.append("")
     for name, p in result["parameters"].items():
-        lines.append(f"{name:<17} {p['value']:>10.4g} {p['unit']:<7} {p['source']:<16} {p['meaning']}")
+        lines.append(f"{name:<17} {p['value']:>10.4g} {p['unit']:<7} {p['meaning']}")
+        lines.append(f"{'':<36} {p['source']}")
     return "\n".join(lines)
 
 

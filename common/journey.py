@@ -69,8 +69,8 @@ def blog_percent(blog, chapter):
 
 
 def _model(ax, rows, x, key, label):
-    """The model's points, one marker per role: predicted, fitted, described."""
-    for role, marker in (("predicted", "D"), ("fitted", "s"), ("described", "x")):
+    """The model's points, one marker per role: predicted, fitted."""
+    for role, marker in (("predicted", "D"), ("fitted", "s")):
         mine = [c for c in rows if c in x and rows[c]["role"] == role]
         ax.plot([x[c] for c in mine], [rows[c][key] for c in mine], marker, color="tab:red",
                 fillstyle="none", markersize=9, linestyle="none", label=f"{label} ({role})")

@@ -1,14 +1,17 @@
 """Calibrate the model of the p5 run on the blog's figures and print the prediction table.
 
     python scripts/calibrate.py                 # writes results/model/calibration.json
-    python scripts/calibrate.py --results DIR   # reads DIR/blog_p5.json, writes DIR/model/
+    python scripts/calibrate.py --results DIR   # reads DIR/blog_p5.json and the measurements
+                                                # common/calibration.py names; writes DIR/model/
 
-Three chapters are fitted, two are described by a parameter of their own,
-the others are predicted (common/calibration.py says which and why).
+Two CPU costs are measured on our machines, three parameters are fitted on a
+chapter each, the other five chapters are predicted (common/calibration.py
+says which and why).
 """
 import argparse
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,29 +19,40 @@ sys.path.insert(0, str(ROOT))
 from common import calibration  # noqa: E402
 
 
-def load(results):
-    """The blog's figures, or exit with one line saying what is wrong with them."""
-    path = Path(results) / "blog_p5.json"
+@contextmanager
+def one_line(path):
+    """Exit with one line saying what is wrong with the file(s) at `path`."""
+    me = Path(sys.argv[0]).stem
     try:
+        yield
+    except OSError as e:
+        sys.exit(f"{me}: cannot read {e.filename}: {e.strerror}")
+    except json.JSONDecodeError as e:
+        sys.exit(f"{me}: {path} is not JSON: {e}")
+    except (KeyError, TypeError) as e:
+        sys.exit(f"{me}: {path} lacks {e}")
+
+
+def load(results):
+    """The blog's figures and our measurements, or exit with one line saying what is wrong."""
+    path = Path(results) / "blog_p5.json"
+    with one_line(path):
         blog = calibration.load_blog(results)
         calibration.blog_facts(blog)
         missing = [c for c in calibration.CHAPTERS if c not in blog["chapters"]]
-    except OSError as e:
-        sys.exit(f"{Path(sys.argv[0]).stem}: cannot read {path}: {e.strerror}")
-    except ValueError as e:
-        sys.exit(f"{Path(sys.argv[0]).stem}: {path} is not JSON: {e}")
-    except (KeyError, TypeError) as e:
-        sys.exit(f"{Path(sys.argv[0]).stem}: {path} lacks {e}")
     if missing:
         sys.exit(f"{Path(sys.argv[0]).stem}: {path} has no figure for chapter(s) {', '.join(missing)}")
-    return blog
+    files = [str(Path(results) / name) for name in (calibration.ATOMIC, calibration.WORKER)]
+    with one_line(" or ".join(files)):
+        ours = calibration.measured(results)
+    return blog, ours
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", default=str(ROOT / "results"), help="folder with blog_p5.json")
     args = p.parse_args()
-    result = calibration.calibrate(load(args.results))
+    result = calibration.calibrate(*load(args.results))
     out = Path(args.results) / "model" / "calibration.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -22,12 +22,12 @@ def main():
     p.add_argument("--results", default=str(ROOT.parent / "results"), help="folder of results")
     p.add_argument("--out", help="the PNG to write (default: RESULTS/journey.png)")
     args = p.parse_args()
-    blog = load(args.results)
+    blog, measured = load(args.results)
     out = Path(args.out or Path(args.results) / "journey.png")
     if out.suffix.lower() != ".png" or not out.parent.is_dir():
         sys.exit(f"journey: --out must be a .png in an existing folder, not {out}")
     ours = journey.measured(args.results)
-    journey.plot(blog, calibration.calibrate(blog), ours, out)
+    journey.plot(blog, calibration.calibrate(blog, measured), ours, out)
     print(f"wrote {out} ({len(ours)} setups of ours: {', '.join(sorted(ours)) or 'none'})")
 
 

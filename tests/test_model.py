@@ -90,25 +90,57 @@ def test_cold_nics_cost_their_first_contact_once_each():
 
 @pytest.fixture(scope="module")
 def fresh():
-    return calibration.calibrate(calibration.load_blog())
+    return calibration.calibrate(calibration.load_blog(), calibration.measured())
 
 
-def test_predictions_are_within_the_stated_tolerance(fresh):
+# The predictions that miss the tolerance, with their error in percent, as README's "The model"
+# reports them: the test holds them to that figure, not to the tolerance they miss.
+MISSES = {"12": +21.5}
+
+
+def test_predictions_are_within_the_stated_tolerance_or_the_stated_miss(fresh):
     blog = calibration.load_blog()["chapters"]
     rows = {r["chapter"]: r for r in fresh["chapters"]}
     assert set(rows) == set(blog) and fresh["tolerance_percent"] == 10
     for chapter, row in rows.items():
-        error = 100 * abs(row["model_gbps"] / blog[chapter]["gbps"] - 1)
-        limit = fresh["tolerance_percent"] if row["role"] == "predicted" else 0.1
-        assert error <= limit, (chapter, row)
-    assert sum(r["role"] == "fitted" for r in rows.values()) <= 3
-    assert sum(r["role"] == "predicted" for r in rows.values()) >= 3
+        error = 100 * (row["model_gbps"] / blog[chapter]["gbps"] - 1)
+        if row["role"] == "fitted":
+            assert abs(error) <= 0.1, row
+        elif chapter in MISSES:
+            reported = MISSES[chapter]
+            assert abs(error) > fresh["tolerance_percent"], row
+            assert row["error_percent"] == reported and abs(error - reported) < 0.1, row
+        else:
+            assert abs(error) <= fresh["tolerance_percent"], row
+    assert [r["chapter"] for r in rows.values() if r["role"] == "fitted"] == ["11", "13", "14"]
+    assert sum(r["role"] == "predicted" for r in rows.values()) == 5
 
 
 def test_every_parameter_says_where_it_comes_from(fresh):
+    fitted = 0
     for name, p in fresh["parameters"].items():
         assert p["unit"] and p["meaning"], name
-        assert p["source"] in ("blog", "assumed") or p["source"].split()[-1] in calibration.CHAPTERS
+        kind, _, rest = p["source"].partition(" ")
+        if kind == "measured:":  # the file it was measured in
+            assert (ROOT / rest.split(",")[0]).is_file(), p
+        elif kind == "fitted":
+            fitted += 1
+            assert rest.split()[-1] in calibration.CHAPTERS, p
+        else:
+            assert p["source"] in ("blog", "assumed"), p
+    assert fitted == 3
+
+
+def test_measured_costs_are_read_from_their_files(tmp_path):
+    atomic = {"runs": [{"threads": 1, "turns_ns": 3.0}, {"threads": 2, "turns_ns": 40.0}]}
+    worker = {"runs": [{"tool": "chapter 13", "size": 65536, "mpps": 0.1, "command": "--groups 4"},
+                       {"tool": "chapter 13", "size": 4096, "mpps": 0.5, "command": "--groups 4"}]}
+    for name, data in ((calibration.ATOMIC, atomic), (calibration.WORKER, worker)):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(json.dumps(data))
+    ours = calibration.measured(tmp_path)
+    assert close(ours["atomic_us"][0], 0.040) and "2 threads in turns" in ours["atomic_us"][1]
+    assert close(ours["op_us"][0], 4 / 0.5) and calibration.WORKER in ours["op_us"][1]
 
 
 def test_committed_calibration_is_current(fresh):
@@ -145,6 +177,13 @@ def test_ours_are_shares_of_the_best_baseline_of_their_setup(tmp_path):
     assert figure["limit"] == "fi_rma_bw -o writedata" and close(figure["percent"], 50)
 
 
+def write_measurements(folder):
+    """The files the calibration reads our measured costs from."""
+    for name in (calibration.ATOMIC, calibration.WORKER):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / "results" / name, folder / name)
+
+
 def script(name, *args):
     return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args],
                           capture_output=True, text=True, timeout=120)
@@ -152,6 +191,7 @@ def script(name, *args):
 
 def test_journey_script_draws_from_any_results_folder(tmp_path):
     write_results(tmp_path)
+    write_measurements(tmp_path)
     done = script("journey.py", "--results", str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "journey.png").stat().st_size > 10_000
@@ -159,6 +199,7 @@ def test_journey_script_draws_from_any_results_folder(tmp_path):
 
 def test_calibrate_script_writes_and_prints_the_table(tmp_path, fresh):
     write_results(tmp_path)
+    write_measurements(tmp_path)
     done = script("calibrate.py", "--results", str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "model" / "calibration.json").read_text()) == \
@@ -180,6 +221,13 @@ def test_scripts_reject_bad_results_in_one_line(tmp_path, blog, pattern):
         assert done.returncode == 1 and len(lines) == 1 and pattern in lines[0], done.stderr
 
 
+def test_scripts_say_which_measurement_is_missing(tmp_path):
+    write_results(tmp_path)  # the blog's figures, none of our measured costs
+    for name in ("calibrate.py", "journey.py"):
+        done = script(name, "--results", str(tmp_path))
+        assert done.returncode == 1 and f"cannot read {tmp_path / calibration.ATOMIC}:" in done.stderr
+
+
 def test_readme_table_is_the_calibration(fresh):
     """README's table of the model is a copy: it must say what calibrate() says."""
     readme = (ROOT / "README.md").read_text()
@@ -187,8 +235,16 @@ def test_readme_table_is_the_calibration(fresh):
         cells = next(line for line in readme.splitlines()
                      if line.startswith(f"| {row['chapter']} | {row['blog_gbps']:.1f} |")).split("|")
         assert float(cells[3]) == row["model_gbps"] and cells[5].strip() == row["role"], cells
+        if row["role"] == "predicted":
+            assert float(cells[4].strip().rstrip("%")) == row["error_percent"], cells
 
 
 def test_nics_must_split_evenly_among_threads():
     with pytest.raises(ValueError, match="split evenly"):
         throughput(FAST_LINK, Costs(), Layout(threads_per_gpu=3))
+
+
+def test_atomic_bench_wants_a_core_per_thread():
+    done = script("atomic_bench.py", "--label", "test", "--threads", "1,100000")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 1 and "one core each" in lines[0], done.stderr
