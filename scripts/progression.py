@@ -2,6 +2,7 @@
 
     python scripts/progression.py -p shm --sizes 64K --label my-laptop
     python scripts/progression.py -p shm --sizes 64K,1M --gpus 0,1 --label h200x2
+    python scripts/progression.py -p shm --sizes 4K --groups 8 --chapters 13 --label box-8
 
 With --gpus A,B the buffers are on both GPUs on both sides and each GPU
 writes to the other's (every byte crosses NVLink, both ways at once); the
@@ -22,17 +23,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baseline import ROOT, fi_rma_bw, measure, memcpy_peer, parse, parser, save  # noqa: E402
 from bench import run_chapter  # noqa: E402
 
-CHAPTERS = range(9, 16)
+CHAPTERS = "9,10,11,12,13,14,15"
 
 
 def main():
     p = parser(__doc__)
     p.add_argument("--nics-per-gpu", type=int, default=2, help="(virtual) NICs per GPU (2)")
     p.add_argument("--groups", type=int, default=2, help="host memory: GPUs stood in for (2)")
+    p.add_argument("--chapters", default=CHAPTERS, help=f"which of them ({CHAPTERS})")
     args = parse(p)
+    chapters = [int(c) for c in args.chapters.split(",") if c.isdigit()]
+    if not chapters or set(chapters) - set(range(9, 16)) or \
+            len(chapters) != len(args.chapters.split(",")):
+        p.error(f"--chapters takes numbers from 9 to 15 like 13,15, got '{args.chapters}'")
     tools = [(f"chapter {c:02d}", lambda size, iters, c=c: run_chapter(
         c, args.provider, size, iters, args.gpus, args.nics_per_gpu, args.timeout, args.groups))
-        for c in CHAPTERS]
+        for c in chapters]
     if args.gpus:
         pairs = [args.gpus, args.gpus[::-1]]
         ceiling = ("cudaMemcpyPeer both ways", lambda size, iters: memcpy_peer(size, iters, pairs))
