@@ -245,9 +245,10 @@ class AllToAll(Stages):
     """dispatch and combine for one layer shape; each split into a send and a receive half."""
 
     def __init__(self, own, group, max_tokens, experts, topk, hidden, dispatch_dtype="fp8",
-                 private_tokens=8, provider=None, timeout=30.0, device="cpu"):
+                 private_tokens=8, provider=None, timeout=30.0, device="cpu",
+                 combine_dtype="bf16"):
         check_shape(group.world, max_tokens, experts, topk, hidden, dispatch_dtype,
-                    private_tokens)
+                    private_tokens, combine_dtype)
         self.group, self.timeout = group, timeout
         self.L = L = Layout(group.world, experts, max_tokens, topk, hidden, dispatch_dtype,
                             private_tokens)
@@ -580,7 +581,7 @@ def record(path, args, group, provider, rows):
             "machine": bench.machine(0 if args.device == "cuda" else None),
             "git": bench.git_sha(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "shape": {"hidden": args.hidden, "experts": args.experts, "topk": args.topk,
-                      "dispatch": args.dispatch_dtype, "combine": "bf16",
+                      "dispatch": args.dispatch_dtype, "combine": args.combine_dtype,
                       "private_tokens": args.private_tokens},
             "runs": rows}
     return bench.write_json(path, data)
@@ -607,6 +608,8 @@ def main():
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--dispatch-dtype", choices=["fp8", "bf16"], default="fp8",
                    help="the benchmark's (the checks run both)")
+    p.add_argument("--combine-dtype", choices=["bf16"], default="bf16",
+                   help="what expert outputs travel back as (bf16, summed in float32)")
     p.add_argument("--private-tokens", type=int, default=8,
                    help="tokens per sender that travel with the counts (default 8)")
     p.add_argument("--drive", choices=["gpu", "host"], help="--device cuda on one node: "
@@ -647,7 +650,7 @@ def main():
         raise cli.UsageError("--baseline nccl needs --device cuda")
     try:
         check_shape(place.world, args.max_tokens, args.experts, args.topk, args.hidden,
-                    args.dispatch_dtype, args.private_tokens)
+                    args.dispatch_dtype, args.private_tokens, args.combine_dtype)
     except ValueError as e:
         raise cli.UsageError(str(e)) from None
     if "empty-expert" in cases and args.topk >= args.experts:
@@ -658,13 +661,15 @@ def main():
         def ours(own, dtype, private):
             if args.drive == "gpu":
                 return NvlinkAllToAll(own, group, args.max_tokens, args.experts, args.topk,
-                                      args.hidden, dtype, private, args.timeout, KERNELS)
+                                      args.hidden, dtype, private, args.timeout, KERNELS,
+                                      args.combine_dtype)
             return AllToAll(own, group, args.max_tokens, args.experts, args.topk, args.hidden,
-                            dtype, private, args.provider, args.timeout, args.device)
+                            dtype, private, args.provider, args.timeout, args.device,
+                            args.combine_dtype)
 
         def nccl(own, dtype, private):
             return NcclAllToAll(own, group, args.max_tokens, args.experts, args.topk,
-                                args.hidden, dtype, KERNELS)
+                                args.hidden, dtype, KERNELS, args.combine_dtype)
         builds = {"ours": ours, **({"nccl": nccl} if args.baseline else {})}
         if group.rank == 0:
             where = f"{group.nodes} emulated nodes of {group.ranks_per_node}" \

@@ -35,7 +35,7 @@ class Stages:
         self.stage = then
 
 
-def check_shape(world, max_tokens, experts, topk, hidden, dtype, private):
+def check_shape(world, max_tokens, experts, topk, hidden, dtype, private, combine="bf16"):
     """Bad layer shapes, refused before anything is opened (one line each)."""
     if max_tokens < 1 or hidden < 1 or private < 0:
         raise ValueError("need max tokens >= 1, hidden >= 1, private tokens >= 0")
@@ -45,6 +45,8 @@ def check_shape(world, max_tokens, experts, topk, hidden, dtype, private):
         raise ValueError(f"top-k ({topk}) must be 1..{experts} (the number of experts)")
     if dtype not in ("fp8", "bf16"):
         raise ValueError(f"dispatch dtype must be fp8 or bf16, not {dtype!r}")
+    if combine != "bf16":  # what the published kernels send back too; summed in float32
+        raise ValueError(f"combine dtype must be bf16, not {combine!r}")
     if dtype == "fp8" and hidden % ref.FP8_BLOCK:
         raise ValueError(f"fp8 needs hidden ({hidden}) to be a multiple of {ref.FP8_BLOCK}")
 

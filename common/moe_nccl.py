@@ -15,8 +15,10 @@ class NcclAllToAll(Stages):
     back for combine, then the weighted sum. GPU only, one GPU per rank (NCCL refuses two
     ranks on one GPU). Run on 2 x H200 (2 ranks)."""
 
-    def __init__(self, own, group, max_tokens, experts, topk, hidden, dispatch_dtype, kernels):
-        check_shape(group.world, max_tokens, experts, topk, hidden, dispatch_dtype, 0)
+    def __init__(self, own, group, max_tokens, experts, topk, hidden, dispatch_dtype, kernels,
+                 combine_dtype="bf16"):
+        check_shape(group.world, max_tokens, experts, topk, hidden, dispatch_dtype, 0,
+                    combine_dtype)
         self.group = group
         self.L = Shape(group.world, experts, max_tokens, topk, hidden, dispatch_dtype)
         self.mem = mem = CudaMemory(own, group, 0, kernels)

@@ -50,9 +50,9 @@ class NvlinkAllToAll(Stages):
     proxy = None
 
     def __init__(self, own, group, max_tokens, experts, topk, hidden, dispatch_dtype="fp8",
-                 private_tokens=8, timeout=30.0, kernels=None):
+                 private_tokens=8, timeout=30.0, kernels=None, combine_dtype="bf16"):
         check_shape(group.world, max_tokens, experts, topk, hidden, dispatch_dtype,
-                    private_tokens)
+                    private_tokens, combine_dtype)
         if group.nodes > 1:
             raise ValueError("the GPU-driven all-to-all reaches peers through NVLink only: "
                              "one node (other nodes take the host-driven path)")

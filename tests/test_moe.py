@@ -227,6 +227,7 @@ def test_wrong_combine_shapes_are_refused_and_the_round_goes_on(one_rank):
     (dict(experts=0, topk=1), "0 experts do not split evenly"),
     (dict(experts=8, topk=2, hidden=100), "multiple of 128"),
     (dict(experts=8, topk=2, dispatch_dtype="fp16"), "fp8 or bf16"),
+    (dict(experts=8, topk=2, combine_dtype="fp8"), "combine dtype must be bf16, not 'fp8'"),
 ])
 def test_bad_shapes_are_refused(shape, pattern):
     moe = chapter_module()
