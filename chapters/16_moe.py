@@ -109,8 +109,8 @@ import numpy as np
 from common import bench, cli, launch, memory
 from common import moe_reference as ref
 from common._native16 import ffi, lib as native
-from common.moe import Shape, Stages, Wire, check_shape, check_tokens, receive_plan, \
-    send_plan, weighted_sum
+from common.moe import Shape, Stages, Wire, aligned, check_shape, check_tokens, \
+    receive_plan, send_plan, weighted_sum
 from common.moe_memory import DEVICES, Region
 from common.moe_nccl import NcclAllToAll
 from common.moe_nvlink import NvlinkAllToAll
@@ -120,13 +120,8 @@ import common.fabric as fi
 COUNTS, OVERFLOW, COMBINE = range(3)  # what a stamp says arrived (the immediate's kind)
 KINDS = 3
 RING = 256                 # commands the device side may queue for the proxy
-ALIGN = 64
 PEER = struct.Struct("<QQH")  # region base, MR key, address length (+ the address)
 KERNELS = os.path.splitext(os.path.abspath(__file__))[0] + ".cu"  # 16_moe.cu, for cuda
-
-
-def aligned(size):
-    return -(-size // ALIGN) * ALIGN
 
 
 # %% [markdown]
@@ -147,11 +142,7 @@ class Layout(Shape):
                     ("signal_in", 8 * world),
                     ("send", world * self.header + max_tokens * topk * self.row),
                     ("combine_out", world * self.per_peer * self.out_row)]
-        at = 0
-        for name, size in sections:
-            setattr(self, name, at)
-            at += aligned(size)
-        self.size = at
+        self.lay_out(sections)
 
 
 class Proxy:

@@ -9,6 +9,13 @@ import numpy as np
 from common import moe_reference as ref
 
 
+ALIGN = 64  # bytes: each section of a region starts on a cache line (16-byte copies fit)
+
+
+def aligned(size):
+    return -(-size // ALIGN) * ALIGN
+
+
 class Shape:
     """One MoE layer over `world` ranks; rank r hosts experts r * local .. (r + 1) * local - 1.
 
@@ -22,6 +29,15 @@ class Shape:
         self.row = hidden + hidden // ref.FP8_BLOCK * 4 if dtype == "fp8" else 2 * hidden
         self.out_row = 2 * hidden  # combine: bf16
         self.per_peer = max_tokens * min(topk, self.local)
+
+    def lay_out(self, sections):
+        """Put `sections` [(name, bytes)] one after another, each aligned: self.<name> is
+        where it starts (the same offsets on every rank), self.size the whole region."""
+        at = 0
+        for name, size in sections:
+            setattr(self, name, at)
+            at += aligned(size)
+        self.size = at
 
 
 class Stages:

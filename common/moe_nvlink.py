@@ -17,15 +17,10 @@ import time
 
 import numpy as np
 
-from common.moe import Shape, Stages, Wire, check_shape, check_tokens, index_error
+from common.moe import Shape, Stages, Wire, aligned, check_shape, check_tokens, index_error
 from common.moe_memory import CudaMemory
 
-ALIGN = 256
 THREADS = 256
-
-
-def aligned(size):
-    return -(-size // ALIGN) * ALIGN
 
 
 class NodeLayout(Shape):
@@ -36,13 +31,9 @@ class NodeLayout(Shape):
         self.private = private
         self.header = aligned(4 * experts)  # a sender's counts, one int32 per expert
         self.slot = aligned(self.header + private * self.row)
-        at = 0
-        for name, size in [("flags", 4 * 2 * world), ("slots", world * self.slot),
-                           ("overflow", world * self.per_peer * self.row),
-                           ("combine_in", world * self.per_peer * self.out_row)]:
-            setattr(self, name, at)
-            at += aligned(size)
-        self.size = at
+        self.lay_out([("flags", 4 * 2 * world), ("slots", world * self.slot),
+                      ("overflow", world * self.per_peer * self.row),
+                      ("combine_in", world * self.per_peer * self.out_row)])
 
 
 class NvlinkAllToAll(Stages):
