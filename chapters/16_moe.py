@@ -39,8 +39,8 @@ changes one thing in the protocol: each sender owns a stripe of the receiver's r
 nobody waits for the counts before sending the rest. --drive host runs this file's
 host-driven protocol on GPUs too (cupy packs, the host copies, stamps and waits), and so
 do two or more nodes, where the proxy's WRITEs carry the bytes. --baseline nccl checks and
-times NCCL doing the whole job. On 2 x H200 at the decode shape: 218 / 167 us GPU-driven,
-1628 / 675 us NCCL, 2528 / 968 us host-driven over libfabric (README has the table).
+times NCCL doing the whole job. On 2 x H200 at the decode shape: 224 / 180 us GPU-driven,
+2103 / 824 us NCCL, 2372 / 910 us host-driven over libfabric (README has the table).
 
     python scripts/launch.py -n 4 chapters/16_moe.py                       # one node
     python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm
