@@ -126,8 +126,9 @@ def calibrate(blog, ours, assumed=None):
     what_if tries some)."""
     topology = blog["topology"]
     assumed = {**ASSUMED, **(assumed or {})}
-    params = {**blog_facts(blog), **assumed, **{name: v for name, (v, _) in ours.items()},
-              "crowd": 0.0, "inflight": float("inf"), "unpinned": 1.0}
+    start = {"crowd": 0.0, "inflight": float("inf"), "unpinned": 1.0}  # before a fit
+    params = {**blog_facts(blog), **assumed, **start,
+              **{name: v for name, (v, _) in ours.items()}}
     for _ in range(3):  # each fit moves the others a little: go round until they settle
         for name, chapter, (lo, hi) in FITS:
             target = blog["chapters"][chapter]["gbps"]
