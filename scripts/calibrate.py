@@ -3,9 +3,10 @@
     python scripts/calibrate.py                 # writes results/model/calibration.json
     python scripts/calibrate.py --results DIR   # reads DIR/blog_p5.json and the measurements
                                                 # common/calibration.py names; writes DIR/model/
+    python scripts/calibrate.py --fit-crowd     # the other choice, crowd fitted on 13: printed only
 
-Two CPU costs are measured on our machines, three parameters are fitted on a
-chapter each, the other five chapters are predicted (common/calibration.py
+Three CPU costs are measured on our machines, two parameters are fitted on a
+chapter each, the other six chapters are predicted (common/calibration.py
 says which and why).
 """
 import argparse
@@ -29,6 +30,8 @@ def one_line(path):
         sys.exit(f"{me}: cannot read {e.filename}: {e.strerror}")
     except json.JSONDecodeError as e:
         sys.exit(f"{me}: {path} is not JSON: {e}")
+    except ValueError as e:  # a measurement of the wrong run
+        sys.exit(f"{me}: {e}")
     except (KeyError, TypeError) as e:
         sys.exit(f"{me}: {path} lacks {e}")
 
@@ -42,7 +45,8 @@ def load(results):
         missing = [c for c in calibration.CHAPTERS if c not in blog["chapters"]]
     if missing:
         sys.exit(f"{Path(sys.argv[0]).stem}: {path} has no figure for chapter(s) {', '.join(missing)}")
-    files = [str(Path(results) / name) for name in (calibration.ATOMIC, calibration.WORKER)]
+    files = [str(Path(results) / name)
+             for name in (calibration.ATOMIC, calibration.ALONE, calibration.CROWDED)]
     with one_line(" or ".join(files)):
         ours = calibration.measured(results)
     return blog, ours
@@ -51,7 +55,12 @@ def load(results):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", default=str(ROOT / "results"), help="folder with blog_p5.json")
+    p.add_argument("--fit-crowd", action="store_true",
+                   help="print the table with crowd fitted on 13 instead of measured; write nothing")
     args = p.parse_args()
+    if args.fit_crowd:
+        print(calibration.table(calibration.calibrate_fitting_crowd(*load(args.results))))
+        return
     result = calibration.calibrate(*load(args.results))
     out = Path(args.results) / "model" / "calibration.json"
     out.parent.mkdir(parents=True, exist_ok=True)
