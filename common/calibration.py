@@ -11,7 +11,7 @@ Each parameter says where its value comes from:
   carries over;
 - "assumed": not known for a p5; the notebook what_if shows how much it matters;
 - "fitted on NN": solved so that the model gives chapter NN's figure. Two
-  chapters (11, 14) are spent this way; the issue allows three.
+  chapters (11, 14) are spent this way; three at most are allowed.
 The other chapters are predictions. calibrate_fitting_crowd() is the other
 choice, crowd fitted on 13 instead of measured, which README reports beside.
 """
