@@ -6,6 +6,7 @@ non-zero exit, never a traceback.
 import argparse
 import os
 import re
+import signal
 import sys
 
 import common.fabric as fi
@@ -130,11 +131,16 @@ def run(main):
     except BrokenPipeError:  # piped into `head`: the reader has what it wanted
         os._exit(0)
     except UsageError as e:
-        print(f"{name}: error: {e}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+        _last_words(f"{name}: error: {e}", EXIT_USAGE)
     except (FabricError, TimeoutError, ValueError, ConnectionError) as e:
-        print(f"{name}: error: {e}", file=sys.stderr)
-        sys.exit(EXIT_ERROR)
+        _last_words(f"{name}: error: {e}", EXIT_ERROR)
     except KeyboardInterrupt:
-        print(f"{name}: interrupted, resources closed", file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
+        _last_words(f"{name}: interrupted, resources closed", EXIT_INTERRUPTED)
+
+
+def _last_words(line, code):
+    """Say `line` and exit with `code`, deaf to Ctrl-C by then: a launcher that stops its ranks
+    sends one right behind its message, and it must not cut the line into a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    print(line, file=sys.stderr)
+    sys.exit(code)
