@@ -18,8 +18,9 @@ import common.fabric as fi
 
 CAPS = lib.FI_MSG | lib.FI_RMA
 MAX_MESSAGE = 64 * 1024
-HEADER = struct.Struct("<QQQIHHHH")  # seed, page size, WRITEs, pages, buffers, groups,
-REGION = struct.Struct("<QQQ")       # NICs per group, address length | remote addr, size, key
+HEADER = struct.Struct("<QQQIHHH")  # seed, page size, WRITEs, pages, buffers, groups,
+REGION = struct.Struct("<QQQ")      # NICs per group | remote addr, size, key
+NAME = struct.Struct("<H")  # an address's length, before it: they differ (shm: "...:9:0", "...:10:0")
 PAGE = struct.Struct("<I")
 LANDED = struct.Struct("<Q")
 BURST = 1  # new WRITEs per lane per visit: one, as in the series; chapter 14 posts more
@@ -98,13 +99,26 @@ def server(info, args, warmup=None, engine=None):
                 print(f"client {served}: failed: {e}", file=sys.stderr, flush=True)
 
 
+def pack_names(names):
+    return b"".join(NAME.pack(len(name)) + name for name in names)
+
+
+def unpack_names(data, at, count):
+    """`count` addresses packed by pack_names from `at` on; and where they end."""
+    names = []
+    for _ in range(count):
+        (length,) = NAME.unpack_from(data, at)
+        names.append(data[at + NAME.size:at + NAME.size + length])
+        at += NAME.size + length
+    return names, at
+
+
 def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
-    seed, page_size, iters, npages, nbufs, groups, per_group, addrlen = \
-        HEADER.unpack_from(request)
+    seed, page_size, iters, npages, nbufs, groups, per_group = HEADER.unpack_from(request)
     if args.gpus and len(args.gpus) != groups:
         raise ValueError(f"the client has {groups} groups, this server {len(args.gpus)} GPUs")
-    at = HEADER.size
-    client = fi.av_insert(control.av, request[at:at + addrlen])
+    names, at = unpack_names(request, HEADER.size, 1 + groups * per_group)
+    client = fi.av_insert(control.av, names[0])
     own.callback(fi.av_remove, control.av, client)
     beat = Heartbeat(own, control.domain, client)
     infos, what = lane_infos(args, head, groups, per_group)
@@ -113,12 +127,10 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
     try:
         for g in range(groups):
             for n in range(per_group):
-                at += addrlen
                 lane = Lane(own, infos[g][n], args.gpus[g] if args.gpus else None)
                 lane.group = g
-                lane.peer = fi.av_insert(lane.av, request[at:at + addrlen])
+                lane.peer = fi.av_insert(lane.av, names[1 + len(lanes)])
                 lanes.append(lane)
-        at += addrlen
         regions = [REGION.unpack_from(request, at + i * REGION.size)
                    for i in range(groups * per_group * nbufs)]
         at += len(regions) * REGION.size
@@ -228,10 +240,10 @@ def client(info, args, addr, infos):
                 regions += REGION.pack(fi.remote_base(lane.info, b.ptr), b.size, fi.mr_key(mr))
         print(f"memory: {groups} x {args.buffers} x {args.buffer_size} bytes of "
               f"{' / '.join(sorted({bs[0].kind for bs in buffers}))}")
-        me = fi.getname(control.ep)
         request = (HEADER.pack(args.seed, args.page_size, args.iters, len(args.pages),
-                               args.buffers, groups, per_group, len(me)) + me
-                   + b"".join(fi.getname(lane.ep) for lane in lanes) + regions
+                               args.buffers, groups, per_group)
+                   + pack_names([fi.getname(control.ep)] + [fi.getname(lane.ep) for lane in lanes])
+                   + regions
                    + b"".join(PAGE.pack(p) for p in args.pages))
         control.poller.send(own, control.domain, control.ep, request, server_addr, 1001,
                             args.timeout, "CONNECT", ": is the server running?")
@@ -322,7 +334,7 @@ def parse(doc, add_args=None):
     if not lanes <= args.iters < 1 << 32:
         raise cli.UsageError(f"--iters must be {lanes}..{(1 << 32) - 1}: at least one WRITE "
                              "per NIC")
-    if (HEADER.size + 64 * (lanes + 1) + lanes * args.buffers * REGION.size
+    if (HEADER.size + (NAME.size + 64) * (lanes + 1) + lanes * args.buffers * REGION.size
             + len(args.pages) * PAGE.size > MAX_MESSAGE):
         raise cli.UsageError(f"too many pages, buffers or NICs for one {MAX_MESSAGE}-byte CONNECT")
     for gpu in reversed(args.gpus or []):  # each must exist; the first ends up current

@@ -43,6 +43,16 @@ def test_every_nic_delivers(chapter, server_args, groups, nics, provider):
         assert "first contact vs steady state:" in server
 
 
+@pytest.mark.parametrize("chapter", [9, 13])
+def test_a_dozen_nics(chapter, provider):
+    """Twelve lanes and the control endpoint: shm names the last ones "...:10:0" and up,
+    longer than the first; each address travels with its own length."""
+    pair = run_pair(chapter, provider, ["--clients", "1"],
+                    [["--groups", "3", "--nics-per-gpu", "4", *SMALL]])
+    assert pair.ok and not pair.stopped, pair
+    assert f"verified 3 x 64 pages ({3 * 64 * 65536} bytes): 0 wrong bytes" in pair.clients[0].out
+
+
 def nics(count):
     return [topo.Nic(f"nic{i}", f"0000:{i + 16:02x}:00.0", 100) for i in range(count)]
 
