@@ -6,7 +6,6 @@ non-zero exit, never a traceback.
 import argparse
 import os
 import re
-import signal
 import sys
 
 import common.fabric as fi
@@ -127,20 +126,21 @@ def run(main):
     """Run a chapter's main(), turning every expected failure into one line and an exit code."""
     name = os.path.basename(sys.argv[0])
     try:
-        sys.exit(main())
-    except BrokenPipeError:  # piped into `head`: the reader has what it wanted
-        os._exit(0)
-    except UsageError as e:
-        _last_words(f"{name}: error: {e}", EXIT_USAGE)
-    except (FabricError, TimeoutError, ValueError, ConnectionError) as e:
-        _last_words(f"{name}: error: {e}", EXIT_ERROR)
-    except KeyboardInterrupt:
+        try:
+            sys.exit(main())
+        except BrokenPipeError:  # piped into `head`: the reader has what it wanted
+            os._exit(0)
+        except UsageError as e:
+            _last_words(f"{name}: error: {e}", EXIT_USAGE)
+        except (FabricError, TimeoutError, ValueError, ConnectionError) as e:
+            _last_words(f"{name}: error: {e}", EXIT_ERROR)
+    except KeyboardInterrupt:  # also one that cut in while an error above was being said
         _last_words(f"{name}: interrupted, resources closed", EXIT_INTERRUPTED)
 
 
 def _last_words(line, code):
-    """Say `line` and exit with `code`, deaf to Ctrl-C by then: a launcher that stops its ranks
-    sends one right behind its message, and it must not cut the line into a traceback."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Say `line` and exit with `code`, deaf to Ctrl-C from here on: a launcher that stops its
+    ranks sends one right behind its message, and it must not cut the line short."""
+    fi.stop_interrupting()
     print(line, file=sys.stderr)
     sys.exit(code)

@@ -108,8 +108,19 @@ def getinfo(hint):
     return ffi.gc(out[0], lib.fi_freeinfo)
 
 
+_interrupting = True  # False once the process is saying its last words (cli.run)
+
+
 def _interrupted(signum, frame):
-    raise KeyboardInterrupt
+    if _interrupting:
+        raise KeyboardInterrupt
+
+
+def stop_interrupting():
+    """From now on Ctrl-C and SIGTERM interrupt nothing, one already on its way included:
+    the process is reporting and exiting."""
+    global _interrupting
+    _interrupting = False
 
 
 def _take_back_signals():
