@@ -220,6 +220,15 @@ def parse(p):
     return args
 
 
+def chapter_list(p, text, allowed):
+    """'9,13' -> [9, 13]; anything but chapters of `allowed` is one line from argparse."""
+    parts = text.split(",")
+    if not all(c.isdigit() and int(c) in allowed for c in parts):
+        p.error(f"--chapters takes chapter numbers like 13,15, each one of "
+                f"{','.join(map(str, sorted(allowed)))}; got '{text}'")
+    return [int(c) for c in parts]
+
+
 def main():
     p = parser(__doc__)
     p.add_argument("--ucx", help="unpacked libucx-cu13 wheel, for ucx_perftest (GPU only)")

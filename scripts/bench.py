@@ -22,7 +22,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baseline import baseline_tools, measure, memcpy_peer, parse, parser, save  # noqa: E402
+from baseline import baseline_tools, chapter_list, measure, memcpy_peer, parse, parser, \
+    save  # noqa: E402
 from pair import chapter_path, run_pair  # noqa: E402
 
 WINDOW = 64  # distinct pages, as fi_rma_bw's default window
@@ -64,7 +65,7 @@ def main():
     p.add_argument("--chapters", default="7", help="which chapters, e.g. 7,9,10 (default 7)")
     p.add_argument("--nics-per-gpu", type=int, default=4, help="for 09 on (default 4)")
     args = parse(p)
-    chapters = [int(c) for c in args.chapters.split(",")]
+    chapters = chapter_list(p, args.chapters, [7, *range(9, 16)])
     tools = [(tool_name(c, args.nics_per_gpu, args.gpus),
               lambda size, iters, c=c: run_chapter(c, args.provider, size, iters, args.gpus,
                                                    args.nics_per_gpu, args.timeout))

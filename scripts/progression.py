@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baseline import ROOT, fi_rma_bw, measure, memcpy_peer, parse, parser, save  # noqa: E402
+from baseline import ROOT, chapter_list, fi_rma_bw, measure, memcpy_peer, parse, parser, \
+    save  # noqa: E402
 from bench import run_chapter  # noqa: E402
 
 CHAPTERS = "9,10,11,12,13,14,15"
@@ -32,10 +33,7 @@ def main():
     p.add_argument("--groups", type=int, default=2, help="host memory: GPUs stood in for (2)")
     p.add_argument("--chapters", default=CHAPTERS, help=f"which of them ({CHAPTERS})")
     args = parse(p)
-    chapters = [int(c) for c in args.chapters.split(",") if c.isdigit()]
-    if not chapters or set(chapters) - set(range(9, 16)) or \
-            len(chapters) != len(args.chapters.split(",")):
-        p.error(f"--chapters takes numbers from 9 to 15 like 13,15, got '{args.chapters}'")
+    chapters = chapter_list(p, args.chapters, range(9, 16))
     tools = [(f"chapter {c:02d}", lambda size, iters, c=c: run_chapter(
         c, args.provider, size, iters, args.gpus, args.nics_per_gpu, args.timeout, args.groups))
         for c in chapters]
