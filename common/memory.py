@@ -14,16 +14,21 @@ PAGE = 4096
 class Buffer:
     def __init__(self, size, gpu=None):
         self.size, self.gpu = size, gpu
+        try:  # numpy's and cupy's out-of-memory errors are both MemoryErrors
+            if gpu is None:
+                raw = np.zeros(size + PAGE, dtype=np.uint8)
+                start = -raw.ctypes.data % PAGE  # align: some NICs register whole pages
+                self.array = raw[start:start + size]
+            else:
+                cp = cupy()
+                with cp.cuda.Device(gpu):
+                    self.array = cp.zeros(size, dtype=cp.uint8)
+        except MemoryError:
+            raise ValueError(f"cannot allocate {size} bytes of {self.kind}") from None
         if gpu is None:
-            raw = np.zeros(size + PAGE, dtype=np.uint8)
-            start = -raw.ctypes.data % PAGE  # align: some NICs register whole pages
-            self.array = raw[start:start + size]
             self.ptr = self.array.ctypes.data
             self.iface, self.device = lib.FI_HMEM_SYSTEM, 0
         else:
-            cp = cupy()
-            with cp.cuda.Device(gpu):
-                self.array = cp.zeros(size, dtype=cp.uint8)
             self.ptr = self.array.data.ptr
             self.iface, self.device = lib.FI_HMEM_CUDA, gpu
 

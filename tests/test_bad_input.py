@@ -54,6 +54,12 @@ def test_client_without_server_gives_up(chapter, provider, address):
     assert done.returncode == 1
 
 
+@pytest.mark.parametrize("chapter", [6, 7, 13])
+def test_a_buffer_too_big_for_memory_is_one_line(chapter):
+    done, _ = run(chapter, "-p", "shm", SHM_DEAD, "--buffer-size", "1048576G", "--pages", "0-63")
+    assert_one_line_error(done, f"cannot allocate {1 << 50} bytes of host memory")
+
+
 def test_03_rejects_unknown_capability_and_provider():
     assert_one_line_error(run(3, "--caps", "FI_BOGUS")[0], "unknown capability 'FI_BOGUS'")
     assert_one_line_error(run(3, "-p", "nosuch")[0], "unknown provider")
