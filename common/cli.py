@@ -71,6 +71,14 @@ def parse_size(text):
     return int(m[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[m[2].upper()]
 
 
+def parse_label(text):
+    """A machine name for a results file: letters, digits, '.', '_', '-' (no folders)."""
+    if not re.fullmatch(r"[\w.-]+", text) or text.startswith("."):
+        raise argparse.ArgumentTypeError(f"a label is a plain name (letters, digits, . _ -), "
+                                         f"got '{text}'")
+    return text
+
+
 def count(lo, hi):
     """An argparse type: a whole number in lo..hi."""
     def parse(text):

@@ -30,6 +30,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -208,6 +209,9 @@ def main():
     threads = args.threads or list(range(1, len(cpus) + 1))
     if max(threads) > len(cpus) or min(threads) < 1:
         sys.exit(f"atomic_bench: --threads must be 1 to {len(cpus)} (one core each)")
+    if not re.fullmatch(r"[\w.-]+", args.label) or args.label.startswith("."):
+        sys.exit(f"atomic_bench: --label is a plain name (letters, digits, . _ -), "
+                 f"got '{args.label}'")
     if args.updates < 1 or args.repeats < 1:
         sys.exit("atomic_bench: --updates and --repeats must be at least 1")
 

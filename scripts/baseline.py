@@ -203,7 +203,8 @@ def parser(doc):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bytes", type=cli.parse_size, default=4 << 30,
                    help="bytes moved per run (default 4G; at least 200 operations)")
-    p.add_argument("--label", default=os.uname().nodename, help="machine name for the file")
+    p.add_argument("--label", type=cli.parse_label, default=os.uname().nodename,
+                   help="machine name for the file")
     p.add_argument("--timeout", type=float, default=120)
     return p
 

@@ -318,3 +318,14 @@ def test_atomic_bench_wants_a_core_per_thread():
     done = script("atomic_bench.py", "--label", "test", "--threads", "1,100000")
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 1 and len(lines) == 1 and "one core each" in lines[0], done.stderr
+
+
+@pytest.mark.parametrize("name,args", [("atomic_bench.py", ()),
+                                       ("progression.py", ("-p", "shm"))])
+def test_a_label_is_a_name_not_a_path(name, args):
+    # the label becomes part of a file name under results/: a path there would write
+    # outside it (or fail at the end, after the measurement)
+    done = script(name, "--label", "../elsewhere", *args)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and "plain name" in lines[-1], done.stderr
+    assert "Traceback" not in done.stderr
