@@ -12,9 +12,9 @@ struct m16_proxy {
     void *desc;                     // its registration's descriptor
     fi_addr_t *addr;                // per rank (only peers on other nodes are used)
     uint64_t *remote_base, *remote_key;  // per rank
-    struct m16_write *ring;         // commands from the device side
-    uint64_t ring_size;             // a power of two
-    uint64_t head;                  // commands written so far (device side, release)
+    struct m16_write *ring;         // commands from the device side (host memory the
+    uint64_t ring_size;             // GPU can write; a power of two)
+    uint64_t *head;                 // commands written so far (device side, release)
     uint64_t posted, completed;     // WRITEs handed to libfabric / completed (proxy)
     uint64_t eagain;                // times the provider said "full, later"
     struct fi_context2 *contexts;   // one per ring slot
@@ -59,7 +59,7 @@ static void m16_note_immediate(struct m16_proxy *p, uint64_t imm)
 /* Post what the device side queued, in order, until the provider says -FI_EAGAIN. */
 static int m16_post(struct m16_proxy *p)
 {
-    uint64_t head = __atomic_load_n(&p->head, __ATOMIC_ACQUIRE);
+    uint64_t head = __atomic_load_n(p->head, __ATOMIC_ACQUIRE);
     while (p->posted < head) {
         uint64_t slot = p->posted & (p->ring_size - 1);
         if (p->busy[slot])
@@ -134,13 +134,14 @@ int m16_proxy_run(struct m16_proxy *p)
 void m16_submit(struct m16_proxy *p, uint64_t local, uint64_t remote, uint64_t len,
                 uint32_t peer, uint32_t imm)
 {
-    struct m16_write *w = &p->ring[p->head & (p->ring_size - 1)];
+    uint64_t head = *p->head;
+    struct m16_write *w = &p->ring[head & (p->ring_size - 1)];
     w->local = local;
     w->remote = remote;
     w->len = len;
     w->peer = peer;
     w->imm = imm;
-    __atomic_store_n(&p->head, p->head + 1, __ATOMIC_RELEASE);
+    __atomic_store_n(p->head, head + 1, __ATOMIC_RELEASE);
 }
 
 uint64_t m16_completed(struct m16_proxy *p)

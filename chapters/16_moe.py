@@ -166,10 +166,14 @@ class Proxy:
         peers = group.allgather(PEER.pack(fi.remote_base(info, mem.ptr), fi.mr_key(mr),
                                           len(me)) + me)
         p = self.p = ffi.new("struct m16_proxy *")
+        # the ring and its head in host memory the device side can write (a GPU too)
+        self.shared = mem.host_shared(8 + RING * ffi.sizeof("struct m16_write"))
+        at = ffi.cast("char *", self.shared.ctypes.data)
+        p.head, p.ring = ffi.cast("uint64_t *", at), ffi.cast("struct m16_write *", at + 8)
         self.keep = [ffi.new("fi_addr_t[]", group.world), ffi.new("uint64_t[]", group.world),
-                     ffi.new("uint64_t[]", group.world), ffi.new("struct m16_write[]", RING),
-                     ffi.new("struct fi_context2[]", RING), ffi.new("uint8_t[]", RING)]
-        p.addr, p.remote_base, p.remote_key, p.ring, p.contexts, p.busy = self.keep
+                     ffi.new("uint64_t[]", group.world), ffi.new("struct fi_context2[]", RING),
+                     ffi.new("uint8_t[]", RING)]
+        p.addr, p.remote_base, p.remote_key, p.contexts, p.busy = self.keep
         for r, blob in enumerate(peers):
             base, key, length = PEER.unpack_from(blob)
             p.remote_base[r], p.remote_key[r] = base, key
@@ -194,7 +198,7 @@ class Proxy:
     def submit(self, group, local, remote, length, peer, imm):
         """Queue one WRITE; waits (bounded) while the ring is full."""
         deadline = time.monotonic() + self.timeout
-        while self.p.head - native.m16_completed(self.p) >= RING:
+        while self.p.head[0] - native.m16_completed(self.p) >= RING:
             self.check(group, deadline, "room in the proxy's ring")
         native.m16_submit(self.p, local, remote, length, peer, imm)
 
@@ -224,7 +228,7 @@ class Proxy:
     def drain(self, group):
         """Wait until every WRITE we queued has completed: its source may be reused."""
         deadline = time.monotonic() + self.timeout
-        while native.m16_completed(self.p) < self.p.head:
+        while native.m16_completed(self.p) < self.p.head[0]:
             self.check(group, deadline, "completion of our WRITEs")
 
     def stop(self):

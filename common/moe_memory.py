@@ -92,6 +92,10 @@ class HostMemory:
     def quantize_fp8(self, x):
         return ref.wire_rows("fp8", x)
 
+    def host_shared(self, nbytes):
+        """Host memory that this rank's device side (numpy here) and its proxy share."""
+        return np.zeros(nbytes, np.uint8)
+
     def host(self, array):
         return array
 
@@ -160,6 +164,12 @@ class CudaMemory:
         # Chapter 07's lesson: shm's CUDA IPC copies into our memory may still be running
         # when the immediate arrives; waiting for the device covers them.
         self.rt.deviceSynchronize()
+
+    def host_shared(self, nbytes):
+        """Host memory that this rank's kernels and its proxy share: pinned, so mapped
+        for the GPU at the same address."""
+        import cupyx
+        return cupyx.zeros_pinned(nbytes, np.uint8)
 
     def quantize_fp8(self, x, out=None):
         """float32 tokens -> fp8 rows, into `out` (rows of the right width) if given."""
