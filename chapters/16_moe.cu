@@ -49,9 +49,41 @@ extern "C" __global__ void m16_quantize_fp8(const float *x, unsigned char *rows,
 // by token; row q of it lands in the sender's slot (q < private) or in its stripe.
 // Writes to peers are plain stores through mapped pointers (NVLink); the last block of
 // a kernel, once every block fenced its stores, stores the round into each peer's flag.
+//
+// Peers on other nodes get the same bytes at the same offsets, through the proxy: the
+// kernels lay a peer's rows out in an outbox of our own region, exactly as they would
+// land, and the last block queues the WRITEs in the proxy's ring (host memory the GPU
+// writes); the proxy posts them with immediate data, and the peer's proxy stamps its
+// arrival table (host memory the peer's GPU reads). `far` holds what that takes, as
+// 64-bit numbers (see M16_FAR).
 
-#define M16_COUNTS 0
+#define M16_COUNTS 0   // the flags of node peers, [2][world] in the region
 #define M16_COMBINE 1
+#define M16_STAMP_COUNTS 0    // the proxy's arrival table, [3][world] (the immediate's kind)
+#define M16_STAMP_OVERFLOW 1
+#define M16_STAMP_COMBINE 2
+// far[]: our node's first rank and size; offsets in our region of the outbox slots
+// [world][slot], outbox stripes [world][per_peer rows], combine's outbox [world][per_peer
+// bf16 rows], signal_in [world][8] and signal_out [8] (a WRITE of no rows still tells);
+// then addresses of host memory: the proxy's ring, its head, the ring's size, the table.
+enum M16_FAR { M16_NODE_FIRST, M16_NODE_SIZE, M16_OUT_SLOTS, M16_OUT_STRIPES,
+               M16_COMBINE_OUT, M16_SIGNAL_IN, M16_SIGNAL_OUT, M16_RING, M16_HEAD,
+               M16_RING_SIZE, M16_STAMPS };
+
+struct m16_write {  // as chapters/16_moe.c declares it
+    unsigned long long local, remote, len;
+    unsigned int peer, imm;
+};
+
+__device__ bool m16_near(const long long *far, int rank)
+{
+    return rank >= far[M16_NODE_FIRST] && rank < far[M16_NODE_FIRST] + far[M16_NODE_SIZE];
+}
+
+__device__ unsigned int m16_stamp(unsigned int round)  // 14 bits, never 0
+{
+    return round % 0x3FFF + 1;
+}
 
 __device__ unsigned long long m16_now()
 {
@@ -60,14 +92,19 @@ __device__ unsigned long long m16_now()
     return t;
 }
 
-// One thread: wait until every flag has reached `round`. Returns the first source that
-// did not within timeout_ns, or -1.
-__device__ int m16_wait_flags(const volatile unsigned int *flags, int world,
-                              unsigned int round, unsigned long long timeout_ns)
+// One thread: wait until every source has finished `round`: a node peer's flag (this
+// kind's row) has reached it, another node's stamps of kinds a and b say it. Returns the
+// first source that did not within timeout_ns, or -1.
+__device__ int m16_wait(const long long *far, const volatile unsigned int *flags, int world,
+                        unsigned int round, int a, int b, unsigned long long timeout_ns)
 {
+    const volatile unsigned int *stamps = (const volatile unsigned int *)far[M16_STAMPS];
+    unsigned int stamp = m16_stamp(round);
     unsigned long long start = m16_now();
     for (int s = 0; s < world;) {
-        if ((int)(flags[s] - round) >= 0) {
+        bool in = m16_near(far, s) ? (int)(flags[s] - round) >= 0
+                                   : stamps[a * world + s] == stamp && stamps[b * world + s] == stamp;
+        if (in) {
             s++;
         } else if (m16_now() - start > timeout_ns) {
             return s;
@@ -79,21 +116,46 @@ __device__ int m16_wait_flags(const volatile unsigned int *flags, int world,
     return -1;
 }
 
-// Called by every thread of every block at its end: the last block to finish stores
-// `round` into flag word `flag_at` of each peer's region.
-__device__ void m16_signal_when_last(unsigned int *done, const unsigned long long *peers,
-                                     long long flag_at, int world, unsigned int round)
+// Called by every thread of every block at its end: true in thread 0 of the last block
+// to finish, once every block's stores are visible everywhere; it then stores `round`
+// into flag word `flag_at` of each node peer's region, and tells the other nodes itself.
+__device__ bool m16_last_block(unsigned int *done, const unsigned long long *peers,
+                               const long long *far, long long flag_at, unsigned int round)
 {
     __syncthreads();  // this block's stores are issued...
     if (threadIdx.x != 0)
-        return;
+        return false;
     __threadfence_system();  // ...and visible everywhere before it counts itself done
     if (atomicAdd(done, 1u) != gridDim.x - 1)
-        return;
+        return false;
     __threadfence_system();  // the last: every block's stores are visible, then the flags
-    for (int peer = 0; peer < world; peer++)
+    for (int peer = far[M16_NODE_FIRST]; peer < far[M16_NODE_FIRST] + far[M16_NODE_SIZE];
+         peer++)
         *(volatile unsigned int *)(peers[peer] + flag_at) = round;
     *done = 0;  // for the next launch (stream-ordered after this one)
+    return true;
+}
+
+// The last block's thread, one command into the proxy's ring (it is the only producer:
+// `at` is the head it read, moved on here and stored by m16_ring_go).
+__device__ void m16_queue(const long long *far, unsigned long long *at, long long local,
+                          long long remote, long long len, int peer, unsigned int kind,
+                          int rank, unsigned int round)
+{
+    struct m16_write *w = (struct m16_write *)far[M16_RING] +
+                          (*at & (far[M16_RING_SIZE] - 1));
+    w->local = local;
+    w->remote = remote;
+    w->len = len;
+    w->peer = peer;
+    w->imm = kind << 30 | (unsigned int)rank << 14 | m16_stamp(round);
+    (*at)++;
+}
+
+__device__ void m16_ring_go(const long long *far, unsigned long long at)
+{
+    __threadfence_system();  // the commands before the head that shows them
+    *(volatile unsigned long long *)far[M16_HEAD] = at;
 }
 
 __device__ int m16_block_sum(int v)
@@ -167,30 +229,57 @@ extern "C" __global__ void m16_dispatch_push(
     int private_rows, long long per_peer, const unsigned long long *peers, long long slots,
     long long slot_bytes, long long header_bytes, long long overflow, long long flags,
     int rank, int world, unsigned int round, int *stream_pos, const int *error,
-    unsigned int *done)
+    unsigned int *done, const long long *far)
 {
     if (*error)  // a bad batch: nothing leaves, no flag is raised
         return;
     int b = blockIdx.x;
+    unsigned char *own = (unsigned char *)peers[rank];
     if (b < entries) {
         int e = (int)indices[b], d = e / local;
         int start = 0;  // the rows of d's experts before e, in our stream to d
         for (int x = d * local + threadIdx.x; x < e; x += blockDim.x)
             start += counts[x];
         int q = m16_block_sum(start) + position[b];
-        long long at = q < private_rows
-            ? slots + rank * slot_bytes + header_bytes + q * row_bytes
-            : overflow + (rank * per_peer + q - private_rows) * row_bytes;
-        m16_copy_row((unsigned char *)peers[d] + at, rows + (long long)(b / topk) * row_bytes,
-                     row_bytes);
+        unsigned char *to = m16_near(far, d)
+            ? (unsigned char *)peers[d] + (q < private_rows
+                ? slots + rank * slot_bytes + header_bytes + q * row_bytes
+                : overflow + (rank * per_peer + q - private_rows) * row_bytes)
+            : own + (q < private_rows  // the outbox, laid out as it will land
+                ? far[M16_OUT_SLOTS] + d * slot_bytes + header_bytes + q * row_bytes
+                : far[M16_OUT_STRIPES] + (d * per_peer + q - private_rows) * row_bytes);
+        m16_copy_row(to, rows + (long long)(b / topk) * row_bytes, row_bytes);
         if (threadIdx.x == 0)
             stream_pos[b] = q;
     } else {
-        int *to = (int *)((unsigned char *)peers[b - entries] + slots + rank * slot_bytes);
+        int d = b - entries;
+        int *to = (int *)(m16_near(far, d) ? (unsigned char *)peers[d] + slots + rank * slot_bytes
+                                           : own + far[M16_OUT_SLOTS] + d * slot_bytes);
         for (int x = threadIdx.x; x < experts; x += blockDim.x)
             to[x] = counts[x];
     }
-    m16_signal_when_last(done, peers, flags + 4 * (M16_COUNTS * world + rank), world, round);
+    if (!m16_last_block(done, peers, far, flags + 4 * (M16_COUNTS * world + rank), round) ||
+        far[M16_NODE_SIZE] == world)
+        return;
+    unsigned long long at = *(volatile unsigned long long *)far[M16_HEAD];
+    for (int d = 0; d < world; d++) {  // other nodes: the slot, then the rest (or a signal)
+        if (m16_near(far, d))
+            continue;
+        int n = 0;
+        for (int x = d * local; x < (d + 1) * local; x++)
+            n += counts[x];
+        m16_queue(far, &at, far[M16_OUT_SLOTS] + d * slot_bytes, slots + rank * slot_bytes,
+                  header_bytes + min(n, private_rows) * row_bytes, d, M16_STAMP_COUNTS, rank,
+                  round);
+        if (n > private_rows)
+            m16_queue(far, &at, far[M16_OUT_STRIPES] + d * per_peer * row_bytes,
+                      overflow + rank * per_peer * row_bytes, (n - private_rows) * row_bytes,
+                      d, M16_STAMP_OVERFLOW, rank, round);
+        else
+            m16_queue(far, &at, far[M16_SIGNAL_OUT], far[M16_SIGNAL_IN] + 8 * rank, 8, d,
+                      M16_STAMP_OVERFLOW, rank, round);
+    }
+    m16_ring_go(far, at);
 }
 
 // dispatch, 3 (one block, dynamic shared memory of 3 * experts ints): wait for every
@@ -203,7 +292,7 @@ extern "C" __global__ void m16_dispatch_push(
 extern "C" __global__ void m16_dispatch_plan(
     const unsigned char *region, long long flags, long long slots, long long slot_bytes,
     int rank, int world, int local, unsigned int round, unsigned long long timeout_ns,
-    int *plan, int *state, int *report)
+    int *plan, int *state, int *report, const long long *far)
 {
     extern __shared__ int table[];  // length, then stream start, then output start
     __shared__ int late, carry;
@@ -220,8 +309,9 @@ extern "C" __global__ void m16_dispatch_plan(
         return;
     }
     if (threadIdx.x == 0) {
-        late = m16_wait_flags((const volatile unsigned int *)(region + flags) +
-                              M16_COUNTS * world, world, round, timeout_ns);
+        late = m16_wait(far, (const volatile unsigned int *)(region + flags) +
+                        M16_COUNTS * world, world, round, M16_STAMP_COUNTS,
+                        M16_STAMP_OVERFLOW, timeout_ns);
         report[local + 1] = late + 1;
     }
     __syncthreads();
@@ -327,12 +417,17 @@ __device__ unsigned short m16_bf16(float v)  // round to nearest even, as the re
 extern "C" __global__ void m16_combine_push(
     const float *expert_out, const int *row_source, const int *row_stream, int rows,
     int hidden, const unsigned long long *peers, long long combine_in, long long per_peer,
-    long long flags, int rank, int world, unsigned int round, unsigned int *done)
+    long long flags, int rank, int world, unsigned int round, unsigned int *done,
+    const int *plan, int local, const long long *far)
 {
     int j = blockIdx.x;
     if (j < rows) {
-        unsigned short *to = (unsigned short *)((unsigned char *)peers[row_source[j]] +
-            combine_in) + (rank * per_peer + row_stream[j]) * hidden;
+        int s = row_source[j];
+        unsigned short *to = m16_near(far, s)
+            ? (unsigned short *)((unsigned char *)peers[s] + combine_in) +
+              (rank * per_peer + row_stream[j]) * hidden
+            : (unsigned short *)((unsigned char *)peers[rank] + far[M16_COMBINE_OUT]) +
+              (s * per_peer + row_stream[j]) * hidden;
         const float *from = expert_out + (long long)j * hidden;
         if (hidden % 8 == 0) {  // 16-byte stores over NVLink: 8 values a thread
             for (int h = 8 * threadIdx.x; h < hidden; h += 8 * blockDim.x) {
@@ -348,7 +443,26 @@ extern "C" __global__ void m16_combine_push(
                 to[h] = m16_bf16(from[h]);
         }
     }
-    m16_signal_when_last(done, peers, flags + 4 * (M16_COMBINE * world + rank), world, round);
+    if (!m16_last_block(done, peers, far, flags + 4 * (M16_COMBINE * world + rank), round) ||
+        far[M16_NODE_SIZE] == world)
+        return;
+    unsigned long long at = *(volatile unsigned long long *)far[M16_HEAD];
+    long long bytes = 2LL * hidden, E = (long long)world * local;
+    for (int s = 0; s < world; s++) {  // other nodes: their rows back, one WRITE each
+        if (m16_near(far, s))
+            continue;
+        int n = 0;  // the rows that came from s: the plan's lengths of its entries
+        for (int e = 0; e < local; e++)
+            n += plan[2 * E + e * world + s];
+        if (n)
+            m16_queue(far, &at, far[M16_COMBINE_OUT] + s * per_peer * bytes,
+                      combine_in + rank * per_peer * bytes, n * bytes, s, M16_STAMP_COMBINE,
+                      rank, round);
+        else
+            m16_queue(far, &at, far[M16_SIGNAL_OUT], far[M16_SIGNAL_IN] + 8 * rank, 8, s,
+                      M16_STAMP_COMBINE, rank, round);
+    }
+    m16_ring_go(far, at);
 }
 
 // combine, 2: a block per token waits for every peer's outputs (the barrier before the
@@ -358,12 +472,13 @@ extern "C" __global__ void m16_combine_sum(
     const unsigned char *region, long long flags, long long combine_in, const long long *indices,
     const int *stream_pos, const float *weights, int tokens, int topk, int hidden, int local,
     long long per_peer, int world, unsigned int round, unsigned long long timeout_ns,
-    float *out, int *report)
+    float *out, int *report, const long long *far)
 {
     __shared__ int late;
     if (threadIdx.x == 0)
-        late = m16_wait_flags((const volatile unsigned int *)(region + flags) +
-                              M16_COMBINE * world, world, round, timeout_ns);
+        late = m16_wait(far, (const volatile unsigned int *)(region + flags) +
+                        M16_COMBINE * world, world, round, M16_STAMP_COMBINE,
+                        M16_STAMP_COMBINE, timeout_ns);
     __syncthreads();
     if (late >= 0) {
         if (threadIdx.x == 0)

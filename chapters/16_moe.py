@@ -607,9 +607,10 @@ def main():
                    help="what expert outputs travel back as (bf16, summed in float32)")
     p.add_argument("--private-tokens", type=int, default=8,
                    help="tokens per sender that travel with the counts (default 8)")
-    p.add_argument("--drive", choices=["gpu", "host"], help="--device cuda on one node: "
-                   "gpu (default), the kernels push over NVLink (common/moe_nvlink.py); host, "
-                   "this file's protocol driven from Python, as on cpu and across nodes")
+    p.add_argument("--drive", choices=["gpu", "host"], help="--device cuda: gpu, the "
+                   "kernels push over NVLink and feed the proxy (common/moe_nvlink.py; the "
+                   "default on one node); host, this file's protocol driven from Python (the "
+                   "default across nodes, and what --device cpu runs)")
     p.add_argument("--baseline", choices=["nccl"], help="also check and time the NCCL "
                    "all-to-all (--device cuda)")
     p.add_argument("--check", default="all", help="cases to check: all, none, or some of "
@@ -636,11 +637,11 @@ def main():
         if not 0 <= tokens <= args.max_tokens:
             raise cli.UsageError(f"--tokens {tokens}: more than --max-tokens "
                                  f"{args.max_tokens} (or negative)")
-    gpu_driven = args.device == "cuda" and place.nodes == 1
-    if args.drive == "gpu" and not gpu_driven:
-        raise cli.UsageError("--drive gpu needs --device cuda and one node (across nodes the "
-                             "host drives the proxy)")
-    args.drive = args.drive or ("gpu" if gpu_driven else "host")
+    if args.drive == "gpu" and args.device != "cuda":
+        raise cli.UsageError("--drive gpu needs --device cuda")
+    # across nodes the GPU-driven path has not run on GPUs yet: asked for, not by default
+    args.drive = args.drive or ("gpu" if args.device == "cuda" and place.nodes == 1
+                                else "host")
     if args.baseline and args.device != "cuda":
         raise cli.UsageError("--baseline nccl needs --device cuda")
     try:
@@ -655,9 +656,11 @@ def main():
     with launch.Group(place, args.timeout) as group:
         def ours(own, dtype, private):
             if args.drive == "gpu":
+                def proxy(own, mem, stamps, largest):
+                    return Proxy(own, group, mem, stamps, args.provider, args.timeout, largest)
                 return NvlinkAllToAll(own, group, args.max_tokens, args.experts, args.topk,
                                       args.hidden, dtype, private, args.timeout, KERNELS,
-                                      args.combine_dtype)
+                                      args.combine_dtype, proxy)
             return AllToAll(own, group, args.max_tokens, args.experts, args.topk, args.hidden,
                             dtype, private, args.provider, args.timeout, args.device,
                             args.combine_dtype)

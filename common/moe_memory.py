@@ -112,9 +112,10 @@ class CudaMemory:
     kernels of chapters/16_moe.cu do the work. Run on 2 x H200 (see ready())."""
     iface = lib.FI_HMEM_CUDA
 
-    def __init__(self, own, group, size, kernels):
+    def __init__(self, own, group, size, kernels, blocking=True):
         """size 0: no region, only the GPU, its stream and kernels (for the NCCL baseline).
-        `kernels`: the path of the CUDA source (chapters/16_moe.cu)."""
+        `kernels`: the path of the CUDA source (chapters/16_moe.cu). blocking=False: a
+        stream that does not wait for CUDA's legacy one (see below)."""
         cp = self.xp = memory.cupy()
         self.size, self.rt = size, cp.cuda.runtime
         count = self.rt.getDeviceCount()
@@ -132,7 +133,7 @@ class CudaMemory:
         # non-blocking stream the NCCL baseline read counts that had not landed yet
         # (garbage in its second check on 2 x H200, every run; right under
         # CUDA_LAUNCH_BLOCKING=1).
-        self.stream = cp.cuda.Stream(non_blocking=False)
+        self.stream = cp.cuda.Stream(non_blocking=not blocking)
         self.stream.use()  # this rank's cupy work, kernels and copies all go here
         self.module = cp.RawModule(code=open(kernels).read())
         self.quantize = self.module.get_function("m16_quantize_fp8")

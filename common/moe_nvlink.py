@@ -1,16 +1,23 @@
-"""Chapter 16's all-to-all on one node, driven by the GPU: the kernels of
-chapters/16_moe.cu push every row over NVLink into the peers' memory (mapped through CUDA
-IPC) and tell them with a flag; no host thread copies, stamps or polls in between.
+"""Chapter 16's all-to-all driven by the GPU: the kernels of chapters/16_moe.cu push every
+row over NVLink into the node peers' memory (mapped through CUDA IPC) and tell them with a
+flag; rows for other nodes go into an outbox in our own region, laid out as they will
+land, and the kernels queue the WRITEs in the proxy's ring (host memory they write), whose
+immediates the peers' proxies turn into stamps their GPUs read. No host thread copies,
+stamps or polls in between.
 
 The protocol is chapter 16's: a sender's counts and first rows go into its private slot on
-each receiver, the rest into one region. On one node, room for every sender's largest
-stream costs little next to a GPU's memory, so each sender owns a stripe of that region
-and needs nobody else's counts to know where to write: it never waits in dispatch-send.
-A flag holds the round a peer last finished (counts, combine); the receive halves wait
-for every peer's, on the GPU. combine-recv waiting for every peer's outputs is also the
-barrier: a peer's next dispatch comes after its combine-recv, so it cannot overwrite a
+each receiver, the rest into one region. Room for every sender's largest stream costs
+little next to a GPU's memory, so each sender owns a stripe of that region and needs
+nobody else's counts to know where to write: it never waits in dispatch-send. A flag (node
+peers) or a stamp (other nodes) holds the round a peer last finished; the receive halves
+wait for every peer's, on the GPU. combine-recv waiting for every peer's outputs is also
+the barrier: a peer's next dispatch comes after its combine-recv, so it cannot overwrite a
 slot that was not read yet. The host launches kernels, and waits only where the caller
 needs the answer: the counts at the end of dispatch-recv, the sums at the end of combine.
+
+Across nodes this path has not run on GPUs yet (one node has: README); it assumes that
+once the proxy sees a WRITE's immediate, its bytes are in our GPU memory (EFA's
+guarantee; with shm standing in, its copy must have ended).
 """
 import os
 import time
@@ -18,47 +25,74 @@ import time
 import numpy as np
 
 from common.moe import Shape, Stages, Wire, aligned, check_shape, check_tokens, index_error
-from common.moe_memory import CudaMemory
+from common.moe_memory import CudaMemory, Region
 
 THREADS = 256
+MAPPED = 2  # cudaHostRegisterMapped: the GPU reads the arrival table where the host does
 
 
 class NodeLayout(Shape):
-    """A rank's region, the same offsets on every rank (see chapters/16_moe.cu)."""
+    """A rank's region, the same offsets on every rank (see chapters/16_moe.cu). With
+    peers on other nodes, an outbox too: what goes to them, laid out as it will land."""
 
-    def __init__(self, world, experts, max_tokens, topk, hidden, dtype, private):
+    def __init__(self, world, experts, max_tokens, topk, hidden, dtype, private, far=False):
         super().__init__(world, experts, max_tokens, topk, hidden, dtype)
         self.private = private
         self.header = aligned(4 * experts)  # a sender's counts, one int32 per expert
         self.slot = aligned(self.header + private * self.row)
         self.lay_out([("flags", 4 * 2 * world), ("slots", world * self.slot),
                       ("overflow", world * self.per_peer * self.row),
-                      ("combine_in", world * self.per_peer * self.out_row)])
+                      ("combine_in", world * self.per_peer * self.out_row),
+                      ("out_slots", far * world * self.slot),
+                      ("out_stripes", far * world * self.per_peer * self.row),
+                      ("combine_out", far * world * self.per_peer * self.out_row),
+                      ("signal_in", far * 8 * world), ("signal_out", far * 8)])
 
 
 class NvlinkAllToAll(Stages):
-    """dispatch and combine among the ranks of one node, the GPUs moving every byte."""
-    proxy = None
+    """dispatch and combine driven by the GPUs: node peers through NVLink, other nodes
+    through `proxy` (a factory: own, mem, arrival table address, largest WRITE -> the
+    chapter's Proxy), which the kernels feed through its ring."""
 
     def __init__(self, own, group, max_tokens, experts, topk, hidden, dispatch_dtype="fp8",
-                 private_tokens=8, timeout=30.0, kernels=None, combine_dtype="bf16"):
+                 private_tokens=8, timeout=30.0, kernels=None, combine_dtype="bf16",
+                 proxy=None):
         check_shape(group.world, max_tokens, experts, topk, hidden, dispatch_dtype,
                     private_tokens, combine_dtype)
-        if group.nodes > 1:
-            raise ValueError("the GPU-driven all-to-all reaches peers through NVLink only: "
-                             "one node (other nodes take the host-driven path)")
+        far = group.nodes > 1
+        if far and proxy is None:
+            raise ValueError("peers on other nodes need a proxy")
         self.group, self.timeout = group, timeout
         self.L = L = NodeLayout(group.world, experts, max_tokens, topk, hidden,
-                                dispatch_dtype, private_tokens)
-        self.mem = mem = CudaMemory(own, group, L.size, kernels)
+                                dispatch_dtype, private_tokens, far)
+        # Across nodes, shm's copies into our memory run from the proxy's thread on CUDA's
+        # legacy stream, which would wait for our spinning kernels on a blocking stream.
+        self.mem = mem = CudaMemory(own, group, L.size, kernels, blocking=not far)
         cp = self.xp = mem.xp
         self.wire = Wire(dispatch_dtype, hidden, mem)
         self.k = {name: mem.module.get_function("m16_" + name) for name in (
             "route", "dispatch_push", "dispatch_plan", "dispatch_gather", "combine_push",
             "combine_sum")}
+        node = range(group.node * group.ranks_per_node, (group.node + 1) * group.ranks_per_node)
+        self.proxy, numbers = None, [node.start, len(node)] + [0] * 9
+        if far:
+            table = Region(group.job, f"{group.rank}-stamps", 4 * 3 * group.world)
+            table.unlink()  # only our proxy and our GPU use it: no peer maps it
+            cp.cuda.runtime.hostRegister(table.ptr, table.bytes.nbytes, MAPPED)
+            own.callback(cp.cuda.runtime.hostUnregister, table.ptr)
+            largest = max(L.slot, L.per_peer * L.row, L.per_peer * L.out_row)
+            self.proxy = p = proxy(own, mem, table.ptr, largest)
+            if 3 * group.world > p.p.ring_size:
+                raise ValueError(f"{group.world} ranks queue more WRITEs a round than the "
+                                 f"proxy's ring holds ({p.p.ring_size})")
+            head = p.shared.ctypes.data  # the ring's head, then the ring (pinned: mapped)
+            numbers = [node.start, len(node), L.out_slots, L.out_stripes, L.combine_out,
+                       L.signal_in, L.signal_out, head + 8, head, p.p.ring_size,
+                       table.ptr]  # as M16_FAR in chapters/16_moe.cu
+        self.far = cp.asarray(np.array(numbers, np.int64))
         handles = group.allgather(mem.handle())
         self.peers = cp.asarray(np.array(
-            [mem.mine if r == group.rank else mem.open(own, r, handles[r])
+            [mem.mine if r == group.rank else mem.open(own, r, handles[r]) if r in node else 0
              for r in range(group.world)], np.uint64))
         entries, rows = max_tokens * topk, group.world * L.per_peer
         self.counts = cp.zeros(experts, cp.int32)
@@ -94,7 +128,10 @@ class NvlinkAllToAll(Stages):
         the kernels reported: the counts and who, if anyone, was late."""
         stream, deadline = self.mem.stream, time.monotonic() + self.timeout + 10
         while not stream.done:
-            self.group.check()
+            if self.proxy:
+                self.proxy.check(self.group, None, what)
+            else:
+                self.group.check()
             if time.monotonic() > deadline:  # the kernels give up on their own before this
                 raise TimeoutError(f"the GPU did not finish {what} within "
                                    f"{self.timeout + 10:g} s")
@@ -131,7 +168,7 @@ class NvlinkAllToAll(Stages):
                      i64(L.row), I(L.private), i64(L.per_peer), self.peers, i64(L.slots),
                      i64(L.slot), i64(L.header), i64(L.overflow), i64(L.flags), I(g.rank),
                      I(L.world), np.uint32(self.round), self.stream_pos, self.state,
-                     self.done[0:])
+                     self.done[0:], self.far)
 
     def dispatch_recv(self):
         """Wait for every sender, lay the rows out expert-major. Returns (tokens, scales,
@@ -143,7 +180,7 @@ class NvlinkAllToAll(Stages):
         region = self.mem.data
         self._launch("dispatch_plan", 1, region, i64(L.flags), i64(L.slots), i64(L.slot),
                      I(g.rank), I(L.world), I(L.local), np.uint32(self.round),
-                     self.timeout_ns, self.plan, self.state, self.report_at,
+                     self.timeout_ns, self.plan, self.state, self.report_at, self.far,
                      shared=3 * 4 * L.experts)
         self._launch("dispatch_gather", min(len(self.tokens), 4096), region, self.plan,
                      self.state, I(L.local), I(L.world), i64(L.row), i64(self.split),
@@ -170,7 +207,8 @@ class NvlinkAllToAll(Stages):
         self._launch("combine_push", self.total, self.expert_out, self.row_source,
                      self.row_stream, I(self.total), I(L.hidden), self.peers,
                      i64(L.combine_in), i64(L.per_peer), i64(L.flags), I(g.rank),
-                     I(L.world), np.uint32(self.round), self.done[1:])
+                     I(L.world), np.uint32(self.round), self.done[1:], self.plan,
+                     I(L.local), self.far)
 
     def combine_recv(self, weights):
         """Wait for every peer's outputs (the barrier before the next dispatch), then the
@@ -186,6 +224,6 @@ class NvlinkAllToAll(Stages):
         self._launch("combine_sum", n, self.mem.data, i64(L.flags), i64(L.combine_in),
                      self.indices, self.stream_pos, weights, I(n), I(L.topk), I(L.hidden),
                      I(L.local), i64(L.per_peer), I(L.world), np.uint32(self.round),
-                     self.timeout_ns, out, self.report_at)
+                     self.timeout_ns, out, self.report_at, self.far)
         self._finish("combine")
         return out

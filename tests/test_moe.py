@@ -134,7 +134,7 @@ def test_a_rank_killed_mid_run_stops_the_others(per_node):
     (["--world", "2"], "--world 2, but this job has 1 rank (no launcher: one rank)"),
     (["--device", "gpu"], "invalid choice: 'gpu'"),
     (["--baseline", "nccl"], "--baseline nccl needs --device cuda"),
-    (["--drive", "gpu"], "--drive gpu needs --device cuda and one node"),
+    (["--drive", "gpu"], "--drive gpu needs --device cuda"),
     (["--tokens", "1,x"], "--tokens takes numbers like 1,8,128"),
     (["--tokens", "4,200"], "--tokens 200: more than --max-tokens 128"),
     pytest.param(["--device", "cuda", "--max-tokens", "4", "--hidden", "128"],
