@@ -21,8 +21,10 @@ struct m16_proxy {
     uint8_t *busy;                  // 1 while that slot's WRITE is in flight
     uint32_t *arrived;              // [kinds][world] stamps, in this rank's region
     uint32_t world, kinds;
+    int (*settle)(void *);          // or NULL: called before stamping (see m16_reap)
     int stop;                       // set by Python to end the loop
-    int failed_call;                // 1: fi_writemsg, 2: fi_cq_read, 3: a stray completion
+    int failed_call;                // 1: fi_writemsg, 2: fi_cq_read, 3: a stray completion,
+                                    // 4: settle
 };
 int m16_proxy_run(struct m16_proxy *p);
 void m16_submit(struct m16_proxy *p, uint64_t local, uint64_t remote, uint64_t len,
@@ -83,7 +85,11 @@ static int m16_post(struct m16_proxy *p)
     return 0;
 }
 
-/* Read completions: ours free their slot, a peer's immediate becomes a stamp. */
+/* Read completions: ours free their slot, a peer's immediate becomes a stamp.
+ * A provider that copies with CUDA calls from this thread (shm) may report a
+ * WRITE whose copy still runs on the GPU; `settle` (cudaStreamSynchronize on
+ * CUDA's legacy stream, where those copies go) waits for it before a stamp
+ * tells a kernel the bytes are there. */
 static ssize_t m16_reap(struct m16_proxy *p)
 {
     struct fi_cq_data_entry entries[M16_BATCH];
@@ -92,6 +98,13 @@ static ssize_t m16_reap(struct m16_proxy *p)
         return 0;
     if (n < 0)
         return n;  /* -FI_EAVAIL: Python reads the error entry and its text */
+    int arrivals = 0;
+    for (ssize_t i = 0; i < n; i++)
+        arrivals |= (entries[i].flags & FI_REMOTE_CQ_DATA) != 0;
+    if (arrivals && p->settle && p->settle(NULL)) {
+        p->failed_call = 4;
+        return -FI_EOTHER;
+    }
     for (ssize_t i = 0; i < n; i++) {
         if (entries[i].flags & FI_REMOTE_CQ_DATA) {
             m16_note_immediate(p, entries[i].data);

@@ -148,7 +148,9 @@ class Layout(Shape):
 class Proxy:
     """The host proxy: chapters/16_moe.c's loop in a thread of its own (GIL released)."""
 
-    def __init__(self, own, group, mem, stamps_ptr, provider, timeout, largest):
+    def __init__(self, own, group, mem, stamps_ptr, provider, timeout, largest,
+                 kernels_wait=False):
+        """kernels_wait: GPU kernels, not this host, wait on the stamps (moe_nvlink)."""
         self.timeout = timeout
         info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA,
                           prefer=lib.FI_HMEM if mem.gpu is not None else 0)
@@ -182,6 +184,8 @@ class Proxy:
         p.ep, p.cq, p.base, p.desc = ep, self.cq, ffi.cast("char *", mem.ptr), fi.mr_desc(mr)
         p.ring_size, p.world, p.kinds = RING, group.world, KINDS
         p.arrived = ffi.cast("uint32_t *", stamps_ptr)
+        if kernels_wait and self.provider == "shm":  # its CUDA copies: see m16_reap
+            p.settle = ffi.cast("int (*)(void *)", mem.legacy_stream_sync())
         self.rc, self.error, self.gpu = None, None, mem.gpu
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -223,6 +227,8 @@ class Proxy:
                 return e
         if self.p.failed_call == 3:
             return ValueError("the proxy got a completion for no WRITE in flight")
+        if self.p.failed_call == 4:
+            return RuntimeError("the proxy's cudaStreamSynchronize failed")
         return fi.FabricError(f"{call} (in the proxy)", self.rc)
 
     def drain(self, group):
@@ -657,7 +663,8 @@ def main():
         def ours(own, dtype, private):
             if args.drive == "gpu":
                 def proxy(own, mem, stamps, largest):
-                    return Proxy(own, group, mem, stamps, args.provider, args.timeout, largest)
+                    return Proxy(own, group, mem, stamps, args.provider, args.timeout, largest,
+                                 kernels_wait=True)
                 return NvlinkAllToAll(own, group, args.max_tokens, args.experts, args.topk,
                                       args.hidden, dtype, private, args.timeout, KERNELS,
                                       args.combine_dtype, proxy)

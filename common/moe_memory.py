@@ -7,6 +7,7 @@ same few operations: a region, a handle for node peers and the opening of theirs
 into a peer's region, `ready` (queued work done) and `settle` (arrived data readable),
 the fp8 quantisation, a copy to the host, and a clock.
 """
+import ctypes
 import mmap
 import os
 import time
@@ -165,6 +166,16 @@ class CudaMemory:
         # Chapter 07's lesson: shm's CUDA IPC copies into our memory may still be running
         # when the immediate arrives; waiting for the device covers them.
         self.rt.deviceSynchronize()
+
+    def legacy_stream_sync(self):
+        """The address of cudaStreamSynchronize in the CUDA runtime libfabric loads, for
+        the proxy's thread (C, no GIL) to wait on CUDA's legacy stream (NULL), where shm
+        makes its copies."""
+        try:
+            cudart = ctypes.CDLL("libcudart.so")
+        except OSError as e:
+            raise RuntimeError(f"cannot load the CUDA runtime libfabric uses: {e}") from None
+        return ctypes.cast(cudart.cudaStreamSynchronize, ctypes.c_void_p).value
 
     def host_shared(self, nbytes):
         """Host memory that this rank's kernels and its proxy share: pinned, so mapped
