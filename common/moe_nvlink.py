@@ -25,10 +25,9 @@ import time
 import numpy as np
 
 from common.moe import Shape, Stages, Wire, aligned, check_shape, check_tokens, index_error
-from common.moe_memory import CudaMemory, Region
+from common.moe_memory import CudaMemory
 
 THREADS = 256
-MAPPED = 2  # cudaHostRegisterMapped: the GPU reads the arrival table where the host does
 
 
 class NodeLayout(Shape):
@@ -76,19 +75,18 @@ class NvlinkAllToAll(Stages):
         node = range(group.node * group.ranks_per_node, (group.node + 1) * group.ranks_per_node)
         self.proxy, numbers = None, [node.start, len(node)] + [0] * 9
         if far:
-            table = Region(group.job, f"{group.rank}-stamps", 4 * 3 * group.world)
-            table.unlink()  # only our proxy and our GPU use it: no peer maps it
-            cp.cuda.runtime.hostRegister(table.ptr, table.bytes.nbytes, MAPPED)
-            own.callback(cp.cuda.runtime.hostUnregister, table.ptr)
+            # the arrival table: only our proxy and our GPU use it (no node peer stamps it)
+            self.stamps = mem.host_shared(4 * 3 * group.world)
+            table = self.stamps.ctypes.data
             largest = max(L.slot, L.per_peer * L.row, L.per_peer * L.out_row)
-            self.proxy = p = proxy(own, mem, table.ptr, largest)
+            self.proxy = p = proxy(own, mem, table, largest)
             if 3 * group.world > p.p.ring_size:
                 raise ValueError(f"{group.world} ranks queue more WRITEs a round than the "
                                  f"proxy's ring holds ({p.p.ring_size})")
             head = p.shared.ctypes.data  # the ring's head, then the ring (pinned: mapped)
             numbers = [node.start, len(node), L.out_slots, L.out_stripes, L.combine_out,
                        L.signal_in, L.signal_out, head + 8, head, p.p.ring_size,
-                       table.ptr]  # as M16_FAR in chapters/16_moe.cu
+                       table]  # as M16_FAR in chapters/16_moe.cu
         self.far = cp.asarray(np.array(numbers, np.int64))
         handles = group.allgather(mem.handle())
         self.peers = cp.asarray(np.array(
