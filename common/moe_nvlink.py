@@ -211,7 +211,7 @@ class NvlinkAllToAll(Stages):
     def combine_recv(self, weights):
         """Wait for every peer's outputs (the barrier before the next dispatch), then the
         weighted sum. weights: (n, topk); returns (n, hidden) float32."""
-        L, g, xp = self.L, self.group, self.xp
+        L, xp = self.L, self.xp
         n = len(self.indices) if self.stage == "combine sent" else None
         if n is not None and weights.shape != (n, L.topk):
             raise ValueError(f"weights must be ({n}, {L.topk}), got {weights.shape}")
