@@ -600,7 +600,7 @@ def main():
     p = cli.parser(__doc__)
     p.add_argument("--device", choices=list(DEVICES), default="cpu",
                    help="cpu: numpy and host memory (default); cuda: GPU memory, cupy and "
-                   "16_moe.cu (host-driven; see the docstring)")
+                   "16_moe.cu (see --drive)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per rank, at most")
     p.add_argument("--tokens", type=token_list, help="tokens per rank in the benchmark, "
                    "one run each, e.g. 1,8,128 (default: the maximum)")
@@ -613,10 +613,10 @@ def main():
                    help="what expert outputs travel back as (bf16, summed in float32)")
     p.add_argument("--private-tokens", type=int, default=8,
                    help="tokens per sender that travel with the counts (default 8)")
-    p.add_argument("--drive", choices=["gpu", "host"], help="--device cuda: gpu, the "
-                   "kernels push over NVLink and feed the proxy (common/moe_nvlink.py; the "
-                   "default on one node); host, this file's protocol driven from Python (the "
-                   "default across nodes, and what --device cpu runs)")
+    p.add_argument("--drive", choices=["gpu", "host"], help="--device cuda: gpu (the "
+                   "default), the kernels push over NVLink and feed the proxy "
+                   "(common/moe_nvlink.py); host, this file's protocol driven from Python, "
+                   "as --device cpu runs it")
     p.add_argument("--baseline", choices=["nccl"], help="also check and time the NCCL "
                    "all-to-all (--device cuda)")
     p.add_argument("--check", default="all", help="cases to check: all, none, or some of "
@@ -645,9 +645,7 @@ def main():
                                  f"{args.max_tokens} (or negative)")
     if args.drive == "gpu" and args.device != "cuda":
         raise cli.UsageError("--drive gpu needs --device cuda")
-    # across nodes the GPU-driven path has not run on GPUs yet: asked for, not by default
-    args.drive = args.drive or ("gpu" if args.device == "cuda" and place.nodes == 1
-                                else "host")
+    args.drive = args.drive or ("gpu" if args.device == "cuda" else "host")
     if args.baseline and args.device != "cuda":
         raise cli.UsageError("--baseline nccl needs --device cuda")
     try:

@@ -15,9 +15,9 @@ the barrier: a peer's next dispatch comes after its combine-recv, so it cannot o
 slot that was not read yet. The host launches kernels, and waits only where the caller
 needs the answer: the counts at the end of dispatch-recv, the sums at the end of combine.
 
-Across nodes this path has not run on GPUs yet (one node has: README); it assumes that
-once the proxy sees a WRITE's immediate, its bytes are in our GPU memory (EFA's
-guarantee; with shm standing in, its copy must have ended).
+Across nodes it relies on what EFA guarantees: once the proxy sees a WRITE's immediate,
+its bytes are in our GPU memory. shm, standing in for EFA on one host, copies with CUDA
+calls that may still run then; the proxy settles them before it stamps (chapters/16_moe.c).
 """
 import os
 import time
@@ -94,6 +94,7 @@ class NvlinkAllToAll(Stages):
              for r in range(group.world)], np.uint64))
         entries, rows = max_tokens * topk, group.world * L.per_peer
         self.counts = cp.zeros(experts, cp.int32)
+        self.gate = cp.zeros(2, cp.uint32)  # combine_sum: block 0 waits, tells the rest
         self.position = cp.zeros(entries, cp.int32)  # of a selection among its expert's
         self.stream_pos = cp.zeros(entries, cp.int32)  # ...and in our stream to its rank
         self.plan = cp.zeros(3 * experts, cp.int32)
@@ -222,6 +223,6 @@ class NvlinkAllToAll(Stages):
         self._launch("combine_sum", n, self.mem.data, i64(L.flags), i64(L.combine_in),
                      self.indices, self.stream_pos, weights, I(n), I(L.topk), I(L.hidden),
                      I(L.local), i64(L.per_peer), I(L.world), np.uint32(self.round),
-                     self.timeout_ns, out, self.report_at, self.far)
+                     self.timeout_ns, out, self.report_at, self.far, self.gate)
         self._finish("combine")
         return out
