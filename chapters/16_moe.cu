@@ -39,7 +39,7 @@ extern "C" __global__ void m16_quantize_fp8(const float *x, unsigned char *rows,
 }
 
 // ---------------------------------------------------------------------------------------
-// The GPU-driven all-to-all of one node (common/moe_nvlink.py): no host in the loop.
+// The GPU-driven all-to-all (common/moe_nvlink.py): no host in the loop.
 // Every rank's region (cudaMalloc, mapped by the node's ranks through CUDA IPC) holds
 //   flags      uint32 [2][world]: the round each peer last finished (counts, combine)
 //   slots      [world][header | private rows]: a sender's counts and its first rows

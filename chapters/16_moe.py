@@ -31,16 +31,18 @@ e4m3 with block scales and bf16 (common/moe_reference.py, also the reference
 every run is checked against); the proxy; --device cpu, where numpy stands in
 for the kernels and host memory for GPU memory.
 
---device cuda keeps the data in GPU memory. On one node the GPU drives it all
+--device cuda keeps the data in GPU memory, and the GPU drives it all
 (common/moe_nvlink.py and the kernels of chapters/16_moe.cu): kernels count, push each row
-over NVLink into its receiver's memory and raise a flag; the receiver's kernels wait for
-the flags and gather; the host only launches and waits once per receive half. That
-changes one thing in the protocol: each sender owns a stripe of the receiver's region, so
-nobody waits for the counts before sending the rest. --drive host runs this file's
-host-driven protocol on GPUs too (cupy packs, the host copies, stamps and waits), and so
-do two or more nodes, where the proxy's WRITEs carry the bytes. --baseline nccl checks and
-times NCCL doing the whole job. On 2 x H200 at the decode shape: 224 / 180 us GPU-driven,
-2103 / 824 us NCCL, 2372 / 910 us host-driven over libfabric (README has the table).
+over NVLink into its receiver's memory and raise a flag; rows for another node go into an
+outbox laid out as they will land, and the kernels queue the WRITEs in the proxy's ring
+themselves and poll the stamps the peer's proxy leaves; the receiver's kernels wait and
+gather; the host only launches and waits once per receive half. That changes one thing in
+the protocol: each sender owns a stripe of the receiver's region, so nobody waits for the
+counts before sending the rest. --drive host runs this file's host-driven protocol on GPUs
+too (cupy packs, the host copies, stamps and waits). --baseline nccl checks and times NCCL
+doing the whole job. On 2 x H200 at the decode shape (128 tokens): 159 / 154 us on one
+node, 169 / 211 us across two over libfabric shm, NCCL 1540 / 673 us, host-driven
+1440 / 728 us (README has the table).
 
     python scripts/launch.py -n 4 chapters/16_moe.py                       # one node
     python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm

@@ -365,11 +365,12 @@ def gpus():
 
 @needs_gpu
 @pytest.mark.parametrize("ranks,per_node,drive", [
-    (2, 2, "gpu"), (4, 4, "gpu"), (8, 8, "gpu"), (2, 1, "gpu"), (4, 2, "gpu"), (2, 2, "host"),
-    (2, 1, "host"), (4, 2, "host"), (8, 4, "host")],
+    (2, 2, "gpu"), (4, 4, "gpu"), (8, 8, "gpu"), (2, 1, "gpu"), (4, 2, "gpu"), (8, 4, "gpu"),
+    (2, 2, "host"), (2, 1, "host"), (4, 2, "host"), (8, 4, "host")],
     ids=["2-one-node-gpu-driven", "4-one-node-gpu-driven", "8-one-node-gpu-driven",
-         "2-two-nodes-gpu-driven", "4-two-nodes-gpu-driven", "2-one-node-host-driven",
-         "2-two-nodes", "4-two-nodes", "8-two-nodes"])
+         "2-two-nodes-gpu-driven", "4-two-nodes-gpu-driven", "8-two-nodes-gpu-driven",
+         "2-one-node-host-driven", "2-two-nodes-host-driven", "4-two-nodes-host-driven",
+         "8-two-nodes-host-driven"])
 def test_gpu_every_case_matches_the_reference(ranks, per_node, drive):
     # the baseline wants a GPU per rank
     baseline = ["--baseline", "nccl"] if ranks <= gpu_count() and drive == "gpu" else []
