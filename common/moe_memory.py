@@ -183,13 +183,13 @@ class CudaMemory:
         import cupyx
         return cupyx.zeros_pinned(nbytes, np.uint8)
 
-    def quantize_fp8(self, x, out=None):
-        """float32 tokens -> fp8 rows, into `out` (rows of the right width) if given."""
+    def quantize_fp8(self, x):
+        """float32 tokens -> fp8 rows."""
         cp = self.xp
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         n, hidden = x.shape
         row = hidden + hidden // ref.FP8_BLOCK * 4
-        rows = cp.empty((n, row), cp.uint8) if out is None else out[:n]
+        rows = cp.empty((n, row), cp.uint8)
         if n:
             self.quantize((n, hidden // ref.FP8_BLOCK), (ref.FP8_BLOCK,),
                           (x, rows, np.int32(hidden), np.int32(row)))

@@ -25,7 +25,9 @@ import time
 import numpy as np
 
 from common.moe import Shape, Stages, Wire, aligned, check_shape, check_tokens, index_error
+from common.kernel_call import KernelCall
 from common.moe_memory import CudaMemory
+from common.moe_reference import FP8_BLOCK
 
 THREADS = 256
 
@@ -69,9 +71,6 @@ class NvlinkAllToAll(Stages):
         self.mem = mem = CudaMemory(own, group, L.size, kernels, blocking=not far)
         cp = self.xp = mem.xp
         self.wire = Wire(dispatch_dtype, hidden, mem)
-        self.k = {name: mem.module.get_function("m16_" + name) for name in (
-            "route", "dispatch_push", "dispatch_plan", "dispatch_gather", "combine_push",
-            "combine_sum")}
         node = range(group.node * group.ranks_per_node, (group.node + 1) * group.ranks_per_node)
         self.proxy, numbers = None, [node.start, len(node)] + [0] * 9
         if far:
@@ -113,14 +112,55 @@ class NvlinkAllToAll(Stages):
         self.tokens = cp.zeros((rows, self.split), cp.uint8)
         self.scales = cp.zeros((rows, L.row - self.split), cp.uint8)
         self.done = cp.zeros(2, cp.uint32)  # the last-block counters of the two pushes
-        self.timeout_ns = np.uint64(timeout * 1e9)
+        self.timeout_ns = int(timeout * 1e9)
+        self._bind_kernels()
         mem.ready()  # zeroed flags everywhere before anyone pushes
         group.barrier()
         self.round = 0
 
-    def _launch(self, name, blocks, *args, shared=0):
-        self.k[name]((max(blocks, 1),), (THREADS if name != "dispatch_plan" else 1024,),
-                     args, shared_mem=shared)
+    def _bind_kernels(self):
+        """Each kernel of chapters/16_moe.cu with its arguments, in the order of its
+        signature: what never changes is set here, None is set by each launch."""
+        L, g, mem = self.L, self.group, self.mem
+
+        def kernel(name, threads=THREADS, shared=0, **arguments):
+            return KernelCall(mem.module.get_function("m16_" + name), mem.stream, threads,
+                              shared, **arguments)
+        self.quantize = kernel("quantize_fp8", FP8_BLOCK, x=None, rows=self.rows,
+                               hidden=L.hidden, row_bytes=L.row)
+        self.route = kernel("route", indices=None, entries=None, topk=L.topk,
+                            experts=L.experts, counts=self.counts, position=self.position,
+                            error=self.state)
+        self.push = kernel(
+            "dispatch_push", rows=None, indices=None, position=self.position,
+            counts=self.counts, entries=None, topk=L.topk, experts=L.experts, local=L.local,
+            row_bytes=L.row, private_rows=L.private, per_peer=L.per_peer, peers=self.peers,
+            slots=L.slots, slot_bytes=L.slot, header_bytes=L.header, overflow=L.overflow,
+            flags=L.flags, rank=g.rank, world=L.world, round=None,
+            stream_pos=self.stream_pos, error=self.state, done=self.done[0:], far=self.far)
+        self.plan_kernel = kernel(
+            "dispatch_plan", 1024, 3 * 4 * L.experts, region=mem.data, flags=L.flags,
+            slots=L.slots, slot_bytes=L.slot, rank=g.rank, world=L.world, local=L.local,
+            round=None, timeout_ns=self.timeout_ns, plan=self.plan, state=self.state,
+            report=self.report_at, far=self.far)
+        self.gather = kernel(
+            "dispatch_gather", region=mem.data, plan=self.plan, state=self.state,
+            local=L.local, world=L.world, row_bytes=L.row, split=self.split,
+            private_rows=L.private, per_peer=L.per_peer, slots=L.slots, slot_bytes=L.slot,
+            header_bytes=L.header, overflow=L.overflow, out=self.tokens, tail=self.scales,
+            row_source=self.row_source, row_stream=self.row_stream)
+        self.combine_push = kernel(
+            "combine_push", expert_out=None, row_source=self.row_source,
+            row_stream=self.row_stream, rows=None, hidden=L.hidden, peers=self.peers,
+            combine_in=L.combine_in, per_peer=L.per_peer, flags=L.flags, rank=g.rank,
+            world=L.world, round=None, done=self.done[1:], plan=self.plan, local=L.local,
+            far=self.far)
+        self.combine_sum = kernel(
+            "combine_sum", region=mem.data, flags=L.flags, combine_in=L.combine_in,
+            indices=None, stream_pos=self.stream_pos, weights=None, tokens=None,
+            topk=L.topk, hidden=L.hidden, local=L.local, per_peer=L.per_peer,
+            world=L.world, round=None, timeout_ns=self.timeout_ns, out=None,
+            report=self.report_at, far=self.far, gate=self.gate)
 
     def _finish(self, what):
         """Wait for this rank's GPU work (watching the other ranks meanwhile), then for what
@@ -151,41 +191,33 @@ class NvlinkAllToAll(Stages):
         """Quantise, number each selection, push every row to its expert's rank. The
         indices' values are checked on the GPU: a bad batch is refused (nothing sent) and
         said by dispatch_recv."""
-        L, g, xp = self.L, self.group, self.xp
+        L, xp = self.L, self.xp
         indices = check_tokens(xp, x, indices, L, values=False)
         self._stage("idle", "dispatch sent")
         self.round += 1
         self.indices, entries = indices, indices.size
-        rows = self.mem.quantize_fp8(x, out=self.rows) if L.dtype == "fp8" \
-            else self.wire.encode(x)
-        self.sending = rows  # the push reads it after we return
-        I, i64 = np.int32, np.int64
-        self._launch("route", L.experts, indices, I(entries), I(L.topk), I(L.experts),
-                     self.counts, self.position, self.state)
-        self._launch("dispatch_push", entries + L.world, rows, indices, self.position,
-                     self.counts, I(entries), I(L.topk), I(L.experts), I(L.local),
-                     i64(L.row), I(L.private), i64(L.per_peer), self.peers, i64(L.slots),
-                     i64(L.slot), i64(L.header), i64(L.overflow), i64(L.flags), I(g.rank),
-                     I(L.world), np.uint32(self.round), self.stream_pos, self.state,
-                     self.done[0:], self.far)
+        if L.dtype == "fp8":
+            if not isinstance(x, xp.ndarray) or x.dtype != xp.float32 \
+                    or not x.flags.c_contiguous:
+                x = xp.ascontiguousarray(x, dtype=xp.float32)
+            self.sending = x  # the kernels read it after we return
+            if len(x):
+                self.quantize((len(x), L.hidden // FP8_BLOCK), x=x)
+            rows = self.rows
+        else:
+            rows = self.sending = self.wire.encode(x)
+        self.route(L.experts, indices=indices, entries=entries)
+        self.push(entries + L.world, rows=rows, indices=indices, entries=entries,
+                  round=self.round)
 
     def dispatch_recv(self):
         """Wait for every sender, lay the rows out expert-major. Returns (tokens, scales,
         counts per local expert on the host); scales is None for bf16. tokens and scales
         live in this object's buffers: valid until the next dispatch_recv."""
-        L, g = self.L, self.group
+        L = self.L
         self._stage("dispatch sent", "dispatched")
-        I, i64 = np.int32, np.int64
-        region = self.mem.data
-        self._launch("dispatch_plan", 1, region, i64(L.flags), i64(L.slots), i64(L.slot),
-                     I(g.rank), I(L.world), I(L.local), np.uint32(self.round),
-                     self.timeout_ns, self.plan, self.state, self.report_at, self.far,
-                     shared=3 * 4 * L.experts)
-        self._launch("dispatch_gather", min(len(self.tokens), 4096), region, self.plan,
-                     self.state, I(L.local), I(L.world), i64(L.row), i64(self.split),
-                     I(L.private), i64(L.per_peer), i64(L.slots), i64(L.slot),
-                     i64(L.header), i64(L.overflow), self.tokens, self.scales,
-                     self.row_source, self.row_stream)
+        self.plan_kernel(1, round=self.round)
+        self.gather(min(len(self.tokens), 4096))
         report = self._finish("dispatch")
         self.total = n = int(report[L.local])
         if L.dtype == "fp8":
@@ -196,18 +228,14 @@ class NvlinkAllToAll(Stages):
     def combine_send(self, expert_out):
         """Send each expert output (float32, expert-major as dispatch_recv gave the
         tokens) back as bf16, straight into its source's memory."""
-        L, g, xp = self.L, self.group, self.xp
+        L, xp = self.L, self.xp
         if self.stage == "dispatched" and expert_out.shape != (self.total, L.hidden):
             raise ValueError(f"expert outputs must be ({self.total}, {L.hidden}), "
                              f"got {expert_out.shape}")
         self._stage("dispatched", "combine sent")
         self.expert_out = xp.ascontiguousarray(expert_out, dtype=xp.float32)
-        I, i64 = np.int32, np.int64
-        self._launch("combine_push", self.total, self.expert_out, self.row_source,
-                     self.row_stream, I(self.total), I(L.hidden), self.peers,
-                     i64(L.combine_in), i64(L.per_peer), i64(L.flags), I(g.rank),
-                     I(L.world), np.uint32(self.round), self.done[1:], self.plan,
-                     I(L.local), self.far)
+        self.combine_push(self.total, expert_out=self.expert_out, rows=self.total,
+                          round=self.round)
 
     def combine_recv(self, weights):
         """Wait for every peer's outputs (the barrier before the next dispatch), then the
@@ -219,10 +247,7 @@ class NvlinkAllToAll(Stages):
         self._stage("combine sent", "idle")
         weights = xp.ascontiguousarray(weights, dtype=xp.float32)
         out = xp.empty((n, L.hidden), xp.float32)
-        I, i64 = np.int32, np.int64
-        self._launch("combine_sum", n, self.mem.data, i64(L.flags), i64(L.combine_in),
-                     self.indices, self.stream_pos, weights, I(n), I(L.topk), I(L.hidden),
-                     I(L.local), i64(L.per_peer), I(L.world), np.uint32(self.round),
-                     self.timeout_ns, out, self.report_at, self.far, self.gate)
+        self.combine_sum(n, indices=self.indices, weights=weights, tokens=n,
+                         round=self.round, out=out)
         self._finish("combine")
         return out

@@ -238,6 +238,19 @@ def test_bad_shapes_are_refused(shape, pattern):
 
 # --- the launcher's environment modes ------------------------------------------------------
 
+def test_kernel_arguments_take_the_bits_the_driver_reads():
+    # cuLaunchKernel reads 4 bytes of an int's slot, 8 of a pointer's (little-endian)
+    from common.kernel_call import _word
+
+    class Device:  # what a cupy array offers: .data.ptr
+        class data:
+            ptr = 0x7F00_0000_1000
+    assert _word(Device()) == 0x7F00_0000_1000
+    assert _word(np.int32(-1)) & 0xFFFF_FFFF == 0xFFFF_FFFF
+    assert _word(-2) == 2**64 - 2 and _word(np.uint32(7)) == 7
+    assert _word(np.uintp(2**63)) == 2**63
+
+
 def test_place_from_torchrun_slurm_and_nothing():
     torchrun = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
                 "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
