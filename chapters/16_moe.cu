@@ -186,23 +186,32 @@ __device__ void m16_copy_row(unsigned char *to, const unsigned char *from, long 
     }
 }
 
+// Expert indices as the caller has them, int32 or int64 (index_bytes 4 or 8): a
+// conversion would cost a launch, and more host time than the kernel it feeds.
+__device__ long long m16_index(const void *indices, int index_bytes, long long i)
+{
+    return index_bytes == 8 ? ((const long long *)indices)[i] : ((const int *)indices)[i];
+}
+
 // dispatch, 1: a block per expert counts its selections and numbers them in token order
 // (a ballot per warp, warps in turn), so the layout is the same every run. It also
 // checks the batch: *error becomes 1 for an index out of range (block 0 looks), 2 for
 // a token naming an expert twice (that expert's block sees it); then nothing is sent.
-extern "C" __global__ void m16_route(const long long *indices, int entries, int topk,
-                                     int experts, int *counts, int *position, int *error)
+extern "C" __global__ void m16_route(const void *indices, int index_bytes, int entries,
+                                     int topk, int experts, int *counts, int *position,
+                                     int *error)
 {
     __shared__ int warp_sum[32];
     int e = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int base = 0;
     for (int first = 0; first < entries; first += blockDim.x) {
         int i = first + threadIdx.x;
-        bool mine = i < entries && indices[i] == e;
-        if (e == 0 && i < entries && (indices[i] < 0 || indices[i] >= experts))
+        long long expert = i < entries ? m16_index(indices, index_bytes, i) : -1;
+        bool mine = expert == e;
+        if (e == 0 && i < entries && (expert < 0 || expert >= experts))
             atomicMax(error, 1);
         for (int other = mine ? i - i % topk : 0; mine && other < i; other++)
-            if (indices[other] == e)
+            if (m16_index(indices, index_bytes, other) == e)
                 atomicMax(error, 2);
         unsigned int ballot = __ballot_sync(0xffffffffu, mine);
         if (lane == 0)
@@ -224,7 +233,7 @@ extern "C" __global__ void m16_route(const long long *indices, int entries, int 
 // dispatch, 2: a block per selection pushes its token's row to the expert's rank; one
 // block more per peer writes our counts into its slot for us. Then the counts flag.
 extern "C" __global__ void m16_dispatch_push(
-    const unsigned char *rows, const long long *indices, const int *position,
+    const unsigned char *rows, const void *indices, int index_bytes, const int *position,
     const int *counts, int entries, int topk, int experts, int local, long long row_bytes,
     int private_rows, long long per_peer, const unsigned long long *peers, long long slots,
     long long slot_bytes, long long header_bytes, long long overflow, long long flags,
@@ -236,7 +245,7 @@ extern "C" __global__ void m16_dispatch_push(
     int b = blockIdx.x;
     unsigned char *own = (unsigned char *)peers[rank];
     if (b < entries) {
-        int e = (int)indices[b], d = e / local;
+        int e = (int)m16_index(indices, index_bytes, b), d = e / local;
         int start = 0;  // the rows of d's experts before e, in our stream to d
         for (int x = d * local + threadIdx.x; x < e; x += blockDim.x)
             start += counts[x];
@@ -469,8 +478,8 @@ extern "C" __global__ void m16_combine_push(
 // next dispatch too), then sums its topk rows, weighted. report[local + 2]: the late
 // source + 1 (the plan set it to 0).
 extern "C" __global__ void m16_combine_sum(
-    const unsigned char *region, long long flags, long long combine_in, const long long *indices,
-    const int *stream_pos, const float *weights, int tokens, int topk, int hidden, int local,
+    const unsigned char *region, long long flags, long long combine_in, const void *indices,
+    int index_bytes, const int *stream_pos, const float *weights, int tokens, int topk, int hidden, int local,
     long long per_peer, int world, unsigned int round, unsigned long long timeout_ns,
     float *out, int *report, const long long *far, unsigned int *gate)
 {
@@ -506,7 +515,7 @@ extern "C" __global__ void m16_combine_sum(
     for (int h = threadIdx.x; h < hidden; h += blockDim.x) {
         float sum = 0.0f;
         for (int k = 0; k < topk; k++) {
-            int i = t * topk + k, d = (int)(indices[i] / local);
+            int i = t * topk + k, d = (int)(m16_index(indices, index_bytes, i) / local);
             unsigned short v = __ldcg(rows + (d * per_peer + stream_pos[i]) * hidden + h);
             sum += weights[i] * __uint_as_float((unsigned int)v << 16);
         }

@@ -536,9 +536,12 @@ def benchmark(a2a, group, args, tokens, name):
               f"bf16 combine ({L.out_row} B); {args.iters} iterations after {args.warmup}",
               flush=True)
     times = []
+    mem.ready()
+    group.barrier()  # once: from then on each round's combine-recv, which waits for every
+    # peer, lines the ranks up for the next, as layer follows layer in a model (a host
+    # barrier per round let them start up to 90 us apart on 2 x H200: rank 0 hosts the
+    # rendezvous; the receive halves counted that as latency)
     for i in range(args.warmup + args.iters):
-        mem.ready()
-        group.barrier()
         t0 = mem.mark()  # the machine's clock, or CUDA events on the rank's stream
         a2a.dispatch_send(x, indices)
         t1 = mem.mark()

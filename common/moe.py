@@ -75,10 +75,11 @@ def index_error(code, experts):
             TWICE: "a token names the same expert twice"}[code]
 
 
-def check_tokens(xp, x, indices, L, values=True):
+def check_tokens(xp, x, indices, L, values=True, keep=(np.int64,)):
     """Refuse a batch that does not fit, before a byte of it is written anywhere.
     values=False leaves the indices' values to the caller (a kernel that checks them
-    on the GPU, where reading a verdict back would cost a wait)."""
+    on the GPU, where reading a verdict back would cost a wait). Returns the indices,
+    as they are if of a dtype in `keep`, else as int64."""
     indices = xp.asarray(indices)
     n = len(indices)
     if n > L.max_tokens:
@@ -94,7 +95,7 @@ def check_tokens(xp, x, indices, L, values=True):
         for code, bad in zip((OUT_OF_RANGE, TWICE), verdicts.tolist()):
             if bad:
                 raise ValueError(index_error(code, L.experts))
-    return indices.astype(xp.int64, copy=False)
+    return indices if indices.dtype in keep else indices.astype(xp.int64)
 
 
 class Wire:

@@ -136,6 +136,7 @@ class CudaMemory:
         # CUDA_LAUNCH_BLOCKING=1).
         self.stream = cp.cuda.Stream(non_blocking=not blocking)
         self.stream.use()  # this rank's cupy work, kernels and copies all go here
+        self.marks, self.marked = [cp.cuda.Event() for _ in range(8)], 0
         self.module = cp.RawModule(code=open(kernels).read())
         self.quantize = self.module.get_function("m16_quantize_fp8")
 
@@ -199,7 +200,10 @@ class CudaMemory:
         return array.get()
 
     def mark(self):
-        event = self.xp.cuda.Event()
+        """An event recorded on our stream, from a ring made once (making one costs more
+        than recording it): valid until len(self.marks) more are taken."""
+        event = self.marks[self.marked % len(self.marks)]
+        self.marked += 1
         event.record(self.stream)
         return event
 

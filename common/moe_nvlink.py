@@ -128,11 +128,11 @@ class NvlinkAllToAll(Stages):
                               shared, **arguments)
         self.quantize = kernel("quantize_fp8", FP8_BLOCK, x=None, rows=self.rows,
                                hidden=L.hidden, row_bytes=L.row)
-        self.route = kernel("route", indices=None, entries=None, topk=L.topk,
+        self.route = kernel("route", indices=None, index_bytes=None, entries=None, topk=L.topk,
                             experts=L.experts, counts=self.counts, position=self.position,
                             error=self.state)
         self.push = kernel(
-            "dispatch_push", rows=None, indices=None, position=self.position,
+            "dispatch_push", rows=None, indices=None, index_bytes=None, position=self.position,
             counts=self.counts, entries=None, topk=L.topk, experts=L.experts, local=L.local,
             row_bytes=L.row, private_rows=L.private, per_peer=L.per_peer, peers=self.peers,
             slots=L.slots, slot_bytes=L.slot, header_bytes=L.header, overflow=L.overflow,
@@ -157,7 +157,8 @@ class NvlinkAllToAll(Stages):
             far=self.far)
         self.combine_sum = kernel(
             "combine_sum", region=mem.data, flags=L.flags, combine_in=L.combine_in,
-            indices=None, stream_pos=self.stream_pos, weights=None, tokens=None,
+            indices=None, index_bytes=None, stream_pos=self.stream_pos, weights=None,
+            tokens=None,
             topk=L.topk, hidden=L.hidden, local=L.local, per_peer=L.per_peer,
             world=L.world, round=None, timeout_ns=self.timeout_ns, out=None,
             report=self.report_at, far=self.far, gate=self.gate)
@@ -192,7 +193,7 @@ class NvlinkAllToAll(Stages):
         indices' values are checked on the GPU: a bad batch is refused (nothing sent) and
         said by dispatch_recv."""
         L, xp = self.L, self.xp
-        indices = check_tokens(xp, x, indices, L, values=False)
+        indices = check_tokens(xp, x, indices, L, values=False, keep=(np.int32, np.int64))
         self._stage("idle", "dispatch sent")
         self.round += 1
         self.indices, entries = indices, indices.size
@@ -206,9 +207,10 @@ class NvlinkAllToAll(Stages):
             rows = self.rows
         else:
             rows = self.sending = self.wire.encode(x)
-        self.route(L.experts, indices=indices, entries=entries)
-        self.push(entries + L.world, rows=rows, indices=indices, entries=entries,
-                  round=self.round)
+        size = indices.itemsize
+        self.route(L.experts, indices=indices, index_bytes=size, entries=entries)
+        self.push(entries + L.world, rows=rows, indices=indices, index_bytes=size,
+                  entries=entries, round=self.round)
 
     def dispatch_recv(self):
         """Wait for every sender, lay the rows out expert-major. Returns (tokens, scales,
@@ -247,7 +249,7 @@ class NvlinkAllToAll(Stages):
         self._stage("combine sent", "idle")
         weights = xp.ascontiguousarray(weights, dtype=xp.float32)
         out = xp.empty((n, L.hidden), xp.float32)
-        self.combine_sum(n, indices=self.indices, weights=weights, tokens=n,
-                         round=self.round, out=out)
+        self.combine_sum(n, indices=self.indices, index_bytes=self.indices.itemsize,
+                         weights=weights, tokens=n, round=self.round, out=out)
         self._finish("combine")
         return out
