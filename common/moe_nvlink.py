@@ -156,7 +156,7 @@ class NvlinkAllToAll(Stages):
             world=L.world, round=None, done=self.done[1:], plan=self.plan, local=L.local,
             far=self.far)
         self.combine_sum = kernel(
-            "combine_sum", region=mem.data, flags=L.flags, combine_in=L.combine_in,
+            "combine_sum", THREADS, 12 * L.topk, region=mem.data, flags=L.flags, combine_in=L.combine_in,
             indices=None, index_bytes=None, stream_pos=self.stream_pos, weights=None,
             tokens=None,
             topk=L.topk, hidden=L.hidden, local=L.local, per_peer=L.per_peer,
