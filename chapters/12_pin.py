@@ -21,28 +21,28 @@ of chapter 11 made its point and is gone.
 
 Transcript (2 x H200 box: 32-core Xeon, one NUMA node, CUDA-enabled libfabric
 2.1.0, shm with CUDA IPC; buffers on GPUs 0 and 1 on both sides, each GPU
-writing to the other's; 2 virtual NICs per GPU; 1 MiB pages; commit 1f179a6,
-before the moves every C loop shares went to common/lane.h: the same loop):
+writing to the other's; 2 virtual NICs per GPU; 1 MiB pages; commit f6fe2b2):
 
     $ python chapters/12_pin.py -p shm --clients 1 --gpus 0,1
     provider: shm (asked for), domain shm
-    server address: 66695f73686d3a2f2f313838303a303a3000
-    run the client: python chapters/12_pin.py -p shm 66695f73686d3a2f2f313838303a303a3000
+    server address: 66695f73686d3a2f2f343132343a303a3000
+    run the client: python chapters/12_pin.py -p shm 66695f73686d3a2f2f343132343a303a3000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    warmup: first WRITE per NIC 7.826 ms on average, 9.655 ms at most (4 NICs)
+    warmup: first WRITE per NIC 5.438 ms on average, 7.986 ms at most (4 NICs)
     2 native worker threads, one per GPU, pinned to cores 8 24
-    wrote from 2 x GPU 0 memory (cuda) / GPU 1 memory (cuda); WRITEs per NIC: 100000 100000 100000 100000, each NIC's last with immediate data; -FI_EAGAIN 9310185 times
-    400000 WRITEs of 1048576 bytes in 1.289 s: 2603.384 Gbps, 0.310 Mpps (no link speed and no baseline here: run scripts/baseline.py)
-    first contact vs steady state: 9.655 ms vs 12.9 us per WRITE per NIC (749x)
+    wrote from 2 x GPU 0 memory (cuda) / GPU 1 memory (cuda); WRITEs per NIC: 100000 100000 100000 100000, each NIC's last with immediate data; -FI_EAGAIN 10596922 times
+    400000 WRITEs of 1048576 bytes in 1.296 s: 2589.367 Gbps, 0.309 Mpps (78.6% of 3295.574 Gbps, cudaMemcpyPeer both ways here (results/baselines/h200x2-shm-cuda.json))
+    first contact vs steady state: 7.986 ms vs 13.0 us per WRITE per NIC (616x)
 
-    $ python chapters/12_pin.py -p shm 66695f73686d3a2f2f313838303a303a3000 --gpus 1,0 --nics-per-gpu 2 --page-size 1M --buffer-size 64M --pages 0-63 --iters 400000
+    $ python chapters/12_pin.py -p shm 66695f73686d3a2f2f343132343a303a3000 --gpus 1,0 --nics-per-gpu 2 --page-size 1M --buffer-size 64M --pages 0-63 --iters 400000
     provider: shm (asked for), domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 67108864 bytes of GPU 0 memory (cuda) / GPU 1 memory (cuda)
     immediate data from 4 NICs, one each: 100000 100000 100000 100000
     verified 2 x 64 pages (134217728 bytes): 0 wrong bytes
 
-Chapter 11 with the same arguments on the same box: 2601 Gbps. Here a WRITE
+Chapter 11 with the same arguments on the same box: 2601 Gbps (an earlier run;
+chapters 12-15 in this session: 2589-2597). Here a WRITE
 of GPU memory is a copy made by the GPUs, and the copies bind at 2600 Gbps
 whatever the CPU does (78% of cudaMemcpyPeer both ways at 1 MiB, 90% with
 4 MiB pages: scripts/progression.py, results/progression/). Where the CPU

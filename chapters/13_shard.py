@@ -19,28 +19,27 @@ Starting the workers moves to common/shards.py, which 14 and 15 reuse.
 
 Transcript (2 x H200 box: 32-core Xeon, one NUMA node, CUDA-enabled libfabric
 2.1.0, shm with CUDA IPC; buffers on GPUs 0 and 1 on both sides, each GPU
-writing to the other's; 2 virtual NICs per GPU; 1 MiB pages; commit 1f179a6,
-before the moves every C loop shares went to common/lane.h: the same loop):
+writing to the other's; 2 virtual NICs per GPU; 1 MiB pages; commit f6fe2b2):
 
     $ python chapters/13_shard.py -p shm --clients 1 --gpus 0,1
     provider: shm (asked for), domain shm
-    server address: 66695f73686d3a2f2f313936393a303a3000
-    run the client: python chapters/13_shard.py -p shm 66695f73686d3a2f2f313936393a303a3000
+    server address: 66695f73686d3a2f2f343231313a303a3000
+    run the client: python chapters/13_shard.py -p shm 66695f73686d3a2f2f343231313a303a3000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    warmup: first WRITE per NIC 7.536 ms on average, 9.322 ms at most (4 NICs)
+    warmup: first WRITE per NIC 6.413 ms on average, 7.807 ms at most (4 NICs)
     2 native worker threads, one per GPU, pinned to cores 8 24, a counter each
-    wrote from 2 x GPU 0 memory (cuda) / GPU 1 memory (cuda); WRITEs per NIC: 100000 100000 100000 100000, each NIC's last with immediate data; -FI_EAGAIN 10675693 times
-    400000 WRITEs of 1048576 bytes in 1.290 s: 2600.752 Gbps, 0.310 Mpps (no link speed and no baseline here: run scripts/baseline.py)
-    first contact vs steady state: 9.322 ms vs 12.9 us per WRITE per NIC (723x)
+    wrote from 2 x GPU 0 memory (cuda) / GPU 1 memory (cuda); WRITEs per NIC: 100000 100000 100000 100000, each NIC's last with immediate data; -FI_EAGAIN 12127426 times
+    400000 WRITEs of 1048576 bytes in 1.295 s: 2591.988 Gbps, 0.309 Mpps (78.7% of 3295.574 Gbps, cudaMemcpyPeer both ways here (results/baselines/h200x2-shm-cuda.json))
+    first contact vs steady state: 7.807 ms vs 12.9 us per WRITE per NIC (603x)
 
-    $ python chapters/13_shard.py -p shm 66695f73686d3a2f2f313936393a303a3000 --gpus 1,0 --nics-per-gpu 2 --page-size 1M --buffer-size 64M --pages 0-63 --iters 400000
+    $ python chapters/13_shard.py -p shm 66695f73686d3a2f2f343231313a303a3000 --gpus 1,0 --nics-per-gpu 2 --page-size 1M --buffer-size 64M --pages 0-63 --iters 400000
     provider: shm (asked for), domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 67108864 bytes of GPU 0 memory (cuda) / GPU 1 memory (cuda)
     immediate data from 4 NICs, one each: 100000 100000 100000 100000
     verified 2 x 64 pages (134217728 bytes): 0 wrong bytes
 
-Chapter 12 on the same box: 2603 Gbps; the GPUs' copies bind (chapter 12
+Chapter 12 in the same session: 2589 Gbps; the GPUs' copies bind (chapter 12
 says more). Host memory, 4 KiB pages, same box: 1.076 Mpps against chapter
 12's 1.045 (medians of 3). With two workers the shared line had one other
 core to bounce to, once per CQ read (up to 64 completions), not per WRITE;

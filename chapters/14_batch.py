@@ -17,30 +17,29 @@ New since chapter 13: worker() takes `batch`, and a visit submits up to
 
 Transcript (2 x H200 box: 32-core Xeon, one NUMA node, CUDA-enabled libfabric
 2.1.0, shm with CUDA IPC; buffers on GPUs 0 and 1 on both sides, each GPU
-writing to the other's; 2 virtual NICs per GPU; 1 MiB pages; commit 1f179a6,
-before the moves every C loop shares went to common/lane.h: the same loop):
+writing to the other's; 2 virtual NICs per GPU; 1 MiB pages; commit f6fe2b2):
 
     $ python chapters/14_batch.py -p shm --clients 1 --gpus 0,1
     provider: shm (asked for), domain shm
-    server address: 66695f73686d3a2f2f323036323a303a3000
-    run the client: python chapters/14_batch.py -p shm 66695f73686d3a2f2f323036323a303a3000
+    server address: 66695f73686d3a2f2f343330323a303a3000
+    run the client: python chapters/14_batch.py -p shm 66695f73686d3a2f2f343330323a303a3000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    warmup: first WRITE per NIC 6.249 ms on average, 7.552 ms at most (4 NICs)
+    warmup: first WRITE per NIC 5.488 ms on average, 7.504 ms at most (4 NICs)
     2 native worker threads, one per GPU, pinned to cores 8 24, a counter each, up to 16 WRITEs per visit
-    wrote from 2 x GPU 0 memory (cuda) / GPU 1 memory (cuda); WRITEs per NIC: 100000 100000 100000 100000, each NIC's last with immediate data; -FI_EAGAIN 11475714 times
-    400000 WRITEs of 1048576 bytes in 1.290 s: 2600.676 Gbps, 0.310 Mpps (no link speed and no baseline here: run scripts/baseline.py)
-    first contact vs steady state: 7.552 ms vs 12.9 us per WRITE per NIC (585x)
+    wrote from 2 x GPU 0 memory (cuda) / GPU 1 memory (cuda); WRITEs per NIC: 100000 100000 100000 100000, each NIC's last with immediate data; -FI_EAGAIN 12661042 times
+    400000 WRITEs of 1048576 bytes in 1.293 s: 2595.417 Gbps, 0.309 Mpps (78.8% of 3295.574 Gbps, cudaMemcpyPeer both ways here (results/baselines/h200x2-shm-cuda.json))
+    first contact vs steady state: 7.504 ms vs 12.9 us per WRITE per NIC (580x)
 
-    $ python chapters/14_batch.py -p shm 66695f73686d3a2f2f323036323a303a3000 --gpus 1,0 --nics-per-gpu 2 --page-size 1M --buffer-size 64M --pages 0-63 --iters 400000
+    $ python chapters/14_batch.py -p shm 66695f73686d3a2f2f343330323a303a3000 --gpus 1,0 --nics-per-gpu 2 --page-size 1M --buffer-size 64M --pages 0-63 --iters 400000
     provider: shm (asked for), domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 67108864 bytes of GPU 0 memory (cuda) / GPU 1 memory (cuda)
     immediate data from 4 NICs, one each: 100000 100000 100000 100000
     verified 2 x 64 pages (134217728 bytes): 0 wrong bytes
 
-Chapter 13 on the same box: 2601 Gbps; the GPUs' copies bind. Host memory,
+Chapter 13 in the same session: 2592 Gbps; the GPUs' copies bind. Host memory,
 4 KiB pages: 1.067 Mpps against chapter 13's 1.076, within the spread of
-repeats. Look at -FI_EAGAIN instead: 11.5 million refusals for 400,000
+repeats. Look at -FI_EAGAIN instead: 12.7 million refusals for 400,000
 WRITEs. The provider is full almost every time a visit comes, so there is
 rarely room for more than one WRITE, let alone 16; posting into room that
 is not there is what chapter 15 stops.

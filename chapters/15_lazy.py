@@ -20,47 +20,46 @@ nothing in flight: until the provider is full).
 
 Transcript (2 x H200 box: 32-core Xeon, one NUMA node, CUDA-enabled libfabric
 2.1.0, shm with CUDA IPC; buffers on GPUs 0 and 1 on both sides, each GPU
-writing to the other's; 2 virtual NICs per GPU; 1 MiB pages; commit 1f179a6,
-before the moves every C loop shares went to common/lane.h: the same loop):
+writing to the other's; 2 virtual NICs per GPU; 1 MiB pages; commit f6fe2b2):
 
     $ python chapters/15_lazy.py -p shm --clients 1 --gpus 0,1
     provider: shm (asked for), domain shm
-    server address: 66695f73686d3a2f2f323135313a303a3000
-    run the client: python chapters/15_lazy.py -p shm 66695f73686d3a2f2f323135313a303a3000
+    server address: 66695f73686d3a2f2f343338393a303a3000
+    run the client: python chapters/15_lazy.py -p shm 66695f73686d3a2f2f343338393a303a3000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    warmup: first WRITE per NIC 6.901 ms on average, 9.423 ms at most (4 NICs)
+    warmup: first WRITE per NIC 5.586 ms on average, 7.603 ms at most (4 NICs)
     2 native worker threads, one per GPU, pinned to cores 8 24, a counter each, up to 16 WRITEs per visit, posted lazily
     wrote from 2 x GPU 0 memory (cuda) / GPU 1 memory (cuda); WRITEs per NIC: 100000 100000 100000 100000, each NIC's last with immediate data; -FI_EAGAIN 0 times
-    400000 WRITEs of 1048576 bytes in 1.290 s: 2600.981 Gbps, 0.310 Mpps (no link speed and no baseline here: run scripts/baseline.py)
-    first contact vs steady state: 9.423 ms vs 12.9 us per WRITE per NIC (730x)
+    400000 WRITEs of 1048576 bytes in 1.292 s: 2596.731 Gbps, 0.310 Mpps (78.8% of 3295.574 Gbps, cudaMemcpyPeer both ways here (results/baselines/h200x2-shm-cuda.json))
+    first contact vs steady state: 7.603 ms vs 12.9 us per WRITE per NIC (588x)
 
-    $ python chapters/15_lazy.py -p shm 66695f73686d3a2f2f323135313a303a3000 --gpus 1,0 --nics-per-gpu 2 --page-size 1M --buffer-size 64M --pages 0-63 --iters 400000
+    $ python chapters/15_lazy.py -p shm 66695f73686d3a2f2f343338393a303a3000 --gpus 1,0 --nics-per-gpu 2 --page-size 1M --buffer-size 64M --pages 0-63 --iters 400000
     provider: shm (asked for), domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 67108864 bytes of GPU 0 memory (cuda) / GPU 1 memory (cuda)
     immediate data from 4 NICs, one each: 100000 100000 100000 100000
     verified 2 x 64 pages (134217728 bytes): 0 wrong bytes
 
-The same 2601 Gbps as chapters 11-14 (the GPUs' copies bind), but with
--FI_EAGAIN 0 times, where chapters 11-14 were refused 9 to 11 million times
-for the same 400,000 WRITEs. Host memory, 4 KiB pages, same box: 1.142
-Mpps (chapter 14: 1.067, chapter 09: 0.158; medians of 3). With 4 MiB pages
-the two GPUs move 4430 Gbps of verified data, 90% of what cudaMemcpyPeer
-moves both ways at once (4904 Gbps, measured in the same run by
-scripts/progression.py):
+The same 2597 Gbps as chapters 12-14 in this session (2589-2595: the GPUs'
+copies bind), but with -FI_EAGAIN 0 times, where chapters 12-14 were refused
+10.6 to 12.7 million times for the same 400,000 WRITEs. Host memory, 4 KiB
+pages, same box: 1.142 Mpps (chapter 14: 1.067, chapter 09: 0.158; medians
+of 3). With 4 MiB pages the two GPUs move 4423 Gbps of verified data, 90% of
+what cudaMemcpyPeer moves both ways at once (4904 Gbps, the baseline
+scripts/progression.py measured on this box):
 
     $ python chapters/15_lazy.py -p shm --clients 1 --gpus 0,1
     provider: shm (asked for), domain shm
-    server address: 66695f73686d3a2f2f323234343a303a3000
-    run the client: python chapters/15_lazy.py -p shm 66695f73686d3a2f2f323234343a303a3000
+    server address: 66695f73686d3a2f2f343437363a303a3000
+    run the client: python chapters/15_lazy.py -p shm 66695f73686d3a2f2f343437363a303a3000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    warmup: first WRITE per NIC 7.474 ms on average, 9.795 ms at most (4 NICs)
+    warmup: first WRITE per NIC 6.747 ms on average, 8.698 ms at most (4 NICs)
     2 native worker threads, one per GPU, pinned to cores 8 24, a counter each, up to 16 WRITEs per visit, posted lazily
     wrote from 2 x GPU 0 memory (cuda) / GPU 1 memory (cuda); WRITEs per NIC: 50000 50000 50000 50000, each NIC's last with immediate data; -FI_EAGAIN 0 times
-    200000 WRITEs of 4194304 bytes in 1.515 s: 4430.259 Gbps, 0.132 Mpps (no link speed and no baseline here: run scripts/baseline.py)
-    first contact vs steady state: 9.795 ms vs 30.3 us per WRITE per NIC (323x)
+    200000 WRITEs of 4194304 bytes in 1.517 s: 4423.300 Gbps, 0.132 Mpps (90.2% of 4903.968 Gbps, cudaMemcpyPeer both ways here (results/baselines/h200x2-shm-cuda.json))
+    first contact vs steady state: 8.698 ms vs 30.3 us per WRITE per NIC (287x)
 
-    $ python chapters/15_lazy.py -p shm 66695f73686d3a2f2f323234343a303a3000 --gpus 1,0 --nics-per-gpu 2 --page-size 4M --buffer-size 256M --pages 0-63 --iters 200000
+    $ python chapters/15_lazy.py -p shm 66695f73686d3a2f2f343437363a303a3000 --gpus 1,0 --nics-per-gpu 2 --page-size 4M --buffer-size 256M --pages 0-63 --iters 200000
     provider: shm (asked for), domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 268435456 bytes of GPU 0 memory (cuda) / GPU 1 memory (cuda)
