@@ -3,9 +3,9 @@
 cupy converts every argument on every launch: 10 us of host time for a kernel of 25
 arguments on the 2 x H200 box's Xeon, against 4.4 us for cuLaunchKernel called through
 cffi (the same empty kernel, 200 launches, median of 5 runs). An all-to-all half is a few
-launches, and the GPU waits for each while the host prepares it. Here each
-argument has an 8-byte slot, set once when it does not change; a launch sets the few that
-do, by name, and hands the driver the slots' addresses.
+launches, and the GPU waits for each while the host prepares it. Here each argument has an
+8-byte slot, set once when it does not change; a launch sets the few that do, by name, and
+hands the driver the slots' addresses.
 """
 import cffi
 import numpy as np
