@@ -18,24 +18,36 @@ __device__ unsigned char m16_e4m3(float v)
     return sign | (unsigned char)(exponent << 3 | mantissa);
 }
 
-extern "C" __global__ void m16_quantize_fp8(const float *x, unsigned char *rows, int hidden,
-                                            int row_bytes)
+// One (token, block of 128 values), by 128 threads of a block (i = 0..127), with 4 floats
+// of shared memory. Every thread of the block calls it (it synchronises them); `active`
+// is false for threads with no group to do.
+__device__ void m16_quantize_group(const float *x, unsigned char *rows, int hidden,
+                                   int row_bytes, int token, int block, int i, bool active,
+                                   float *warp_max)
 {
-    __shared__ float warp_max[4];
-    int token = blockIdx.x, block = blockIdx.y, i = threadIdx.x;
-    float v = x[(long long)token * hidden + block * 128 + i];
+    float v = active ? x[(long long)token * hidden + block * 128 + i] : 0.0f;
     float a = fabsf(v);
     for (int offset = 16; offset; offset >>= 1)
         a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
     if ((i & 31) == 0)
         warp_max[i >> 5] = a;
     __syncthreads();
+    if (!active)
+        return;
     float amax = fmaxf(fmaxf(warp_max[0], warp_max[1]), fmaxf(warp_max[2], warp_max[3]));
     float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
     unsigned char *row = rows + (long long)token * row_bytes;
     row[block * 128 + i] = m16_e4m3(v / scale);
     if (i == 0)
         ((float *)(row + hidden))[block] = scale;
+}
+
+extern "C" __global__ void m16_quantize_fp8(const float *x, unsigned char *rows, int hidden,
+                                            int row_bytes)
+{
+    __shared__ float warp_max[4];
+    m16_quantize_group(x, rows, hidden, row_bytes, blockIdx.x, blockIdx.y, threadIdx.x, true,
+                       warp_max);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -197,10 +209,22 @@ __device__ long long m16_index(const void *indices, int index_bytes, long long i
 // (a ballot per warp, warps in turn), so the layout is the same every run. It also
 // checks the batch: *error becomes 1 for an index out of range (block 0 looks), 2 for
 // a token naming an expert twice (that expert's block sees it); then nothing is sent.
+// Blocks past the experts' quantise `tokens` tokens of x to fp8 rows meanwhile, two
+// groups of 128 values a block of 256 threads: one launch less on the host (tokens 0:
+// bf16, the host encoded them).
 extern "C" __global__ void m16_route(const void *indices, int index_bytes, int entries,
                                      int topk, int experts, int *counts, int *position,
-                                     int *error)
+                                     int *error, const float *x, unsigned char *rows,
+                                     int hidden, int row_bytes, int tokens)
 {
+    if (blockIdx.x >= experts) {
+        __shared__ float warp_max[8];
+        int half = threadIdx.x >> 7, groups = hidden / 128;
+        int g = 2 * (blockIdx.x - experts) + half;
+        m16_quantize_group(x, rows, hidden, row_bytes, g / groups, g % groups,
+                           threadIdx.x & 127, g < tokens * groups, warp_max + 4 * half);
+        return;
+    }
     __shared__ int warp_sum[32];
     int e = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int base = 0;

@@ -126,11 +126,10 @@ class NvlinkAllToAll(Stages):
         def kernel(name, threads=THREADS, shared=0, **arguments):
             return KernelCall(mem.module.get_function("m16_" + name), mem.stream, threads,
                               shared, **arguments)
-        self.quantize = kernel("quantize_fp8", FP8_BLOCK, x=None, rows=self.rows,
-                               hidden=L.hidden, row_bytes=L.row)
         self.route = kernel("route", indices=None, index_bytes=None, entries=None, topk=L.topk,
                             experts=L.experts, counts=self.counts, position=self.position,
-                            error=self.state)
+                            error=self.state, x=None, rows=self.rows, hidden=L.hidden,
+                            row_bytes=L.row, tokens=None)
         self.push = kernel(
             "dispatch_push", rows=None, indices=None, index_bytes=None, position=self.position,
             counts=self.counts, entries=None, topk=L.topk, experts=L.experts, local=L.local,
@@ -197,18 +196,18 @@ class NvlinkAllToAll(Stages):
         self._stage("idle", "dispatch sent")
         self.round += 1
         self.indices, entries = indices, indices.size
-        if L.dtype == "fp8":
+        if L.dtype == "fp8":  # the route kernel quantises them into self.rows
             if not isinstance(x, xp.ndarray) or x.dtype != xp.float32 \
                     or not x.flags.c_contiguous:
                 x = xp.ascontiguousarray(x, dtype=xp.float32)
-            self.sending = x  # the kernels read it after we return
-            if len(x):
-                self.quantize((len(x), L.hidden // FP8_BLOCK), x=x)
-            rows = self.rows
+            self.sending, rows, quantize = x, self.rows, len(x)  # kept: read after we return
         else:
             rows = self.sending = self.wire.encode(x)
+            quantize = 0
+        groups = quantize * L.hidden // FP8_BLOCK  # two a block, after the experts' blocks
         size = indices.itemsize
-        self.route(L.experts, indices=indices, index_bytes=size, entries=entries)
+        self.route(L.experts + (groups + 1) // 2, indices=indices, index_bytes=size,
+                   entries=entries, x=x if quantize else 0, tokens=quantize)
         self.push(entries + L.world, rows=rows, indices=indices, index_bytes=size,
                   entries=entries, round=self.round)
 
