@@ -40,8 +40,8 @@ gather; the host only launches and waits once per receive half. That changes one
 the protocol: each sender owns a stripe of the receiver's region, so nobody waits for the
 counts before sending the rest. --drive host runs this file's host-driven protocol on GPUs
 too (cupy packs, the host copies, stamps and waits). --baseline nccl checks and times NCCL
-doing the whole job. On 2 x H200 at the decode shape (128 tokens): 90 / 69 us on one
-node, 149 / 119 us across two over libfabric shm, NCCL 1694 / 701 us, host-driven
+doing the whole job. On 2 x H200 at the decode shape (128 tokens): 94 / 71 us on one
+node, 129 / 113 us across two over libfabric shm, NCCL 1417 / 650 us, host-driven
 1602 / 756 us (README has the table).
 
     python scripts/launch.py -n 4 chapters/16_moe.py                       # one node
