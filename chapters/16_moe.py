@@ -230,7 +230,7 @@ class Proxy:
         if self.p.failed_call == 3:
             return ValueError("the proxy got a completion for no WRITE in flight")
         if self.p.failed_call == 4:
-            return RuntimeError("the proxy's cudaStreamSynchronize failed")
+            return ValueError("the proxy's cudaStreamSynchronize failed")
         return fi.FabricError(f"{call} (in the proxy)", self.rc)
 
     def drain(self, group):

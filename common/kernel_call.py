@@ -19,7 +19,10 @@ _driver = []
 
 def _launcher():
     if not _driver:
-        _driver.append(_ffi.dlopen("libcuda.so.1"))  # loaded already: cupy runs on it
+        try:
+            _driver.append(_ffi.dlopen("libcuda.so.1"))  # loaded already where cupy runs
+        except OSError as e:
+            raise ValueError(f"cannot load the CUDA driver: {e}") from None
     return _driver[0].cuLaunchKernel
 
 
@@ -58,4 +61,4 @@ class KernelCall:
         rc = self.launch(self.function, max(x, 1), y, 1, self.threads, 1, 1, self.shared,
                          self.stream, self.params, _ffi.NULL)
         if rc:
-            raise RuntimeError(f"cuLaunchKernel failed: CUDA error {rc}")
+            raise ValueError(f"cuLaunchKernel failed: CUDA error {rc}")

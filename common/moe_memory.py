@@ -175,7 +175,7 @@ class CudaMemory:
         try:
             cudart = ctypes.CDLL("libcudart.so")
         except OSError as e:
-            raise RuntimeError(f"cannot load the CUDA runtime libfabric uses: {e}") from None
+            raise ValueError(f"cannot load the CUDA runtime libfabric uses: {e}") from None
         return ctypes.cast(cudart.cudaStreamSynchronize, ctypes.c_void_p).value
 
     def host_shared(self, nbytes):

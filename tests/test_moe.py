@@ -251,6 +251,24 @@ def test_kernel_arguments_take_the_bits_the_driver_reads():
     assert _word(np.uintp(2**63)) == 2**63
 
 
+def test_no_cuda_driver_is_one_line():
+    # a ValueError, which cli.run says in one line, not an OSError's traceback
+    import ctypes
+    from common.kernel_call import KernelCall
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        pass
+    else:
+        pytest.skip("a CUDA driver is here: this is for a machine without one")
+
+    class Null:
+        ptr = 0
+    Null.kernel = Null
+    with pytest.raises(ValueError, match="cannot load the CUDA driver"):
+        KernelCall(Null, Null, 32, n=1)
+
+
 def test_place_from_torchrun_slurm_and_nothing():
     torchrun = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
                 "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
