@@ -19,7 +19,7 @@ struct m16_proxy {
     uint64_t eagain;                // times the provider said "full, later"
     struct fi_context2 *contexts;   // one per ring slot
     uint8_t *busy;                  // 1 while that slot's WRITE is in flight
-    uint32_t *arrived;              // [kinds][world] stamps, in this rank's region
+    uint32_t *arrived;              // [kinds][world] stamps: host memory the device side reads
     uint32_t world, kinds;
     int (*settle)(void *);          // or NULL: called before stamping (see m16_reap)
     int stop;                       // set by Python to end the loop
