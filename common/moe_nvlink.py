@@ -72,7 +72,8 @@ class NvlinkAllToAll(Stages):
         cp = self.xp = mem.xp
         self.wire = Wire(dispatch_dtype, hidden, mem)
         node = range(group.node * group.ranks_per_node, (group.node + 1) * group.ranks_per_node)
-        self.proxy, numbers = None, [node.start, len(node)] + [0] * 9
+        self.proxy = None
+        ring = head = ring_size = table = 0  # one node: the kernels never look at them
         if far:
             # the arrival table: only our proxy and our GPU use it (no node peer stamps it)
             self.stamps = mem.host_shared(4 * 3 * group.world)
@@ -83,10 +84,10 @@ class NvlinkAllToAll(Stages):
                 raise ValueError(f"{group.world} ranks queue more WRITEs a round than the "
                                  f"proxy's ring holds ({p.p.ring_size})")
             head = p.shared.ctypes.data  # the ring's head, then the ring (pinned: mapped)
-            numbers = [node.start, len(node), L.out_slots, L.out_stripes, L.combine_out,
-                       L.signal_in, L.signal_out, head + 8, head, p.p.ring_size,
-                       table]  # as M16_FAR in chapters/16_moe.cu
-        self.far = cp.asarray(np.array(numbers, np.int64))
+            ring, ring_size = head + 8, p.p.ring_size
+        self.far = cp.asarray(np.array(  # as M16_FAR in chapters/16_moe.cu
+            [node.start, len(node), L.out_slots, L.out_stripes, L.combine_out, L.signal_in,
+             L.signal_out, ring, head, ring_size, table], np.int64))
         handles = group.allgather(mem.handle())
         self.peers = cp.asarray(np.array(
             [mem.mine if r == group.rank else mem.open(own, r, handles[r]) if r in node else 0
@@ -154,13 +155,13 @@ class NvlinkAllToAll(Stages):
             combine_in=L.combine_in, per_peer=L.per_peer, flags=L.flags, rank=g.rank,
             world=L.world, round=None, done=self.done[1:], plan=self.plan, local=L.local,
             far=self.far)
-        self.combine_sum = kernel(
-            "combine_sum", THREADS, 12 * L.topk, region=mem.data, flags=L.flags, combine_in=L.combine_in,
-            indices=None, index_bytes=None, stream_pos=self.stream_pos, weights=None,
-            tokens=None,
-            topk=L.topk, hidden=L.hidden, local=L.local, per_peer=L.per_peer,
-            world=L.world, round=None, timeout_ns=self.timeout_ns, out=None,
-            report=self.report_at, far=self.far, gate=self.gate)
+        self.combine_sum = kernel(  # shared memory: each token's topk row offsets and weights
+            "combine_sum", THREADS, 12 * L.topk, region=mem.data, flags=L.flags,
+            combine_in=L.combine_in, indices=None, index_bytes=None,
+            stream_pos=self.stream_pos, weights=None, tokens=None, topk=L.topk,
+            hidden=L.hidden, local=L.local, per_peer=L.per_peer, world=L.world, round=None,
+            timeout_ns=self.timeout_ns, out=None, report=self.report_at, far=self.far,
+            gate=self.gate)
 
     def _finish(self, what):
         """Wait for this rank's GPU work (watching the other ranks meanwhile), then for what
@@ -197,9 +198,7 @@ class NvlinkAllToAll(Stages):
         self.round += 1
         self.indices, entries = indices, indices.size
         if L.dtype == "fp8":  # the route kernel quantises them into self.rows
-            if not isinstance(x, xp.ndarray) or x.dtype != xp.float32 \
-                    or not x.flags.c_contiguous:
-                x = xp.ascontiguousarray(x, dtype=xp.float32)
+            x = xp.ascontiguousarray(x, dtype=xp.float32)
             self.sending, rows, quantize = x, self.rows, len(x)  # kept: read after we return
         else:
             rows = self.sending = self.wire.encode(x)
