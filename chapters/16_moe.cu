@@ -321,11 +321,12 @@ extern "C" __global__ void m16_dispatch_push(
 // plan[2E + x] its length. state (GPU memory): [0] the route's verdict, [1] the total.
 // report (host memory the GPU writes, read by the host once the stream is done): rows
 // per local expert, the total, the source that was late (+1, or 0), [local + 2] the same
-// for combine, [local + 3] the route's verdict on the batch.
+// for combine, [local + 3] the route's verdict on the batch. received (GPU memory): the
+// rows per local expert again, for GPU work that follows without the host.
 extern "C" __global__ void m16_dispatch_plan(
     const unsigned char *region, long long flags, long long slots, long long slot_bytes,
     int rank, int world, int local, unsigned int round, unsigned long long timeout_ns,
-    int *plan, int *state, int *report, const long long *far)
+    int *plan, int *state, int *report, int *received, const long long *far)
 {
     extern __shared__ int table[];  // length, then stream start, then output start
     __shared__ int late, carry;
@@ -335,6 +336,8 @@ extern "C" __global__ void m16_dispatch_plan(
         report[local + 3] = state[0];
         state[1] = 0;
     }
+    for (int e = threadIdx.x; e < local; e += blockDim.x)
+        received[e] = 0;  // nothing, unless the plan gets to the end
     if (state[0]) {  // our batch was refused: nobody sent us anything this round
         __syncthreads();
         if (threadIdx.x == 0)
@@ -396,7 +399,7 @@ extern "C" __global__ void m16_dispatch_plan(
         int rows = 0;
         for (int s = 0; s < world; s++)
             rows += table[e * world + s];
-        report[e] = rows;
+        report[e] = received[e] = rows;
     }
     if (threadIdx.x == 0)
         report[local] = state[1] = carry;
@@ -445,16 +448,16 @@ __device__ unsigned short m16_bf16(float v)  // round to nearest even, as the re
     return (unsigned short)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
-// combine, 1: a block per received row sends its expert output, as bf16, back into the
-// source's combine_in stripe for us, at the row's place in the source's stream.
+// combine, 1: blocks stride over the received rows (state[1], the plan's total): each
+// sends its row's expert output, as bf16, back into the source's combine_in stripe for
+// us, at the row's place in the source's stream.
 extern "C" __global__ void m16_combine_push(
-    const float *expert_out, const int *row_source, const int *row_stream, int rows,
+    const float *expert_out, const int *row_source, const int *row_stream, const int *state,
     int hidden, const unsigned long long *peers, long long combine_in, long long per_peer,
     long long flags, int rank, int world, unsigned int round, unsigned int *done,
     const int *plan, int local, const long long *far)
 {
-    int j = blockIdx.x;
-    if (j < rows) {
+    for (int j = blockIdx.x, rows = state[1]; j < rows; j += gridDim.x) {
         int s = row_source[j];
         unsigned short *to = m16_near(far, s)
             ? (unsigned short *)((unsigned char *)peers[s] + combine_in) +

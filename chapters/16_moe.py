@@ -437,40 +437,50 @@ class AllToAll(Stages):
 
 # %%
 def check_case(a2a, case, seed):
-    """One round of dispatch and combine for `case`: (ok, what this rank saw)."""
+    """One round of dispatch and combine for `case`: (ok, what this rank saw). Everything
+    the GPU needs is on it before the round and everything is read back after it: with
+    counts on the device, the host makes no blocking CUDA call in between (see
+    common/moe_nvlink.py)."""
     L, g, xp, host, dtype = a2a.L, a2a.group, a2a.xp, a2a.mem.host, a2a.wire.dtype
     routing = [ref.routing(case, seed, r, L.world, L.max_tokens, L.experts, L.topk)
                for r in range(L.world)]
     inputs = [ref.tokens(seed, r, len(routing[r][0]), L.hidden) for r in range(L.world)]
     indices, weights = routing[g.rank]
-    a2a.dispatch_send(xp.asarray(inputs[g.rank]), xp.asarray(indices))
-    tokens, scales, counts = a2a.dispatch_recv()
-    expected, expected_counts = ref.dispatch(g.rank, L.world, L.experts,
-                                             [r[0] for r in routing],
+    sent = [r[0] for r in routing]
+    expected, expected_counts = ref.dispatch(g.rank, L.world, L.experts, sent,
                                              [ref.wire_rows(dtype, x) for x in inputs])
-    got = host(tokens).view(np.uint8)
+    # the experts: x -> factor(e) * x, on what should arrive, one row more for every row
+    # a rank may be handed (the buffers, or wrong counts)
+    values, _ = ref.dispatch(g.rank, L.world, L.experts, sent,
+                             [ref.round_trip(dtype, x) for x in inputs])
+    first = g.rank * L.local
+    experts = np.repeat(np.arange(first, first + L.local), expected_counts)
+    answers = np.zeros((L.world * L.per_peer, L.hidden), np.float32)
+    answers[:len(values)] = ref.expert_factor(experts, L.experts).astype(np.float32)[:, None] \
+        * values
+    answers, x, chosen, weighed = (xp.asarray(a) for a in (answers, inputs[g.rank], indices,
+                                                          weights))
+    a2a.dispatch_send(x, chosen)
+    tokens, scales, counts = a2a.dispatch_recv()
+    a2a.combine_send(answers[:len(tokens)])
+    out = host(a2a.combine_recv(weighed))
+    counts = host(counts).astype(np.int64)
+    n = int(counts.sum())  # the rows received (the buffers may hold more)
+    got = host(tokens[:n]).view(np.uint8)
     if scales is not None:
-        got = np.concatenate([got, host(scales).view(np.uint8)], axis=1)
+        got = np.concatenate([got, host(scales[:n]).view(np.uint8)], axis=1)
     counts_ok = np.array_equal(counts, expected_counts)
     rows_ok = counts_ok and got.shape == expected.shape and np.array_equal(got, expected)
-    # the experts: x -> factor(e) * x (wrong counts still send something back: the
-    # other ranks wait for this rank's combine)
-    first = g.rank * L.local
-    experts = np.repeat(np.arange(first, first + L.local), counts) \
-        if counts.sum() == len(tokens) else np.full(len(tokens), first)
-    factor = ref.expert_factor(experts, L.experts)[:, None].astype(np.float32)
-    a2a.combine_send(xp.asarray(factor * a2a.wire.decode(tokens, scales)))
-    out = host(a2a.combine_recv(xp.asarray(weights)))
     mine = ref.round_trip(dtype, inputs[g.rank])
-    answers = np.stack([ref.from_bf16(ref.to_bf16(ref.expert_factor(indices[:, j], L.experts)
-                                                  [:, None].astype(np.float32) * mine))
-                        for j in range(L.topk)], axis=1)
-    want = ref.combine(indices, weights, answers)
+    wanted = np.stack([ref.from_bf16(ref.to_bf16(ref.expert_factor(indices[:, j], L.experts)
+                                                 [:, None].astype(np.float32) * mine))
+                       for j in range(L.topk)], axis=1)
+    want = ref.combine(indices, weights, wanted)
     error = float(np.abs(out - want).max()) if out.size else 0.0
     tolerance = 2.0 ** -8 * max(1.0, float(np.abs(want).max()) if want.size else 1.0)
     ok = counts_ok and rows_ok and error <= tolerance
-    return ok, {"received": int(counts.sum()), "counts": counts_ok, "rows": rows_ok,
-                "error": error, "tolerance": tolerance}
+    return ok, {"received": n, "counts": counts_ok, "rows": rows_ok, "error": error,
+                "tolerance": tolerance}
 
 
 def run_checks(build, group, args, cases, name=""):
@@ -582,7 +592,7 @@ def benchmark(a2a, group, args, tokens, name):
 def record(path, args, group, provider, rows):
     """The benchmark as JSON: what ran, where, and a row per (implementation, tokens)."""
     data = {"chapter": "16_moe", "args": sys.argv[1:], "device": args.device,
-            "drive": args.drive, "world": group.world, "ranks_per_node": group.ranks_per_node,
+            "drive": args.drive, "counts": args.counts, "world": group.world, "ranks_per_node": group.ranks_per_node,
             "provider": provider, "libfabric": "%d.%d" % fi.version(),
             "machine": bench.machine(0 if args.device == "cuda" else None),
             "git": bench.git_sha(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -622,6 +632,10 @@ def main():
                    "default), the kernels push over NVLink and feed the proxy "
                    "(common/moe_nvlink.py); host, this file's protocol driven from Python, "
                    "as --device cpu runs it")
+    p.add_argument("--counts", choices=["host", "device"], default="host",
+                   help="--drive gpu: where dispatch-recv leaves the per-expert counts: host "
+                   "(it waits for the GPU; the default) or device (it returns at once, as "
+                   "the published kernels do; see common/moe_nvlink.py)")
     p.add_argument("--baseline", choices=["nccl"], help="also check and time the NCCL "
                    "all-to-all (--device cuda)")
     p.add_argument("--check", default="all", help="cases to check: all, none, or some of "
@@ -651,6 +665,8 @@ def main():
     if args.drive == "gpu" and args.device != "cuda":
         raise cli.UsageError("--drive gpu needs --device cuda")
     args.drive = args.drive or ("gpu" if args.device == "cuda" else "host")
+    if args.counts == "device" and args.drive != "gpu":
+        raise cli.UsageError("--counts device needs --drive gpu (and --device cuda)")
     if args.baseline and args.device != "cuda":
         raise cli.UsageError("--baseline nccl needs --device cuda")
     try:
@@ -670,7 +686,7 @@ def main():
                                  kernels_wait=True)
                 return NvlinkAllToAll(own, group, args.max_tokens, args.experts, args.topk,
                                       args.hidden, dtype, private, args.timeout, KERNELS,
-                                      args.combine_dtype, proxy)
+                                      args.combine_dtype, proxy, args.counts)
             return AllToAll(own, group, args.max_tokens, args.experts, args.topk, args.hidden,
                             dtype, private, args.provider, args.timeout, args.device,
                             args.combine_dtype)
@@ -685,7 +701,9 @@ def main():
             how = {"cpu": "numpy, host memory; same node: shared memory",
                    "cuda": "GPU memory; same node: CUDA IPC, "
                    + ("kernels push over NVLink" if args.drive == "gpu"
-                      else "copies driven by the host")}[args.device]
+                      else "copies driven by the host")
+                   + ("; dispatch-recv leaves the counts on the GPU"
+                      if args.counts == "device" else "")}[args.device]
             print(f"{group.world} ranks ({place.source}), {where}; device {args.device}: {how}"
                   + ("; other nodes: libfabric WRITEs through the proxy" if group.nodes > 1
                      else ""), flush=True)

@@ -53,13 +53,27 @@ class NodeLayout(Shape):
 class NvlinkAllToAll(Stages):
     """dispatch and combine driven by the GPUs: node peers through NVLink, other nodes
     through `proxy` (a factory: own, mem, arrival table address, largest WRITE -> the
-    chapter's Proxy), which the kernels feed through its ring."""
+    chapter's Proxy), which the kernels feed through its ring.
+
+    counts: where dispatch_recv leaves the per-expert counts. "host": it waits for the GPU
+    and returns the rows received, counts in host memory. "device": it returns at once,
+    as the published kernels do: the whole receive buffers (the first counts.sum() rows
+    hold the tokens), counts in GPU memory, so the host can queue the experts' work behind
+    it; combine_send then takes an output for every row of the buffer, and combine_recv
+    raises what the GPU found wrong in the dispatch (a refused batch, a late peer). Until
+    combine_recv, stage inputs and read results before and after, not in between: across
+    nodes on shm, whose copies are CUDA calls from the proxy's thread, a host blocked in a
+    CUDA call that waits for our stream (a copy to or from pageable memory) held those
+    copies up for good on 2 x H200, the peers' counts never came."""
 
     def __init__(self, own, group, max_tokens, experts, topk, hidden, dispatch_dtype="fp8",
                  private_tokens=8, timeout=30.0, kernels=None, combine_dtype="bf16",
-                 proxy=None):
+                 proxy=None, counts="host"):
         check_shape(group.world, max_tokens, experts, topk, hidden, dispatch_dtype,
                     private_tokens, combine_dtype)
+        if counts not in ("host", "device"):
+            raise ValueError(f"counts go to the host or the device, not {counts!r}")
+        self.counts_on = counts
         far = group.nodes > 1
         if far and proxy is None:
             raise ValueError("peers on other nodes need a proxy")
@@ -112,6 +126,9 @@ class NvlinkAllToAll(Stages):
         self.split = hidden if dispatch_dtype == "fp8" else L.row
         self.tokens = cp.zeros((rows, self.split), cp.uint8)
         self.scales = cp.zeros((rows, L.row - self.split), cp.uint8)
+        self.received = cp.zeros(L.local, cp.int32)  # rows per local expert, on the GPU
+        self.buffers = (self.tokens, self.scales.view(cp.float32), self.received) \
+            if dispatch_dtype == "fp8" else (self.tokens.view(cp.uint16), None, self.received)
         self.done = cp.zeros(2, cp.uint32)  # the last-block counters of the two pushes
         self.timeout_ns = int(timeout * 1e9)
         self._bind_kernels()
@@ -142,7 +159,7 @@ class NvlinkAllToAll(Stages):
             "dispatch_plan", 1024, 3 * 4 * L.experts, region=mem.data, flags=L.flags,
             slots=L.slots, slot_bytes=L.slot, rank=g.rank, world=L.world, local=L.local,
             round=None, timeout_ns=self.timeout_ns, plan=self.plan, state=self.state,
-            report=self.report_at, far=self.far)
+            report=self.report_at, received=self.received, far=self.far)
         self.gather = kernel(
             "dispatch_gather", region=mem.data, plan=self.plan, state=self.state,
             local=L.local, world=L.world, row_bytes=L.row, split=self.split,
@@ -151,7 +168,7 @@ class NvlinkAllToAll(Stages):
             row_source=self.row_source, row_stream=self.row_stream)
         self.combine_push = kernel(
             "combine_push", expert_out=None, row_source=self.row_source,
-            row_stream=self.row_stream, rows=None, hidden=L.hidden, peers=self.peers,
+            row_stream=self.row_stream, state=self.state, hidden=L.hidden, peers=self.peers,
             combine_in=L.combine_in, per_peer=L.per_peer, flags=L.flags, rank=g.rank,
             world=L.world, round=None, done=self.done[1:], plan=self.plan, local=L.local,
             far=self.far)
@@ -212,12 +229,15 @@ class NvlinkAllToAll(Stages):
 
     def dispatch_recv(self):
         """Wait for every sender, lay the rows out expert-major. Returns (tokens, scales,
-        counts per local expert on the host); scales is None for bf16. tokens and scales
-        live in this object's buffers: valid until the next dispatch_recv."""
+        counts per local expert); scales is None for bf16. tokens and scales live in this
+        object's buffers: valid until the next dispatch_recv. With counts on the device,
+        the GPU does the waiting (see the class)."""
         L = self.L
         self._stage("dispatch sent", "dispatched")
         self.plan_kernel(1, round=self.round)
         self.gather(min(len(self.tokens), 4096))
+        if self.counts_on == "device":
+            return self.buffers
         report = self._finish("dispatch")
         self.total = n = int(report[L.local])
         if L.dtype == "fp8":
@@ -229,13 +249,13 @@ class NvlinkAllToAll(Stages):
         """Send each expert output (float32, expert-major as dispatch_recv gave the
         tokens) back as bf16, straight into its source's memory."""
         L, xp = self.L, self.xp
-        if self.stage == "dispatched" and expert_out.shape != (self.total, L.hidden):
-            raise ValueError(f"expert outputs must be ({self.total}, {L.hidden}), "
+        rows = self.total if self.counts_on == "host" else len(self.tokens)
+        if self.stage == "dispatched" and expert_out.shape != (rows, L.hidden):
+            raise ValueError(f"expert outputs must be ({rows}, {L.hidden}), "
                              f"got {expert_out.shape}")
         self._stage("dispatched", "combine sent")
         self.expert_out = xp.ascontiguousarray(expert_out, dtype=xp.float32)
-        self.combine_push(self.total, expert_out=self.expert_out, rows=self.total,
-                          round=self.round)
+        self.combine_push(min(rows, 4096), expert_out=self.expert_out, round=self.round)
 
     def combine_recv(self, weights):
         """Wait for every peer's outputs (the barrier before the next dispatch), then the
