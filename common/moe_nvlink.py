@@ -13,7 +13,8 @@ peers) or a stamp (other nodes) holds the round a peer last finished; the receiv
 wait for every peer's, on the GPU. combine-recv waiting for every peer's outputs is also
 the barrier: a peer's next dispatch comes after its combine-recv, so it cannot overwrite a
 slot that was not read yet. The host launches kernels, and waits only where the caller
-needs the answer: the counts at the end of dispatch-recv, the sums at the end of combine.
+needs the answer: the counts at the end of dispatch-recv (unless the caller leaves them on
+the GPU), the sums at the end of combine.
 
 Across nodes it relies on what EFA guarantees: once the proxy sees a WRITE's immediate,
 its bytes are in our GPU memory. shm, standing in for EFA on one host, copies with CUDA
