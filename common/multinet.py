@@ -23,6 +23,8 @@ REGION = struct.Struct("<QQQ")      # NICs per group | remote addr, size, key
 NAME = struct.Struct("<H")  # each address's length before it: shm's ":9:0" and ":10:0" differ
 PAGE = struct.Struct("<I")
 LANDED = struct.Struct("<Q")
+REFUSED = b"refused: "  # server -> client, then why; never a heartbeat's length
+WHY = 240  # bytes of the why that reach the client
 BURST = 1  # new WRITEs per lane per visit: one, as in the series; chapter 14 posts more
 
 
@@ -115,16 +117,17 @@ def unpack_names(data, at, count):
 
 def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
     seed, page_size, iters, npages, nbufs, groups, per_group = HEADER.unpack_from(request)
-    if args.gpus and len(args.gpus) != groups:
-        raise ValueError(f"the client has {groups} groups, this server {len(args.gpus)} GPUs")
     names, at = unpack_names(request, HEADER.size, 1 + groups * per_group)
     client = fi.av_insert(control.av, names[0])
     own.callback(fi.av_remove, control.av, client)
     beat = Heartbeat(own, control.domain, client)
-    infos, what = lane_infos(args, head, groups, per_group)
-    print(what, flush=True)
-    lanes = []
+    lanes, started = [], False
     try:
+        if args.gpus and len(args.gpus) != groups:
+            raise ValueError(f"the client has {groups} groups, this server "
+                             f"{len(args.gpus)} GPUs")
+        infos, what = lane_infos(args, head, groups, per_group)
+        print(what, flush=True)
         for g in range(groups):
             for n in range(per_group):
                 lane = Lane(own, infos[g][n], args.gpus[g] if args.gpus else None)
@@ -152,17 +155,30 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
                                pages, page_size, n, per_group)
         # chapter 10: first contact on every NIC, before the clock starts
         compare = warmup(lanes, control, args.timeout) if warmup else None
+        started = True
         start = engine(lanes, control, beat, page_size, args.timeout)
         while len(message := control.queue.next_message(inbox, args.timeout)) != LANDED.size:
             backlog.append(message)
         elapsed = time.perf_counter() - start
-    except BaseException:
+    except BaseException as e:
         for lane in lanes + [control]:
             lane.queue.drain(args.timeout)
+        if not started and isinstance(e, (fi.FabricError, ValueError)):
+            refuse(own, control, client, e, args.timeout)
         raise
     report(args, lanes, sources, iters, page_size, elapsed)
     if compare:
         compare(elapsed)
+
+
+def refuse(own, control, client, why, timeout):
+    """Tell a client that waits for heartbeats why none will come. If it cannot hear it
+    (gone too), the server's own error still says why."""
+    try:
+        control.poller.send(own, control.domain, control.ep, REFUSED + str(why).encode()[:WHY],
+                            client, 1003, timeout, "the refusal")
+    except (fi.FabricError, TimeoutError):
+        pass
 
 
 def build_messages(own, lane, source, regions, pages, page_size, n, per_group):
@@ -225,7 +241,7 @@ def client(info, args, addr, infos):
     groups, per_group = len(infos), len(infos[0])
     with fi.Closer() as own:
         control = Lane(own, info)
-        inbox = fi.Inbox(own, control.domain, control.ep, HEARTBEAT.size)
+        inbox = fi.Inbox(own, control.domain, control.ep, len(REFUSED) + WHY)
         server_addr = fi.av_insert(control.av, addr)
         lanes = [Lane(own, i, args.gpus[g] if args.gpus else None)
                  for g, group in enumerate(infos) for i in group]
@@ -288,8 +304,10 @@ def wait_immediates(control, inbox, lanes, args):
         while any(t.is_alive() for t in threads) and not errors:
             control.poller.poll()
             if fi.key(inbox.ctx) in control.poller.done:
-                length = control.poller.done.pop(fi.key(inbox.ctx))
-                progress.update(HEARTBEAT.unpack(inbox.take(length))[0])
+                message = inbox.take(control.poller.done.pop(fi.key(inbox.ctx)))
+                if message.startswith(REFUSED):
+                    raise ValueError("the server " + message.decode(errors="replace"))
+                progress.update(HEARTBEAT.unpack(message)[0])
                 deadline = time.monotonic() + args.timeout
             elif time.monotonic() > deadline:
                 raise TimeoutError(f"no heartbeat from the server within {args.timeout:g} s "

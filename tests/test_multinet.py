@@ -1,9 +1,13 @@
 """Chapters 09-15: G groups x N (virtual) NICs, one immediate per NIC, every page checked."""
+import argparse
 import re
+import threading
+import time
 
 import pytest
 
-from common import topo
+from common import multinet, topo
+import common.fabric as fi
 from scripts.pair import run_pair
 from tests.gpu import has_gpu, needs_gpus
 from tests.test_bad_input import SHM_DEAD, assert_one_line_error, run
@@ -103,6 +107,38 @@ def test_client_gone_mid_run_server_survives(chapter, server_args):
                                 ["--groups", "2", "--nics-per-gpu", "2"])
 
 
+def test_a_refused_client_hears_why_at_once(provider):
+    """A server that will not serve a client says why, and the client stops on that, not
+    on the heartbeat timeout. Only a server with GPUs refuses (its GPUs against the
+    client's groups), before it touches them: so both sides run here, in threads."""
+    info, _ = fi.pick(provider, multinet.CAPS)
+    why = "the client has 1 groups, this server 2 GPUs"
+    with fi.Closer() as own:
+        server, client, lane = (multinet.Lane(own, info) for _ in range(3))
+        server_inbox = fi.Inbox(own, server.domain, server.ep, multinet.MAX_MESSAGE)
+        client_inbox = fi.Inbox(own, client.domain, client.ep,
+                                len(multinet.REFUSED) + multinet.WHY)
+        request = multinet.HEADER.pack(1, 4096, 1, 1, 1, 1, 1) + multinet.pack_names(
+            [fi.getname(client.ep), fi.getname(lane.ep)])
+        failed = []
+
+        def serve():
+            try:
+                multinet.serve(own, info, server, server_inbox, [], request,
+                               argparse.Namespace(gpus=[0, 1], timeout=20.0), None, None)
+            except ValueError as e:
+                failed.append(str(e))
+        thread = threading.Thread(target=serve)
+        thread.start()
+        start = time.monotonic()
+        with pytest.raises(ValueError, match=f"^the server refused: {why}$"):
+            multinet.wait_immediates(client, client_inbox, [lane], argparse.Namespace(
+                gpus=None, groups=1, iters=1, page_size=4096, timeout=20.0))
+        assert time.monotonic() - start < 10  # the heartbeat timeout is 20 s
+        thread.join(20)
+        assert failed == [why]
+
+
 @pytest.mark.parametrize("chapter", [14, 15])
 def test_batch_is_bounded(chapter):
     done, _ = run(chapter, "-p", "shm", SHM_DEAD, "--batch", "0")
@@ -119,3 +155,15 @@ def test_gpu_each_writes_to_the_other(chapter):
     assert pair.ok, pair
     assert "immediate data from 4 NICs, one each: 500 500 500 500" in pair.clients[0].out
     assert "verified 2 x 64 pages (134217728 bytes): 0 wrong bytes" in pair.clients[0].out
+
+
+@needs_gpus(2)
+def test_gpu_server_refuses_a_client_of_other_groups_at_once():
+    start = time.monotonic()
+    pair = run_pair(9, "shm", ["--clients", "1", "--gpus", "0,1"], [["--groups", "1"]],
+                    timeout=30.0)
+    client = pair.clients[0]
+    assert client.rc != 0 and time.monotonic() - start < 25, pair  # heartbeats: 30 s
+    assert client.err.strip().endswith(
+        "error: the server refused: the client has 1 groups, this server 2 GPUs"), pair
+    assert "client 1: failed: the client has 1 groups, this server 2 GPUs" in pair.server.err
