@@ -39,10 +39,12 @@ themselves and poll the stamps the peer's proxy leaves; the receiver's kernels w
 gather; the host only launches and waits once per receive half. That changes one thing in
 the protocol: each sender owns a stripe of the receiver's region, so nobody waits for the
 counts before sending the rest. --drive host runs this file's host-driven protocol on GPUs
-too (cupy packs, the host copies, stamps and waits). --baseline nccl checks and times NCCL
-doing the whole job. On 2 x H200 at the decode shape (128 tokens): 94 / 71 us on one
-node, 129 / 113 us across two over libfabric shm, NCCL 1417 / 650 us, host-driven
-1602 / 756 us (README has the table).
+too (cupy packs, the host copies, stamps and waits). --counts device leaves the counts on
+the GPU: dispatch-recv returns at once, with the whole receive buffers, as the published
+kernels do, so the host never waits in dispatch. --baseline nccl checks and times NCCL
+doing the whole job. On 2 x H200 at the decode shape (128 tokens), dispatch / combine: one
+node 100 / 77 us (78 / 68 with --counts device), two over libfabric shm 154 / 125 us
+(97 / 103), NCCL 1272 / 643 us, host-driven 1602 / 756 us (README has the table).
 
     python scripts/launch.py -n 4 chapters/16_moe.py                       # one node
     python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm
@@ -50,6 +52,7 @@ node, 129 / 113 us across two over libfabric shm, NCCL 1417 / 650 us, host-drive
         --max-tokens 16 --hidden 256 --experts 32 --topk 4 --iters 0       # checks only
     python scripts/launch.py -n 2 chapters/16_moe.py --check none --tokens 1,8,32,128 --json
     python scripts/launch.py -n 2 --gpus 0,1 chapters/16_moe.py --device cuda --baseline nccl
+    python scripts/launch.py -n 2 --gpus 0,1 chapters/16_moe.py --device cuda --counts device
     torchrun --nproc-per-node 8 chapters/16_moe.py ...                     # a cluster
 
 Transcript (2-core x86_64 VM, no GPU, no NIC, Debian's libfabric 1.17; 4 ranks as 2
