@@ -454,8 +454,8 @@ def check_case(a2a, case, seed):
                                              [ref.wire_rows(dtype, x) for x in inputs])
     # the experts: x -> factor(e) * x, on what should arrive, one row more for every row
     # a rank may be handed (the buffers, or wrong counts)
-    values, _ = ref.dispatch(g.rank, L.world, L.experts, sent,
-                             [ref.round_trip(dtype, x) for x in inputs])
+    trips = [ref.round_trip(dtype, x) for x in inputs]  # what each rank's tokens become
+    values, _ = ref.dispatch(g.rank, L.world, L.experts, sent, trips)
     first = g.rank * L.local
     experts = np.repeat(np.arange(first, first + L.local), expected_counts)
     answers = np.zeros((L.world * L.per_peer, L.hidden), np.float32)
@@ -474,9 +474,8 @@ def check_case(a2a, case, seed):
         got = np.concatenate([got, host(scales[:n]).view(np.uint8)], axis=1)
     counts_ok = np.array_equal(counts, expected_counts)
     rows_ok = counts_ok and got.shape == expected.shape and np.array_equal(got, expected)
-    mine = ref.round_trip(dtype, inputs[g.rank])
     wanted = np.stack([ref.from_bf16(ref.to_bf16(ref.expert_factor(indices[:, j], L.experts)
-                                                 [:, None].astype(np.float32) * mine))
+                                                 [:, None].astype(np.float32) * trips[g.rank]))
                        for j in range(L.topk)], axis=1)
     want = ref.combine(indices, weights, wanted)
     error = float(np.abs(out - want).max()) if out.size else 0.0
@@ -595,7 +594,8 @@ def benchmark(a2a, group, args, tokens, name):
 def record(path, args, group, provider, rows):
     """The benchmark as JSON: what ran, where, and a row per (implementation, tokens)."""
     data = {"chapter": "16_moe", "args": sys.argv[1:], "device": args.device,
-            "drive": args.drive, "counts": args.counts, "world": group.world, "ranks_per_node": group.ranks_per_node,
+            "drive": args.drive, "counts": args.counts, "world": group.world,
+            "ranks_per_node": group.ranks_per_node,
             "provider": provider, "libfabric": "%d.%d" % fi.version(),
             "machine": bench.machine(0 if args.device == "cuda" else None),
             "git": bench.git_sha(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

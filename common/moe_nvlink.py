@@ -31,6 +31,7 @@ from common.moe_memory import CudaMemory
 from common.moe_reference import FP8_BLOCK
 
 THREADS = 256
+BLOCKS = 4096  # at most, for kernels that stride over rows the host may not know the count of
 
 
 class NodeLayout(Shape):
@@ -116,8 +117,7 @@ class NvlinkAllToAll(Stages):
         self.state = cp.zeros(2, cp.int32)  # see m16_dispatch_plan
         # host memory the kernels write (mapped: one address for both): the host reads
         # the counts and the verdicts once the stream is done, without a copy
-        import cupyx
-        self.report = cupyx.zeros_pinned(L.local + 4, np.int32)
+        self.report = mem.host_shared(4 * (L.local + 4)).view(np.int32)
         self.report_at = np.uintp(self.report.ctypes.data)
         self.row_source = cp.zeros(rows, cp.int32)
         self.row_stream = cp.zeros(rows, cp.int32)
@@ -236,7 +236,7 @@ class NvlinkAllToAll(Stages):
         L = self.L
         self._stage("dispatch sent", "dispatched")
         self.plan_kernel(1, round=self.round)
-        self.gather(min(len(self.tokens), 4096))
+        self.gather(min(len(self.tokens), BLOCKS))
         if self.counts_on == "device":
             return self.buffers
         report = self._finish("dispatch")
@@ -256,7 +256,7 @@ class NvlinkAllToAll(Stages):
                              f"got {expert_out.shape}")
         self._stage("dispatched", "combine sent")
         self.expert_out = xp.ascontiguousarray(expert_out, dtype=xp.float32)
-        self.combine_push(min(rows, 4096), expert_out=self.expert_out, round=self.round)
+        self.combine_push(min(rows, BLOCKS), expert_out=self.expert_out, round=self.round)
 
     def combine_recv(self, weights):
         """Wait for every peer's outputs (the barrier before the next dispatch), then the
