@@ -7,20 +7,15 @@ the link speed the NIC reports, or else a fabtests baseline measured on this
 machine (scripts/baseline.py) for the same provider, memory and size.
 """
 import json
-import os
-import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 import common.fabric as fi
 from common.fabric import lib
+from common.records import ROOT, git_sha, machine, write_json  # noqa: F401 (bench.machine)
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
 BASELINES = RESULTS / "baselines"
 
@@ -51,29 +46,6 @@ class Progress:
     def close(self):
         if self.live:
             print("\r\033[K", end="", file=self.stream, flush=True)
-
-
-def machine(gpu=None):
-    """What the figures were measured on: CPU model and count, GPU name, host."""
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    gpu_name = None
-    if gpu is not None:
-        from common.memory import cupy
-        gpu_name = cupy().cuda.runtime.getDeviceProperties(gpu)["name"]
-        gpu_name = gpu_name.decode() if isinstance(gpu_name, bytes) else gpu_name
-    return {"host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu_name}
-
-
-def git_sha():
-    """The commit measured, with "-dirty" when the tree had changes."""
-    done = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-                          capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else None
 
 
 def same_machine(a, b):
@@ -136,17 +108,6 @@ def record(path, chapter, args, info, memory, here, f, lim):
             **f, "limit_gbps": gbps, "limit": what,
             "percent_of_limit": 100 * f["gbps"] / gbps if gbps else None}
     return write_json(path, data)
-
-
-def write_json(path, data):
-    """Write `data` to `path` as indented JSON, through a temporary file, so that a reader
-    never finds it half-written; returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
-    return path
 
 
 def median(values):

@@ -10,6 +10,7 @@ import sys
 
 import common.fabric as fi
 from common.fabric import FabricError
+from common.records import parse_label  # noqa: F401 (an argparse type: cli.parse_label)
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 PEER_TIMEOUT = 10.0  # seconds a chapter waits for its peer before giving up
@@ -69,14 +70,6 @@ def parse_size(text):
     if not m:
         raise argparse.ArgumentTypeError(f"not a size: '{text}' (e.g. 4096, 64K, 1M)")
     return int(m[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[m[2].upper()]
-
-
-def parse_label(text):
-    """A machine name for a results file: letters, digits, '.', '_', '-' (no folders)."""
-    if not re.fullmatch(r"[\w.-]+", text) or text.startswith("."):
-        raise argparse.ArgumentTypeError(f"a label is a plain name (letters, digits, . _ -), "
-                                         f"got '{text}'")
-    return text
 
 
 def count(lo, hi):

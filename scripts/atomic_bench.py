@@ -27,12 +27,8 @@ compiler and cffi, no libfabric.
 """
 import argparse
 import importlib.util
-import json
 import os
-import platform
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from datetime import datetime, timezone
@@ -41,6 +37,8 @@ from pathlib import Path
 from cffi import FFI
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from common import records  # noqa: E402 (no libfabric: the standard library only)
 
 CDEF = "double hammer(int threads, const int *cpus, int mode, uint64_t updates);"
 MODES = {"own": 0, "shared": 1, "turns": 2}  # as in the C below
@@ -172,18 +170,9 @@ def build(folder):
 
 
 def machine():
-    """What the figures were measured on (like common.bench.machine, without libfabric)."""
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())
+    """records.machine(), and the sockets the cores sit on (a line's trip may cross them)."""
     sockets = {line for line in open("/proc/cpuinfo") if line.startswith("physical id")}
-    return {"host": os.uname().nodename, "cpu": cpu, "cores": os.cpu_count(),
-            "sockets": len(sockets) or None}
-
-
-def git_sha():
-    done = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-                          capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else None
+    return {**records.machine(), "sockets": len(sockets) or None}
 
 
 def numbers(text):
@@ -209,9 +198,10 @@ def main():
     threads = args.threads or list(range(1, len(cpus) + 1))
     if max(threads) > len(cpus) or min(threads) < 1:
         sys.exit(f"atomic_bench: --threads must be 1 to {len(cpus)} (one core each)")
-    if not re.fullmatch(r"[\w.-]+", args.label) or args.label.startswith("."):
-        sys.exit(f"atomic_bench: --label is a plain name (letters, digits, . _ -), "
-                 f"got '{args.label}'")
+    try:
+        records.parse_label(args.label)
+    except argparse.ArgumentTypeError as e:
+        sys.exit(f"atomic_bench: --label: {e}")
     if args.updates < 1 or args.repeats < 1:
         sys.exit("atomic_bench: --updates and --repeats must be at least 1")
 
@@ -232,14 +222,12 @@ def main():
     record = {"kind": "atomic_bench", "machine": machine(),
               "command": "python scripts/atomic_bench.py " + " ".join(sys.argv[1:]),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "git": git_sha(), "updates": args.updates, "repeats": args.repeats,
+              "git": records.git_sha(), "updates": args.updates, "repeats": args.repeats,
               "own": "ns per update of a thread's own counter: time x threads / all updates",
               "shared": "ns per update of one counter all add to at will: time / all updates",
               "turns": "ns per update of one counter all add to in turn: time / all updates",
               "runs": rows}
-    out = ROOT / "results" / "model" / f"atomic-{args.label}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
+    out = records.write_json(ROOT / "results" / "model" / f"atomic-{args.label}.json", record)
     print(f"wrote {out.relative_to(ROOT)}")
 
 
