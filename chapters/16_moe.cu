@@ -1,4 +1,5 @@
-// Chapter 16's kernels for --device cuda (cupy RawModule). Run on 2 x H200: its fp8 rows match the reference.
+// Chapter 16's kernels for --device cuda (cupy RawModule). Run on 2 x H200: its fp8 rows
+// match the reference.
 //
 // m16_quantize_fp8: one block of 128 threads per (token, block of 128 values). The
 // block's largest magnitude sets its scale (amax / 448, or 1 when all are zero); each
@@ -164,6 +165,19 @@ __device__ void m16_queue(const long long *far, unsigned long long *at, long lon
     (*at)++;
 }
 
+// A WRITE of `len` bytes, or with none to send, of the 8-byte signal: either way the
+// peer's proxy stamps `kind` for us, and its kernels stop waiting.
+__device__ void m16_queue_rows(const long long *far, unsigned long long *at, long long local,
+                               long long remote, long long len, int peer, unsigned int kind,
+                               int rank, unsigned int round)
+{
+    if (len > 0)
+        m16_queue(far, at, local, remote, len, peer, kind, rank, round);
+    else
+        m16_queue(far, at, far[M16_SIGNAL_OUT], far[M16_SIGNAL_IN] + 8 * rank, 8, peer, kind,
+                  rank, round);
+}
+
 __device__ void m16_ring_go(const long long *far, unsigned long long at)
 {
     __threadfence_system();  // the commands before the head that shows them
@@ -304,13 +318,9 @@ extern "C" __global__ void m16_dispatch_push(
         m16_queue(far, &at, far[M16_OUT_SLOTS] + d * slot_bytes, slots + rank * slot_bytes,
                   header_bytes + min(n, private_rows) * row_bytes, d, M16_STAMP_COUNTS, rank,
                   round);
-        if (n > private_rows)
-            m16_queue(far, &at, far[M16_OUT_STRIPES] + d * per_peer * row_bytes,
-                      overflow + rank * per_peer * row_bytes, (n - private_rows) * row_bytes,
-                      d, M16_STAMP_OVERFLOW, rank, round);
-        else
-            m16_queue(far, &at, far[M16_SIGNAL_OUT], far[M16_SIGNAL_IN] + 8 * rank, 8, d,
-                      M16_STAMP_OVERFLOW, rank, round);
+        m16_queue_rows(far, &at, far[M16_OUT_STRIPES] + d * per_peer * row_bytes,
+                       overflow + rank * per_peer * row_bytes, (n - private_rows) * row_bytes,
+                       d, M16_STAMP_OVERFLOW, rank, round);
     }
     m16_ring_go(far, at);
 }
@@ -490,13 +500,9 @@ extern "C" __global__ void m16_combine_push(
         int n = 0;  // the rows that came from s: the plan's lengths of its entries
         for (int e = 0; e < local; e++)
             n += plan[2 * E + e * world + s];
-        if (n)
-            m16_queue(far, &at, far[M16_COMBINE_OUT] + s * per_peer * bytes,
-                      combine_in + rank * per_peer * bytes, n * bytes, s, M16_STAMP_COMBINE,
-                      rank, round);
-        else
-            m16_queue(far, &at, far[M16_SIGNAL_OUT], far[M16_SIGNAL_IN] + 8 * rank, 8, s,
-                      M16_STAMP_COMBINE, rank, round);
+        m16_queue_rows(far, &at, far[M16_COMBINE_OUT] + s * per_peer * bytes,
+                       combine_in + rank * per_peer * bytes, n * bytes, s, M16_STAMP_COMBINE,
+                       rank, round);
     }
     m16_ring_go(far, at);
 }
