@@ -2,7 +2,6 @@
 import argparse
 import re
 import threading
-import time
 
 import pytest
 
@@ -108,9 +107,10 @@ def test_client_gone_mid_run_server_survives(chapter, server_args):
 
 
 def test_a_refused_client_hears_why_at_once(provider):
-    """A server that will not serve a client says why, and the client stops on that, not
-    on the heartbeat timeout. Only a server with GPUs refuses (its GPUs against the
-    client's groups), before it touches them: so both sides run here, in threads."""
+    """A server that will not serve a client says why, and the client stops on that (its
+    error says so), not on the heartbeat timeout (a TimeoutError). Only a server with GPUs
+    refuses (its GPUs against the client's groups), before it touches them: so both sides
+    run here, in threads."""
     info, _ = fi.pick(provider, multinet.CAPS)
     why = "the client has 1 groups, this server 2 GPUs"
     with fi.Closer() as own:
@@ -130,11 +130,9 @@ def test_a_refused_client_hears_why_at_once(provider):
                 failed.append(str(e))
         thread = threading.Thread(target=serve)
         thread.start()
-        start = time.monotonic()
         with pytest.raises(ValueError, match=f"^the server refused: {why}$"):
             multinet.wait_immediates(client, client_inbox, [lane], argparse.Namespace(
                 gpus=None, groups=1, iters=1, page_size=4096, timeout=20.0))
-        assert time.monotonic() - start < 10  # the heartbeat timeout is 20 s
         thread.join(20)
         assert failed == [why]
 
@@ -159,11 +157,9 @@ def test_gpu_each_writes_to_the_other(chapter):
 
 @needs_gpus(2)
 def test_gpu_server_refuses_a_client_of_other_groups_at_once():
-    start = time.monotonic()
-    pair = run_pair(9, "shm", ["--clients", "1", "--gpus", "0,1"], [["--groups", "1"]],
-                    timeout=30.0)
+    pair = run_pair(9, "shm", ["--clients", "1", "--gpus", "0,1"], [["--groups", "1"]])
     client = pair.clients[0]
-    assert client.rc != 0 and time.monotonic() - start < 25, pair  # heartbeats: 30 s
+    assert client.rc != 0, pair  # said why, not "no heartbeat from the server"
     assert client.err.strip().endswith(
         "error: the server refused: the client has 1 groups, this server 2 GPUs"), pair
     assert "client 1: failed: the client has 1 groups, this server 2 GPUs" in pair.server.err
