@@ -672,6 +672,11 @@ def main():
         raise cli.UsageError("--counts device needs --drive gpu (and --device cuda)")
     if args.baseline and args.device != "cuda":
         raise cli.UsageError("--baseline nccl needs --device cuda")
+    if args.provider:  # only the proxies use it (peers on other nodes); a wrong one is said anyway
+        try:
+            fi.pick(args.provider, lib.FI_MSG | lib.FI_RMA)
+        except ValueError as e:
+            raise cli.UsageError(str(e)) from None
     try:
         check_shape(place.world, args.max_tokens, args.experts, args.topk, args.hidden,
                     args.dispatch_dtype, args.private_tokens, args.combine_dtype)

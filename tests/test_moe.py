@@ -136,6 +136,7 @@ def test_a_rank_killed_mid_run_stops_the_others(per_node):
     (["--baseline", "nccl"], "--baseline nccl needs --device cuda"),
     (["--drive", "gpu"], "--drive gpu needs --device cuda"),
     (["--counts", "device"], "--counts device needs --drive gpu"),
+    (["-p", "nosuch"], "unknown provider 'nosuch'"),
     (["--tokens", "1,x"], "--tokens takes numbers like 1,8,128"),
     (["--tokens", "4,200"], "--tokens 200: more than --max-tokens 128"),
     pytest.param(["--device", "cuda", "--max-tokens", "4", "--hidden", "128"],
