@@ -1,4 +1,5 @@
 """The cffi binding: versions, fi_getinfo, errors, closing order."""
+import os
 import shutil
 import signal
 import subprocess
@@ -9,7 +10,7 @@ import pytest
 
 import common.fabric as fi
 from common.fabric import ffi, lib
-from tests.conftest import shm_files
+from tests.shm_regions import files as shm_files
 
 
 def test_version_is_at_least_what_we_support():
@@ -105,17 +106,17 @@ def test_cuda_registration_fails_cleanly_without_a_gpu():
 
 def test_closer_closes_in_reverse_order_also_on_error():
     info, _ = fi.pick("shm")
-    before = shm_files()
+    before = shm_files(os.getpid())  # others' regions may come and go meanwhile
     closed = []
     with pytest.raises(RuntimeError, match="boom"):
         with fi.Closer() as own:
             own.callback(closed.append, "last")
             fi.open_endpoint(own, info)
             own.callback(closed.append, "first")
-            assert shm_files() - before  # the endpoint's shm region exists now
+            assert shm_files(os.getpid()) - before  # the endpoint's shm region exists now
             raise RuntimeError("boom")
     assert closed == ["first", "last"]
-    assert not shm_files() - before  # fi_close of the endpoint removed it
+    assert not shm_files(os.getpid()) - before  # fi_close of the endpoint removed it
 
 
 def test_tostr_uses_libfabric_names():

@@ -1,0 +1,77 @@
+"""Which /dev/shm regions our own test processes made, so that only those count as leaks.
+
+libfabric's shm provider names each endpoint's region "<pid>:<uid>:<n>" after the
+process that created it (prov/shm/src/smr_ep.c, smr_endpoint_name). Other programs on the
+machine (a reader's benchmark, a chapter server left running) make regions of their own
+while the suite runs; those are not ours to judge.
+
+Ours are the processes that inherit a token the suite puts in its environment. A thread
+blocked on inotify sees each region appear while its creator is still opening it, and
+reads the creator's environment then. A region whose creator was gone before it could be
+read is counted as ours: a leak is never hidden, at the price of blaming the suite for a
+foreign process that made a region and died within that instant.
+"""
+import ctypes
+import os
+import re
+import struct
+import threading
+import uuid
+from pathlib import Path
+
+SHM = Path("/dev/shm")
+NAME = re.compile(rb"^(\d+):\d+:\d+")
+IN_CREATE, IN_MOVED_TO = 0x100, 0x80
+EVENT = struct.Struct("iIII")  # struct inotify_event without its name
+
+
+def files(pid=None):
+    """The shm provider's regions in /dev/shm now (those of process `pid` only, if given)."""
+    if not SHM.is_dir():
+        return set()
+    names = {p.name for p in SHM.iterdir() if NAME.match(p.name.encode())}
+    return names if pid is None else {n for n in names if n.startswith(f"{pid}:")}
+
+
+class Watcher:
+    """Tells the regions of processes that inherit `variable` (set here, in this process's
+    environment, to a value of its own) from everyone else's."""
+
+    def __init__(self, variable="FABRIC3200_TEST_RUN"):
+        value = uuid.uuid4().hex
+        os.environ[variable] = value
+        self.token = f"{variable}={value}".encode()
+        self.foreign = set()  # names of regions whose creator was seen without the token
+        self.before = files()
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = libc.inotify_init1(os.O_CLOEXEC)
+        if self.fd < 0 or libc.inotify_add_watch(self.fd, bytes(SHM), IN_CREATE | IN_MOVED_TO) < 0:
+            raise OSError(ctypes.get_errno(), "inotify on /dev/shm")
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def ours(self, pid):
+        try:
+            return self.token in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # gone already, or not ours to read: judged at the end
+            return None
+
+    def _watch(self):
+        while True:
+            try:
+                data = os.read(self.fd, 64 * 1024)
+            except OSError:
+                return  # closed: the session is over
+            at = 0
+            while at < len(data):
+                _, _, _, size = EVENT.unpack_from(data, at)
+                name = data[at + EVENT.size:at + EVENT.size + size].rstrip(b"\0")
+                at += EVENT.size + size
+                match = NAME.match(name)
+                if match and self.ours(int(match[1])) is False:
+                    self.foreign.add(name.decode())
+
+    def left(self):
+        """Regions made since the start by our processes (or by creators gone unseen)."""
+        os.close(self.fd)
+        return {name for name in files() - self.before - self.foreign
+                if self.ours(int(NAME.match(name.encode())[1])) is not False}
