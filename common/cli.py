@@ -10,10 +10,11 @@ import sys
 
 import common.fabric as fi
 from common.fabric import FabricError
+from common.patience import patience
 from common.records import parse_label  # noqa: F401 (an argparse type: cli.parse_label)
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
-PEER_TIMEOUT = 10.0  # seconds a chapter waits for its peer before giving up
+PEER_TIMEOUT = 10.0  # seconds a chapter waits for its peer before giving up, on a quiet machine
 
 
 class UsageError(ValueError):
@@ -30,8 +31,9 @@ def parser(doc, **kw):
     p = Parser(description=doc.strip().split("\n\n")[0], **kw)
     p.add_argument("-p", "--provider", help="libfabric provider (efa, verbs, shm, tcp, ...); "
                    "default: the first of efa, verbs, shm, tcp usable here")
-    p.add_argument("--timeout", type=float, default=PEER_TIMEOUT,
-                   help="seconds to wait for the peer (default %(default)g)")
+    p.add_argument("--timeout", type=float, default=patience(PEER_TIMEOUT),
+                   help=f"seconds to wait for the peer (default {PEER_TIMEOUT:g}, stretched by "
+                   "this machine's load: %(default).0f now)")
     return p
 
 

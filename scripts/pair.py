@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from common.patience import patience  # noqa: E402
 ADDRESS = re.compile(r"^server address: ([0-9a-f]+)$", re.MULTILINE)
 
 
@@ -102,8 +104,10 @@ def run_pair(chapter, provider=None, server_args=(), client_args=((),), env=None
 
     Returns a Pair with each process's arguments, exit code and output. A
     server that prints no address within `timeout` gets no client; after a
-    client fails, no further client runs unless `keep_going`.
+    client fails, no further client runs unless `keep_going`. Both limits are
+    for a quiet machine and stretch with this one's load, as the chapters' do.
     """
+    timeout, grace = patience(timeout), patience(grace)
     path = chapter_path(chapter)
     common = ["-p", provider] if provider else []
     env = local_env(env)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pair import ROOT, chapter_path, local_env, run_pair  # noqa: E402
+from common.patience import patience  # noqa: E402
 
 MESSAGE = "Hello from the tour"
 
@@ -23,7 +24,7 @@ MESSAGE = "Hello from the tour"
 def alone(chapter, provider, pattern, say):
     """Run a chapter that needs no peer; `say(match)` words the result."""
     args = [sys.executable, str(chapter_path(chapter))] + (["-p", provider] if provider else [])
-    done = subprocess.run(args, capture_output=True, text=True, env=local_env(), timeout=60)
+    done = subprocess.run(args, capture_output=True, text=True, env=local_env(), timeout=patience(60))
     m = re.search(pattern, done.stdout)
     if done.returncode or not m:
         return False, (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]

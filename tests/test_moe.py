@@ -15,6 +15,7 @@ import pytest
 import common.fabric as fi
 from common import launch
 from common import moe_reference as ref
+from common.patience import patience
 from scripts.pair import ROOT, chapter_path, local_env
 from tests.gpu import needs_gpu
 from tests.test_bad_input import assert_one_line_error, run
@@ -24,7 +25,7 @@ LAUNCH = str(ROOT / "scripts" / "launch.py")
 TOKENS, TOPK = 6, 3
 SMALL = ["--max-tokens", str(TOKENS), "--hidden", "128", "--experts", "16", "--topk", str(TOPK),
          "--private-tokens", "2"]
-LIMIT = 120  # seconds for a whole launch, 8 ranks on 2 cores included
+LIMIT = patience(120)  # seconds for a whole launch, 8 ranks on 2 cores included
 
 
 def launched(ranks, per_node, *args, provider=None):
