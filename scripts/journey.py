@@ -1,7 +1,7 @@
 """Draw the journey: the blog's p5 figures, the model's, ours and yours, chapter by chapter.
 
-    python scripts/journey.py                     # results/ -> results/journey.png
-    python scripts/journey.py --results DIR --out FILE.png
+    .venv/bin/python scripts/journey.py                     # results/ -> results/journey.png
+    .venv/bin/python scripts/journey.py --results DIR --out FILE.png
 
 Ours: every results/<NN_name>/<setup>.json and results/progression/ at 64 KiB, as % of
 the baseline measured in the same setup (scripts/bench.py and scripts/progression.py write
