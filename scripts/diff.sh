@@ -9,9 +9,10 @@
 # it stands alone and is shown whole. Where a chapter's code moved into common/,
 # LESSON names that file: the parent's program is compared with it, then the
 # chapter's own (short) file follows. NEW lists the common/ modules that hold a
-# chapter's lesson, shown as new files after its own (the helpers around them,
-# such as chapter 16's baselines, reference and launcher, are not). Where the
-# lesson is a loop in C, the C comes first.
+# chapter's lesson, shown as new files after its own; the helpers around them are
+# not (for 16: its launcher, reference, NCCL baseline, and the GPU-driven path of
+# common/moe_nvlink.py, whose kernels are in chapters/16_moe.cu). Where the lesson
+# is a loop in C, the C comes first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,7 +20,7 @@ declare -A PARENT=([03]=- [04]=- [08]=- [09]=07 [16]=07 [17]=16 [18]=15 [19]=15)
 declare -A LESSON=([09]=common/multinet.py)
 declare -A NEW=([07]=common/opqueue.py [08]=common/topo.py [10]=common/warmup.py
                 [11]="common/lane.h common/workers.py" [13]=common/shards.py
-                [16]="common/moe.py common/moe_nvlink.py")
+                [16]=common/moe.py)
 C_FIRST=" 11 12 13 14 15 "
 
 die() { echo "diff: $*" >&2; exit 2; }
