@@ -44,7 +44,7 @@ the GPU: dispatch-recv returns at once, with the whole receive buffers, as the p
 kernels do, so the host never waits in dispatch. --baseline nccl checks and times NCCL
 doing the whole job. On 2 x H200 at the decode shape (128 tokens), dispatch / combine: one
 node 100 / 77 us (78 / 68 with --counts device), two over libfabric shm 154 / 125 us
-(97 / 103), NCCL 1272 / 643 us, host-driven 1602 / 756 us (README has the table).
+(97 / 103), NCCL 1272 / 643 us, host-driven 1602 / 756 us (notebooks/README.md has the table).
 
     python scripts/launch.py -n 4 chapters/16_moe.py                       # one node
     python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm

@@ -7,13 +7,14 @@ Each parameter says where its value comes from:
   read from the files under results/ that the source names: how one C worker
   spends its time per WRITE alone, how much slower each is with four busy, how
   long a shared counter's cache line takes to pass between cores. That box is
-  not a p5 and its WRITEs go to shm, not to an EFA NIC: the README says what
-  carries over;
+  not a p5 and its WRITEs go to shm, not to an EFA NIC: notebooks/README.md says
+  what carries over;
 - "assumed": not known for a p5; the notebook what_if shows how much it matters;
 - "fitted on NN": solved so that the model gives chapter NN's figure. Two
   chapters (11, 14) are spent this way; three at most are allowed.
 The other chapters are predictions. calibrate_fitting_crowd() is the other
-choice, crowd fitted on 13 instead of measured, which README reports beside.
+choice, crowd fitted on 13 instead of measured, which notebooks/README.md reports
+beside.
 """
 import json
 import re
@@ -57,9 +58,9 @@ ASSUMED = {"post_share": 0.5, "latency_us": 15.0}
 # whose depth says nothing of an EFA NIC's (14).
 FITS = [("inflight", "14", (1, 1e4)), ("unpinned", "11", (1, 100))]
 CROWD_FIT = ("crowd", "13", (0, 10))  # the other choice: crowd fitted on 13, not measured
-# Where the model ends (README): the measured costs fitted instead, one more chapter spent
-# each time, until every prediction is within TOLERANCE. The last rungs break the rule
-# of three fits on purpose, to show what meeting the aim would take.
+# Where the model ends (notebooks/README.md): the measured costs fitted instead, one more
+# chapter spent each time, until every prediction is within TOLERANCE. The last rungs break
+# the rule of three fits on purpose, to show what meeting the aim would take.
 OP_FIT, ATOMIC_FIT = ("op_us", "10", (0.1, 10)), ("atomic_us", "12", (0, 10))
 LADDER = [[OP_FIT, *FITS], [OP_FIT, CROWD_FIT, *FITS], [OP_FIT, CROWD_FIT, ATOMIC_FIT, *FITS]]
 
@@ -68,7 +69,7 @@ LADDER = [[OP_FIT, *FITS], [OP_FIT, CROWD_FIT, *FITS], [OP_FIT, CROWD_FIT, ATOMI
 # 216, 266 ns per update). The p5's chapter 12 has 8 threads sharing its counter, so the run
 # closest to 8 threads is the one used: real cores of one socket (the p5 has two), where the
 # 2-core VM's file (model/atomic-vm-2core.json: 35 ns, or 140-170 ns in some invocations) had
-# two virtual CPUs wherever the host put them; README keeps it as a second measurement. In
+# two virtual CPUs wherever the host put them; notebooks/README.md keeps it as a second one. In
 # turns, the seven waiting threads also read the line, which chapter 12's workers do not: the
 # 8-thread figure is the dearer reading, 2 threads the cheaper.
 ATOMIC = "model/atomic-h200x2.json"
@@ -215,8 +216,8 @@ def fitting(blog, ours, fits, assumed=None, most=3):
 
 
 def calibrate_fitting_crowd(blog, ours, assumed=None):
-    """The other choice README reports: crowd fitted on 13 (three fits), op_us and
-    atomic_us measured as in calibrate()."""
+    """The other choice notebooks/README.md reports: crowd fitted on 13 (three fits),
+    op_us and atomic_us measured as in calibrate()."""
     return fitting(blog, ours, [CROWD_FIT, *FITS], assumed)
 
 

@@ -1,25 +1,97 @@
 #!/usr/bin/env bash
-# Show what a chapter changed since the one before it: the diff is the lesson.
+# Show what a chapter changed since the chapter it builds on: the diff is the lesson.
 #
-#   bash scripts/diff.sh 05          # 04 -> 05
+#   bash scripts/diff.sh 05          # 05 against 04, docstrings left out
+#   bash scripts/diff.sh --all 05    # docstrings (commands, transcripts) kept
 #   bash scripts/diff.sh 04 07       # any two chapters
-# Chapters with native code next to them (NN_name.c) are compared too, and the
-# common/ module a chapter introduced (e.g. common/multinet.py for 09) is shown.
+#
+# A chapter builds on the one before it unless PARENT says otherwise; "-" means
+# it stands alone and is shown whole. Where a chapter's code moved into common/,
+# LESSON names that file: the parent's program is compared with it, then the
+# chapter's own (short) file follows. NEW lists the common/ modules that hold a
+# chapter's lesson, shown as new files after its own; the helpers around them are
+# not (for 16: its launcher, reference, NCCL baseline, and the GPU-driven path of
+# common/moe_nvlink.py, whose kernels are in chapters/16_moe.cu). Where the lesson
+# is a loop in C, the C comes first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 1 ] || { echo "usage: $0 CHAPTER [OTHER]" >&2; exit 2; }
-to=$((10#$1)); from=$((10#${2:-$((to - 1))}))
-[ $# -lt 2 ] || { from=$((10#$1)); to=$((10#$2)); }
-pick() { ls chapters/$(printf %02d "$1")_*."$2" 2>/dev/null | head -n 1 || true; }
-a=$(pick "$from" py); b=$(pick "$to" py)
-[ -n "$a" ] && [ -n "$b" ] || { echo "diff: no chapter $(printf %02d "$from") or $(printf %02d "$to")" >&2; exit 2; }
-git --no-pager diff --no-index --color=auto -- "$a" "$b" || true
-ca=$(pick "$from" c); cb=$(pick "$to" c)
-[ -z "$ca$cb" ] || git --no-pager diff --no-index --color=auto -- "${ca:-/dev/null}" "${cb:-/dev/null}" || true
-# Code a chapter moved into common/ (its first line names the chapter) is part of its lesson;
-# a C header, whose first lines are its cdef, names it in its first comment.
-n=$(printf %02d "$to")
-for f in $(grep -il "^\"\"\".*chapter $n" common/*.py || true) \
-         $(grep -l "^/\* .*chapters\? $n" common/*.h || true); do
-    git --no-pager diff --no-index --color=auto -- /dev/null "$f" || true
-done
+
+declare -A PARENT=([03]=- [04]=- [08]=- [09]=07 [16]=07 [17]=16 [18]=15 [19]=15)
+declare -A LESSON=([09]=common/multinet.py)
+declare -A NEW=([07]=common/opqueue.py [08]=common/topo.py [10]=common/warmup.py
+                [11]="common/lane.h common/workers.py" [13]=common/shards.py
+                [16]=common/moe.py)
+C_FIRST=" 11 12 13 14 15 "
+
+die() { echo "diff: $*" >&2; exit 2; }
+keep=""
+[ "${1:-}" != --all ] || { keep=1; shift; }
+[ $# -ge 1 ] && [ $# -le 2 ] || die "usage: scripts/diff.sh [--all] CHAPTER [OTHER]"
+for n in "$@"; do [[ $n =~ ^[0-9]{1,2}$ ]] || die "a chapter is a number such as 05, not '$n'"; done
+chapter() { ls chapters/"$1"_*."$2" 2>/dev/null | head -n 1 || true; }
+pair=""
+if [ $# -eq 2 ]; then
+    pair=1; from=$(printf %02d $((10#$1))); to=$(printf %02d $((10#$2)))
+else
+    to=$(printf %02d $((10#$1))); from=${PARENT[$to]:-$(printf %02d $((10#$to - 1)))}
+fi
+[ -n "$(chapter "$to" py)" ] || die "no chapter $to in chapters/"
+[ "$from" = - ] || [ -n "$(chapter "$from" py)" ] || die "no chapter $from in chapters/"
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+# Copy FILE to DIR/FILE, without its docstrings unless --all: Python's (module,
+# class, function) and a C file's leading comment, the C counterpart.
+copy() {
+    mkdir -p "$(dirname "$2/$1")"
+    if [ -n "$keep" ]; then cp "$1" "$2/$1"; return; fi
+    python3 - "$1" >"$2/$1" <<'EOF'
+import ast, re, sys
+path = sys.argv[1]
+lines = open(path).read().splitlines(keepends=True)
+drop = set()
+if path.endswith(".py"):
+    for node in ast.walk(ast.parse("".join(lines))):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            drop.update(range(body[0].lineno - 1, body[0].end_lineno))
+else:  # leading block comments, except the /* cdef */ declarations cffi reads
+    i = 0
+    while i < len(lines) and (not lines[i].strip() or lines[i].startswith("/*")):
+        end = next((j for j in range(i, len(lines)) if "*/" in lines[j]), len(lines) - 1)
+        if lines[i].startswith("/*") and not lines[i].startswith("/* cdef"):
+            drop.update(range(i, end + 1))
+        i = end + 1 if lines[i].startswith("/*") else i + 1
+sys.stdout.write("".join(l for i, l in enumerate(lines) if i not in drop))
+EOF
+}
+# Show OLD -> NEW (OLD "-": NEW is new), as paths of this repository.
+show() {
+    local old=/dev/null
+    copy "$2" "$tmp/b"
+    if [ "$1" != - ]; then copy "$1" "$tmp/a"; old="a/$1"; fi
+    if cmp -s "$tmp/$old" "$tmp/b/$2"; then
+        echo "# $2: the code of $1, unchanged (only its comments differ: --all shows them)"
+        return
+    fi
+    (cd "$tmp" && git --no-pager diff --no-index --no-prefix --color=auto -- "$old" "b/$2") || true
+}
+# The parent's file of one kind (py, c, cu), or "-" where it has none.
+parent() { local f=""; [ "$from" = - ] || f=$(chapter "$from" "$1"); echo "${f:--}"; }
+python_part() {
+    if [ -n "${LESSON[$to]:-}" ] && [ -z "$pair" ]; then
+        show "$(parent py)" "${LESSON[$to]}"
+        show - "$(chapter "$to" py)"
+    else
+        show "$(parent py)" "$(chapter "$to" py)"
+    fi
+    for f in ${NEW[$to]:-}; do [[ $f != *.py ]] || show - "$f"; done
+}
+c_part() {
+    for ext in c cu; do
+        [ -z "$(chapter "$to" "$ext")" ] || show "$(parent "$ext")" "$(chapter "$to" "$ext")"
+    done
+    for f in ${NEW[$to]:-}; do [[ $f == *.py ]] || show - "$f"; done
+}
+if [[ $C_FIRST == *" $to "* ]]; then c_part; python_part; else python_part; c_part; fi

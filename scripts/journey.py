@@ -1,10 +1,11 @@
-"""Draw the journey: the blog's p5 figures, the model's, and ours, chapter by chapter.
+"""Draw the journey: the blog's p5 figures, the model's, ours and yours, chapter by chapter.
 
-    python scripts/journey.py                     # results/ -> results/journey.png
-    python scripts/journey.py --results DIR --out FILE.png
+    .venv/bin/python scripts/journey.py                     # results/ -> results/journey.png
+    .venv/bin/python scripts/journey.py --results DIR --out FILE.png
 
-Ours: every results/<NN_name>/<setup>.json at 64 KiB, as % of the best
-baseline measured in the same setup (scripts/bench.py writes both).
+Ours: every results/<NN_name>/<setup>.json and results/progression/ at 64 KiB, as % of
+the baseline measured in the same setup (scripts/bench.py and scripts/progression.py write
+both). Yours: the --json runs of chapters in results/runs/ that name a baseline.
 """
 import argparse
 import sys
@@ -27,8 +28,10 @@ def main():
     if out.suffix.lower() != ".png" or not out.parent.is_dir():
         sys.exit(f"journey: --out must be a .png in an existing folder, not {out}")
     ours = journey.measured(args.results)
-    journey.plot(blog, calibration.calibrate(blog, measured), ours, out)
-    print(f"wrote {out} ({len(ours)} setups of ours: {', '.join(sorted(ours)) or 'none'})")
+    mine = journey.yours(args.results)
+    journey.plot(blog, calibration.calibrate(blog, measured), ours, mine, out)
+    print(f"wrote {out} ({len(ours)} setups of ours: {', '.join(sorted(ours)) or 'none'}; "
+          f"{len(mine)} runs of yours in results/runs/)")
 
 
 if __name__ == "__main__":

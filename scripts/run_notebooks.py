@@ -1,9 +1,11 @@
 """Execute every notebook in notebooks/ in place, so the outputs committed match results/.
 
-    python scripts/run_notebooks.py            # after scripts/bench.py added results
-    python scripts/run_notebooks.py journey    # only notebooks/journey.ipynb
+    .venv/bin/python scripts/run_notebooks.py            # after scripts/bench.py added results
+    .venv/bin/python scripts/run_notebooks.py journey    # only notebooks/journey.ipynb
 
-The tests execute the notebooks too, on a copy; this writes the outputs back.
+The tests execute the notebooks too, on a copy; this writes the outputs back. Runs of your
+own in results/runs/ are plotted too: it says so, since outputs meant for git should not
+carry them (move the folder aside first).
 """
 import sys
 from pathlib import Path
@@ -11,7 +13,8 @@ from pathlib import Path
 import nbclient
 import nbformat
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
 
 
 def main():
@@ -20,6 +23,10 @@ def main():
     missing = [p.name for p in paths if not p.is_file()]
     if missing:
         sys.exit(f"run_notebooks: no {', '.join(missing)} in notebooks/")
+    yours = sorted((ROOT / "results" / "runs").glob("*.json"))
+    if yours:
+        print(f"run_notebooks: the outputs include your {len(yours)} runs in results/runs/",
+              file=sys.stderr)
     for path in paths:
         notebook = nbformat.read(path, as_version=4)
         try:

@@ -99,10 +99,10 @@ def crowd_fitted():
     return calibration.calibrate_fitting_crowd(calibration.load_blog(), calibration.measured())
 
 
-# The predictions that miss the tolerance, with their error in percent, as README's "The model"
-# reports them: the test holds them to that figure, not to the tolerance they miss.
+# The predictions that miss the tolerance, with their error in percent, as notebooks/README.md's
+# "The model" reports them: the test holds them to that figure, not to the tolerance they miss.
 MISSES = {"09": +61.5, "10": +60.7, "12": +25.7, "13": +13.4}
-CROWD_FITTED_MISSES = {"09": +61.5, "10": +60.7, "12": +12.2}  # README's other choice
+CROWD_FITTED_MISSES = {"09": +61.5, "10": +60.7, "12": +12.2}  # its other choice
 
 
 def check_errors(result, misses, fitted):
@@ -161,8 +161,8 @@ def test_no_more_than_three_fits_and_none_of_a_measured_parameter():
 
 
 def test_the_ladder_meets_the_aim_only_at_five_fits():
-    """README's "where it ends": the measured costs fitted instead, one chapter more each
-    time. Within 10% everywhere takes five of the eight figures as inputs."""
+    """notebooks/README.md's "where it ends": the measured costs fitted instead, one chapter
+    more each time. Within 10% everywhere takes five of the eight figures as inputs."""
     blog = calibration.load_blog()["chapters"]
     errors = [{r["chapter"]: (r["error_percent"], r["role"]) for r in rung["chapters"]}
               for rung in calibration.ladder(calibration.load_blog(), calibration.measured())]
@@ -200,7 +200,7 @@ def test_measured_costs_are_read_from_their_files(tmp_path):
 
 
 def test_measured_costs_on_the_h200_box():
-    """The values README states, from the files committed."""
+    """The values notebooks/README.md states, from the files committed."""
     ours = calibration.measured()
     assert round(ours["op_us"][0], 2) == 1.11 and round(ours["crowd"][0], 3) == 0.395
     assert round(ours["atomic_us"][0], 3) == 0.266 and "8 threads" in ours["atomic_us"][1]
@@ -314,9 +314,9 @@ def test_scripts_say_which_measurement_is_missing(tmp_path):
 
 
 def test_readme_table_is_the_calibration(fresh, crowd_fitted):
-    """README's table of the model is a copy: it must say what calibrate() says, and in its
-    last three columns what the other choice (crowd fitted on 13) says."""
-    readme = (ROOT / "README.md").read_text()
+    """notebooks/README.md's table of the model is a copy: it must say what calibrate() says,
+    and in its last three columns what the other choice (crowd fitted on 13) says."""
+    readme = (ROOT / "notebooks" / "README.md").read_text()
     for row, other in zip(fresh["chapters"], crowd_fitted["chapters"]):
         cells = next(line for line in readme.splitlines()
                      if line.startswith(f"| {row['chapter']} | {row['blog_gbps']:.1f} |")).split("|")
