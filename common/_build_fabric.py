@@ -25,7 +25,8 @@ struct fid_ep { struct fid fid; ...; };
 struct fid_cq { struct fid fid; ...; };
 struct fid_av { struct fid fid; ...; };
 struct fid_mr { struct fid fid; void *mem_desc; uint64_t key; ...; };
-struct fid_nic { struct fid fid; ...; };
+struct fi_device_attr { char *name; ...; };
+struct fid_nic { struct fid fid; struct fi_device_attr *device_attr; ...; };
 struct fi_context2 { void *internal[8]; };
 
 enum fi_ep_type { FI_EP_UNSPEC, FI_EP_MSG, FI_EP_DGRAM, FI_EP_RDM, ... };
