@@ -197,6 +197,22 @@ def split(nics, groups):
     return [nics[g * per:(g + 1) * per] for g in range(groups)]
 
 
+def rank_nics(nics, gpu_buses, gpu, local_rank, ranks_per_node, sysfs=SYSFS):
+    """The NICs of one of a node's ranks (chapter 16's proxies): those of its GPU, as
+    layout() gives them; for host memory (gpu None), or a GPU that got none, an even
+    share of the node's, in order (one of them when there are fewer than ranks)."""
+    if gpu is not None:
+        gpus = layout(gpu_buses, nics, sysfs)
+        if gpu >= len(gpus):
+            raise ValueError(f"no GPU {gpu} in the topology ({len(gpus)} GPUs)")
+        if gpus[gpu].nics:
+            return gpus[gpu].nics
+    n = len(nics)
+    if n < ranks_per_node:
+        return [nics[local_rank % n]]
+    return nics[local_rank * n // ranks_per_node:(local_rank + 1) * n // ranks_per_node]
+
+
 def take(groups, per_group):
     """The first `per_group` NICs of each group (None: all), if that uses them evenly."""
     have = min(len(g) for g in groups)
