@@ -53,6 +53,7 @@ node 100 / 77 us (78 / 68 with --counts device), two over libfabric shm 154 / 12
 
     python scripts/launch.py -n 4 chapters/16_moe.py                       # one node
     python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm
+    python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm --nics 2
     python scripts/launch.py -n 8 --ranks-per-node 4 chapters/16_moe.py -p tcp \\
         --max-tokens 16 --hidden 256 --experts 32 --topk 4 --iters 0       # checks only
     python scripts/launch.py -n 2 chapters/16_moe.py --check none --tokens 1,8,32,128 --json
@@ -309,8 +310,8 @@ def proxy_nics(head, group, gpu, count=None):
     provider = fi.provider_of(head)
     if not nics:
         count = count or 1
-        return [head] * count, (f"{count} virtual NIC{'s' * (count > 1)}: independent "
-                                f"domains of {provider} (no NIC with a PCI address here)")
+        return [head] * count, (f"{count} virtual NIC{'s' * (count > 1)}, each a domain of "
+                                f"{provider} (no NIC with a PCI address here)")
     gpu_buses = topo.gpus_here()[0] if gpu is not None else []
     mine = topo.rank_nics(nics, gpu_buses, gpu, group.rank % group.ranks_per_node,
                           group.ranks_per_node)
