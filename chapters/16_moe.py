@@ -177,22 +177,23 @@ class Proxy:
             raise ValueError(f"a WRITE of up to {largest} bytes, more than "
                              f"{fi.provider_of(info)} takes ({info.ep_attr.max_msg_size})")
         self.provider = fi.provider_of(info)
+        scope = flush_scope(self.provider, mem.gpu)
         infos, self.nics = proxy_nics(info, group, mem.gpu, nics)
-        self.lanes = [fi.open_endpoint(own, i, cq_size=4 * RING, av_count=group.world)
-                      for i in infos]
+        domains, self.cqs, avs, eps = zip(*[fi.open_endpoint(own, i, cq_size=4 * RING,
+                                                            av_count=group.world)
+                                            for i in infos])
         mrs = [memory.register(own, domain, mem, lib.FI_WRITE | lib.FI_REMOTE_WRITE, key=1)
-               for domain, *_ in self.lanes]
+               for domain in domains]
         mine = [(fi.remote_base(i, mem.ptr), fi.mr_key(mr), fi.getname(ep))
-                for i, mr, (_, _, _, ep) in zip(infos, mrs, self.lanes)]
+                for i, mr, ep in zip(infos, mrs, eps)]
         peers = [unpack_nics(blob) for blob in group.allgather(pack_nics(mine))]
         p = self.p = ffi.new("struct m16_proxy *")
         # the ring and its head in host memory the device side can write (a GPU too)
         self.shared = mem.host_shared(8 + RING * ffi.sizeof("struct m16_write"))
         at = ffi.cast("char *", self.shared.ctypes.data)
         p.head, p.ring = ffi.cast("uint64_t *", at), ffi.cast("struct m16_write *", at + 8)
-        n, world = len(self.lanes), group.world
-        self.keep = [ffi.new("struct fid_ep *[]", [lane[3] for lane in self.lanes]),
-                     ffi.new("struct fid_cq *[]", [lane[1] for lane in self.lanes]),
+        n, world = len(infos), group.world
+        self.keep = [ffi.new("struct fid_ep *[]", eps), ffi.new("struct fid_cq *[]", self.cqs),
                      ffi.new("void *[]", [fi.mr_desc(mr) for mr in mrs]),
                      ffi.new("uint32_t[]", world), ffi.new("fi_addr_t[]", world),
                      ffi.new("uint64_t[]", world), ffi.new("uint64_t[]", world),
@@ -202,13 +203,12 @@ class Proxy:
         far = [r for r in range(world) if r // group.ranks_per_node != group.node]
         for r, (i, (base, key, name)) in routes(group.rank, n, peers, far).items():
             p.nic[r], p.remote_base[r], p.remote_key[r] = i, base, key
-            p.addr[r] = fi.av_insert(self.lanes[i][2], name)
+            p.addr[r] = fi.av_insert(avs[i], name)
         p.nics, p.base = n, ffi.cast("char *", mem.ptr)
         p.ring_size, p.world, p.kinds = RING, world, KINDS
         p.arrived = ffi.cast("uint32_t *", stamps_ptr)
         if kernels_wait and self.provider == "shm":  # its CUDA copies: see m16_settle
             p.settle = ffi.cast("int (*)(void *)", mem.legacy_stream_sync())
-        scope = flush_scope(self.provider, mem.gpu)
         if scope is not None:
             p.flush = ffi.cast("int (*)(int, int)", cuda_driver.flush_address())
             p.flush_scope = scope
@@ -248,7 +248,7 @@ class Proxy:
         call = {1: "fi_writemsg", 2: "fi_cq_read", 3: "fi_cq_read"}.get(self.p.failed_call, "")
         if self.rc == -lib.FI_EAVAIL:  # a failed WRITE: its entry and the provider's text
             try:
-                fi.cq_read(self.lanes[self.p.failed_nic][1], fi.cq_entries(1))
+                fi.cq_read(self.cqs[self.p.failed_nic], fi.cq_entries(1))
             except fi.FabricError as e:
                 return e
         if self.p.failed_call == 3:
@@ -321,6 +321,10 @@ def proxy_nics(head, group, gpu, count=None):
         if (fi.string(info.fabric_attr.name) == fi.string(head.fabric_attr.name)
                 and info.addr_format == head.addr_format):
             entries.setdefault(fi.string(info.domain_attr.name), info)
+    other = [n.name for n in mine if n.name not in entries]
+    if other:
+        raise ValueError(f"NIC {other[0]} is not in fabric {fi.string(head.fabric_attr.name)} "
+                         "with the first entry's address format")
     whose = f"GPU {gpu}'s" if gpu is not None else "a share of the node's"
     return ([entries[n.name] for n in mine],
             f"{len(mine)} NIC{'s' * (len(mine) > 1)} ({whose}): {' '.join(n.name for n in mine)}")

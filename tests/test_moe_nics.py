@@ -59,6 +59,22 @@ def test_each_gpus_proxy_drives_that_gpus_nics(moe, p5):
         moe.proxy_nics(p5, group(3), 3, count=3)
 
 
+def test_a_nics_entry_of_another_fabric_is_not_taken(moe, p5):
+    """efa and efa-direct share domain names (prov/efa/src/efa_domain.h): a proxy's NICs
+    come from the head's fabric and address format only."""
+    last = list(fi.each(p5))[-1]
+    last.next = other = fi.lib.fi_allocinfo()  # freed with the list
+    other.domain_attr.name = fi.lib.strdup(b"rdmap79s0")
+    other.fabric_attr.name = fi.lib.strdup(b"efa-direct")
+    infos, _ = moe.proxy_nics(p5, group(0), 0)
+    assert names(infos) == [f"rdmap{79 + k}s0" for k in range(4)]
+    assert infos[0] == p5 and fi.string(infos[0].fabric_attr.name) == ""
+    second = list(fi.each(p5))[1]
+    second.fabric_attr.name = fi.lib.strdup(b"efa-direct")  # rdmap80s0: only efa-direct now
+    with pytest.raises(ValueError, match="NIC rdmap80s0 is not in fabric"):
+        moe.proxy_nics(p5, group(0), 0)
+
+
 def test_host_memory_ranks_share_the_nodes_nics_in_order(moe, p5):
     every = names(fi.each(p5))
     for local in range(8):
