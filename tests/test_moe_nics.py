@@ -17,7 +17,7 @@ from scripts.pair import ROOT, local_env
 from tests import fake_sysfs
 from tests.gpu import needs_gpu
 from tests.test_bad_input import assert_one_line_error, run
-from tests.test_moe import CHAPTER, LAUNCH, LIMIT, SMALL, check_lines, chapter_module
+from tests.test_moe import CHAPTER, LAUNCH, LIMIT, SMALL, check_lines, chapter_module, gpus
 from tests.test_topo import info_list
 
 
@@ -226,3 +226,20 @@ def test_gpu_the_flush_runs_from_a_thread_with_the_gpu_current(moe):
     t.start()
     t.join()
     assert result == [(0, 0)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("drive", ["gpu", "host"])
+def test_gpu_proxies_on_two_virtual_nics_register_by_dmabuf(drive):
+    """GPU memory on 2 emulated nodes, each proxy on 2 shm domains: every check passes and
+    each rank says how its region was registered (by dmabuf with libfabric >= 1.20)."""
+    command = [sys.executable, LAUNCH, "-n", "2", "--ranks-per-node", "1", "--gpus", gpus(),
+               CHAPTER, "-p", "shm", "--device", "cuda", "--drive", drive, *SMALL, "--nics", "2",
+               "--check", "random,overflow", "--iters", "0"]
+    done = subprocess.run(command, capture_output=True, text=True, env=local_env(),
+                          timeout=LIMIT, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(check_lines(done.stdout)) == 4
+    how = "by dmabuf" if fi.lib.tut_has_dmabuf() else "by address (no dmabuf: built against"
+    for rank in (0, 1):
+        assert f"[{rank}] GPU memory registered {how}" in done.stdout, done.stdout
