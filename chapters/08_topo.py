@@ -5,9 +5,10 @@ What you will learn: on a p5 each GPU sits behind its own PCIe switch with
 the root complex, or the link between the sockets, and loses bandwidth; a
 thread polling a GPU's NICs from a core of the other NUMA node pays for every
 cache line it touches. So before using 32 NICs, find out what goes with what:
-the GPUs' PCI addresses from CUDA, the NICs' from fi_info (nic->bus_attr),
-the PCIe tree and the NUMA nodes from sysfs, and the hyperthread siblings,
-which are left out so that each pinned thread gets a core of its own.
+the GPUs' PCI addresses from CUDA, the NICs' from fi_info (nic->bus_attr;
+verbs gives none: its device's link in /sys/class/infiniband), the PCIe
+tree and the NUMA nodes from sysfs, and the hyperthread siblings, which are
+left out so that each pinned thread gets a core of its own.
 
 New since chapter 07: a standalone program, no endpoint at all. The
 discovery lives in common/topo.py, for chapters 09 on.
@@ -69,18 +70,25 @@ import common.fabric as fi
 
 
 def describe(args):
-    """(GPU bus ids, [Nic], what they came from) for this machine or for --machine."""
+    """(GPU bus ids, [Nic], what they came from) for this machine or for --machine,
+    where a NIC without a "bus" is an RDMA device, found in sysfs as verbs' are."""
     if args.machine:
         try:
             data = json.loads(Path(args.machine).read_text())
-            nics = [topo.Nic(n["name"], n["bus"], n.get("gbps", 0)) for n in data["nics"]]
+            nics = [topo.Nic(n["name"], n.get("bus") or topo.rdma_device_bus(n["name"],
+                                                                             args.sysfs),
+                             n.get("gbps", 0)) for n in data["nics"]]
+            lost = [n.name for n in nics if not n.bus]
+            if lost:
+                raise ValueError(f"no bus given and no class/infiniband/{lost[0]} in "
+                                 f"{args.sysfs}")
             return data["gpus"], nics, f"described in {args.machine}", "described"
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise cli.UsageError(f"--machine {args.machine}: {e}") from None
     gpus, why = topo.gpus_here()
     info, _ = fi.pick(args.provider, fi.lib.FI_RMA)
     provider = fi.provider_of(info).split(";")[0]
-    return gpus, topo.nics_here(info), why or "CUDA", provider
+    return gpus, topo.nics_here(info, args.sysfs), why or "CUDA", provider
 
 
 # %% [markdown]

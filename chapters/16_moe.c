@@ -6,12 +6,14 @@ struct m16_write {            // one WRITE the device side asks the proxy for
     uint32_t imm;             // immediate data: what the peer's proxy will see
 };
 struct m16_proxy {
-    struct fid_ep *ep;
-    struct fid_cq *cq;
+    struct fid_ep **eps;            // per NIC of this rank (one endpoint each) ...
+    struct fid_cq **cqs;            // ... its CQ ...
+    void **descs;                   // ... and the descriptor of the region registered on it
+    uint32_t nics;
     char *base;                     // this rank's registered region
-    void *desc;                     // its registration's descriptor
-    fi_addr_t *addr;                // per rank (only peers on other nodes are used)
-    uint64_t *remote_base, *remote_key;  // per rank
+    uint32_t *nic;                  // per rank: which of our NICs talks to it
+    fi_addr_t *addr;                // per rank: its NIC's address in that NIC's AV
+    uint64_t *remote_base, *remote_key;  // per rank (only peers on other nodes are used)
     struct m16_write *ring;         // commands from the device side (host memory the
     uint64_t ring_size;             // GPU can write; a power of two)
     uint64_t *head;                 // commands written so far (device side, release)
@@ -21,15 +23,20 @@ struct m16_proxy {
     uint8_t *busy;                  // 1 while that slot's WRITE is in flight
     uint32_t *arrived;              // [kinds][world] stamps: host memory the device side reads
     uint32_t world, kinds;
-    int (*settle)(void *);          // or NULL: called before stamping (see m16_reap)
+    int (*settle)(void *);          // or NULL: called before stamping (see m16_settle) ...
+    int (*flush)(int, int);         // ... and cuFlushGPUDirectRDMAWrites, or NULL
+    int flush_scope;
     int stop;                       // set by Python to end the loop
     int failed_call;                // 1: fi_writemsg, 2: fi_cq_read, 3: a stray completion,
-                                    // 4: settle
+                                    // 4: settle, 5: flush
+    uint32_t failed_nic;            // where fi_writemsg or fi_cq_read failed
+    int settle_error;               // what settle or flush returned
 };
 int m16_proxy_run(struct m16_proxy *p);
 void m16_submit(struct m16_proxy *p, uint64_t local, uint64_t remote, uint64_t len,
                 uint32_t peer, uint32_t imm);
 uint64_t m16_completed(struct m16_proxy *p);
+int m16_settle(struct m16_proxy *p);
 void m16_set_stamp(uint32_t *table, size_t at, uint32_t stamp);
 int m16_all_stamped(uint32_t *row, int64_t *sources, size_t n, uint32_t stamp);
 */
@@ -42,6 +49,10 @@ int m16_all_stamped(uint32_t *row, int64_t *sources, size_t n, uint32_t stamp);
  * immediate that arrives into a stamp in the arrival table, the same table
  * that peers on this node stamp directly. Waiting for data is then one thing
  * for the device side: look at a stamp, whichever way the data came.
+ *
+ * A rank may have several NICs (its GPU's, chapter 08): one endpoint and CQ
+ * on each, each peer served by one of them (Python picks which), and every CQ
+ * read, for our completions and for the immediates of peers that chose it.
  *
  * The immediate says what arrived: kind (2 bits), source rank (16), stamp (14).
  */
@@ -67,44 +78,60 @@ static int m16_post(struct m16_proxy *p)
         if (p->busy[slot])
             return 0;  /* that slot's previous WRITE has not completed yet */
         struct m16_write *w = &p->ring[slot];
+        uint32_t n = p->nic[w->peer];
         struct iovec iov = { p->base + w->local, w->len };
         struct fi_rma_iov rma = { p->remote_base[w->peer] + w->remote, w->len,
                                   p->remote_key[w->peer] };
-        struct fi_msg_rma msg = { &iov, &p->desc, 1, p->addr[w->peer], &rma, 1,
+        struct fi_msg_rma msg = { &iov, &p->descs[n], 1, p->addr[w->peer], &rma, 1,
                                   &p->contexts[slot], w->imm };
-        ssize_t rc = fi_writemsg(p->ep, &msg, FI_COMPLETION | FI_REMOTE_CQ_DATA);
+        ssize_t rc = fi_writemsg(p->eps[n], &msg, FI_COMPLETION | FI_REMOTE_CQ_DATA);
         if (rc == -FI_EAGAIN) {
             p->eagain++;
             return 0;
         }
-        if (rc)
+        if (rc) {
+            p->failed_nic = n;
             return (int)rc;
+        }
         p->busy[slot] = 1;
         p->posted++;
     }
     return 0;
 }
 
-/* Read completions: ours free their slot, a peer's immediate becomes a stamp.
- * A provider that copies with CUDA calls from this thread (shm) may report a
- * WRITE whose copy still runs on the GPU; `settle` (cudaStreamSynchronize on
- * CUDA's legacy stream, where those copies go) waits for it before a stamp
- * tells a kernel the bytes are there. */
-static ssize_t m16_reap(struct m16_proxy *p)
+/* Before a stamp tells the device side that bytes have arrived, make them
+ * readable there. A provider that copies with CUDA calls from this thread
+ * (shm) may report a WRITE whose copy still runs on the GPU: `settle`
+ * (cudaStreamSynchronize on CUDA's legacy stream, where those copies go) waits
+ * for it. A NIC writes into GPU memory by itself (GPUDirect RDMA); where the
+ * device does not order such writes for the consumer, `flush`
+ * (cuFlushGPUDirectRDMAWrites on this thread's current context, the GPU's)
+ * makes them visible first, as NCCL does. Returns 0, or the failed step. */
+int m16_settle(struct m16_proxy *p)
+{
+    if (p->settle && (p->settle_error = p->settle(NULL)))
+        return 4;
+    if (p->flush && (p->settle_error = p->flush(0, p->flush_scope)))
+        return 5;
+    return 0;
+}
+
+/* Read one NIC's completions: ours free their slot, a peer's immediate becomes a stamp. */
+static ssize_t m16_reap(struct m16_proxy *p, uint32_t nic)
 {
     struct fi_cq_data_entry entries[M16_BATCH];
-    ssize_t n = fi_cq_read(p->cq, entries, M16_BATCH);
+    ssize_t n = fi_cq_read(p->cqs[nic], entries, M16_BATCH);
     if (n == -FI_EAGAIN)
         return 0;
-    if (n < 0)
+    if (n < 0) {
+        p->failed_nic = nic;
         return n;  /* -FI_EAVAIL: Python reads the error entry and its text */
+    }
     int arrivals = 0;
     for (ssize_t i = 0; i < n; i++)
         arrivals |= (entries[i].flags & FI_REMOTE_CQ_DATA) != 0;
-    if (arrivals && p->settle && p->settle(NULL)) {
-        p->failed_call = 4;
+    if (arrivals && (p->failed_call = m16_settle(p)))
         return -FI_EOTHER;
-    }
     for (ssize_t i = 0; i < n; i++) {
         if (entries[i].flags & FI_REMOTE_CQ_DATA) {
             m16_note_immediate(p, entries[i].data);
@@ -130,13 +157,17 @@ int m16_proxy_run(struct m16_proxy *p)
             p->failed_call = 1;
             return rc;
         }
-        ssize_t n = m16_reap(p);
-        if (n < 0) {
-            if (!p->failed_call)
-                p->failed_call = 2;
-            return (int)n;
+        ssize_t seen = 0;
+        for (uint32_t nic = 0; nic < p->nics; nic++) {
+            ssize_t n = m16_reap(p, nic);
+            if (n < 0) {
+                if (!p->failed_call)
+                    p->failed_call = 2;
+                return (int)n;
+            }
+            seen += n;
         }
-        if (n == 0 && p->posted == before)
+        if (seen == 0 && p->posted == before)
             sched_yield();  /* idle: let the device side (or another rank) have the core */
     }
     return 0;

@@ -24,8 +24,13 @@ with immediate data, posted by a host proxy thread in C (chapters/16_moe.c,
 GIL released) that the device side feeds through a ring in host memory. Data
 that arrived is one thing to wait for, whichever way it came: a stamp in an
 arrival table, written by the node peer, or by the proxy from an immediate.
+A proxy drives every NIC of its rank's GPU (chapter 08's topology: 4 on a p5)
+and shards the peers over them, each pair of ranks on one NIC index at both
+ends; without NICs, --nics N virtual ones (domains of shm or tcp). Where a NIC
+writes into GPU memory itself, the proxy flushes those writes before it stamps
+if the device does not order them for its own kernels (cuFlushGPUDirectRDMAWrites).
 
-New since chapter 07 (independent of 08-15): ranks and a rendezvous
+New since chapter 07 (08's topology aside): ranks and a rendezvous
 (common/launch.py, scripts/launch.py, or torchrun / Slurm variables); fp8
 e4m3 with block scales and bf16 (common/moe_reference.py, also the reference
 every run is checked against); the proxy; --device cpu, where numpy stands in
@@ -48,6 +53,7 @@ node 100 / 77 us (78 / 68 with --counts device), two over libfabric shm 154 / 12
 
     python scripts/launch.py -n 4 chapters/16_moe.py                       # one node
     python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm
+    python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm --nics 2
     python scripts/launch.py -n 8 --ranks-per-node 4 chapters/16_moe.py -p tcp \\
         --max-tokens 16 --hidden 256 --experts 32 --topk 4 --iters 0       # checks only
     python scripts/launch.py -n 2 chapters/16_moe.py --check none --tokens 1,8,32,128 --json
@@ -111,7 +117,7 @@ import time
 
 import numpy as np
 
-from common import bench, cli, launch, memory
+from common import bench, cli, cuda_driver, launch, memory, topo
 from common import moe_reference as ref
 from common._native16 import ffi, lib as native
 from common.moe import Shape, Stages, Wire, aligned, check_shape, check_tokens, \
@@ -151,11 +157,16 @@ class Layout(Shape):
 
 
 class Proxy:
-    """The host proxy: chapters/16_moe.c's loop in a thread of its own (GIL released)."""
+    """The host proxy: chapters/16_moe.c's loop in a thread of its own (GIL released).
+
+    It drives each NIC of this rank (its GPU's, chapter 08's topology; a virtual NIC, one
+    more domain of shm or tcp, where there is none) and serves each peer through one of
+    them (peer_nic): a p5 GPU's 4 NICs each carry a quarter of its peers."""
 
     def __init__(self, own, group, mem, stamps_ptr, provider, timeout, largest,
-                 kernels_wait=False):
-        """kernels_wait: GPU kernels, not this host, wait on the stamps (moe_nvlink)."""
+                 kernels_wait=False, nics=None):
+        """kernels_wait: GPU kernels, not this host, wait on the stamps (moe_nvlink).
+        nics: how many of its NICs to use (None: all; virtual ones: 1)."""
         self.timeout = timeout
         info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA,
                           prefer=lib.FI_HMEM if mem.gpu is not None else 0)
@@ -166,31 +177,41 @@ class Proxy:
             raise ValueError(f"a WRITE of up to {largest} bytes, more than "
                              f"{fi.provider_of(info)} takes ({info.ep_attr.max_msg_size})")
         self.provider = fi.provider_of(info)
-        domain, self.cq, av, ep = fi.open_endpoint(own, info, cq_size=4 * RING,
-                                                   av_count=group.world)
-        mr = memory.register(own, domain, mem, lib.FI_WRITE | lib.FI_REMOTE_WRITE, key=1)
-        me = fi.getname(ep)
-        peers = group.allgather(PEER.pack(fi.remote_base(info, mem.ptr), fi.mr_key(mr),
-                                          len(me)) + me)
+        scope = flush_scope(self.provider, mem.gpu)
+        infos, self.nics = proxy_nics(info, group, mem.gpu, nics)
+        domains, self.cqs, avs, eps = zip(*[fi.open_endpoint(own, i, cq_size=4 * RING,
+                                                            av_count=group.world)
+                                            for i in infos])
+        mrs = [memory.register(own, domain, mem, lib.FI_WRITE | lib.FI_REMOTE_WRITE, key=1)
+               for domain in domains]
+        mine = [(fi.remote_base(i, mem.ptr), fi.mr_key(mr), fi.getname(ep))
+                for i, mr, ep in zip(infos, mrs, eps)]
+        peers = [unpack_nics(blob) for blob in group.allgather(pack_nics(mine))]
         p = self.p = ffi.new("struct m16_proxy *")
         # the ring and its head in host memory the device side can write (a GPU too)
         self.shared = mem.host_shared(8 + RING * ffi.sizeof("struct m16_write"))
         at = ffi.cast("char *", self.shared.ctypes.data)
         p.head, p.ring = ffi.cast("uint64_t *", at), ffi.cast("struct m16_write *", at + 8)
-        self.keep = [ffi.new("fi_addr_t[]", group.world), ffi.new("uint64_t[]", group.world),
-                     ffi.new("uint64_t[]", group.world), ffi.new("struct fi_context2[]", RING),
-                     ffi.new("uint8_t[]", RING)]
-        p.addr, p.remote_base, p.remote_key, p.contexts, p.busy = self.keep
-        for r, blob in enumerate(peers):
-            base, key, length = PEER.unpack_from(blob)
-            p.remote_base[r], p.remote_key[r] = base, key
-            if r // group.ranks_per_node != group.node:
-                p.addr[r] = fi.av_insert(av, blob[PEER.size:PEER.size + length])
-        p.ep, p.cq, p.base, p.desc = ep, self.cq, ffi.cast("char *", mem.ptr), fi.mr_desc(mr)
-        p.ring_size, p.world, p.kinds = RING, group.world, KINDS
+        n, world = len(infos), group.world
+        self.keep = [ffi.new("struct fid_ep *[]", eps), ffi.new("struct fid_cq *[]", self.cqs),
+                     ffi.new("void *[]", [fi.mr_desc(mr) for mr in mrs]),
+                     ffi.new("uint32_t[]", world), ffi.new("fi_addr_t[]", world),
+                     ffi.new("uint64_t[]", world), ffi.new("uint64_t[]", world),
+                     ffi.new("struct fi_context2[]", RING), ffi.new("uint8_t[]", RING)]
+        (p.eps, p.cqs, p.descs, p.nic, p.addr, p.remote_base, p.remote_key, p.contexts,
+         p.busy) = self.keep
+        far = [r for r in range(world) if r // group.ranks_per_node != group.node]
+        for r, (i, (base, key, name)) in routes(group.rank, n, peers, far).items():
+            p.nic[r], p.remote_base[r], p.remote_key[r] = i, base, key
+            p.addr[r] = fi.av_insert(avs[i], name)
+        p.nics, p.base = n, ffi.cast("char *", mem.ptr)
+        p.ring_size, p.world, p.kinds = RING, world, KINDS
         p.arrived = ffi.cast("uint32_t *", stamps_ptr)
-        if kernels_wait and self.provider == "shm":  # its CUDA copies: see m16_reap
+        if kernels_wait and self.provider == "shm":  # its CUDA copies: see m16_settle
             p.settle = ffi.cast("int (*)(void *)", mem.legacy_stream_sync())
+        if scope is not None:
+            p.flush = ffi.cast("int (*)(int, int)", cuda_driver.flush_address())
+            p.flush_scope = scope
         self.rc, self.error, self.gpu = None, None, mem.gpu
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -227,13 +248,13 @@ class Proxy:
         call = {1: "fi_writemsg", 2: "fi_cq_read", 3: "fi_cq_read"}.get(self.p.failed_call, "")
         if self.rc == -lib.FI_EAVAIL:  # a failed WRITE: its entry and the provider's text
             try:
-                fi.cq_read(self.cq, fi.cq_entries(1))
+                fi.cq_read(self.cqs[self.p.failed_nic], fi.cq_entries(1))
             except fi.FabricError as e:
                 return e
         if self.p.failed_call == 3:
             return ValueError("the proxy got a completion for no WRITE in flight")
-        if self.p.failed_call == 4:
-            return ValueError("the proxy's cudaStreamSynchronize failed")
+        if self.p.failed_call in (4, 5):
+            return ValueError(settle_failure(self.p))
         return fi.FabricError(f"{call} (in the proxy)", self.rc)
 
     def drain(self, group):
@@ -247,12 +268,105 @@ class Proxy:
         self.thread.join()
 
 
+NICS = struct.Struct("<H")  # how many NICs a rank's proxy has; then a PEER for each
+
+
+def pack_nics(nics):
+    """[(region base, MR key, address)] of a rank's NICs, as bytes for the allgather."""
+    return NICS.pack(len(nics)) + b"".join(PEER.pack(base, key, len(name)) + name
+                                           for base, key, name in nics)
+
+
+def unpack_nics(blob):
+    (count,), at, nics = NICS.unpack_from(blob), NICS.size, []
+    for _ in range(count):
+        base, key, length = PEER.unpack_from(blob, at)
+        at += PEER.size
+        nics.append((base, key, blob[at:at + length]))
+        at += length
+    return nics
+
+
+def peer_nic(rank, peer, count):
+    """Which of `count` NICs `rank` reaches `peer` through, and (with the peer's count)
+    which of the peer's it writes to. Both ends of a pair pick the same index (a NIC and
+    its counterpart: one rail), each rank's peers spread evenly over its NICs, and so do
+    the senders that write to one rank (peer % count alone would put them all on one)."""
+    return (rank + peer) % count
+
+
+def routes(rank, count, peers, far):
+    """{peer: (which of our `count` NICs, (region base, MR key, address) of the peer's NIC
+    it writes to)} for the peers in `far`; `peers`: every rank's NICs (unpack_nics)."""
+    return {r: (peer_nic(rank, r, count), peers[r][peer_nic(rank, r, len(peers[r]))])
+            for r in far}
+
+
+def proxy_nics(head, group, gpu, count=None):
+    """The fi_info of each NIC this rank's proxy drives, and a line saying which: its GPU's
+    NICs (chapter 08's topology; for host memory an even share of the node's), the first
+    `count` of them; or `count` (default 1) virtual NICs where no NIC has a PCI address."""
+    nics = topo.nics_here(head)
+    provider = fi.provider_of(head)
+    if not nics:
+        count = count or 1
+        return [head] * count, (f"{count} virtual NIC{'s' * (count > 1)}, each a domain of "
+                                f"{provider} (no NIC with a PCI address here)")
+    gpu_buses = topo.gpus_here()[0] if gpu is not None else []
+    mine = topo.rank_nics(nics, gpu_buses, gpu, group.rank % group.ranks_per_node,
+                          group.ranks_per_node)
+    mine = topo.take([mine], count)[0]
+    entries = {}
+    for info in fi.each(head):  # one entry per domain: the head's fabric and address format
+        if (fi.string(info.fabric_attr.name) == fi.string(head.fabric_attr.name)
+                and info.addr_format == head.addr_format):
+            entries.setdefault(fi.string(info.domain_attr.name), info)
+    other = [n.name for n in mine if n.name not in entries]
+    if other:
+        raise ValueError(f"NIC {other[0]} is not in fabric {fi.string(head.fabric_attr.name)} "
+                         "with the first entry's address format")
+    whose = f"GPU {gpu}'s" if gpu is not None else "a share of the node's"
+    return ([entries[n.name] for n in mine],
+            f"{len(mine)} NIC{'s' * (len(mine) > 1)} ({whose}): {' '.join(n.name for n in mine)}")
+
+
+# Providers that copy the bytes themselves (the CPU, or CUDA calls: see m16_settle): no
+# NIC writes into GPU memory behind the GPU's back.
+COPYING = {"shm", "sm2", "tcp", "udp", "sockets", "net"}
+
+
+def flush_scope(provider, gpu, attribute=None):
+    """The scope the proxy flushes GPUDirect RDMA writes to before it stamps; None when
+    there is nothing to flush. Only a NIC writes into GPU memory by itself, and what reads
+    it next is the GPU that owns it (its kernels, or the copies the host asks of it):
+    covered where the device orders such writes for their owner at least
+    (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING; "owner" on the H200s). NCCL
+    asks the same. `attribute(which, gpu)`: cuda_driver.attribute, or a test's."""
+    if gpu is None or provider.split(";")[0] in COPYING:
+        return None
+    attribute = attribute or cuda_driver.attribute
+    if attribute(cuda_driver.WRITES_ORDERING, gpu) >= cuda_driver.OWNER:
+        return None
+    if not attribute(cuda_driver.FLUSH_OPTIONS, gpu) & cuda_driver.FLUSH_OPTION_HOST:
+        raise ValueError(f"GPU {gpu} neither orders GPUDirect RDMA writes nor can flush them "
+                         "(cuFlushGPUDirectRDMAWrites): a stamp could run ahead of its data")
+    return cuda_driver.OWNER
+
+
+def settle_failure(p):
+    """What m16_settle's failure (p.failed_call 4 or 5) means, in one line."""
+    if p.failed_call == 4:
+        return f"the proxy's cudaStreamSynchronize failed (CUDA error {p.settle_error})"
+    return (f"the proxy's cuFlushGPUDirectRDMAWrites failed: "
+            f"{cuda_driver.error_name(p.settle_error)}")
+
+
 class AllToAll(Stages):
     """dispatch and combine for one layer shape; each split into a send and a receive half."""
 
     def __init__(self, own, group, max_tokens, experts, topk, hidden, dispatch_dtype="fp8",
                  private_tokens=8, provider=None, timeout=30.0, device="cpu",
-                 combine_dtype="bf16"):
+                 combine_dtype="bf16", nics=None):
         check_shape(group.world, max_tokens, experts, topk, hidden, dispatch_dtype,
                     private_tokens, combine_dtype)
         self.group, self.timeout = group, timeout
@@ -265,8 +379,8 @@ class AllToAll(Stages):
         table = Region(group.job, f"{group.rank}-stamps", size)
         own.callback(table.unlink)
         largest = max(L.slot, L.per_peer * L.row, max_tokens * topk * L.out_row)
-        self.proxy = (Proxy(own, group, mem, table.ptr, provider, timeout, largest)
-                      if group.nodes > 1 else None)
+        self.proxy = (Proxy(own, group, mem, table.ptr, provider, timeout, largest,
+                            nics=nics) if group.nodes > 1 else None)
         handles = group.allgather(mem.handle())  # every region exists: map the node's
         node = [r for r in range(group.world) if r // group.ranks_per_node == group.node]
         self.peer = {r: mem.mine if r == group.rank else mem.open(own, r, handles[r])
@@ -643,6 +757,9 @@ def main():
                    "all-to-all (--device cuda)")
     p.add_argument("--check", default="all", help="cases to check: all, none, or some of "
                    + ", ".join(ref.CASES))
+    p.add_argument("--nics", type=int, help="NICs per rank for its proxy: the first that "
+                   "many of its GPU's (default: all, chapter 08's topology); where no NIC has "
+                   "a PCI address, that many virtual NICs (default 1)")
     p.add_argument("--iters", type=int, default=20, help="benchmark iterations (0: none)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, help="inputs of the checks (default: fresh ones)")
@@ -665,6 +782,8 @@ def main():
         if not 0 <= tokens <= args.max_tokens:
             raise cli.UsageError(f"--tokens {tokens}: more than --max-tokens "
                                  f"{args.max_tokens} (or negative)")
+    if args.nics is not None and not 1 <= args.nics <= 64:
+        raise cli.UsageError(f"--nics must be 1..64, not {args.nics}")
     if args.drive == "gpu" and args.device != "cuda":
         raise cli.UsageError("--drive gpu needs --device cuda")
     args.drive = args.drive or ("gpu" if args.device == "cuda" else "host")
@@ -691,13 +810,13 @@ def main():
             if args.drive == "gpu":
                 def proxy(own, mem, stamps, largest):
                     return Proxy(own, group, mem, stamps, args.provider, args.timeout, largest,
-                                 kernels_wait=True)
+                                 kernels_wait=True, nics=args.nics)
                 return NvlinkAllToAll(own, group, args.max_tokens, args.experts, args.topk,
                                       args.hidden, dtype, private, args.timeout, KERNELS,
                                       args.combine_dtype, proxy, args.counts)
             return AllToAll(own, group, args.max_tokens, args.experts, args.topk, args.hidden,
                             dtype, private, args.provider, args.timeout, args.device,
-                            args.combine_dtype)
+                            args.combine_dtype, args.nics)
 
         def nccl(own, dtype, private):
             return NcclAllToAll(own, group, args.max_tokens, args.experts, args.topk,
@@ -725,7 +844,8 @@ def main():
                 if a2a.proxy:
                     provider = a2a.proxy.provider
                     if group.rank == 0:
-                        print(f"provider: {provider}", flush=True)
+                        print(f"provider: {provider}; proxy of rank 0: {a2a.proxy.nics}",
+                              flush=True)
                 for tokens in args.tokens:
                     rows.append(benchmark(a2a, group, args, tokens, name))
                 group.barrier()

@@ -25,7 +25,8 @@ struct fid_ep { struct fid fid; ...; };
 struct fid_cq { struct fid fid; ...; };
 struct fid_av { struct fid fid; ...; };
 struct fid_mr { struct fid fid; void *mem_desc; uint64_t key; ...; };
-struct fid_nic { struct fid fid; ...; };
+struct fi_device_attr { char *name; ...; };
+struct fid_nic { struct fid fid; struct fi_device_attr *device_attr; ...; };
 struct fi_context2 { void *internal[8]; };
 
 enum fi_ep_type { FI_EP_UNSPEC, FI_EP_MSG, FI_EP_DGRAM, FI_EP_RDM, ... };
@@ -178,7 +179,9 @@ const char *fi_cq_strerror(struct fid_cq *cq, int prov_errno, const void *err_da
 
 /* small C helpers for what differs between libfabric versions (see below) */
 int tut_mr_reg(struct fid_domain *domain, void *buf, size_t len, uint64_t access,
-               uint64_t key, int iface, int device, uint64_t flags, struct fid_mr **mr);
+               uint64_t key, int iface, int device, uint64_t flags, int dmabuf_fd,
+               uint64_t dmabuf_offset, struct fid_mr **mr);
+int tut_has_dmabuf(void);
 size_t tut_nic_speed(const struct fi_info *info);
 int tut_nic_pci(const struct fi_info *info, char *buf, size_t len);
 int tut_wait_data(struct fid_cq **cqs, size_t n, uint64_t *data, uint8_t *got, int *stop,
@@ -198,21 +201,45 @@ SOURCE = r"""
 #include <rdma/fi_errno.h>
 
 /* fi_mr_attr grew unions and fields in 2.x; filling it in C keeps one
-   Python code path for 1.17 and 2.x. */
+   Python code path for 1.17 and 2.x. With dmabuf_fd >= 0 the memory is given
+   as a dmabuf (FI_MR_DMABUF, libfabric >= 1.20), `buf` lying dmabuf_offset
+   bytes into it: the base address plus the offset is the registration's
+   virtual address (man/fi_mr.3.md). Older headers: -FI_ENOSYS. */
 static int tut_mr_reg(struct fid_domain *domain, void *buf, size_t len, uint64_t access,
-                      uint64_t key, int iface, int device, uint64_t flags,
-                      struct fid_mr **mr)
+                      uint64_t key, int iface, int device, uint64_t flags, int dmabuf_fd,
+                      uint64_t dmabuf_offset, struct fid_mr **mr)
 {
     struct iovec iov = { buf, len };
     struct fi_mr_attr attr;
     memset(&attr, 0, sizeof attr);
     attr.mr_iov = &iov;
+#ifdef FI_MR_DMABUF
+    struct fi_mr_dmabuf dmabuf = { dmabuf_fd, dmabuf_offset, len,
+                                   (char *)buf - dmabuf_offset };
+    if (dmabuf_fd >= 0) {
+        attr.dmabuf = &dmabuf;
+        flags |= FI_MR_DMABUF;
+    }
+#else
+    if (dmabuf_fd >= 0)
+        return -FI_ENOSYS;
+#endif
     attr.iov_count = 1;
     attr.access = access;
     attr.requested_key = key;
     attr.iface = (enum fi_hmem_iface)iface;
     attr.device.cuda = device;
     return fi_mr_regattr(domain, &attr, flags, mr);
+}
+
+/* 1 when the headers we were built with know FI_MR_DMABUF. */
+static int tut_has_dmabuf(void)
+{
+#ifdef FI_MR_DMABUF
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* Wait for one completion carrying immediate data on each of n CQs: the

@@ -226,8 +226,18 @@ def fabric_open(info):
     return _open("fi_fabric", "struct fid_fabric", lib.fi_fabric, info.fabric_attr)
 
 
+_mr_modes = {}  # domain -> the mr_mode of the fi_info it was opened with
+
+
 def domain_open(fabric, info):
-    return _open("fi_domain", "struct fid_domain", lib.fi_domain, fabric, info)
+    domain = _open("fi_domain", "struct fid_domain", lib.fi_domain, fabric, info)
+    _mr_modes[key(domain)] = info.domain_attr.mr_mode
+    return domain
+
+
+def mr_mode(domain):
+    """The mr_mode of the fi_info `domain` was opened with (how to register memory on it)."""
+    return _mr_modes[key(domain)]
 
 
 def endpoint_open(domain, info):
@@ -279,15 +289,19 @@ def av_remove(av, fi_addr):
     check("fi_av_remove", lib.fi_av_remove(av, ffi.new("fi_addr_t *", fi_addr), 1, 0))
 
 
-def mr_reg(domain, buf, size, access, key, iface=lib.FI_HMEM_SYSTEM, device=0, flags=0):
+def mr_reg(domain, buf, size, access, key, iface=lib.FI_HMEM_SYSTEM, device=0, flags=0,
+           dmabuf=None):
     """fi_mr_regattr. `buf` is a cdata pointer or an integer address (e.g. GPU memory).
 
     `key` is our requested key; providers with FI_MR_PROV_KEY pick their own,
-    so always send the peer fi_mr_key(mr), never `key`.
+    so always send the peer fi_mr_key(mr), never `key`. `dmabuf`: (fd, offset of
+    `buf` in it) to register the memory as a dmabuf (FI_MR_DMABUF; -FI_ENOSYS
+    from a binding built against libfabric < 1.20).
     """
+    fd, offset = dmabuf or (-1, 0)
     out = ffi.new("struct fid_mr **")
     check("fi_mr_regattr", lib.tut_mr_reg(domain, ffi.cast("void *", buf), size, access, key,
-                                          iface, device, flags, out))
+                                          iface, device, flags, fd, offset, out))
     return out[0]
 
 

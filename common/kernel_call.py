@@ -7,23 +7,10 @@ launches, and the GPU waits for each while the host prepares it. Here each argum
 8-byte slot, set once when it does not change; a launch sets the few that do, by name, and
 hands the driver the slots' addresses.
 """
-import cffi
 import numpy as np
 
-_ffi = cffi.FFI()
-_ffi.cdef("int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,"
-          " unsigned by, unsigned bz, unsigned shared, void *stream, void **params,"
-          " void **extra);")
-_driver = []
-
-
-def _launcher():
-    if not _driver:
-        try:
-            _driver.append(_ffi.dlopen("libcuda.so.1"))  # loaded already where cupy runs
-        except OSError as e:
-            raise ValueError(f"cannot load the CUDA driver: {e}") from None
-    return _driver[0].cuLaunchKernel
+from common import cuda_driver
+from common.cuda_driver import ffi
 
 
 def _word(value):
@@ -40,14 +27,15 @@ class KernelCall:
     KernelCall(module.get_function("k"), stream, 256, a=buf, n=None), then k(blocks, n=5)."""
 
     def __init__(self, kernel, stream, threads, shared=0, **arguments):
-        self.function = _ffi.cast("void *", kernel.kernel.ptr)
-        self.stream = _ffi.cast("void *", stream.ptr)
-        self.threads, self.shared, self.launch = threads, shared, _launcher()
+        self.function = ffi.cast("void *", kernel.kernel.ptr)
+        self.stream = ffi.cast("void *", stream.ptr)
+        self.threads, self.shared = threads, shared
+        self.launch = cuda_driver.function("cuLaunchKernel")
         self.slot = {name: i for i, name in enumerate(arguments)}
         self.slots = np.zeros(len(arguments), np.uint64)
         first = self.slots.ctypes.data
-        self.params = _ffi.new("void *[]", [_ffi.cast("void *", first + 8 * i)
-                                            for i in range(len(arguments))])
+        self.params = ffi.new("void *[]", [ffi.cast("void *", first + 8 * i)
+                                           for i in range(len(arguments))])
         self.set(**{k: v for k, v in arguments.items() if v is not None})
 
     def set(self, **values):
@@ -59,6 +47,6 @@ class KernelCall:
         self.set(**values)
         x, y = blocks if isinstance(blocks, tuple) else (blocks, 1)
         rc = self.launch(self.function, max(x, 1), y, 1, self.threads, 1, 1, self.shared,
-                         self.stream, self.params, _ffi.NULL)
+                         self.stream, self.params, ffi.NULL)
         if rc:
-            raise ValueError(f"cuLaunchKernel failed: CUDA error {rc}")
+            raise ValueError(f"cuLaunchKernel failed: {cuda_driver.error_name(rc)}")

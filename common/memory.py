@@ -3,8 +3,11 @@
 A Buffer knows what libfabric needs to register it (address, size, iface,
 device) and how to get its bytes back to the host for checking.
 """
+import os
+
 import numpy as np
 
+from common import cuda_driver
 import common.fabric as fi
 from common.fabric import lib
 
@@ -51,21 +54,77 @@ class Buffer:
 
 
 def register(own, domain, buf, access, key):
-    """fi_mr_regattr with the buffer's iface; a libfabric without CUDA says so plainly.
+    """fi_mr_regattr with the buffer's iface; GPU memory by dmabuf where it can be.
 
     GPU buffers are flagged FI_HMEM_DEVICE_ONLY (cudaMalloc'd, never managed
     memory): without it, shm will not hand them to CUDA IPC and copies them in
-    small pieces through host memory, some 100x slower over NVLink.
+    small pieces through host memory, some 100x slower over NVLink. Which way
+    GPU memory was registered is said once per run.
     """
-    flags = 0 if buf.gpu is None else lib.FI_HMEM_DEVICE_ONLY
+    if buf.gpu is None:
+        return own(fi.mr_reg(domain, buf.ptr, buf.size, access, key))
+    mr, how = register_device(domain, buf.ptr, buf.size, access, key, buf.iface, buf.device)
+    if how not in _said:
+        _said.add(how)
+        print(how, flush=True)
+    return own(mr)
+
+
+_said = set()
+
+
+def register_device(domain, ptr, size, access, key, iface, device, handle=None):
+    """(mr, how): device memory registered as a dmabuf, else by its address; `how` says
+    which, and why not by dmabuf. `handle(ptr, size)` -> (fd, offset) is the driver's
+    dmabuf export (default: CUDA's, cuda_driver.dmabuf).
+
+    EFA registers device memory through dmabuf only when asked (FI_MR_DMABUF);
+    by address it calls ibv_reg_mr on it, which needs the nvidia_peermem kernel
+    module (prov/efa/src/efa_mr.c). verbs tries dmabuf itself either way
+    (prov/verbs/src/verbs_mr.c); shm and tcp turn a dmabuf back into its address
+    (prov/util/src/util_mr_map.c). None of them keeps the fd: ibv_reg_dmabuf_mr
+    takes the kernel's own reference, so it is closed once registered.
+    """
+    flags = 0 if iface == lib.FI_HMEM_SYSTEM else lib.FI_HMEM_DEVICE_ONLY
+    why = dmabuf_missing(fi.mr_mode(domain))
+    if why is None:
+        try:
+            fd, offset = (handle or cuda_driver.dmabuf)(ptr, size)
+        except ValueError as e:
+            why = str(e)
+        else:
+            try:
+                return (fi.mr_reg(domain, ptr, size, access, key, iface, device, flags,
+                                  dmabuf=(fd, offset)), "GPU memory registered by dmabuf")
+            except fi.FabricError as e:
+                why = f"{e} with FI_MR_DMABUF"
+            finally:
+                os.close(fd)
     try:
-        return own(fi.mr_reg(domain, buf.ptr, buf.size, access, key, buf.iface, buf.device,
-                             flags))
+        mr = fi.mr_reg(domain, ptr, size, access, key, iface, device, flags)
     except fi.FabricError as e:
-        if buf.gpu is None:
-            raise
-        raise ValueError(f"this libfabric cannot register CUDA memory ({e}); build one with "
-                         "scripts/build_libfabric.sh and set LIBFABRIC_PREFIX") from None
+        if e.rc == -lib.FI_ENOSYS:  # efa_mr.c, verbs_mr.c, util_mr_map.c: no such iface
+            raise ValueError(f"this libfabric was built without CUDA ({e}): build one with "
+                             "scripts/build_libfabric.sh and set LIBFABRIC_PREFIX (on AWS: "
+                             "the EFA installer's, LIBFABRIC_PREFIX=/opt/amazon/efa)") from None
+        raise ValueError(f"cannot register GPU memory by address ({e}): that needs the "
+                         f"nvidia_peermem kernel module (sudo modprobe nvidia_peermem); "
+                         f"by dmabuf: {why}") from None
+    return mr, f"GPU memory registered by address (no dmabuf: {why})"
+
+
+def dmabuf_missing(mr_mode):
+    """None when memory can be registered by dmabuf on a domain of `mr_mode`, else why not."""
+    if not lib.tut_has_dmabuf():
+        return (f"built against libfabric {lib.FI_MAJOR_VERSION}.{lib.FI_MINOR_VERSION}; "
+                "FI_MR_DMABUF came in 1.20")
+    if not mr_mode & lib.FI_MR_VIRT_ADDR:
+        # ofi_mr_map_insert (prov/util/src/util_mr_map.c, 2.1.0) takes the base of an
+        # offset-addressed registration from attr->mr_iov, which for a dmabuf is the
+        # dmabuf: every WRITE into it (tcp, on 2.1.0) misses
+        return ("the provider addresses memory by offset (no FI_MR_VIRT_ADDR), where "
+                "libfabric's util MR map misreads a dmabuf")
+    return None
 
 
 def cupy():

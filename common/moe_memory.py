@@ -123,7 +123,9 @@ class CudaMemory:
         self.gpu = self.device = group.gpu if group.gpu is not None else group.rank % count
         memory.use_gpu(self.gpu)
         if size:
-            self.ptr = self.mine = self.rt.malloc(size)
+            # whole host pages: a dmabuf of the region covers them (cuda_driver.dmabuf)
+            page = os.sysconf("SC_PAGE_SIZE")
+            self.ptr = self.mine = self.rt.malloc(-(-size // page) * page)
             own.callback(self.rt.free, self.ptr)
             self.rt.memset(self.ptr, 0, size)
             self.data = cp.ndarray((size,), cp.uint8, cp.cuda.MemoryPointer(

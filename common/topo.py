@@ -1,12 +1,13 @@
 """The machine's layout: which NICs and which CPU cores belong to which GPU (chapter 08).
 
 Read from sysfs (the PCIe tree, NUMA nodes, hyperthread siblings), the GPUs'
-PCI addresses from CUDA and the NICs' from libfabric. A NIC belongs to the
-GPU it shares the deepest PCIe bridge with (on a p5: the switch in front of
-each GPU and its 4 NICs); a NIC that shares none with any GPU goes to the
-GPU of its NUMA node that has the fewest NICs so far. Each NUMA node's
-physical cores are split evenly among its GPUs; the middle core of a GPU's
-slice is the one its thread will be pinned to.
+PCI addresses from CUDA and the NICs' from libfabric (efa), or from sysfs for
+the RDMA device libfabric names (verbs). A NIC belongs to the GPU it shares
+the deepest PCIe bridge with (on a p5: the switch in front of each GPU and its
+4 NICs); a NIC that shares none with any GPU goes to the GPU of its NUMA node
+that has the fewest NICs so far. Each NUMA node's physical cores are split
+evenly among its GPUs; the middle core of a GPU's slice is the one its thread
+will be pinned to.
 
 Everything takes a `sysfs` root so the tests can hand in a fake tree.
 """
@@ -143,18 +144,37 @@ def pci_address(text):
     return f"{int(domain, 16):04x}:{bus}:{rest}"
 
 
-def nics_here(head):
+def nics_here(head, sysfs=SYSFS):
     """[Nic] for each domain of an fi_info list that has a PCI address (real NICs)."""
     from common.fabric import each, ffi, lib, string
     nics, seen = [], set()
     bus = ffi.new("char[16]")
     for info in each(head):
         name = string(info.domain_attr.name)
-        if name in seen or not lib.tut_nic_pci(info, bus, len(bus)):
+        if name in seen:
             continue
-        seen.add(name)
-        nics.append(Nic(name, ffi.string(bus).decode(), lib.tut_nic_speed(info) / 1e9))
+        if lib.tut_nic_pci(info, bus, len(bus)):
+            address = ffi.string(bus).decode()
+        elif info.nic != ffi.NULL and info.nic.device_attr != ffi.NULL:
+            address = rdma_device_bus(string(info.nic.device_attr.name), sysfs)
+        else:
+            address = None
+        if address:
+            seen.add(name)
+            nics.append(Nic(name, address, lib.tut_nic_speed(info) / 1e9))
     return nics
+
+
+def rdma_device_bus(device, sysfs=SYSFS):
+    """The PCI address of RDMA device `device` (e.g. mlx5_0), from the link
+    class/infiniband/<device>/device into the PCI tree; None when there is none.
+    verbs names the device in fi_info's nic but gives no bus attributes
+    (prov/verbs/src/verbs_info.c fills device and link attributes only)."""
+    link = Path(sysfs) / "class" / "infiniband" / device / "device"
+    if not device or not link.exists():
+        return None
+    address = os.path.basename(os.path.realpath(link))
+    return address if address.count(":") == 2 else None
 
 
 def ranges(values):
@@ -175,6 +195,22 @@ def split(nics, groups):
         raise ValueError(f"{len(nics)} NICs do not split evenly among {groups} groups")
     per = len(nics) // groups
     return [nics[g * per:(g + 1) * per] for g in range(groups)]
+
+
+def rank_nics(nics, gpu_buses, gpu, local_rank, ranks_per_node, sysfs=SYSFS):
+    """The NICs of one of a node's ranks (chapter 16's proxies): those of its GPU, as
+    layout() gives them; for host memory (gpu None), or a GPU that got none, an even
+    share of the node's, in order (one of them when there are fewer than ranks)."""
+    if gpu is not None:
+        gpus = layout(gpu_buses, nics, sysfs)
+        if gpu >= len(gpus):
+            raise ValueError(f"no GPU {gpu} in the topology ({len(gpus)} GPUs)")
+        if gpus[gpu].nics:
+            return gpus[gpu].nics
+    n = len(nics)
+    if n < ranks_per_node:
+        return [nics[local_rank % n]]
+    return nics[local_rank * n // ranks_per_node:(local_rank + 1) * n // ranks_per_node]
 
 
 def take(groups, per_group):

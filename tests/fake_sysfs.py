@@ -3,7 +3,8 @@
 A box is a list of switches; each switch sits below a root port and holds
 endpoints (GPUs, NICs). Devices get the sysfs files chapter 08 reads:
 bus/pci/devices/<address> links into devices/pci..., numa_node, and per CPU
-topology/thread_siblings_list.
+topology/thread_siblings_list; RDMA devices that verbs names (it gives no PCI
+address) the link class/infiniband/<name>/device.
 """
 import json
 from pathlib import Path
@@ -11,6 +12,8 @@ from pathlib import Path
 # The p5 of the series (blog-series.md): per GPU, its bus and its 4 NICs' buses.
 P5_GPUS = [0x53, 0x64, 0x75, 0x86, 0x97, 0xa8, 0xb9, 0xca]
 P5_NIC_NAMES = [79, 96, 113, 130, 147, 164, 181, 198]  # rdmap<N>s0, first of each 4
+# A ConnectX-7 box (DGX H100-like): 8 GPUs, each behind its own switch with its NICs.
+CX7_GPUS = [0x18, 0x2a, 0x3a, 0x5d, 0x9a, 0xab, 0xba, 0xdb]
 
 
 def addr(bus, dev=0, fn=0):
@@ -23,14 +26,19 @@ def write(path, text):
 
 
 def device(root, chain, numa):
-    """Create the device at the end of `chain` (root port first) and its bus/pci link."""
+    """Create the device at the end of `chain` (root port first) and its bus/pci link;
+    returns its directory."""
     rc = "pci" + chain[0][:7]  # 'pci0000:00'
     real = root / "devices" / rc / Path(*chain)
     write(real / "numa_node", str(numa))
-    link = root / "bus" / "pci" / "devices" / chain[-1]
+    symlink(root / "bus" / "pci" / "devices" / chain[-1], real)
+    return real
+
+
+def symlink(link, target):
     link.parent.mkdir(parents=True, exist_ok=True)
     if not link.exists():
-        link.symlink_to(real)
+        link.symlink_to(target)
 
 
 def cpus(root, nodes, threads_per_core=2):
@@ -56,19 +64,24 @@ def cpus(root, nodes, threads_per_core=2):
 
 
 def box(root, switches, nodes):
-    """`switches`: [(numa, root complex bus, [(kind, name, endpoint bus, gbps)])].
-    Returns the machine description chapter 08 takes with --machine."""
+    """`switches`: [(numa, root complex bus, [(kind, name, endpoint bus, gbps)])], kind
+    "gpu", "nic" (its PCI address known, as efa gives it) or "verbs" (found through
+    class/infiniband only). Returns the machine description chapter 08 takes with
+    --machine."""
     machine = {"gpus": [], "nics": []}
     for i, (numa, rc_bus, endpoints) in enumerate(switches):
         root_port = addr(rc_bus, 1 + i % 8)
         up = addr(endpoints[0][2] - 2)
         for k, (kind, name, bus, gbps) in enumerate(endpoints):
             down = addr(endpoints[0][2] - 1, k)
-            device(root, [root_port, up, down, addr(bus)], numa)
+            real = device(root, [root_port, up, down, addr(bus)], numa)
             if kind == "gpu":
                 machine["gpus"].append(addr(bus))
-            else:
+            elif kind == "nic":
                 machine["nics"].append({"name": name, "bus": addr(bus), "gbps": gbps})
+            else:
+                symlink(root / "class" / "infiniband" / name / "device", real)
+                machine["nics"].append({"name": name, "gbps": gbps})
     cpus(root, nodes)
     return machine
 
@@ -80,6 +93,17 @@ def p5(root):
         nics = [("nic", f"rdmap{nic + k}s0", gpu_bus - 4 + k, 100) for k in range(4)]
         switches.append((g // 4, 0x00 if g < 4 else 0x80, nics + [("gpu", None, gpu_bus, 0)]))
     return box(root, switches, nodes=[48, 48])
+
+
+def cx7(root, per_gpu):
+    """8 GPUs with `per_gpu` ConnectX-7 NICs each (mlx5_0, mlx5_1, ...; 400 Gbps shared
+    among a GPU's), behind the GPU's own switch; GPUs 0-3 on NUMA 0; 2 x 56 cores."""
+    switches = []
+    for g, gpu_bus in enumerate(CX7_GPUS):
+        nics = [("verbs", f"mlx5_{g * per_gpu + k}", gpu_bus - per_gpu + k, 400 // per_gpu)
+                for k in range(per_gpu)]
+        switches.append((g // 4, 0x00 if g < 4 else 0x80, nics + [("gpu", None, gpu_bus, 0)]))
+    return box(root, switches, nodes=[56, 56])
 
 
 def save(root, machine):

@@ -1,9 +1,15 @@
 """Chapter 08 and common.topo against fake machines: the series' p5, a one-GPU box,
-NICs on the wrong NUMA node, no NUMA information at all."""
+NICs on the wrong NUMA node, no NUMA information at all, a ConnectX-7 box (verbs)."""
+import functools
 import subprocess
 import sys
+import types
 
-from common import topo
+import pytest
+
+from common import multinet, topo
+from common.fabric import lib
+import common.fabric as fi
 from scripts.pair import chapter_path, local_env
 from tests import fake_sysfs
 from tests.test_bad_input import assert_one_line_error, run
@@ -89,3 +95,70 @@ def test_cpulist_and_ranges_round_trip():
     assert topo.ranges([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
     assert topo.ranges([]) == ""
     assert topo.pci_address("00000000:53:00.0") == topo.pci_address("0000:53:00.0") == "0000:53:00.0"
+
+
+@pytest.mark.parametrize("per_gpu", [1, 2])
+def test_08_connectx7_box_finds_verbs_nics_in_sysfs(tmp_path, per_gpu):
+    """verbs gives no PCI address (verbs_info.c): the NICs are described without one,
+    as fi_info lists them, and chapter 08 finds each in class/infiniband. Every GPU gets
+    the NICs behind its own switch."""
+    machine = fake_sysfs.cx7(tmp_path, per_gpu)
+    assert all("bus" not in n for n in machine["nics"])
+    out = chapter(tmp_path, fake_sysfs.save(tmp_path, machine))
+    assert f"GPUs: 8 (described in" in out and f"NICs: {8 * per_gpu} (described)" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("cuda:")]
+    for g, row in enumerate(rows):
+        assert row[:3] == [f"cuda:{g}", f"0000:{fake_sysfs.CX7_GPUS[g]:02x}:00.0", str(g // 4)]
+        assert row[5:] == [f"mlx5_{g * per_gpu + k}" for k in range(per_gpu)]
+    assert "total link bandwidth: %d NICs, 3200 Gbps" % (8 * per_gpu) in out
+    assert "note:" not in out
+
+
+def test_08_a_nic_neither_described_nor_in_sysfs_is_one_line(tmp_path):
+    machine = fake_sysfs.cx7(tmp_path, 1)
+    machine["nics"].append({"name": "mlx5_99", "gbps": 400})
+    done = subprocess.run([sys.executable, str(chapter_path(8)), "--sysfs", str(tmp_path),
+                           "--machine", str(fake_sysfs.save(tmp_path, machine))],
+                          capture_output=True, text=True, env=local_env(), timeout=30)
+    assert_one_line_error(done, "class/infiniband/mlx5_99")
+
+
+def test_rdma_device_bus_follows_the_class_link(tmp_path):
+    fake_sysfs.cx7(tmp_path, 2)
+    assert topo.rdma_device_bus("mlx5_3", tmp_path) == "0000:29:00.0"  # GPU 1's second
+    assert topo.rdma_device_bus("mlx5_16", tmp_path) is None
+    assert topo.rdma_device_bus("", tmp_path) is None
+
+
+@pytest.mark.parametrize("per_gpu", [1, 2])
+def test_lanes_of_chapters_09_to_15_use_each_gpus_own_verbs_nics(tmp_path, monkeypatch,
+                                                                 per_gpu):
+    """multinet's lane map on the ConnectX-7 box: GPU g's lanes are its own NICs, not
+    every lane on one (what 09-15 did when verbs NICs had no PCI address)."""
+    machine = fake_sysfs.cx7(tmp_path, per_gpu)
+    names = [n["name"] for n in machine["nics"]]
+    monkeypatch.setattr(topo, "gpus_here", lambda: (machine["gpus"], None))
+    monkeypatch.setattr(topo, "nics_here", lambda head: [
+        topo.Nic(n, topo.rdma_device_bus(n, tmp_path), 400 / per_gpu) for n in names])
+    monkeypatch.setattr(topo, "layout", functools.partial(topo.layout, sysfs=tmp_path))
+    head = info_list(names)
+    args = types.SimpleNamespace(gpus=list(range(8)), provider_used="verbs")
+    for gpus, per in ((list(range(8)), None), ([6, 1], 1)):
+        args.gpus = gpus
+        infos, what = multinet.lane_infos(args, head, len(gpus), per)
+        got = [[fi.string(i.domain_attr.name) for i in group] for group in infos]
+        assert got == [[f"mlx5_{g * per_gpu + k}" for k in range(per or per_gpu)]
+                       for g in gpus]
+        assert what.startswith(f"{len(gpus)} x {per or per_gpu} NICs: mlx5_")
+
+
+def info_list(names):
+    """An fi_info list with one entry per domain name (fi_allocinfo; freed with its head)."""
+    head = fi.hints()
+    head.domain_attr.name = lib.strdup(names[0].encode())
+    last = head
+    for name in names[1:]:
+        last.next = lib.fi_allocinfo()
+        last = last.next
+        last.domain_attr.name = lib.strdup(name.encode())
+    return head

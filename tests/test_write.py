@@ -1,6 +1,7 @@
 """Chapter 06: WRITE with immediate data, every byte checked; bad input; a wrong key."""
 import pytest
 
+from common.fabric import lib
 from scripts.pair import run_pair
 from tests.gpu import has_gpu, needs_gpu
 from tests.test_bad_input import SHM_DEAD, assert_one_line_error, run
@@ -66,3 +67,9 @@ def test_06_gpu_buffers():
     assert pair.ok, pair
     assert "GPU 0 memory" in pair.clients[0].out
     assert "verified 16 pages (16777216 bytes): 0 wrong bytes" in pair.clients[0].out
+    # once per process: the client's targets, the server's source (shm: virtual addresses)
+    how = ("GPU memory registered by dmabuf" if lib.tut_has_dmabuf()
+           else "GPU memory registered by address (no dmabuf: built against libfabric")
+    for out in (pair.clients[0].out, pair.server.out):
+        assert sum(line.startswith("GPU memory registered by") for line in out.splitlines()) == 1
+        assert how in out

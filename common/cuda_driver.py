@@ -1,0 +1,88 @@
+"""The few CUDA driver calls we make ourselves, loaded at run time (no CUDA toolkit to build).
+
+libcuda.so.1 comes with the NVIDIA driver, so it is there wherever a GPU is, and loaded
+already where cupy runs. The calls: cuLaunchKernel (common/kernel_call.py), a dmabuf fd
+for a range of GPU memory (registration by dmabuf, common/memory.py), and what chapter
+16's proxy needs to know before it tells a kernel that a NIC's WRITE has landed in GPU
+memory (the device's GPUDirect RDMA write ordering, and the flush where it falls short).
+Numbers are cuda.h's.
+"""
+import os
+
+import cffi
+
+ffi = cffi.FFI()
+ffi.cdef("""
+int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                   unsigned bz, unsigned shared, void *stream, void **params, void **extra);
+int cuMemGetHandleForAddressRange(void *handle, unsigned long long dptr, size_t size,
+                                  int handle_type, unsigned long long flags);
+int cuDeviceGetAttribute(int *value, int attribute, int device);
+int cuFlushGPUDirectRDMAWrites(int target, int scope);
+int cuGetErrorName(int error, const char **name);
+""")
+DMA_BUF_FD = 1                 # CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
+WRITES_ORDERING = 118          # CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING
+FLUSH_OPTIONS = 117            # CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS
+FLUSH_OPTION_HOST = 1          # CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST: the call works
+TARGET_CURRENT_CTX = 0         # CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX
+# CUGPUDirectRDMAWritesOrdering and CUflushGPUDirectRDMAWritesScope share these values:
+# a wider scope is a larger number.
+NONE, OWNER, ALL_DEVICES = 0, 100, 200
+SCOPES = {NONE: "none", OWNER: "owner", ALL_DEVICES: "all devices"}
+_loaded = []
+
+
+def driver():
+    """libcuda.so.1 (ValueError, one line, where there is none)."""
+    if not _loaded:
+        try:
+            _loaded.append(ffi.dlopen("libcuda.so.1"))
+        except OSError as e:
+            why = str(e).partition(".  Additionally")[0]  # cffi adds what ctypes tried
+            raise ValueError(f"cannot load the CUDA driver: {why}") from None
+    return _loaded[0]
+
+
+def function(name):
+    """A driver function, or ValueError saying the driver is too old to have it."""
+    try:
+        return getattr(driver(), name)
+    except (AttributeError, NotImplementedError):
+        raise ValueError(f"the CUDA driver has no {name} (too old)") from None
+
+
+def error_name(rc):
+    name = ffi.new("const char **")
+    if function("cuGetErrorName")(rc, name) or name[0] == ffi.NULL:
+        return f"CUDA error {rc}"
+    return ffi.string(name[0]).decode()
+
+
+def check(call, rc):
+    if rc:
+        raise ValueError(f"{call}: {error_name(rc)}")
+
+
+def dmabuf(ptr, size):
+    """(fd, offset): a dmabuf fd for the host pages around [ptr, ptr + size) of GPU memory
+    and where `ptr` lies in it. The driver wants the range aligned to host pages; the
+    caller closes the fd. ValueError, saying why, where the driver gives none."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = ptr - ptr % page
+    length = -(-(ptr + size - start) // page) * page
+    fd = ffi.new("int *", -1)
+    check("cuMemGetHandleForAddressRange", function("cuMemGetHandleForAddressRange")(
+        fd, start, length, DMA_BUF_FD, 0))
+    return fd[0], ptr - start
+
+
+def attribute(which, device):
+    value = ffi.new("int *")
+    check("cuDeviceGetAttribute", function("cuDeviceGetAttribute")(value, which, device))
+    return value[0]
+
+
+def flush_address():
+    """The address of cuFlushGPUDirectRDMAWrites, for C code to call without the GIL."""
+    return int(ffi.cast("uintptr_t", function("cuFlushGPUDirectRDMAWrites")))

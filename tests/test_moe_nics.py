@@ -1,0 +1,245 @@
+"""Chapter 16's proxies on several NICs: which NICs a rank drives (its GPU's, chapter 08's
+topology, on the series' p5 rebuilt in a fake sysfs), which of them serves each peer, the
+run on virtual NICs (shm, tcp) end to end; and the GPUDirect flush before a stamp: when
+it is needed (faked device attributes) and the C side that calls it."""
+import functools
+import re
+import subprocess
+import sys
+import threading
+from collections import Counter
+
+import pytest
+
+import common.fabric as fi
+from common import cuda_driver, launch, topo
+from scripts.pair import ROOT, local_env
+from tests import fake_sysfs
+from tests.gpu import needs_gpu
+from tests.test_bad_input import assert_one_line_error, run
+from tests.test_moe import CHAPTER, LAUNCH, LIMIT, SMALL, check_lines, chapter_module, gpus
+from tests.test_topo import info_list
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return chapter_module()
+
+
+@pytest.fixture
+def p5(tmp_path, monkeypatch):
+    """The p5 as chapter 16 would find it: 8 GPUs, 32 EFA NICs, 4 behind each GPU's switch."""
+    machine = fake_sysfs.p5(tmp_path)
+    nics = [topo.Nic(n["name"], n["bus"], n["gbps"]) for n in machine["nics"]]
+    monkeypatch.setattr(topo, "gpus_here", lambda: (machine["gpus"], None))
+    monkeypatch.setattr(topo, "nics_here", lambda head: [topo.Nic(n.name, n.bus, n.gbps)
+                                                         for n in nics])
+    monkeypatch.setattr(topo, "rank_nics", functools.partial(topo.rank_nics, sysfs=tmp_path))
+    return info_list([n.name for n in nics])
+
+
+def group(rank, world=16, per_node=8):
+    return launch.Place(rank, world, per_node, None, None, False, "test")
+
+
+def names(infos):
+    return [fi.string(i.domain_attr.name) for i in infos]
+
+
+def test_each_gpus_proxy_drives_that_gpus_nics(moe, p5):
+    for rank in range(16):  # two p5s: local rank = GPU
+        gpu = rank % 8
+        infos, line = moe.proxy_nics(p5, group(rank), gpu)
+        first = fake_sysfs.P5_NIC_NAMES[gpu]
+        assert names(infos) == [f"rdmap{first + k}s0" for k in range(4)]
+        assert line == f"4 NICs (GPU {gpu}'s): " + " ".join(names(infos))
+    infos, _ = moe.proxy_nics(p5, group(3), 3, count=2)
+    assert names(infos) == ["rdmap130s0", "rdmap131s0"]
+    with pytest.raises(ValueError, match="do not split evenly into 3"):
+        moe.proxy_nics(p5, group(3), 3, count=3)
+
+
+def test_a_nics_entry_of_another_fabric_is_not_taken(moe, p5):
+    """efa and efa-direct share domain names (prov/efa/src/efa_domain.h): a proxy's NICs
+    come from the head's fabric and address format only."""
+    last = list(fi.each(p5))[-1]
+    last.next = other = fi.lib.fi_allocinfo()  # freed with the list
+    other.domain_attr.name = fi.lib.strdup(b"rdmap79s0")
+    other.fabric_attr.name = fi.lib.strdup(b"efa-direct")
+    infos, _ = moe.proxy_nics(p5, group(0), 0)
+    assert names(infos) == [f"rdmap{79 + k}s0" for k in range(4)]
+    assert infos[0] == p5 and fi.string(infos[0].fabric_attr.name) == ""
+    second = list(fi.each(p5))[1]
+    second.fabric_attr.name = fi.lib.strdup(b"efa-direct")  # rdmap80s0: only efa-direct now
+    with pytest.raises(ValueError, match="NIC rdmap80s0 is not in fabric"):
+        moe.proxy_nics(p5, group(0), 0)
+
+
+def test_host_memory_ranks_share_the_nodes_nics_in_order(moe, p5):
+    every = names(fi.each(p5))
+    for local in range(8):
+        infos, line = moe.proxy_nics(p5, group(local), None)
+        assert names(infos) == every[4 * local:4 * local + 4]
+        assert "a share of the node's" in line
+    infos, _ = moe.proxy_nics(p5, launch.Place(5, 128, 64, None, None, False, "t"), None)
+    assert names(infos) == [every[5 % 32]]  # fewer NICs than ranks: one each
+
+
+def test_peers_are_sharded_over_a_ranks_nics_both_ways():
+    """On two p5s every rank has 4 NICs and 8 peers on the other node: each NIC serves 2
+    of its peers, a pair uses the same NIC index at both ends, and the 8 senders to one
+    rank arrive spread over its 4 NICs too."""
+    moe = chapter_module()
+    for rank in range(16):
+        far = [r for r in range(16) if r // 8 != rank // 8]
+        peers = {r: [(0, 1000 * r + k, b"nic%d" % k) for k in range(4)] for r in far}
+        routes = moe.routes(rank, 4, peers, far)
+        assert Counter(nic for nic, _ in routes.values()) == {0: 2, 1: 2, 2: 2, 3: 2}
+        for r, (nic, (_, key, name)) in routes.items():
+            assert (key, name) == (1000 * r + nic, b"nic%d" % nic)  # the peer's same index
+            assert moe.routes(r, 4, {rank: [(0, 0, b"")] * 4}, [rank])[rank][0] == nic
+    into_8 = Counter(moe.peer_nic(sender, 8, 4) for sender in range(8))
+    assert into_8 == {0: 2, 1: 2, 2: 2, 3: 2}
+
+
+def test_routes_with_fewer_nics_on_the_peer():
+    moe = chapter_module()
+    routes = moe.routes(0, 4, {5: [(7, 70, b"only")]}, [5])
+    assert routes == {5: (1, (7, 70, b"only"))}
+
+
+def test_nic_lists_survive_the_allgather():
+    moe = chapter_module()
+    nics = [(0x7F00, 17, b"fi_shm://1"), (0, 2**63, b"\x00\x01" * 40)]
+    assert moe.unpack_nics(moe.pack_nics(nics)) == nics
+    assert moe.unpack_nics(moe.pack_nics([])) == []
+
+
+def test_virtual_nics_without_a_pci_address(moe):
+    head = fi.getinfo(fi.hints("shm", caps=fi.lib.FI_MSG | fi.lib.FI_RMA))
+    infos, line = moe.proxy_nics(head, group(0), None)
+    assert len(infos) == 1 and line == "1 virtual NIC, each a domain of shm (no NIC with a " \
+                                       "PCI address here)"
+    infos, line = moe.proxy_nics(head, group(0), None, count=3)
+    assert len(infos) == 3 and line.startswith("3 virtual NICs")
+
+
+@pytest.mark.parametrize("provider", ["shm", "tcp"])
+def test_proxies_on_two_virtual_nics_each_pass_every_check(provider):
+    """4 ranks as 2 emulated nodes, each proxy on 2 endpoints (virtual NICs): both far peers
+    of a rank on different ones; every byte still checked against the reference."""
+    command = [sys.executable, LAUNCH, "-n", "4", "--ranks-per-node", "2", CHAPTER,
+               "-p", provider, *SMALL, "--nics", "2", "--check", "random,overflow,silent-rank",
+               "--iters", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, env=local_env(),
+                          timeout=LIMIT, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(check_lines(done.stdout)) == 6
+    assert re.search(rf"^\[0\] provider: ({provider}\S*); proxy of rank 0: 2 virtual NICs, "
+                     rf"each a domain of \1 ", done.stdout, re.MULTILINE), done.stdout
+    assert re.search(r"^\[0\] all checks passed", done.stdout, re.MULTILINE)
+
+
+def test_nics_out_of_range_is_one_line():
+    done, _ = run(16, "--nics", "0")
+    assert_one_line_error(done, "--nics must be 1..64, not 0")
+
+
+# --- GPUDirect RDMA writes: flush before the stamp where the device asks for it -----------
+
+def attributes(ordering, options):
+    values = {cuda_driver.WRITES_ORDERING: ordering, cuda_driver.FLUSH_OPTIONS: options}
+    return lambda which, gpu: values[which]
+
+
+@pytest.mark.parametrize("provider,gpu,ordering,options,scope", [
+    ("efa", 0, cuda_driver.NONE, cuda_driver.FLUSH_OPTION_HOST, cuda_driver.OWNER),
+    ("verbs;ofi_rxm", 1, cuda_driver.NONE, 3, cuda_driver.OWNER),
+    ("efa", 0, cuda_driver.OWNER, 0, None),         # the H200s: the owner reads in order
+    ("efa", 0, cuda_driver.ALL_DEVICES, 0, None),
+    ("efa", None, cuda_driver.NONE, 0, None),       # host memory: nothing of the GPU's
+    ("shm", 0, cuda_driver.NONE, 0, None),          # shm copies: m16_settle waits for them
+    ("tcp", 0, cuda_driver.NONE, 0, None),
+])
+def test_flush_only_where_a_nic_writes_and_the_device_does_not_order(moe, provider, gpu,
+                                                                     ordering, options, scope):
+    assert moe.flush_scope(provider, gpu, attributes(ordering, options)) == scope
+
+
+def test_a_device_that_neither_orders_nor_flushes_is_refused(moe):
+    with pytest.raises(ValueError, match="GPU 2 neither orders GPUDirect RDMA writes nor "
+                                         "can flush them"):
+        moe.flush_scope("efa", 2, attributes(cuda_driver.NONE, 2))  # MEMOPS only
+
+
+def proxy_struct(moe, settle=None, flush=None):
+    p = moe.ffi.new("struct m16_proxy *")
+    keep = []
+    if settle:
+        keep.append(moe.ffi.callback("int (*)(void *)", settle))
+        p.settle = keep[-1]
+    if flush:
+        keep.append(moe.ffi.callback("int (*)(int, int)", flush))
+        p.flush = keep[-1]
+    return p, keep
+
+
+def test_settle_flushes_to_the_scope_after_the_shm_copies(moe):
+    calls = []
+    p, _keep = proxy_struct(moe, settle=lambda _: calls.append("settle") or 0,
+                            flush=lambda target, scope: calls.append((target, scope)) or 0)
+    p.flush_scope = cuda_driver.OWNER
+    assert moe.native.m16_settle(p) == 0
+    assert calls == ["settle", (cuda_driver.TARGET_CURRENT_CTX, cuda_driver.OWNER)]
+    p, _keep = proxy_struct(moe)
+    assert moe.native.m16_settle(p) == 0  # neither: nothing to do
+
+
+def test_a_failed_flush_stops_the_stamp_and_says_so(moe, monkeypatch):
+    p, _keep = proxy_struct(moe, flush=lambda target, scope: 999)
+    assert moe.native.m16_settle(p) == 5 and p.settle_error == 999
+    p.failed_call = 5
+    monkeypatch.setattr(cuda_driver, "error_name", lambda rc: f"CUDA error {rc}")
+    assert moe.settle_failure(p) == "the proxy's cuFlushGPUDirectRDMAWrites failed: " \
+                                    "CUDA error 999"
+    p, _keep = proxy_struct(moe, settle=lambda _: 4)
+    assert moe.native.m16_settle(p) == 4
+    p.failed_call = 4
+    assert moe.settle_failure(p) == "the proxy's cudaStreamSynchronize failed (CUDA error 4)"
+
+
+@needs_gpu
+def test_gpu_the_flush_runs_from_a_thread_with_the_gpu_current(moe):
+    """cuFlushGPUDirectRDMAWrites through m16_settle, as the proxy thread calls it: a no-op
+    where the device orders the writes ("owner" on the H200s), but it must succeed."""
+    from common import memory
+    assert cuda_driver.attribute(cuda_driver.WRITES_ORDERING, 0) in cuda_driver.SCOPES
+    p = moe.ffi.new("struct m16_proxy *")
+    p.flush = moe.ffi.cast("int (*)(int, int)", cuda_driver.flush_address())
+    p.flush_scope = cuda_driver.OWNER
+    result = []
+
+    def proxy_thread():
+        memory.use_gpu(0)
+        result.append((moe.native.m16_settle(p), p.settle_error))
+    t = threading.Thread(target=proxy_thread)
+    t.start()
+    t.join()
+    assert result == [(0, 0)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("drive", ["gpu", "host"])
+def test_gpu_proxies_on_two_virtual_nics_register_by_dmabuf(drive):
+    """GPU memory on 2 emulated nodes, each proxy on 2 shm domains: every check passes and
+    each rank says how its region was registered (by dmabuf with libfabric >= 1.20)."""
+    command = [sys.executable, LAUNCH, "-n", "2", "--ranks-per-node", "1", "--gpus", gpus(),
+               CHAPTER, "-p", "shm", "--device", "cuda", "--drive", drive, *SMALL, "--nics", "2",
+               "--check", "random,overflow", "--iters", "0"]
+    done = subprocess.run(command, capture_output=True, text=True, env=local_env(),
+                          timeout=LIMIT, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(check_lines(done.stdout)) == 4
+    how = "by dmabuf" if fi.lib.tut_has_dmabuf() else "by address (no dmabuf: built against"
+    for rank in (0, 1):
+        assert f"[{rank}] GPU memory registered {how}" in done.stdout, done.stdout
