@@ -1,5 +1,6 @@
 """scripts/doctor.py: here as it is, and on fake machines (a p5's PCI bus in a fake sysfs,
 /proc/meminfo, /dev) where each layer of an RDMA NIC or a GPU is missing in turn."""
+import importlib.util
 import re
 import resource
 import subprocess
@@ -13,6 +14,7 @@ from scripts import doctor
 from scripts.doctor import ABSENT, FIX, OK, Machine
 from scripts.pair import ROOT, local_env
 from tests import fake_sysfs
+from tests.gpu import needs_gpu
 
 LINE = re.compile(r"^(ok  |--  |FIX ) \S.{13} \S")
 
@@ -165,3 +167,21 @@ def test_a_missing_directory_is_one_line():
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == "doctor.py: error: --sysfs /nonexistent: no such directory\n"
 
+
+
+def test_with_a_gpu_each_provider_registers_gpu_memory_or_says_why(tmp_path, monkeypatch):
+    monkeypatch.setattr(topo, "gpus_here", lambda: (["0000:53:00.0"], None))
+    lines, _ = doctor.examine(Machine(tmp_path, proc=tmp_path, dev=tmp_path))
+    memory = [line for line in lines if line[1] == "GPU memory"]
+    assert len(memory) == 1 and memory[0][2].startswith("shm")  # no efa/verbs device here
+    if importlib.util.find_spec("cupy") is None:
+        assert memory[0] == (FIX, "GPU memory", "shm: GPU memory needs cupy (pip install "
+                             "cupy-cuda12x or cupy-cuda13x)")
+    assert [line[1] for line in lines].count("NIC to GPU") == 1
+
+
+@needs_gpu
+def test_on_a_gpu_machine_shm_registers_gpu_memory():
+    lines = run().stdout.splitlines()
+    assert any(re.match(r"ok +GPU +\d+ CUDA devices", line) for line in lines)
+    assert "ok   GPU memory     shm registers GPU 0 memory (FI_HMEM)" in lines
