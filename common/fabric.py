@@ -99,10 +99,10 @@ def hints(provider=None, ep_type=lib.FI_EP_RDM, caps=lib.FI_MSG, mr_mode=MR_MODE
     return info
 
 
-def getinfo(hint):
+def getinfo(hint, flags=0):
     """fi_getinfo: the list of (provider, domain) pairs that satisfy the hints."""
     out = ffi.new("struct fi_info **")
-    rc = lib.fi_getinfo(API_VERSION, ffi.NULL, ffi.NULL, 0, hint, out)
+    rc = lib.fi_getinfo(API_VERSION, ffi.NULL, ffi.NULL, flags, hint, out)
     _take_back_signals()
     check("fi_getinfo", rc)
     return ffi.gc(out[0], lib.fi_freeinfo)
@@ -193,6 +193,11 @@ def pick(provider=None, caps=lib.FI_MSG, prefer=0):
         skipped = DEFAULT_PROVIDERS[:DEFAULT_PROVIDERS.index(name)]
         return info, (f"default: no {'/'.join(skipped)} device here" if skipped else "default")
     raise ValueError(f"none of {', '.join(DEFAULT_PROVIDERS)} is usable here")
+
+
+def providers():
+    """Every provider this libfabric has, with a device here or not (`fi_info -l`)."""
+    return sorted({provider_of(i) for i in each(getinfo(ffi.NULL, lib.FI_PROV_ATTR_ONLY))})
 
 
 def usable(caps=lib.FI_MSG):

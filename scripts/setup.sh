@@ -3,8 +3,14 @@
 # compiled libfabric binding. Safe to run again: it only redoes what changed.
 #
 #   bash scripts/setup.sh
-#   LIBFABRIC_PREFIX=/opt/amazon/efa bash scripts/setup.sh   # another libfabric
+#   LIBFABRIC_PREFIX=.deps/libfabric bash scripts/setup.sh    # another libfabric
+#   LIBFABRIC_PREFIX= bash scripts/setup.sh                   # the system's (pkg-config)
+#
+# Where the AWS EFA installer put its libfabric (/opt/amazon/efa), that one is
+# the default: it has the efa provider the system's may lack.
 set -euo pipefail
+# Absolute, before the cd: the binding finds libfabric at run time under this path.
+[ ! -d "${LIBFABRIC_PREFIX:-}" ] || LIBFABRIC_PREFIX=$(cd "$LIBFABRIC_PREFIX" && pwd)
 cd "$(dirname "$0")/.."
 
 say() { echo "setup: $*" >&2; }
@@ -17,6 +23,12 @@ as_root() {  # install Debian/Ubuntu packages, or say exactly what to run
         exit 1
     fi
 }
+
+efa_installer=/opt/amazon/efa
+if [ -z "${LIBFABRIC_PREFIX+set}" ] && [ -f "$efa_installer/include/rdma/fabric.h" ]; then
+    export LIBFABRIC_PREFIX=$efa_installer
+    say "using the EFA installer's libfabric in $efa_installer (the system's: LIBFABRIC_PREFIX= bash scripts/setup.sh)"
+fi
 
 missing=()
 if [ -n "${LIBFABRIC_PREFIX:-}" ]; then

@@ -1,0 +1,396 @@
+"""The doctor: what will work on this machine and what will not, one line each, with the fix.
+
+Run it first on a fresh p5 or ConnectX box (in a container: inside it):
+
+    .venv/bin/python scripts/doctor.py
+
+Each line starts with
+    ok    works
+    --    not here, and nothing to fix (a laptop has no GPU and no RDMA NIC)
+    FIX   will not work as it stands: the line ends with what to do
+Exit code: 0 when no line says FIX, 1 when one does, 2 for bad arguments.
+
+What it looks at, and why:
+- libfabric: the library the binding loads (version, path). Where the AWS EFA
+  installer put one (/opt/amazon/efa), that is the one to use: setup.sh picks
+  it by default.
+- efa, verbs: the NICs on the PCI bus (sysfs: Amazon 1d0f:efa*, Mellanox 15b3),
+  the kernel's RDMA devices for them (/sys/class/infiniband), the provider in
+  this libfabric (`fi_info -l`) and a device it can open (fi_getinfo). The
+  first layer that is missing is the one to fix. For efa, the fabrics: from
+  libfabric 2.0 efa-direct (the device alone) is listed beside efa (RDM, with
+  libfabric's own protocols on top; prov/efa/src/efa_prov.c).
+- RDMA read/write on efa: efa-direct claims FI_RMA only when the device does
+  RDMA read, RDMA write and unsolicited-write receive
+  (prov/efa/src/efa_prov_info.c); without them, efa's RDM fabric emulates a
+  WRITE with messages, and FI_EFA_USE_DEVICE_RDMA=0 stops it using the
+  device's RDMA even where there is some (prov/efa/src/rdm/efa_rdm_ep_fiops.c).
+- GPU memory: the GPUs (CUDA, through cupy; NVIDIA devices on the PCI bus),
+  then a real registration of GPU memory with each usable provider, which
+  needs a libfabric built with CUDA and FI_HMEM granted by the provider.
+- dmabuf or nvidia-peermem: how a NIC reaches GPU memory. dmabuf needs CUDA's
+  CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED and libfabric >= 1.20 (FI_MR_DMABUF);
+  otherwise the NIC's driver pins GPU pages through nvidia_peermem
+  (/sys/module/nvidia_peermem). Where GPUDirect RDMA writes are not ordered for
+  the GPU (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING), a NIC's
+  writes must be flushed before a kernel reads them.
+- GPU-NIC-NUMA map: chapter 08's layout (common/topo.py): how many NICs each
+  GPU gets and whether any sits on another NUMA node than its GPU.
+- locked memory: efa and verbs pin every registered buffer, which counts
+  against `ulimit -l` unless the process has CAP_IPC_LOCK; chapter 07
+  registers 2 x 1 GiB. shm and tcp pin nothing.
+- huge pages: efa takes its internal buffers from huge pages where there are
+  some, from normal pages otherwise (prov/util/src/util_buf.c): a small cost.
+- GDRCopy (/dev/gdrdrv, libgdrapi): a libfabric built with it copies small
+  messages to and from GPU memory through a CPU mapping instead of
+  cudaMemcpy. Chapter 16's proxy needs none: the stamps it polls live in
+  pinned host memory.
+
+    .venv/bin/python scripts/doctor.py --sysfs DIR --dev DIR   # a described machine (tests)
+"""
+import argparse
+import ctypes
+import ctypes.util
+import os
+import re
+import resource
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import topo  # noqa: E402
+
+read = topo._read  # a file's text, stripped, or `default` where there is none
+
+OK, ABSENT, FIX = "ok", "--", "FIX"
+AMAZON, MELLANOX, NVIDIA = "0x1d0f", "0x15b3", "0x10de"
+EFA_INSTALLER = Path("/opt/amazon/efa")
+CAP_IPC_LOCK = 14
+CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING = 118
+CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 124
+REAL_NICS = {"efa": "EFA", "verbs": "RDMA (ConnectX)"}
+
+
+class Machine:
+    """Where the doctor reads the machine from: sysfs, /proc/meminfo and /dev (fakes in the
+    tests). What the process itself is (/proc/self) is always read from /proc."""
+
+    def __init__(self, sysfs="/sys", proc="/proc", dev="/dev"):
+        self.sysfs, self.proc, self.dev = Path(sysfs), Path(proc), Path(dev)
+
+    def pci(self, vendor, device=None, klass=None):
+        """PCI addresses of the devices of `vendor` whose device id / class start as given."""
+        found = []
+        for d in sorted((self.sysfs / "bus" / "pci" / "devices").glob("*")):
+            ids = [read(d / name, "") for name in ("vendor", "device", "class")]
+            if ids[0] == vendor and ids[1].startswith(device or "") and ids[2].startswith(klass or ""):
+                found.append(d.name)
+        return found
+
+    def nics_on_bus(self, provider):
+        if provider == "efa":
+            return self.pci(AMAZON, device="0xefa")
+        return self.pci(MELLANOX, klass="0x02")  # network controllers: InfiniBand, Ethernet
+
+    def rdma_devices(self, buses):
+        """The kernel's RDMA devices (/sys/class/infiniband) that sit on `buses`."""
+        return [d.name for d in sorted((self.sysfs / "class" / "infiniband").glob("*"))
+                if os.path.basename(os.path.realpath(d / "device")) in buses]
+
+    def meminfo(self):
+        text = read(self.proc / "meminfo", "")
+        return {k: int(v) for k, v in re.findall(r"^(\w+):\s+(\d+)", text, re.MULTILINE)}
+
+
+def offered(fi, provider, caps=None):
+    """fi_getinfo for `provider` with the chapters' hints, or None where it offers nothing."""
+    try:
+        return fi.getinfo(fi.hints(provider, caps=caps or fi.lib.FI_MSG | fi.lib.FI_RMA))
+    except fi.FabricError:
+        return None
+
+
+# --- libfabric ---------------------------------------------------------------
+
+def libfabric(machine):
+    """(line, the binding or None)."""
+    try:
+        import common.fabric as fi
+    except SystemExit as e:  # the binding is not built: common.fabric says how to build it
+        return (FIX, "libfabric", str(e.code)), None
+    path = loaded_from()
+    text = f"{'%d.%d' % fi.version()} loaded from {path}"
+    if EFA_INSTALLER.is_dir() and path.startswith(("/usr/", "/lib")):  # the system's
+        return (FIX, "libfabric", f"{text}, not the EFA installer's in {EFA_INSTALLER}: "
+                f"bash scripts/setup.sh (uses it by default)"), fi
+    return (OK, "libfabric", text), fi
+
+
+def loaded_from():
+    """The path of the libfabric.so this process has loaded ('?' if none)."""
+    maps = read("/proc/self/maps", "")
+    return next((line.split()[-1] for line in maps.splitlines() if "/libfabric.so" in line), "?")
+
+
+def nic_lines(fi, machine, provider):
+    """One line for efa or verbs: the first layer missing, or what works. (line, fi_info or None)"""
+    kind = REAL_NICS[provider]
+    buses = machine.nics_on_bus(provider)
+    kernel = machine.rdma_devices(buses)
+    built = provider in fi.providers()
+    info = offered(fi, provider, fi.lib.FI_MSG)  # efa-direct without RDMA is listed too
+    if info is not None:
+        return (OK, provider, describe(fi, info, provider)), info
+    if not buses and not kernel:
+        has = f"has the {provider} provider" if built else f"has no {provider} provider either"
+        return (ABSENT, provider, f"no {kind} NIC on this machine (this libfabric {has})"), None
+    where = f"{len(buses)} {kind} NICs on the PCI bus"
+    if not kernel:
+        driver = ("the EFA driver: the AWS EFA installer" if provider == "efa"
+                  else "the mlx5_ib driver: modprobe mlx5_ib (or the MLNX_OFED/DOCA installer)")
+        return (FIX, provider, f"{where}, but the kernel has no RDMA device for them: "
+                f"install {driver}"), None
+    if not built:
+        build = ("bash scripts/build_libfabric.sh, then LIBFABRIC_PREFIX=.deps/libfabric "
+                 "bash scripts/setup.sh")
+        use = (f"LIBFABRIC_PREFIX={EFA_INSTALLER} bash scripts/setup.sh (the EFA installer's), "
+               f"or {build}" if provider == "efa" else build)
+        return (FIX, provider, f"{where} ({', '.join(kernel)}), but this libfabric has no "
+                f"{provider} provider: {use}"), None
+    lib = "libefa" if provider == "efa" else "libmlx5"
+    return (FIX, provider, f"{where} ({', '.join(kernel)}), but libfabric opens none of "
+            f"them: the process needs /dev/infiniband/uverbs* (in a container: --device for "
+            f"each) and rdma-core's {lib}"), None
+
+
+def describe(fi, info, provider):
+    entries = list(fi.each(info))
+    domains = sorted({fi.string(i.domain_attr.name) for i in entries})
+    fabrics = sorted({fi.string(i.fabric_attr.name) for i in entries})
+    shown = " ".join(domains[:4]) + (" ..." if len(domains) > 4 else "")
+    text = f"{len(domains)} domains ({shown}); fabrics: {', '.join(fabrics)}"
+    if provider == "efa":
+        return text
+    formats = sorted({fi.tostr(i.addr_format, fi.lib.FI_TYPE_ADDR_FORMAT) for i in entries})
+    return f"{text}; address formats: {', '.join(formats)}; RDMA read and write by the NIC"
+
+
+def rdma_write_line(fi, info):
+    """efa only: does the device do RDMA itself, or does efa's RDM fabric emulate it?"""
+    direct = [i for i in fi.each(info) if fi.string(i.fabric_attr.name) == "efa-direct"]
+    if os.environ.get("FI_EFA_USE_DEVICE_RDMA", "").lower() in ("0", "false", "no", "off"):
+        return (FIX, "RDMA write", "FI_EFA_USE_DEVICE_RDMA is off: efa emulates RDMA with "
+                "messages; unset FI_EFA_USE_DEVICE_RDMA")
+    if not direct:
+        return (ABSENT, "RDMA write", "this libfabric has no efa-direct fabric (from 2.0), so "
+                "it does not show whether the device does RDMA write")
+    if all(i.caps & fi.lib.FI_RMA for i in direct):
+        return (OK, "RDMA write", "the device does RDMA read, write and unsolicited-write "
+                "receive (efa-direct claims FI_RMA)")
+    return (ABSENT, "RDMA write", "the device lacks RDMA read, write or unsolicited-write "
+            "receive (efa-direct has no FI_RMA): efa's RDM fabric emulates WRITEs with "
+            "messages, slower")
+
+
+# --- GPUs --------------------------------------------------------------------
+
+def gpu_line(machine):
+    """(line, PCI addresses of the GPUs CUDA sees)."""
+    buses, why = topo.gpus_here()
+    on_bus = machine.pci(NVIDIA, klass="0x03")  # display controllers: the GPUs, no NVSwitch
+    if buses:
+        return (OK, "GPU", f"{len(buses)} CUDA devices ({' '.join(buses)})"), buses
+    if on_bus:
+        return (FIX, "GPU", f"{len(on_bus)} NVIDIA GPUs on the PCI bus, but {why}: install the "
+                "NVIDIA driver and cupy (pip install cupy-cuda13x, or -cuda12x for CUDA 12)"), []
+    return (ABSENT, "GPU", f"none on this machine (no NVIDIA GPU on the PCI bus; {why}): "
+            "the chapters use host memory"), []
+
+
+def gpu_memory_lines(fi, providers):
+    """A real registration of GPU 0 memory with each of `providers` (one line each)."""
+    from common import memory
+    lines = []
+    for provider in providers:
+        granted = offered(fi, provider, fi.lib.FI_MSG | fi.lib.FI_RMA | fi.lib.FI_HMEM)
+        if granted is None:
+            why = ("is FI_EFA_USE_DEVICE_RDMA=0, or is GPUDirect (peer to peer) off?"
+                   if provider == "efa" else "is this libfabric built without CUDA?")
+            lines.append((FIX, "GPU memory", f"{provider} does not grant FI_HMEM, so GPU "
+                          f"buffers cannot be registered with it: {why}"))
+            continue
+        try:
+            with fi.Closer() as own:
+                fabric = own(fi.fabric_open(granted))
+                domain = own(fi.domain_open(fabric, granted))
+                buf = memory.Buffer(1 << 16, gpu=0)
+                memory.register(own, domain, buf, fi.lib.FI_REMOTE_WRITE, key=1)
+        except (ValueError, fi.FabricError) as e:
+            lines.append((FIX, "GPU memory", f"{provider}: {e}"))
+            continue
+        lines.append((OK, "GPU memory", f"{provider} registers GPU 0 memory (FI_HMEM)"))
+    return lines
+
+
+def cuda_attribute(attribute, gpu=0):
+    """A CUDA driver device attribute (cuDeviceGetAttribute), or None where it cannot be read."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    device, value = ctypes.c_int(), ctypes.c_int()
+    if (cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), gpu)
+            or cuda.cuDeviceGetAttribute(ctypes.byref(value), attribute, device)):
+        return None
+    return value.value
+
+
+def nic_to_gpu_line(fi, machine, real_nic):
+    """How a NIC reaches GPU memory: dmabuf (needs CUDA's support and libfabric >= 1.20)
+    or nvidia-peermem; and whether its writes need a flush before a kernel reads them."""
+    dmabuf = cuda_attribute(CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED) == 1
+    peermem = (machine.sysfs / "module" / "nvidia_peermem").is_dir()
+    api = fi.version() >= (1, 20)
+    order = {0: "must be flushed (none)", 100: "ordered for the GPU (owner)",
+             200: "ordered for all GPUs"}.get(
+        cuda_attribute(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING), "unknown")
+    text = (f"dmabuf: CUDA {'supports' if dmabuf else 'does not support'} it, libfabric "
+            f"{'%d.%d' % fi.version()} {'has' if api else 'lacks'} FI_MR_DMABUF (>= 1.20); "
+            f"nvidia_peermem {'loaded' if peermem else 'not loaded'}; NIC writes into GPU "
+            f"memory: {order}")
+    if (dmabuf and api) or peermem:
+        return (OK, "NIC to GPU", text)
+    if not real_nic:
+        return (ABSENT, "NIC to GPU", f"{text} (no RDMA NIC here to need either)")
+    return (FIX, "NIC to GPU", f"{text}: modprobe nvidia_peermem, or for dmabuf the NVIDIA "
+            "open kernel driver and Linux >= 5.12" + ("" if api else ", and libfabric >= 1.20"))
+
+
+def topology_line(machine, buses, nics):
+    if not buses or not nics:
+        missing = "GPU" if not buses else "NIC with a PCI address"
+        return (ABSENT, "GPU-NIC map", f"no {missing}: chapters 09+ open several domains of "
+                "one provider as virtual NICs")
+    gpus = topo.layout(buses, nics, machine.sysfs)
+    counts = sorted({len(g.nics) for g in gpus})
+    share = (f"{counts[0]} NICs per GPU" if len(counts) == 1
+             else f"{counts[0]}-{counts[-1]} NICs per GPU (uneven)")
+    far = [f"{n.name} (NUMA {n.numa}) of cuda:{g.index} (NUMA {g.numa})" for g in gpus
+           for n in g.nics if None not in (n.numa, g.numa) and n.numa != g.numa]
+    text = f"{len(gpus)} GPUs, {len(nics)} NICs: {share}"
+    if far:
+        return (ABSENT, "GPU-NIC map", f"{text}; on another NUMA node: {', '.join(far[:2])}"
+                f"{' ...' if len(far) > 2 else ''} (chapters/08_topo.py prints the table)")
+    return (OK, "GPU-NIC map", f"{text}, each on its GPU's NUMA node "
+            "(chapters/08_topo.py prints the table)")
+
+
+# --- the host ----------------------------------------------------------------
+
+def capabilities():
+    """This process's effective capabilities, a bit mask."""
+    m = re.search(r"^CapEff:\s+([0-9a-f]+)", read("/proc/self/status", ""), re.MULTILINE)
+    return int(m[1], 16) if m else 0
+
+
+def memlock_line(real_nic, limit=None, caps=None):
+    """`limit` and `caps`: this process's unless given."""
+    limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0] if limit is None else limit
+    if limit == resource.RLIM_INFINITY:
+        return (OK, "locked memory", "ulimit -l: unlimited")
+    if (capabilities() if caps is None else caps) & (1 << CAP_IPC_LOCK):
+        return (OK, "locked memory", f"ulimit -l {limit >> 10} KiB, but this process has "
+                "CAP_IPC_LOCK: no limit applies")
+    text = f"ulimit -l is {limit >> 10} KiB: efa and verbs pin registered buffers (07: 2 x 1 GiB)"
+    if not real_nic:
+        return (ABSENT, "locked memory", f"{text}; shm and tcp pin nothing")
+    return (FIX, "locked memory", f"{text}: ulimit -l unlimited (in a container: --ulimit "
+            "memlock=-1, or memlock in /etc/security/limits.conf)")
+
+
+def hugepage_line(machine):
+    info = machine.meminfo()
+    free, size = info.get("HugePages_Free", 0), info.get("Hugepagesize", 0)
+    if free:
+        return (OK, "huge pages", f"{free} free of {size} kB: efa's internal buffers use them")
+    return (ABSENT, "huge pages", "none free: efa's internal buffers use normal pages (a small "
+            "cost; for them: echo 1024 | sudo tee /proc/sys/vm/nr_hugepages)")
+
+
+def gdrcopy_line(machine, buses):
+    driver = (machine.dev / "gdrdrv").exists()
+    library = ctypes.util.find_library("gdrapi")
+    if driver and library:
+        return (OK, "GDRCopy", f"/dev/gdrdrv and {library}: a libfabric built --with-gdrcopy "
+                "copies small GPU messages through them")
+    missing = ", no ".join(m for m, have in (("/dev/gdrdrv", driver), ("libgdrapi", library))
+                           if not have)
+    why = "no GPU here" if not buses else "install gdrcopy for faster small copies to GPU " \
+        "memory (in a container also --device /dev/gdrdrv)"
+    return (ABSENT, "GDRCopy", f"no {missing}: {why}; chapter 16's proxy needs none")
+
+
+# --- all of it -----------------------------------------------------------------
+
+def examine(machine):
+    """Every line, in order."""
+    line, fi = libfabric(machine)
+    lines = [line]
+    nics = {}  # provider -> its fi_info, for the real NICs usable here
+    for provider in REAL_NICS if fi else ():
+        line, info = nic_lines(fi, machine, provider)
+        lines.append(line)
+        if info is not None:
+            nics[provider] = info
+            if provider == "efa":
+                lines.append(rdma_write_line(fi, info))
+    local = {p: info for p in ("shm", "tcp") if fi and (info := offered(fi, p))}
+    if fi:
+        lines.append((OK, "shm, tcp", f"usable: {', '.join(local)}") if local else
+                     (FIX, "shm, tcp", "neither is usable: reinstall libfabric (bash "
+                      "scripts/setup.sh)"))
+    real_nic = bool(nics) or any(machine.nics_on_bus(p) for p in REAL_NICS)
+    line, buses = gpu_line(machine)
+    lines.append(line)
+    if buses and fi:
+        lines += gpu_memory_lines(fi, [*nics, *("shm" for p in local if p == "shm")])
+        lines.append(nic_to_gpu_line(fi, machine, real_nic))
+    if fi:
+        found = [n for info in nics.values() for n in topo.nics_here(info)]
+        lines.append(topology_line(machine, buses, found))
+    lines += [memlock_line(real_nic), hugepage_line(machine),
+              gdrcopy_line(machine, buses)]
+    return lines, summary(lines, real_nic, buses)
+
+
+def summary(lines, real_nic, buses):
+    fixes = sum(status == FIX for status, _, _ in lines)
+    if fixes:
+        return f"{fixes} line{'s' if fixes > 1 else ''} to fix (FIX)"
+    if not real_nic and not buses:
+        return "no RDMA NIC and no GPU here: every chapter runs on shm and tcp with host memory"
+    return "nothing to fix"
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not usage + error
+        self.exit(2, f"doctor.py: error: {message}\n")
+
+
+def main():
+    p = Parser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sysfs", default="/sys", help="root of sysfs (default /sys)")
+    p.add_argument("--dev", default="/dev", help="device directory (default /dev)")
+    args = p.parse_args()
+    for name in ("sysfs", "dev"):
+        if not Path(getattr(args, name)).is_dir():
+            p.error(f"--{name} {getattr(args, name)}: no such directory")
+    lines, verdict = examine(Machine(args.sysfs, dev=args.dev))
+    for status, topic, text in lines:
+        print(f"{status:<4} {topic:<14} {text}")
+    print(verdict)
+    return 1 if any(status == FIX for status, _, _ in lines) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

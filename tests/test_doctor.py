@@ -1,0 +1,187 @@
+"""scripts/doctor.py: here as it is, and on fake machines (a p5's PCI bus in a fake sysfs,
+/proc/meminfo, /dev) where each layer of an RDMA NIC or a GPU is missing in turn."""
+import importlib.util
+import re
+import resource
+import subprocess
+import sys
+
+import pytest
+
+import common.fabric as fi
+from common import topo
+from scripts import doctor
+from scripts.doctor import ABSENT, FIX, OK, Machine
+from scripts.pair import ROOT, local_env
+from tests import fake_sysfs
+from tests.gpu import needs_gpu
+
+LINE = re.compile(r"^(ok  |--  |FIX ) \S.{13} \S")
+
+
+def run(*args):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "doctor.py"), *args],
+                          capture_output=True, text=True, env=local_env(), timeout=60)
+
+
+def p5(tmp_path):
+    """The series' p5 on the PCI bus (EFA NICs and NVIDIA GPUs with their ids), nothing
+    else: no RDMA device in the kernel, no huge pages, no /dev/gdrdrv. (sysfs, machine)"""
+    sysfs = tmp_path / "sys"
+    machine = fake_sysfs.p5(sysfs)
+    for nic in machine["nics"]:
+        ids(sysfs, nic["bus"], doctor.AMAZON, "0xefa1", "0x020000")
+    for gpu in machine["gpus"]:
+        ids(sysfs, gpu, doctor.NVIDIA, "0x2330", "0x030200")
+    (tmp_path / "dev").mkdir()
+    return sysfs, machine
+
+
+def ids(sysfs, bus, vendor, device, klass):
+    where = sysfs / "bus" / "pci" / "devices" / bus
+    for name, value in (("vendor", vendor), ("device", device), ("class", klass)):
+        (where / name).write_text(value + "\n")
+
+
+def lines_of(out):
+    """{topic: (status, text)} of the doctor's output, every line checked for its shape."""
+    *lines, verdict = out.strip().splitlines()
+    assert all(LINE.match(line) for line in lines), out
+    return {line[5:19].strip(): (line[:4].strip(), line[20:]) for line in lines}, verdict
+
+
+def test_here_every_line_has_a_status_and_the_exit_code_counts_the_fixes():
+    done = run()
+    assert "Traceback" not in done.stderr and done.stderr == ""
+    lines, verdict = lines_of(done.stdout)
+    fixes = [topic for topic, (status, _) in lines.items() if status == FIX]
+    assert done.returncode == (1 if fixes else 0), done.stdout
+    assert lines["libfabric"][1].startswith("%d.%d loaded from /" % fi.version())
+    if not topo.gpus_here()[0] and not any(Machine().nics_on_bus(p) for p in doctor.REAL_NICS):
+        assert lines["GPU"][0] == ABSENT and lines["efa"][0] == lines["verbs"][0] == ABSENT
+        assert verdict.startswith("no RDMA NIC and no GPU here")
+
+
+def test_efa_nics_on_the_bus_without_the_driver_are_a_fix(tmp_path):
+    sysfs, _ = p5(tmp_path)
+    done = run("--sysfs", str(sysfs), "--dev", str(tmp_path / "dev"))
+    lines, verdict = lines_of(done.stdout)
+    assert lines["efa"] == (FIX, "32 EFA NICs on the PCI bus, but the kernel has no RDMA device "
+                            "for them: install the EFA driver: the AWS EFA installer")
+    assert lines["verbs"][0] == ABSENT
+    if not topo.gpus_here()[0]:
+        assert lines["GPU"][0] == FIX and "8 NVIDIA GPUs on the PCI bus" in lines["GPU"][1]
+    assert done.returncode == 1 and "to fix (FIX)" in verdict
+
+
+def test_rdma_devices_libfabric_cannot_open_are_a_fix(tmp_path):
+    sysfs, machine = p5(tmp_path)
+    for k, nic in enumerate(machine["nics"][:2]):
+        device = sysfs / "class" / "infiniband" / f"rdmap{k}" / "device"
+        device.parent.mkdir(parents=True)
+        device.symlink_to(sysfs / "bus" / "pci" / "devices" / nic["bus"])
+    line, info = doctor.nic_lines(fi, Machine(sysfs), "efa")
+    assert info is None and line[0] == FIX
+    assert line[2].startswith("32 EFA NICs on the PCI bus (rdmap0, rdmap1), but ")
+    if "efa" in fi.providers():  # built in, no device: the process cannot reach it
+        assert "libfabric opens none of them: the process needs /dev/infiniband/uverbs*" in line[2]
+    else:  # Debian's libfabric
+        assert "this libfabric has no efa provider: LIBFABRIC_PREFIX=/opt/amazon/efa" in line[2]
+
+
+def efa_info(fabric, caps):
+    info = fi.hints("efa", caps=caps)
+    info.fabric_attr.name = fi.lib.strdup(fabric.encode())  # freed by fi_freeinfo
+    return info
+
+
+def test_rdma_write_is_read_from_efa_direct(monkeypatch):
+    monkeypatch.delenv("FI_EFA_USE_DEVICE_RDMA", raising=False)
+    rma = fi.lib.FI_MSG | fi.lib.FI_RMA
+    assert doctor.rdma_write_line(fi, efa_info("efa-direct", rma))[0] == OK
+    line = doctor.rdma_write_line(fi, efa_info("efa-direct", fi.lib.FI_MSG))
+    assert line[0] == ABSENT and "efa's RDM fabric emulates WRITEs" in line[2]
+    assert doctor.rdma_write_line(fi, efa_info("efa", rma))[0] == ABSENT  # libfabric 1.x
+    monkeypatch.setenv("FI_EFA_USE_DEVICE_RDMA", "0")
+    assert doctor.rdma_write_line(fi, efa_info("efa-direct", rma))[0] == FIX
+
+
+def test_locked_memory_matters_only_with_a_real_nic():
+    small = 8 << 20
+    line = doctor.memlock_line(real_nic=True, limit=small, caps=0)
+    assert line[0] == FIX and "ulimit -l is 8192 KiB" in line[2] and "--ulimit memlock=-1" in line[2]
+    assert doctor.memlock_line(real_nic=False, limit=small, caps=0)[0] == ABSENT
+    assert doctor.memlock_line(real_nic=True, limit=small, caps=1 << doctor.CAP_IPC_LOCK)[0] == OK
+    assert doctor.memlock_line(real_nic=True, limit=resource.RLIM_INFINITY, caps=0)[0] == OK
+
+
+def test_huge_pages_and_gdrcopy_from_fake_proc_and_dev(tmp_path):
+    (tmp_path / "meminfo").write_text("MemTotal: 100 kB\nHugePages_Total: 512\n"
+                                      "HugePages_Free: 500\nHugepagesize: 2048 kB\n")
+    (tmp_path / "gdrdrv").touch()
+    machine = Machine(tmp_path, proc=tmp_path, dev=tmp_path)
+    assert doctor.hugepage_line(machine) == (OK, "huge pages", "500 free of 2048 kB: efa's "
+                                             "internal buffers use them")
+    assert doctor.hugepage_line(Machine(tmp_path, proc=tmp_path / "none"))[0] == ABSENT
+    if not doctor.ctypes.util.find_library("gdrapi"):
+        line = doctor.gdrcopy_line(machine, buses=["0000:53:00.0"])
+        assert line[0] == ABSENT and line[2].startswith("no libgdrapi: install gdrcopy")
+
+
+@pytest.mark.parametrize("dmabuf,peermem,real_nic,status", [
+    (1, False, True, OK), (0, True, True, OK), (0, False, True, FIX), (0, False, False, ABSENT)])
+def test_a_nic_reaches_gpu_memory_by_dmabuf_or_peermem(tmp_path, monkeypatch, dmabuf, peermem,
+                                                        real_nic, status):
+    if peermem:
+        (tmp_path / "module" / "nvidia_peermem").mkdir(parents=True)
+    attributes = {doctor.CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED: dmabuf,
+                  doctor.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING: 100}
+    monkeypatch.setattr(doctor, "cuda_attribute", attributes.get)
+    line = doctor.nic_to_gpu_line(fi, Machine(tmp_path), real_nic)
+    assert line[0] == (status if dmabuf == 0 or fi.version() >= (1, 20) else FIX)
+    assert f"nvidia_peermem {'loaded' if peermem else 'not loaded'}" in line[2]
+    assert "ordered for the GPU (owner)" in line[2]
+
+
+def test_the_gpu_nic_map_is_chapter_08s(tmp_path):
+    machine = fake_sysfs.p5(tmp_path)
+    nics = [topo.Nic(n["name"], n["bus"], n["gbps"]) for n in machine["nics"]]
+    line = doctor.topology_line(Machine(tmp_path), machine["gpus"], nics)
+    assert line == (OK, "GPU-NIC map", "8 GPUs, 32 NICs: 4 NICs per GPU, each on its GPU's "
+                    "NUMA node (chapters/08_topo.py prints the table)")
+    assert doctor.topology_line(Machine(tmp_path), [], nics)[0] == ABSENT
+
+
+def test_the_systems_libfabric_beside_the_efa_installers_is_a_fix(tmp_path, monkeypatch):
+    monkeypatch.setattr(doctor, "EFA_INSTALLER", tmp_path)
+    line, _ = doctor.libfabric(Machine())
+    if doctor.loaded_from().startswith(("/usr/", "/lib")):
+        assert line[0] == FIX and line[2].endswith(f"not the EFA installer's in {tmp_path}: "
+                                                   "bash scripts/setup.sh (uses it by default)")
+    else:  # one set up on purpose (LIBFABRIC_PREFIX)
+        assert line[0] == OK
+
+
+def test_a_missing_directory_is_one_line():
+    done = run("--sysfs", "/nonexistent")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == "doctor.py: error: --sysfs /nonexistent: no such directory\n"
+
+
+
+def test_with_a_gpu_each_provider_registers_gpu_memory_or_says_why(tmp_path, monkeypatch):
+    monkeypatch.setattr(topo, "gpus_here", lambda: (["0000:53:00.0"], None))
+    lines, _ = doctor.examine(Machine(tmp_path, proc=tmp_path, dev=tmp_path))
+    memory = [line for line in lines if line[1] == "GPU memory"]
+    assert len(memory) == 1 and memory[0][2].startswith("shm")  # no efa/verbs device here
+    if importlib.util.find_spec("cupy") is None:
+        assert memory[0] == (FIX, "GPU memory", "shm: GPU memory needs cupy (pip install "
+                             "cupy-cuda12x or cupy-cuda13x)")
+    assert [line[1] for line in lines].count("NIC to GPU") == 1
+
+
+@needs_gpu
+def test_on_a_gpu_machine_shm_registers_gpu_memory():
+    lines = run().stdout.splitlines()
+    assert any(re.match(r"ok +GPU +\d+ CUDA devices", line) for line in lines)
+    assert "ok   GPU memory     shm registers GPU 0 memory (FI_HMEM)" in lines
