@@ -4,6 +4,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.shm_regions import SHM, Watcher
 
 # Makes a region named like shm's after itself, says its name, and leaves it behind once
@@ -14,6 +16,9 @@ LEAVE = ("import os, sys; name = f'{os.getpid()}:0:4242'; open('/dev/shm/' + nam
 
 def test_only_our_processes_regions_are_leaks():
     watcher = Watcher("SHM_REGIONS_SELFTEST")
+    if watcher.fd < 0:
+        del os.environ["SHM_REGIONS_SELFTEST"]
+        pytest.skip("no inotify here: only creators alive at the end are told apart")
     foreign_env = {k: v for k, v in os.environ.items() if k != "SHM_REGIONS_SELFTEST"}
     children = [subprocess.Popen([sys.executable, "-c", LEAVE], env=env, text=True,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
