@@ -6,13 +6,13 @@ shm and tcp, one local stand-in for it); its fi_info says how memory must be
 registered (mr_mode), what the endpoint can do (caps), how fast the link is,
 and where the NIC sits on the PCIe bus - the facts chapters 06-15 build on.
 
-    python chapters/03_fi_info.py                     # everything, one line each
-    python chapters/03_fi_info.py -p shm -v           # one provider, in detail
-    python chapters/03_fi_info.py --ep-type rdm --caps FI_RMA,FI_HMEM
+    .venv/bin/python chapters/03_fi_info.py                     # everything, one line each
+    .venv/bin/python chapters/03_fi_info.py -p shm -v           # one provider, in detail
+    .venv/bin/python chapters/03_fi_info.py --ep-type rdm --caps FI_RMA,FI_HMEM
 
 Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17):
 
-    $ python chapters/03_fi_info.py -p shm -v --caps FI_RMA,FI_HMEM
+    $ .venv/bin/python chapters/03_fi_info.py -p shm -v --caps FI_RMA,FI_HMEM
     libfabric 1.17 (API 1.17)
     provider       fabric           domain       endpoint       Gbps nic bus
     shm            shm              shm          FI_EP_RDM         - -
@@ -21,7 +21,7 @@ Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17):
         mr_mode:  FI_MR_VIRT_ADDR, FI_MR_HMEM
         address:  FI_ADDR_STR
         max msg:  18446744073709551615, inject: 0, rma iov: 4, cq data: 8 bytes
-    $ python chapters/03_fi_info.py --ep-type rdm
+    $ .venv/bin/python chapters/03_fi_info.py --ep-type rdm
     ...
     1 entries: 1 providers, 1 (provider, domain) pairs
     sockets        fd00::/64        eth0         FI_EP_RDM         - -
@@ -29,6 +29,10 @@ Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17):
     sockets        ::1/128          lo           FI_EP_RDM         - -
     35 entries: 6 providers, 10 (provider, domain) pairs
 """
+# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
+# and says whether it showed on your machine.
+LESSON = {"figure": "check", "shows": "the (provider, domain) pairs this libfabric offers"}
+
 # %% [markdown]
 # ## Motivation
 # Before opening anything, ask libfabric what it can do. Same question as the

@@ -1,7 +1,7 @@
 """Baselines: what tools a user would reach for get on this machine, per size.
 
-    python scripts/baseline.py -p shm --sizes 64K,1M                  # host memory
-    python scripts/baseline.py -p shm --sizes 1M,16M --gpus 0,1 --ucx DIR
+    .venv/bin/python scripts/baseline.py -p shm --sizes 64K,1M                  # host memory
+    .venv/bin/python scripts/baseline.py -p shm --sizes 1M,16M --gpus 0,1 --ucx DIR
 
 - fabtests `fi_rma_bw -o write` and `-o writedata` between two processes on
   this host (from LIBFABRIC_PREFIX/bin, else .deps/libfabric/bin, built by

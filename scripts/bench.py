@@ -1,8 +1,8 @@
 """Benchmark chapters 07 and 09-11 against the baselines, in the same run, over page sizes.
 
-    python scripts/bench.py -p shm --sizes 4K,16K,64K,256K,1M,4M --label my-laptop
-    python scripts/bench.py -p shm --sizes 1M,16M --gpus 0,1 --ucx DIR --label h200x2
-    python scripts/bench.py -p tcp --sizes 64K --chapters 7,9,10,11 --nics-per-gpu 4 --label my-laptop
+    .venv/bin/python scripts/bench.py -p shm --sizes 4K,16K,64K,256K,1M,4M --label my-laptop
+    .venv/bin/python scripts/bench.py -p shm --sizes 1M,16M --gpus 0,1 --ucx DIR --label h200x2
+    .venv/bin/python scripts/bench.py -p tcp --sizes 64K --chapters 7,9,10,11 --nics-per-gpu 4 --label my-laptop
 
 Each repeat runs each chapter's server and client on this host, then
 fi_rma_bw (write and writedata), and on GPUs UCX's put bandwidth and

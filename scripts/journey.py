@@ -1,7 +1,7 @@
 """Draw the journey: the blog's p5 figures, the model's, and ours, chapter by chapter.
 
-    python scripts/journey.py                     # results/ -> results/journey.png
-    python scripts/journey.py --results DIR --out FILE.png
+    .venv/bin/python scripts/journey.py                     # results/ -> results/journey.png
+    .venv/bin/python scripts/journey.py --results DIR --out FILE.png
 
 Ours: every results/<NN_name>/<setup>.json at 64 KiB, as % of the best
 baseline measured in the same setup (scripts/bench.py writes both).

@@ -1,8 +1,8 @@
 """Chapters 09 to 15 back to back, on one machine with the same arguments: the series' steps, here.
 
-    python scripts/progression.py -p shm --sizes 64K --label my-laptop
-    python scripts/progression.py -p shm --sizes 64K,1M --gpus 0,1 --label h200x2
-    python scripts/progression.py -p shm --sizes 4K --groups 8 --chapters 13 --label box-8
+    .venv/bin/python scripts/progression.py -p shm --sizes 64K --label my-laptop
+    .venv/bin/python scripts/progression.py -p shm --sizes 64K,1M --gpus 0,1 --label h200x2
+    .venv/bin/python scripts/progression.py -p shm --sizes 4K --groups 8 --chapters 13 --label box-8
 
 With --gpus A,B the buffers are on both GPUs on both sides and each GPU
 writes to the other's (every byte crosses NVLink, both ways at once); the

@@ -1,7 +1,7 @@
 """Execute every notebook in notebooks/ in place, so the outputs committed match results/.
 
-    python scripts/run_notebooks.py            # after scripts/bench.py added results
-    python scripts/run_notebooks.py journey    # only notebooks/journey.ipynb
+    .venv/bin/python scripts/run_notebooks.py            # after scripts/bench.py added results
+    .venv/bin/python scripts/run_notebooks.py journey    # only notebooks/journey.ipynb
 
 The tests execute the notebooks too, on a copy; this writes the outputs back.
 """

@@ -1,7 +1,7 @@
 """The tour: run every chapter on this host's default provider and print a table.
 
-    python scripts/tour.py              # the default provider (what the chapters pick)
-    python scripts/tour.py -p tcp       # another one
+    .venv/bin/python scripts/tour.py              # the default provider (what the chapters pick)
+    .venv/bin/python scripts/tour.py -p tcp       # another one
 
 Each step runs a chapter the way its docstring says (server and client as a
 pair on this host) and checks what it printed, not just its exit code.
