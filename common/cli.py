@@ -64,13 +64,19 @@ def command(*args, program=None):
     """The command that runs this program (or `program`) with `args`, as it works pasted
     into a plain shell here: this interpreter (a venv's, not whatever `python` is on PATH)
     and the program, relative to the current folder when they are inside it."""
-    def here(path):
-        path = os.path.abspath(path)  # not realpath: a venv's python is a symlink
-        rel = os.path.relpath(path)
-        if rel.startswith(os.pardir):
-            return path
-        return rel if os.sep in rel else os.path.join(os.curdir, rel)
-    return shlex.join([here(sys.executable), here(program or sys.argv[0]), *map(str, args)])
+    def runnable(path):  # "x" alone would be looked up on PATH
+        path = shown(path)
+        return path if os.sep in path else os.path.join(os.curdir, path)
+    return shlex.join([runnable(sys.executable), runnable(program or sys.argv[0]),
+                       *map(str, args)])
+
+
+def shown(path):
+    """A path as the reader can use it from here: relative to the current folder when it is
+    inside it, else absolute."""
+    path = os.path.abspath(path)  # not realpath: a venv's python is a symlink
+    rel = os.path.relpath(path)
+    return path if rel.startswith(os.pardir) else rel
 
 
 def parser(doc, **kw):

@@ -12,15 +12,15 @@ repeat runs every chapter, then the ceiling, so the figures of one repeat
 are minutes apart at most. Writes results/progression/<label>-<provider>-
 <memory>.json (per chapter and size: Gbps of each repeat, median, Mpps, %
 of the ceiling; the ceiling also to results/baselines/) and prints them
-beside the series' p5 figures (% of 3200).
+beside the series' p5 figures (% of 3200). What the run needs is checked
+before anything runs; when a later run fails, what was measured is written.
 """
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baseline import ROOT, chapter_list, fi_rma_bw, measure, memcpy_peer, parse, parser, \
+from baseline import ROOT, chapter_list, fi_rma_bw, memcpy_peer, parse, parser, run_all, \
     save  # noqa: E402
 from bench import run_chapter  # noqa: E402
 
@@ -43,27 +43,30 @@ def main():
     else:
         ceiling = ("fi_rma_bw -o write", lambda size, iters: fi_rma_bw(
             args.provider, "write", size, iters, None, args.timeout))
-    try:
-        rows = measure(tools + [ceiling], args.sizes, args.repeats, args.bytes)
-    except (FileNotFoundError, RuntimeError, subprocess.TimeoutExpired) as e:
-        sys.exit(f"progression: {e}")
+    run_all("progression", args, tools + [ceiling], lambda rows: keep(rows, ceiling[0], args),
+            chapters=True)
+
+
+def keep(rows, ceiling, args):
+    """Print and write the rows; each chapter's % of the ceiling where it was measured."""
     blog = json.loads((ROOT / "results" / "blog_p5.json").read_text())
-    print(f"\nceiling: {ceiling[0]}; the series' p5: % of 3200 Gbps\n"
+    print(f"\nceiling: {ceiling}; the series' p5: % of 3200 Gbps\n"
           f"{'chapter':<12}{'size':>10}{'Gbps':>10}{'Mpps':>9}{'% ceiling':>11}{'p5 %':>8}")
     for row in rows:
-        limit = next(r for r in rows if r["size"] == row["size"] and r["tool"] == ceiling[0])
+        limit = next((r for r in rows if r["size"] == row["size"] and r["tool"] == ceiling), None)
         row["mpps"] = round(row["median_gbps"] * 1e9 / 8 / row["size"] / 1e6, 4)
-        row["percent_of_ceiling"] = round(100 * row["median_gbps"] / limit["median_gbps"], 1)
-        row["ceiling"] = ceiling[0]
+        if limit:
+            row["percent_of_ceiling"] = round(100 * row["median_gbps"] / limit["median_gbps"], 1)
+            row["ceiling"] = ceiling
         p5 = blog["chapters"].get(row["tool"][-2:], {}).get("gbps")
         if row["tool"].startswith("chapter"):
+            share = f"{row['percent_of_ceiling']:>10.1f}%" if limit else f"{'-':>11}"
             print(f"{row['tool']:<12}{row['size']:>10}{row['median_gbps']:>10.1f}"
-                  f"{row['mpps']:>9.3f}{row['percent_of_ceiling']:>10.1f}%"
-                  f"{100 * p5 / blog['limit_gbps']:>7.1f}%")
-    save(rows, "progression", args.label, args.provider, args.gpus)
+                  f"{row['mpps']:>9.3f}{share}{100 * p5 / blog['limit_gbps']:>7.1f}%")
+    save(rows, "progression", args)
     # the chapters find the ceiling there, to say what share of it a run reaches
-    save([r for r in rows if r["tool"] == ceiling[0]], "baseline", args.label, args.provider,
-         args.gpus)
+    if any(r["tool"] == ceiling for r in rows):
+        save([r for r in rows if r["tool"] == ceiling], "baseline", args)
 
 
 if __name__ == "__main__":
