@@ -51,6 +51,20 @@ and client buffers in GPU 0 memory; lines as printed by scripts/pair.py):
     memory: 2 x 16777216 bytes of GPU 0 memory (cuda)
     remote write completion: FI_REMOTE_CQ_DATA, immediate data 16
     verified 16 pages (16777216 bytes): 0 wrong bytes
+
+--bad-key (client) sends a key that no registration has; who notices is the
+provider's choice. shm checks it on the target, when the target's CQ read
+takes the command (ofi_mr_map_verify in prov/shm/src/smr_progress.c), drops
+the WRITE with a warning (FI_LOG_LEVEL=warn) and answers nothing, so the
+server waits for a completion that never comes. tcp checks it on arrival
+(xnet_handle_write, prov/tcp/src/xnet_progress.c) and closes the connection,
+after the writer's WRITEs have completed. EFA's device fails the WRITE on the
+writer's CQ: "Remote key (RKEY) not registered or does not match remote IOVA"
+(prov/efa/src/efa_errno.h). On the 2-core VM with Debian's libfabric 1.17:
+shm, the server gives up with "no last WRITE completion within 3 s"; tcp,
+the server says it wrote 16 pages; both clients: "no WRITE with immediate
+data from the server within 3 s". A silent target is why the client checks
+every byte and the immediate instead of trusting the absence of an error.
 """
 # What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
 # and says whether it showed on your machine.
