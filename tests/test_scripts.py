@@ -60,3 +60,29 @@ def test_gpus_without_cupy_is_one_line(name, tmp_path):
     assert done.returncode == 1 and done.stdout == ""
     line, = done.stderr.strip().splitlines()
     assert "--gpus needs cupy" in line and "pip install" in line
+
+
+@pytest.mark.parametrize("change,counts", [({}, True), ({"libfabric": "another"}, False),
+                                           ({"provider": "tcp"}, False), ({"cores": 999}, False)])
+def test_a_baseline_counts_only_for_this_machine_provider_and_libfabric(change, counts, tmp_path,
+                                                                        monkeypatch):
+    from common import bench
+    import common.fabric as fi
+    here = bench.machine()
+    major, minor = fi.version()
+    record = {"provider": "shm", "memory": "host", "libfabric": f"{major}.{minor}.0",
+              "machine": dict(here), "runs": [{"tool": "fi_rma_bw -o write", "size": 4096,
+                                               "median_gbps": 12.5}]}
+    if "libfabric" in change:
+        record["libfabric"] = f"{major + 1}.{minor}.0"
+    record["provider"] = change.get("provider", "shm")
+    record["machine"]["cores"] = change.get("cores", here["cores"])
+    (tmp_path / "baselines").mkdir()
+    (tmp_path / "baselines" / "box-shm-host.json").write_text(json.dumps(record))
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    monkeypatch.setattr(bench, "BASELINES", tmp_path / "baselines")
+    found = bench.baseline("shm", "host", 4096, here)
+    assert (found is not None) is counts
+    if not counts:
+        gbps, why = bench.limit([], "shm", "host", 4096, here)
+        assert gbps is None and "scripts/baseline.py -p shm --sizes 4096" in why
