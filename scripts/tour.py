@@ -158,7 +158,9 @@ def specs(number, lesson):
 
 def spread(values, form):
     """The median and the range of the repeats."""
-    return f"{form.format(statistics.median(values))} ({min(values):g}-{max(values):g})"
+    low, middle, high = (form.format(v) for v in (min(values), statistics.median(values),
+                                                  max(values)))
+    return f"{middle} ({low}-{high})"
 
 
 def verdict(lesson, mine, theirs):
