@@ -27,18 +27,19 @@ compared with a limit: the NIC's link speed, or fi_rma_bw on this machine
     .venv/bin/python chapters/07_queue.py --gpu 0 --json                   # server, pages on GPU 0
 
 Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host
-memory; the series' run: 2 x 1 GiB, 2 x 1000 pages, 1,000,000 WRITEs of 64 KiB):
+memory; the series' run: 2 x 1 GiB, 2 x 1000 pages, 1,000,000 WRITEs of 64 KiB;
+commit 2be957c, with other programs keeping the load average near 15):
 
     $ .venv/bin/python chapters/07_queue.py -p shm --clients 1
     provider: shm (asked for), domain shm
     memory registration: FI_MR_VIRT_ADDR
-    server address: 66695f73686d3a2f2f31373938333a303a3000
-    run the client: .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f31373938333a303a3000
+    server address: 66695f73686d3a2f2f32333235353a303a3000
+    run the client: .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f32333235353a303a3000 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
     wrote 2000 pages from host memory, the last WRITE with immediate data 1000000
-    completions: 1000000, one per WRITE; -FI_EAGAIN 7 times
-    1000000 WRITEs of 65536 bytes in 11.606 s: 45.174 Gbps, 0.086 Mpps (77.9% of 57.959 Gbps, fi_rma_bw here (results/baselines/vm-2core-shm-host.json))
+    completions: 1000000, one per WRITE; -FI_EAGAIN 509936 times
+    1000000 WRITEs of 65536 bytes in 36.836 s: 14.233 Gbps, 0.027 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: .venv/bin/python scripts/baseline.py -p shm --sizes 65536)
 
-    $ .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f31373938333a303a3000
+    $ .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f32333235353a303a3000
     provider: shm (asked for), domain shm
     memory registration: FI_MR_VIRT_ADDR
     memory: 2 x 1073741824 bytes of host memory
