@@ -57,7 +57,6 @@ def side(who, *actions):
     for action in actions:
         action.side = who
         action.help = f"{who}: {action.help}"
-    return actions[0] if len(actions) == 1 else actions
 
 
 def command(*args, program=None):
