@@ -19,9 +19,9 @@ int worker(struct lane *lanes, size_t nlanes, unsigned batch, struct counter *do
  * (same box) the posts that are made are the ones that succeed: 0 refusals.
  * shm completes a WRITE of up to 4 KiB as soon as it is queued, before the
  * peer has taken it (prov/shm/src/smr_rma.c), so with 4 KiB pages room lags
- * the completions and lazy posts are refused too: 44,000 to 5.3 million times
+ * the completions and lazy posts are refused too: 15,000 to 5.3 million times
  * per 100,000 WRITEs on a 2-core VM with Debian's libfabric 1.17, in the range
- * of chapter 14's refusals there (scripts/tour.py, two runs of 3 repeats).
+ * of chapter 14's refusals there (scripts/tour.py, three runs of 3 repeats).
  */
 #include "lane.h"
 

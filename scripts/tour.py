@@ -243,6 +243,11 @@ def main():
     print()
     for row in table:
         print(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]}".rstrip())
+    runs_of = {}  # each measured run, and the chapters that made it: what the figures are of
+    for n in measured:
+        runs_of.setdefault(lessons[n]["client"], []).append(f"{n:02d}")
+    print(f"\nmedians (ranges) of {args.repeats} repeats of these client runs:\n" + "\n".join(
+        f"  {', '.join(numbers)}: {flags}" for flags, numbers in runs_of.items()))
     if notes:
         print("\nwhy not here:\n" + "\n".join(f"  {note}" for note in notes))
     failed = [chapters[n].stem for n in sorted(rows) if not rows[n][2]]
