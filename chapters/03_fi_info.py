@@ -6,13 +6,13 @@ shm and tcp, one local stand-in for it); its fi_info says how memory must be
 registered (mr_mode), what the endpoint can do (caps), how fast the link is,
 and where the NIC sits on the PCIe bus - the facts chapters 06-15 build on.
 
-    python chapters/03_fi_info.py                     # everything, one line each
-    python chapters/03_fi_info.py -p shm -v           # one provider, in detail
-    python chapters/03_fi_info.py --ep-type rdm --caps FI_RMA,FI_HMEM
+    .venv/bin/python chapters/03_fi_info.py                     # everything, one line each
+    .venv/bin/python chapters/03_fi_info.py -p shm -v           # one provider, in detail
+    .venv/bin/python chapters/03_fi_info.py --ep-type rdm --caps FI_RMA,FI_HMEM
 
-Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17):
+Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, commit 6c0faa9):
 
-    $ python chapters/03_fi_info.py -p shm -v --caps FI_RMA,FI_HMEM
+    $ .venv/bin/python chapters/03_fi_info.py -p shm -v --caps FI_RMA,FI_HMEM
     libfabric 1.17 (API 1.17)
     provider       fabric           domain       endpoint       Gbps nic bus
     shm            shm              shm          FI_EP_RDM         - -
@@ -21,14 +21,25 @@ Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17):
         mr_mode:  FI_MR_VIRT_ADDR, FI_MR_HMEM
         address:  FI_ADDR_STR
         max msg:  18446744073709551615, inject: 0, rma iov: 4, cq data: 8 bytes
-    $ python chapters/03_fi_info.py --ep-type rdm
-    ...
     1 entries: 1 providers, 1 (provider, domain) pairs
+    $ .venv/bin/python chapters/03_fi_info.py --ep-type rdm
+    libfabric 1.17 (API 1.17)
+    provider       fabric           domain       endpoint       Gbps nic bus
+    tcp;ofi_rxm    192.0.2.0/24     eth0         FI_EP_RDM         - -
+    ... (39 more lines: tcp;ofi_rxm, net, net;ofi_rxm and udp;ofi_rxd, per interface)
+    shm            shm              shm          FI_EP_RDM         - -
+    shm            shm              shm          FI_EP_RDM         - -
+    sockets        192.0.2.0/24     eth0         FI_EP_RDM         - -
+    sockets        fe80::/64        eth0         FI_EP_RDM         - -
     sockets        fd00::/64        eth0         FI_EP_RDM         - -
     sockets        127.0.0.1/32     lo           FI_EP_RDM         - -
     sockets        ::1/128          lo           FI_EP_RDM         - -
-    35 entries: 6 providers, 10 (provider, domain) pairs
+    47 entries: 6 providers, 11 (provider, domain) pairs
 """
+# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
+# and says whether it showed on your machine.
+LESSON = {"figure": "check", "shows": "the (provider, domain) pairs this libfabric offers"}
+
 # %% [markdown]
 # ## Motivation
 # Before opening anything, ask libfabric what it can do. Same question as the

@@ -14,21 +14,21 @@ CONNECT message grows a list of (address, size, key) and a request ("fill
 these pages from this seed"), fi_writemsg, immediate data, a check of every
 byte that arrived.
 
-    python chapters/06_write.py                                   # server
-    python chapters/06_write.py ADDRESS --pages 0,3,5-9           # client
-    python chapters/06_write.py --gpu 0                           # server, pages on GPU 0
-    python chapters/06_write.py ADDRESS --gpu 1 --page-size 1M    # into GPU 1
+    .venv/bin/python chapters/06_write.py                                   # server
+    .venv/bin/python chapters/06_write.py ADDRESS --pages 0,3,5-9           # client
+    .venv/bin/python chapters/06_write.py --gpu 0                           # server, pages on GPU 0
+    .venv/bin/python chapters/06_write.py ADDRESS --gpu 1 --page-size 1M    # into GPU 1
 
 Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory):
 
-    $ python chapters/06_write.py -p shm
+    $ .venv/bin/python chapters/06_write.py -p shm
     provider: shm (asked for), domain shm
     memory registration: FI_MR_VIRT_ADDR
     server address: 66695f73686d3a2f2f373935323a303a3000
-    run the client: python chapters/06_write.py -p shm 66695f73686d3a2f2f373935323a303a3000
+    run the client: .venv/bin/python chapters/06_write.py -p shm 66695f73686d3a2f2f373935323a303a3000
     wrote 8 pages of 65536 bytes from host memory, the last with immediate data 8
 
-    $ python chapters/06_write.py -p shm 66695f73686d3a2f2f373935323a303a3000 --pages 0,3,5-9,31
+    $ .venv/bin/python chapters/06_write.py -p shm 66695f73686d3a2f2f373935323a303a3000 --pages 0,3,5-9,31
     provider: shm (asked for), domain shm
     memory registration: FI_MR_VIRT_ADDR
     memory: 2 x 1048576 bytes of host memory
@@ -38,20 +38,38 @@ Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host m
 On one NVIDIA H200 (libfabric 2.1.0 built by scripts/build_libfabric.sh, shm, pages
 and client buffers in GPU 0 memory; lines as printed by scripts/pair.py):
 
-    $ python chapters/06_write.py -p shm --clients 1 --gpu 0
+    $ .venv/bin/python chapters/06_write.py -p shm --clients 1 --gpu 0
     provider: shm (asked for), domain shm
     memory registration: FI_MR_VIRT_ADDR, FI_MR_HMEM
     server address: 66695f73686d3a2f2f3433353a303a3000
-    run the client: python chapters/06_write.py -p shm 66695f73686d3a2f2f3433353a303a3000
+    run the client: .venv/bin/python chapters/06_write.py -p shm 66695f73686d3a2f2f3433353a303a3000
     wrote 16 pages of 1048576 bytes from GPU 0 memory (cuda), the last with immediate data 16
 
-    $ python chapters/06_write.py -p shm 66695f73686d3a2f2f3433353a303a3000 --gpu 0 --page-size 1M --buffer-size 16M --pages 0-15
+    $ .venv/bin/python chapters/06_write.py -p shm 66695f73686d3a2f2f3433353a303a3000 --gpu 0 --page-size 1M --buffer-size 16M --pages 0-15
     provider: shm (asked for), domain shm
     memory registration: FI_MR_VIRT_ADDR, FI_MR_HMEM
     memory: 2 x 16777216 bytes of GPU 0 memory (cuda)
     remote write completion: FI_REMOTE_CQ_DATA, immediate data 16
     verified 16 pages (16777216 bytes): 0 wrong bytes
+
+--bad-key (client) sends a key that no registration has; who notices is the
+provider's choice. shm checks it on the target, when the target's CQ read
+takes the command (ofi_mr_map_verify in prov/shm/src/smr_progress.c), drops
+the WRITE with a warning (FI_LOG_LEVEL=warn) and answers nothing, so the
+server waits for a completion that never comes. tcp checks it on arrival
+(xnet_handle_write, prov/tcp/src/xnet_progress.c) and closes the connection,
+after the writer's WRITEs have completed. EFA's device fails the WRITE on the
+writer's CQ: "Remote key (RKEY) not registered or does not match remote IOVA"
+(prov/efa/src/efa_errno.h). On the 2-core VM with Debian's libfabric 1.17:
+shm, the server gives up with "no last WRITE completion within 3 s"; tcp,
+the server says it wrote 16 pages; both clients: "no WRITE with immediate
+data from the server within 3 s". A silent target is why the client checks
+every byte and the immediate instead of trusting the absence of an error.
 """
+# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
+# and says whether it showed on your machine.
+LESSON = {"figure": "wrong bytes", "visible": {"at_most": 0}}
+
 # %% [markdown]
 # ## Motivation
 #     client                                         server
@@ -90,7 +108,7 @@ def server(info, args):
         inbox = fi.Inbox(own, domain, ep, MAX_MESSAGE)
         addr = fi.getname(ep).hex()
         print(f"server address: {addr}")
-        print(f"run the client: python {sys.argv[0]} -p {args.provider_used} {addr}", flush=True)
+        print(cli.client_hint(args, addr), flush=True)
         served = 0
         while not args.clients or served < args.clients:
             _, length = poller.wait([inbox.ctx], None, "CONNECT")
@@ -169,8 +187,8 @@ def main():
     p = cli.parser(__doc__)
     cli.add_peer(p)
     cli.add_pages(p, pages="0-15", buffer_size=1 << 20)
-    p.add_argument("--bad-key", action="store_true",
-                   help="client: send a wrong key, to see how a failed WRITE is reported")
+    cli.side("client", p.add_argument("--bad-key", action="store_true", help="send a wrong "
+                                      "key, to see how a failed WRITE is reported"))
     args = p.parse_args()
     cli.check_pages(args, lambda per_buffer: list(range(16)))
     if HEADER.size + 64 + args.buffers * REGION.size + len(args.pages) * PAGE.size > MAX_MESSAGE:

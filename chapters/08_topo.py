@@ -13,13 +13,13 @@ left out so that each pinned thread gets a core of its own.
 New since chapter 07: a standalone program, no endpoint at all. The
 discovery lives in common/topo.py, for chapters 09 on.
 
-    python chapters/08_topo.py                  # this machine, default provider
-    python chapters/08_topo.py -p efa
-    python chapters/08_topo.py --sysfs DIR --machine FILE   # a described machine (tests)
+    .venv/bin/python chapters/08_topo.py                  # this machine, default provider
+    .venv/bin/python chapters/08_topo.py -p efa
+    .venv/bin/python chapters/08_topo.py --sysfs DIR --machine FILE   # a described machine (tests)
 
 Transcript (2-core x86_64 VM, no GPU, no NIC, Debian's libfabric 1.17):
 
-    $ python chapters/08_topo.py
+    $ .venv/bin/python chapters/08_topo.py
     GPUs: 0 (no cupy, so no CUDA); NICs: 0 (shm); NUMA nodes: 1; physical cores: 2
     no NIC with a PCI address from shm: chapters 09+ open several domains of it instead, as virtual NICs
     no GPU: chapters 09+ run on host memory; NICs by NUMA node:
@@ -29,7 +29,7 @@ Transcript (2-core x86_64 VM, no GPU, no NIC, Debian's libfabric 1.17):
 A 2 x H200 box (32 cores, one NUMA node; its GPUs report no NUMA node; CUDA-enabled
 libfabric 2.1.0, whose shm has no NIC address):
 
-    $ python chapters/08_topo.py
+    $ .venv/bin/python chapters/08_topo.py
     GPUs: 2 (CUDA); NICs: 0 (shm); NUMA nodes: 1; physical cores: 32
     no NIC with a PCI address from shm: chapters 09+ open several domains of it instead, as virtual NICs
     GPU     bus           NUMA  cores        pinned  NICs
@@ -37,11 +37,11 @@ libfabric 2.1.0, whose shm has no NIC address):
     cuda:1  0000:00:07.0  -     16-31        24      -
     total link bandwidth: unknown (no NIC reports a link speed)
 
-The series' p5, rebuilt as a fake sysfs tree by `python tests/fake_sysfs.py /tmp/p5`
+The series' p5, rebuilt as a fake sysfs tree by `.venv/bin/python tests/fake_sysfs.py /tmp/p5`
 (8 H100s, each behind its own PCIe switch with 4 EFA NICs; 2 NUMA nodes; 96 cores,
 2 threads each):
 
-    $ python chapters/08_topo.py --sysfs /tmp/p5 --machine /tmp/p5/machine.json
+    $ .venv/bin/python chapters/08_topo.py --sysfs /tmp/p5 --machine /tmp/p5/machine.json
     GPUs: 8 (described in /tmp/p5/machine.json); NICs: 32 (described); NUMA nodes: 2; physical cores: 96
     GPU     bus           NUMA  cores        pinned  NICs
     cuda:0  0000:53:00.0  0     0-11         6       rdmap79s0 rdmap80s0 rdmap81s0 rdmap82s0
@@ -54,6 +54,10 @@ The series' p5, rebuilt as a fake sysfs tree by `python tests/fake_sysfs.py /tmp
     cuda:7  0000:ca:00.0  1     84-95        90      rdmap198s0 rdmap199s0 rdmap200s0 rdmap201s0
     total link bandwidth: 32 NICs, 3200 Gbps
 """
+# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
+# and says whether it showed on your machine.
+LESSON = {"figure": "check", "shows": "which NICs and cores go with which GPU"}
+
 # %% [markdown]
 # ## Motivation
 #     GPU bus ids (CUDA)  NIC bus ids (fi_info)  /sys: PCIe tree, NUMA, CPU siblings

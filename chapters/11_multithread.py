@@ -17,26 +17,29 @@ ring, reap, immediate on each NIC's last WRITE) in common/lane.h; a shared
 atomic counter; --engine python|native. Python's side of the workers
 (start, watch, stop) is common/workers.py. Chapters 12-15 share both.
 
-    python chapters/11_multithread.py                                  # server
-    python chapters/11_multithread.py ADDRESS --groups 2 --nics-per-gpu 2
-    python chapters/11_multithread.py --engine python                  # server, GIL-bound
+    .venv/bin/python chapters/11_multithread.py                                  # server
+    .venv/bin/python chapters/11_multithread.py ADDRESS --groups 2 --nics-per-gpu 2
+    .venv/bin/python chapters/11_multithread.py --engine python                  # server, GIL-bound
 
 Transcripts (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory,
-2 groups x 2 virtual NICs, 4 KiB pages so that the cost per WRITE shows). Python
-threads, which take turns on the GIL (chapter 10, one thread: 0.186 Mpps):
+2 groups x 2 virtual NICs, 4 KiB pages so that the cost per WRITE shows; commit 2be957c,
+other programs beside it, load average near 15). Python threads, which take turns on
+the GIL, spend 5.55 us of CPU per WRITE; the loop in C below, 2.32 (the figure
+scripts/tour.py compares, since the Gbps of a busy 2-core machine is noise):
 
-    $ python chapters/11_multithread.py -p shm --clients 1 --engine python
+    $ .venv/bin/python chapters/11_multithread.py -p shm --clients 1 --engine python
     provider: shm (asked for), domain shm
-    server address: 66695f73686d3a2f2f32373836373a303a3000
-    run the client: python chapters/11_multithread.py -p shm 66695f73686d3a2f2f32373836373a303a3000
+    server address: 66695f73686d3a2f2f31343337373a303a3000
+    run the client: .venv/bin/python chapters/11_multithread.py -p shm 66695f73686d3a2f2f31343337373a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    warmup: first WRITE per NIC 1.740 ms on average, 3.955 ms at most (4 NICs)
+    warmup: first WRITE per NIC 1.870 ms on average, 4.047 ms at most (4 NICs)
     2 python worker threads, one per GPU
-    wrote from 2 x host memory; WRITEs per NIC: 100000 100000 100000 100000, each NIC's last with immediate data; -FI_EAGAIN 3650 times
-    400000 WRITEs of 4096 bytes in 2.174 s: 6.030 Gbps, 0.184 Mpps (40.7% of 14.802 Gbps, fi_rma_bw here (results/baselines/vm-2core-shm-host.json))
-    first contact vs steady state: 3.955 ms vs 21.7 us per WRITE per NIC (182x)
+    wrote from 2 x host memory; WRITEs per NIC: 100000 100000 100000 100000, each NIC's last with immediate data; -FI_EAGAIN 15103 times
+    400000 WRITEs of 4096 bytes in 2.764 s: 4.743 Gbps, 0.145 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
+    CPU time: 5.55 us per WRITE (this process, all threads)
+    first contact vs a warm WRITE: 1.870 ms vs 8.1 us on average, each a WRITE alone on its NIC (232x); unwarmed, the slowest first contact would have added 0% to this run
 
-    $ python chapters/11_multithread.py 66695f73686d3a2f2f32373836373a303a3000 -p shm --groups 2 --nics-per-gpu 2 --iters 400000 --page-size 4K --buffer-size 1M --pages 0-63
+    $ .venv/bin/python chapters/11_multithread.py -p shm 66695f73686d3a2f2f31343337373a303a3000 --groups 2 --nics-per-gpu 2 --iters 400000 --page-size 4K --buffer-size 1M --pages 0-63
     provider: shm (asked for), domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 1048576 bytes of host memory
@@ -45,24 +48,31 @@ threads, which take turns on the GIL (chapter 10, one thread: 0.186 Mpps):
 
 The same with the worker loop in C, the GIL released:
 
-    $ python chapters/11_multithread.py -p shm --clients 1
+    $ .venv/bin/python chapters/11_multithread.py -p shm --clients 1
     provider: shm (asked for), domain shm
-    server address: 66695f73686d3a2f2f32373838303a303a3000
-    run the client: python chapters/11_multithread.py -p shm 66695f73686d3a2f2f32373838303a303a3000
+    server address: 66695f73686d3a2f2f31343531303a303a3000
+    run the client: .venv/bin/python chapters/11_multithread.py -p shm 66695f73686d3a2f2f31343531303a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    warmup: first WRITE per NIC 2.049 ms on average, 3.991 ms at most (4 NICs)
+    warmup: first WRITE per NIC 0.989 ms on average, 2.133 ms at most (4 NICs)
     2 native worker threads, one per GPU
-    wrote from 2 x host memory; WRITEs per NIC: 100000 100000 100000 100000, each NIC's last with immediate data; -FI_EAGAIN 1820882 times
-    400000 WRITEs of 4096 bytes in 0.660 s: 19.864 Gbps, 0.606 Mpps (134.2% of 14.802 Gbps, fi_rma_bw here (results/baselines/vm-2core-shm-host.json))
-    first contact vs steady state: 3.991 ms vs 6.6 us per WRITE per NIC (605x)
+    wrote from 2 x host memory; WRITEs per NIC: 100000 100000 100000 100000, each NIC's last with immediate data; -FI_EAGAIN 5307979 times
+    400000 WRITEs of 4096 bytes in 1.189 s: 11.028 Gbps, 0.337 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
+    CPU time: 2.32 us per WRITE (this process, all threads)
+    first contact vs a warm WRITE: 0.989 ms vs 6.6 us on average, each a WRITE alone on its NIC (149x); unwarmed, the slowest first contact would have added 0% to this run
 
-    $ python chapters/11_multithread.py 66695f73686d3a2f2f32373838303a303a3000 -p shm --groups 2 --nics-per-gpu 2 --iters 400000 --page-size 4K --buffer-size 1M --pages 0-63
+    $ .venv/bin/python chapters/11_multithread.py -p shm 66695f73686d3a2f2f31343531303a303a3000 --groups 2 --nics-per-gpu 2 --iters 400000 --page-size 4K --buffer-size 1M --pages 0-63
     provider: shm (asked for), domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 1048576 bytes of host memory
     immediate data from 4 NICs, one each: 100000 100000 100000 100000
     verified 2 x 64 pages (524288 bytes): 0 wrong bytes
 """
+# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
+# and says whether it showed on your machine; the server prints its run as the client command.
+LESSON = {"figure": "CPU per WRITE", "visible": {"than": "11 --engine python", "by": 1.5},
+          "client": "--groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 "
+                    "--iters 100000"}
+
 # %% [markdown]
 # ## Motivation
 #     main thread: heartbeats, stall check, LANDED       (Python)
@@ -114,9 +124,10 @@ def threaded(args, lanes, control, beat, page_size, timeout):
 
 
 def add_args(p):
-    p.add_argument("--engine", choices=["native", "python"], default="native",
-                   help="server: workers in C, GIL released (default), or in Python")
+    cli.side("server", p.add_argument("--engine", choices=["native", "python"],
+                                      default="native", help="workers in C, GIL released "
+                                      "(default), or in Python"))
 
 
 if __name__ == "__main__":
-    cli.run(lambda: multinet.run(__doc__, "11_multithread", warm_up, threaded, add_args))
+    cli.run(lambda: multinet.run(__doc__, "11_multithread", warm_up, threaded, add_args, LESSON))

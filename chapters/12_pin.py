@@ -15,18 +15,18 @@ then allocates its lanes' bookkeeping, then runs the same C loop
 (chapters/12_pin.c differs from 11's only in its comment). The Python engine
 of chapter 11 made its point and is gone.
 
-    python chapters/12_pin.py                                     # server
-    python chapters/12_pin.py ADDRESS --groups 2 --nics-per-gpu 2
-    python chapters/12_pin.py --gpus 0,1                          # server, GPUs 0 and 1
+    .venv/bin/python chapters/12_pin.py                                     # server
+    .venv/bin/python chapters/12_pin.py ADDRESS --groups 2 --nics-per-gpu 2
+    .venv/bin/python chapters/12_pin.py --gpus 0,1                          # server, GPUs 0 and 1
 
 Transcript (2 x H200 box: 32-core Xeon, one NUMA node, CUDA-enabled libfabric
 2.1.0, shm with CUDA IPC; buffers on GPUs 0 and 1 on both sides, each GPU
 writing to the other's; 2 virtual NICs per GPU; 1 MiB pages; commit f6fe2b2):
 
-    $ python chapters/12_pin.py -p shm --clients 1 --gpus 0,1
+    $ .venv/bin/python chapters/12_pin.py -p shm --clients 1 --gpus 0,1
     provider: shm (asked for), domain shm
     server address: 66695f73686d3a2f2f343132343a303a3000
-    run the client: python chapters/12_pin.py -p shm 66695f73686d3a2f2f343132343a303a3000
+    run the client: .venv/bin/python chapters/12_pin.py -p shm 66695f73686d3a2f2f343132343a303a3000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     warmup: first WRITE per NIC 5.438 ms on average, 7.986 ms at most (4 NICs)
     2 native worker threads, one per GPU, pinned to cores 8 24
@@ -34,7 +34,7 @@ writing to the other's; 2 virtual NICs per GPU; 1 MiB pages; commit f6fe2b2):
     400000 WRITEs of 1048576 bytes in 1.296 s: 2589.367 Gbps, 0.309 Mpps (78.6% of 3295.574 Gbps, cudaMemcpyPeer both ways here (results/baselines/h200x2-shm-cuda.json))
     first contact vs steady state: 7.986 ms vs 13.0 us per WRITE per NIC (616x)
 
-    $ python chapters/12_pin.py -p shm 66695f73686d3a2f2f343132343a303a3000 --gpus 1,0 --nics-per-gpu 2 --page-size 1M --buffer-size 64M --pages 0-63 --iters 400000
+    $ .venv/bin/python chapters/12_pin.py -p shm 66695f73686d3a2f2f343132343a303a3000 --gpus 1,0 --nics-per-gpu 2 --page-size 1M --buffer-size 64M --pages 0-63 --iters 400000
     provider: shm (asked for), domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 67108864 bytes of GPU 0 memory (cuda) / GPU 1 memory (cuda)
@@ -51,6 +51,15 @@ virtual NICs, same box: chapter 11 1.011 Mpps, chapter 12 1.045 Mpps
 (medians of 3). One socket and an idle scheduler leave little to win; the
 p5's 3.5x came from two sockets and eight busy threads.
 """
+# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
+# and says whether it showed on your machine; the server prints its run as the client command.
+LESSON = {"figure": "CPU per WRITE", "visible": {"than": "11", "by": 1.2},
+          "client": "--groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 "
+                    "--iters 100000",
+          "small": "With one NUMA node and two cores that the client shares, a pinned "
+                   "worker has nowhere better to be: the series' step needs a socket's "
+                   "worth of cores per GPU and two sockets."}
+
 # %% [markdown]
 # ## Motivation
 #     worker g: sched_setaffinity(this thread, core of GPU g)   <- new
@@ -87,4 +96,4 @@ def threaded(args, lanes, control, beat, page_size, timeout):
 
 
 if __name__ == "__main__":
-    cli.run(lambda: multinet.run(__doc__, "12_pin", warm_up, threaded))
+    cli.run(lambda: multinet.run(__doc__, "12_pin", warm_up, threaded, lesson=LESSON))

@@ -13,18 +13,18 @@ worker, allocated by the pinned worker; a visit stores into it instead of
 an atomic add on a shared total; the progress and stall check sum them.
 Starting the workers moves to common/shards.py, which 14 and 15 reuse.
 
-    python chapters/13_shard.py                                   # server
-    python chapters/13_shard.py ADDRESS --groups 2 --nics-per-gpu 2
-    python chapters/13_shard.py --gpus 0,1                        # server, GPUs 0 and 1
+    .venv/bin/python chapters/13_shard.py                                   # server
+    .venv/bin/python chapters/13_shard.py ADDRESS --groups 2 --nics-per-gpu 2
+    .venv/bin/python chapters/13_shard.py --gpus 0,1                        # server, GPUs 0 and 1
 
 Transcript (2 x H200 box: 32-core Xeon, one NUMA node, CUDA-enabled libfabric
 2.1.0, shm with CUDA IPC; buffers on GPUs 0 and 1 on both sides, each GPU
 writing to the other's; 2 virtual NICs per GPU; 1 MiB pages; commit f6fe2b2):
 
-    $ python chapters/13_shard.py -p shm --clients 1 --gpus 0,1
+    $ .venv/bin/python chapters/13_shard.py -p shm --clients 1 --gpus 0,1
     provider: shm (asked for), domain shm
     server address: 66695f73686d3a2f2f343231313a303a3000
-    run the client: python chapters/13_shard.py -p shm 66695f73686d3a2f2f343231313a303a3000
+    run the client: .venv/bin/python chapters/13_shard.py -p shm 66695f73686d3a2f2f343231313a303a3000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     warmup: first WRITE per NIC 6.413 ms on average, 7.807 ms at most (4 NICs)
     2 native worker threads, one per GPU, pinned to cores 8 24, a counter each
@@ -32,7 +32,7 @@ writing to the other's; 2 virtual NICs per GPU; 1 MiB pages; commit f6fe2b2):
     400000 WRITEs of 1048576 bytes in 1.295 s: 2591.988 Gbps, 0.309 Mpps (78.7% of 3295.574 Gbps, cudaMemcpyPeer both ways here (results/baselines/h200x2-shm-cuda.json))
     first contact vs steady state: 7.807 ms vs 12.9 us per WRITE per NIC (603x)
 
-    $ python chapters/13_shard.py -p shm 66695f73686d3a2f2f343231313a303a3000 --gpus 1,0 --nics-per-gpu 2 --page-size 1M --buffer-size 64M --pages 0-63 --iters 400000
+    $ .venv/bin/python chapters/13_shard.py -p shm 66695f73686d3a2f2f343231313a303a3000 --gpus 1,0 --nics-per-gpu 2 --page-size 1M --buffer-size 64M --pages 0-63 --iters 400000
     provider: shm (asked for), domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 67108864 bytes of GPU 0 memory (cuda) / GPU 1 memory (cuda)
@@ -45,6 +45,15 @@ says more). Host memory, 4 KiB pages, same box: 1.076 Mpps against chapter
 core to bounce to, once per CQ read (up to 64 completions), not per WRITE;
 the series had eight threads on two sockets.
 """
+# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
+# and says whether it showed on your machine; the server prints its run as the client command.
+LESSON = {"figure": "CPU per WRITE", "visible": {"than": "12", "by": 1.2},
+          "client": "--groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 "
+                    "--iters 100000",
+          "small": "Two workers bounce the shared counter's line between two cores once "
+                   "per CQ read, too rarely to show; the series had eight threads on two "
+                   "sockets."}
+
 # %% [markdown]
 # ## Motivation
 #     chapter 12: worker g ... atomic total += done      (one cache line, every core)
@@ -67,4 +76,4 @@ def threaded(args, lanes, control, beat, page_size, timeout):
 
 
 if __name__ == "__main__":
-    cli.run(lambda: multinet.run(__doc__, "13_shard", warm_up, threaded))
+    cli.run(lambda: multinet.run(__doc__, "13_shard", warm_up, threaded, lesson=LESSON))

@@ -51,14 +51,14 @@ doing the whole job. On 2 x H200 at the decode shape (128 tokens), dispatch / co
 node 100 / 77 us (78 / 68 with --counts device), two over libfabric shm 154 / 125 us
 (97 / 103), NCCL 1272 / 643 us, host-driven 1602 / 756 us (notebooks/README.md has the table).
 
-    python scripts/launch.py -n 4 chapters/16_moe.py                       # one node
-    python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm
-    python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm --nics 2
-    python scripts/launch.py -n 8 --ranks-per-node 4 chapters/16_moe.py -p tcp \\
+    .venv/bin/python scripts/launch.py -n 4 chapters/16_moe.py                       # one node
+    .venv/bin/python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm
+    .venv/bin/python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm --nics 2
+    .venv/bin/python scripts/launch.py -n 8 --ranks-per-node 4 chapters/16_moe.py -p tcp \\
         --max-tokens 16 --hidden 256 --experts 32 --topk 4 --iters 0       # checks only
-    python scripts/launch.py -n 2 chapters/16_moe.py --check none --tokens 1,8,32,128 --json
-    python scripts/launch.py -n 2 --gpus 0,1 chapters/16_moe.py --device cuda --baseline nccl
-    python scripts/launch.py -n 2 --gpus 0,1 chapters/16_moe.py --device cuda --counts device
+    .venv/bin/python scripts/launch.py -n 2 chapters/16_moe.py --check none --tokens 1,8,32,128 --json
+    .venv/bin/python scripts/launch.py -n 2 --gpus 0,1 chapters/16_moe.py --device cuda --baseline nccl
+    .venv/bin/python scripts/launch.py -n 2 --gpus 0,1 chapters/16_moe.py --device cuda --counts device
     torchrun --nproc-per-node 8 chapters/16_moe.py ...                     # a cluster
 
 Transcript (2-core x86_64 VM, no GPU, no NIC, Debian's libfabric 1.17; 4 ranks as 2
@@ -66,7 +66,7 @@ emulated nodes of 2, so each rank has one peer through shared memory and two thr
 WRITEs; the decode shape; 4 ranks and their proxies share the 2 cores, so latency varies
 by 2x; four of the bf16 check lines left out; commit 1d22a26):
 
-    $ python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm
+    $ .venv/bin/python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm
     launch: 4 ranks, 2 per node (2 nodes); pids 25042 25045 25048 25051
     [0] 4 ranks (scripts/launch.py), 2 emulated nodes of 2; device cpu: numpy, host memory; same node: shared memory; other nodes: libfabric WRITEs through the proxy
     [0] check fp8 overflow     private 1: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.27e-02)
@@ -92,6 +92,10 @@ by 2x; four of the bf16 check lines left out; commit 1d22a26):
 On --device cpu the latencies are those of numpy on two shared cores (quantising, packing
 and copying megabytes per rank), not what the protocol costs on GPUs.
 """
+# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
+# and says whether it showed on your machine.
+LESSON = {"figure": "check", "shows": "dispatch and combine exact on 4 ranks / 2 nodes"}
+
 # %% [markdown]
 # ## Motivation
 #     rank s (sender)                                   rank d (receiver)

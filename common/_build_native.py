@@ -5,7 +5,7 @@ sees of it (its structs and functions, compiled ahead of the rest), and may
 include common/lane.h (the lane its worker drives, whose struct Python fills
 in). It is compiled against the same libfabric as common._fabric and shares
 its types, so an endpoint or a message built there can be passed here.
-setup.py builds them all (module common._nativeNN); `python common/_build_native.py`
+setup.py builds them all (module common._nativeNN); `.venv/bin/python common/_build_native.py`
 builds them in place.
 """
 import glob

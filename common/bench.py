@@ -3,8 +3,11 @@
 Throughput is counted as the series counts it, on the writer, from its own
 WRITE completions: Gbps = 8 * bytes / elapsed, Mpps = operations / elapsed.
 A figure means little alone, so each run names the limit it is compared to:
-the link speed the NIC reports, or else a fabtests baseline measured on this
-machine (scripts/baseline.py) for the same provider, memory and size.
+the link speed the NIC reports, or else a fabtests baseline whose record says
+it was measured on a machine like this one (CPU, cores, GPU), with the same
+provider, libfabric version, memory and size (scripts/baseline.py); a record
+of anything else is no limit here, so then the run prints the command that
+measures one.
 """
 import json
 import statistics
@@ -13,6 +16,7 @@ import time
 from datetime import datetime, timezone
 
 import common.fabric as fi
+from common import cli
 from common.fabric import lib
 from common.records import ROOT, git_sha, machine, write_json  # noqa: F401 (bench.machine)
 
@@ -49,19 +53,26 @@ class Progress:
 
 
 def same_machine(a, b):
-    return (a["cpu"], a["cores"], a.get("gpu")) == (b["cpu"], b["cores"], b.get("gpu"))
+    return (a.get("cpu"), a.get("cores"), a.get("gpu")) == (b["cpu"], b["cores"], b.get("gpu"))
+
+
+def same_libfabric(recorded):
+    """Whether a record's libfabric ("2.1.0", as fi_info --version says) is the one this
+    process runs (major.minor: what fi_version() tells)."""
+    return (recorded or "").split(".")[:2] == [str(n) for n in fi.version()]
 
 
 def baseline(provider, memory, size, here, tool="fi_rma_bw"):
     """The median Gbps of `tool` (fi_rma_bw by default) recorded for this machine, provider,
-    memory and size, and where it is written; or None."""
+    libfabric version, memory and size, and where it is written; or None."""
     for path in sorted(BASELINES.glob("*.json")):
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
         if (data.get("provider"), data.get("memory")) != (provider, memory) \
-                or not same_machine(data.get("machine", {}), here):
+                or not same_machine(data.get("machine", {}), here) \
+                or not same_libfabric(data.get("libfabric")):
             continue
         for row in data.get("runs", []):
             if row["tool"].startswith(tool) and row["size"] == size:
@@ -80,7 +91,15 @@ def limit(infos, provider, memory, size, here, tool="fi_rma_bw"):
     if speed:
         return speed / 1e9, f"link speed of {len(infos)} NICs"
     return baseline(provider, memory, size, here, tool) or (
-        None, "no link speed and no baseline here: run scripts/baseline.py")
+        None, f"no link speed, and no {tool} baseline of this machine, {provider} and libfabric "
+        f"{'%d.%d' % fi.version()}; measure one: {measure_command(tool, provider, memory, size)}")
+
+
+def measure_command(tool, provider, memory, size):
+    """The command that measures the baseline `limit` looks for."""
+    script = "baseline.py" if tool == "fi_rma_bw" else "progression.py"
+    return cli.command("-p", provider, "--sizes", size, *(["--gpus", "0,1"] * (memory == "cuda")),
+                       program=ROOT / "scripts" / script)
 
 
 def summary(f, lim):

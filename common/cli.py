@@ -6,6 +6,7 @@ non-zero exit, never a traceback.
 import argparse
 import os
 import re
+import shlex
 import sys
 
 import common.fabric as fi
@@ -21,9 +22,61 @@ class UsageError(ValueError):
     """Bad input from the command line, found before any resource is opened."""
 
 
+SIDES = ("Flags marked 'client:' travel in the client's CONNECT and 'server:' ones steer the "
+         "server only: each side refuses the other's. The rest mean the same on both sides.")
+_UNSET = object()  # a flag's value before parsing: still there afterwards, the flag was not given
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse prints usage + error; we want one line
         raise UsageError(message)
+
+    def parse_args(self, args=None, namespace=None):
+        """Flags anywhere, also after the positionals (`ADDRESS -p shm "hi"`), as people type
+        them; a flag of the other side (see side()) refused in one line."""
+        sided = [a for a in self._actions if getattr(a, "side", None)]
+        given = argparse.Namespace(**{a.dest: _UNSET for a in sided})
+        parsed = self.parse_intermixed_args(args, namespace or given)
+        me = "server" if getattr(parsed, "address", None) is None else "client"
+        wrong = [a.option_strings[-1] for a in sided
+                 if getattr(parsed, a.dest) is not _UNSET and a.side != me]
+        for a in sided:
+            if getattr(parsed, a.dest) is _UNSET:
+                setattr(parsed, a.dest, a.default)
+        if wrong:
+            other, one = "client" if me == "server" else "server", len(wrong) == 1
+            why = " (it sends the values in its CONNECT)" if other == "client" else ""
+            raise UsageError(f"{', '.join(wrong)}: {'a flag' if one else 'flags'} of the "
+                             f"{other}{why}, not of the {me}: give {'it' if one else 'them'} "
+                             f"to the {other}")
+        return parsed
+
+
+def side(who, *actions):
+    """Mark flags (what add_argument returned) as read by one side only, "client" or
+    "server": --help says so, and the other side refuses them instead of ignoring them."""
+    for action in actions:
+        action.side = who
+        action.help = f"{who}: {action.help}"
+
+
+def command(*args, program=None):
+    """The command that runs this program (or `program`) with `args`, as it works pasted
+    into a plain shell here: this interpreter (a venv's, not whatever `python` is on PATH)
+    and the program, relative to the current folder when they are inside it."""
+    def runnable(path):  # "x" alone would be looked up on PATH
+        path = shown(path)
+        return path if os.sep in path else os.path.join(os.curdir, path)
+    return shlex.join([runnable(sys.executable), runnable(program or sys.argv[0]),
+                       *map(str, args)])
+
+
+def shown(path):
+    """A path as the reader can use it from here: relative to the current folder when it is
+    inside it, else absolute."""
+    path = os.path.abspath(path)  # not realpath: a venv's python is a symlink
+    rel = os.path.relpath(path)
+    return path if rel.startswith(os.pardir) else rel
 
 
 def parser(doc, **kw):
@@ -40,6 +93,7 @@ def parser(doc, **kw):
 def add_peer(p):
     """The positional argument that makes a chapter a client: the server's address."""
     p.add_argument("address", nargs="?", help="server address (hex); omit to be the server")
+    p.epilog = SIDES
 
 
 def pick_provider(args, caps=fi.lib.FI_MSG, prefer=0):
@@ -57,6 +111,16 @@ def peer(args, caps=fi.lib.FI_MSG, prefer=0):
     if addr is not None:
         fi.check_address(info, addr)
     return info, addr
+
+
+def client_hint(args, addr, lesson=None, extra=()):
+    """What a server prints for its client: a command to paste, running the client of the
+    chapter's LESSON (the run that shows its lesson) against this server."""
+    flags = shlex.split(lesson.get("client", "")) if lesson else []
+    if "--gpus" in extra and "--groups" in flags:  # GPUs given: they set the groups
+        at = flags.index("--groups")
+        del flags[at:at + 2]
+    return f"run the client: {command('-p', args.provider_used, addr, *flags, *extra)}"
 
 
 def parse_address(text):
@@ -89,17 +153,25 @@ def count(lo, hi):
 
 def add_pages(p, pages, buffer_size, gpu=True):
     """The flags of the chapters that WRITE pages into a client's buffers (06 on)."""
-    p.add_argument("--page-size", type=parse_size, default=64 << 10, help="default 64K")
-    p.add_argument("--pages", help=f"pages to fill, e.g. 0,3,5-9 (default: {pages})")
-    p.add_argument("--buffers", type=int, default=2, help="client buffers (default 2)")
-    p.add_argument("--buffer-size", type=parse_size, default=buffer_size,
-                   help=f"default {buffer_size >> 20}M" if buffer_size < 1 << 30
-                   else f"default {buffer_size >> 30}G")
-    p.add_argument("--seed", type=int, default=42, help="what the pages are filled from")
+    size = f"{buffer_size >> 20}M" if buffer_size < 1 << 30 else f"{buffer_size >> 30}G"
+    side("client",
+         p.add_argument("--page-size", type=parse_size, default=64 << 10,
+                        help="bytes per page (default 64K)"),
+         p.add_argument("--pages", help=f"pages to fill, e.g. 0,3,5-9 (default: {pages})"),
+         p.add_argument("--buffers", type=int, default=2, help="buffers (default 2)"),
+         p.add_argument("--buffer-size", type=parse_size, default=buffer_size,
+                        help=f"bytes per buffer (default {size})"),
+         p.add_argument("--seed", type=int, default=42, help="what the pages are filled from"))
     if gpu:
-        p.add_argument("--gpu", type=int, help="put the buffers in this GPU's memory")
-    p.add_argument("--clients", type=int, default=0,
-                   help="server: exit after this many clients (default: serve until Ctrl-C)")
+        p.add_argument("--gpu", type=int, help="this side's memory on this GPU: the client's "
+                       "buffers, the server's pages")
+    add_clients(p)
+
+
+def add_clients(p):
+    side("server", p.add_argument("--clients", type=int, default=0,
+                                  help="exit after this many clients (default: serve until "
+                                  "Ctrl-C)"))
 
 
 def check_pages(args, default):

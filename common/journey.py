@@ -7,6 +7,9 @@ the same size: results/baselines/<setup>.json. And from results/progression/
 (scripts/progression.py: chapters 09-15 back to back), at each size there,
 as a share of the baseline measured in the same run. Yours are the records a
 chapter writes with --json into results/runs/ (common/bench.py: run_path).
+A baseline is what a tool got, not a limit: on the 2-core VM (shm, host memory,
+64 KiB) chapters 13-15 moved 2.3x what fi_rma_bw -o write moved. (The files keep
+their key names, "limit" and "percent_of_ceiling"; the figure calls them baselines.)
 """
 import json
 import re

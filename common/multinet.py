@@ -85,7 +85,7 @@ def server(info, args, warmup=None, engine=None):
         inbox = fi.Inbox(own, control.domain, control.ep, MAX_MESSAGE)
         addr = fi.getname(control.ep).hex()
         print(f"server address: {addr}")
-        print(f"run the client: python {sys.argv[0]} -p {args.provider_used} {addr}", flush=True)
+        print(cli.client_hint(args, addr, args.lesson, swap_gpus(args)), flush=True)
         served, backlog = 0, []
         while not args.clients or served < args.clients:
             if not backlog:
@@ -99,6 +99,11 @@ def server(info, args, warmup=None, engine=None):
                           engine or write_all)
             except (fi.FabricError, TimeoutError, ValueError) as e:
                 print(f"client {served}: failed: {e}", file=sys.stderr, flush=True)
+
+
+def swap_gpus(args):
+    """A client for a server on GPUs uses the same ones, each writing to the other's."""
+    return ["--gpus", ",".join(map(str, args.gpus[::-1]))] if args.gpus else []
 
 
 def pack_names(names):
@@ -155,18 +160,18 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
                                pages, page_size, n, per_group)
         # chapter 10: first contact on every NIC, before the clock starts
         compare = warmup(lanes, control, args.timeout) if warmup else None
-        started = True
+        started, cpu = True, time.process_time()
         start = engine(lanes, control, beat, page_size, args.timeout)
         while len(message := control.queue.next_message(inbox, args.timeout)) != LANDED.size:
             backlog.append(message)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     except BaseException as e:
         for lane in lanes + [control]:
             lane.queue.drain(args.timeout)
         if not started and isinstance(e, (fi.FabricError, ValueError)):
             refuse(own, control, client, e, args.timeout)
         raise
-    report(args, lanes, sources, iters, page_size, elapsed)
+    report(args, lanes, sources, iters, page_size, elapsed, cpu)
     if compare:
         compare(elapsed)
 
@@ -214,7 +219,7 @@ def write_all(lanes, control, beat, page_size, timeout):
     return start
 
 
-def report(args, lanes, sources, iters, page_size, elapsed):
+def report(args, lanes, sources, iters, page_size, elapsed, cpu):
     done = [lane.queue.completed for lane in lanes]
     if sum(done) != iters or any(d != lane.iters for d, lane in zip(done, lanes)):
         raise ValueError(f"completions per NIC {done}, expected {[l.iters for l in lanes]}")
@@ -223,13 +228,18 @@ def report(args, lanes, sources, iters, page_size, elapsed):
           f"{' '.join(map(str, done))}, each NIC's last with immediate data; "
           f"-FI_EAGAIN {sum(lane.queue.eagain for lane in lanes)} times")
     f = bench.figures(iters, page_size, elapsed)
+    f["cpu_us_per_write"] = 1e6 * cpu / iters  # in the --json record too
     memory_kind = "cuda" if args.gpus else "host"
     here = bench.machine(args.gpus[0] if args.gpus else None)
     # GPUs writing to each other: what NVLink carries both ways at once is the ceiling
     both_ways = args.gpus and len(set(args.gpus)) == 2
     lim = bench.limit([lane.info for lane in lanes], args.provider_used, memory_kind,
                       page_size, here, "cudaMemcpyPeer both ways" if both_ways else "fi_rma_bw")
-    print(bench.summary(f, lim), flush=True)
+    print(bench.summary(f, lim))
+    # what the writer's threads spend per WRITE, polling included: it moves on a small
+    # machine where the Gbps is noise (chapter 11's C loop against Python's)
+    print(f"CPU time: {f['cpu_us_per_write']:.2f} us per WRITE (this process, all threads)",
+          flush=True)
     if args.json:
         path = bench.run_path(args.json, args.chapter, args.provider_used, memory_kind,
                               f"{len(lanes)}nics", page_size)
@@ -331,12 +341,14 @@ def parse(doc, add_args=None):
     cli.add_peer(p)
     cli.add_pages(p, pages="the first 1000 of each buffer", buffer_size=1 << 30, gpu=False)
     p.add_argument("--gpus", help="GPUs whose memory (and NICs) to use, e.g. 0,1")
-    p.add_argument("--groups", type=int, default=1,
-                   help="without --gpus: how many GPUs to stand in for with host memory")
-    p.add_argument("--nics-per-gpu", type=int, help="NICs per GPU (default: all of them; "
-                   "where there are none: virtual NICs, default 1)")
-    p.add_argument("--iters", type=int, default=1_000_000, help="WRITEs over all NICs")
-    p.add_argument("--json", nargs="?", const="auto", help="server: write the figures as JSON")
+    cli.side("client",
+             p.add_argument("--groups", type=int, default=1,
+                            help="without --gpus: how many GPUs to stand in for with host memory"),
+             p.add_argument("--nics-per-gpu", type=int, help="NICs per GPU (default: all of "
+                            "them; where there are none: virtual NICs, default 1)"),
+             p.add_argument("--iters", type=int, default=1_000_000, help="WRITEs over all NICs"))
+    cli.side("server", p.add_argument("--json", nargs="?", const="auto",
+                                      help="write the figures as JSON"))
     args = p.parse_args()
     try:
         args.gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
@@ -362,12 +374,13 @@ def parse(doc, add_args=None):
     return args
 
 
-def run(doc, chapter, warmup=None, engine=None, add_args=None):
+def run(doc, chapter, warmup=None, engine=None, add_args=None, lesson=None):
     """A chapter's main(): server or client, as chapter 09 shows them. Later chapters
     pass `warmup` (run before the clock), `engine` (what posts the WRITEs: write_all
-    by default) and `add_args` (their own flags)."""
+    by default) and `add_args` (their own flags); `lesson`: the chapter's LESSON,
+    whose client run the server prints as the client command."""
     args = parse(doc, add_args)
-    args.chapter = chapter
+    args.chapter, args.lesson = chapter, lesson
     info, addr = cli.peer(args, CAPS, prefer=lib.FI_HMEM if args.gpus else 0)
     if addr is None:
         return server(info, args, warmup, engine and (lambda *a: engine(args, *a)))

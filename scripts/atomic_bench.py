@@ -1,7 +1,7 @@
 """How long one update of a counter takes when T threads share its cache line (the model's atomic_us).
 
-    python scripts/atomic_bench.py --label vm-2core          # T = 1 .. every core here
-    python scripts/atomic_bench.py --label my-box --threads 2,4,8 --cpus 0,12,24,36,48,60,72,84
+    .venv/bin/python scripts/atomic_bench.py --label vm-2core          # T = 1 .. every core here
+    .venv/bin/python scripts/atomic_bench.py --label my-box --threads 2,4,8 --cpus 0,12,24,36,48,60,72,84
 
 Each of T threads, pinned to a core of its own, adds 1 to a counter with an
 atomic fetch-add (`lock xadd` on x86), three ways:

@@ -1,7 +1,7 @@
 """Baselines: what tools a user would reach for get on this machine, per size.
 
-    python scripts/baseline.py -p shm --sizes 64K,1M                  # host memory
-    python scripts/baseline.py -p shm --sizes 1M,16M --gpus 0,1 --ucx DIR
+    .venv/bin/python scripts/baseline.py -p shm --sizes 64K,1M                  # host memory
+    .venv/bin/python scripts/baseline.py -p shm --sizes 1M,16M --gpus 0,1 --ucx DIR
 
 - fabtests `fi_rma_bw -o write` and `-o writedata` between two processes on
   this host (from LIBFABRIC_PREFIX/bin, else .deps/libfabric/bin, built by
@@ -13,7 +13,10 @@
   libucx-cu13, unpacked), and cudaMemcpyPeer between the two GPUs: the ceiling.
 
 Figures go to results/baselines/<label>-<provider>-<memory>.json (medians of
---repeats runs); chapters find them there to say what % of the limit they reach.
+--repeats runs), with the machine and the libfabric of the tools; chapters find
+them there, for the same machine, provider and libfabric version, to say what %
+of the limit they reach. What a run needs (the provider, fi_rma_bw, GPUs, UCX)
+is checked before anything runs; what was measured before a failure is kept.
 """
 import argparse
 import json
@@ -29,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from common import bench, cli  # noqa: E402
+import common.fabric as fi  # noqa: E402
 
 
 def prefix():
@@ -65,11 +69,7 @@ def run_pair(server, client, env, timeout):
 
 def fi_rma_bw(provider, op, size, iters, gpus, timeout):
     """One run of fi_rma_bw; the client's Gbps (fabtests prints MB/s of 10^6 bytes)."""
-    tool = prefix() / "bin" / "fi_rma_bw"
-    if not tool.exists():
-        raise FileNotFoundError(f"{tool} not found: build it with scripts/build_libfabric.sh "
-                                "or set LIBFABRIC_PREFIX")
-    base = [str(tool), "-p", provider, "-E", "-o", op, "-S", str(size), "-I", str(iters)]
+    base = [str(prefix() / "bin" / "fi_rma_bw"), "-p", provider, "-E", "-o", op, "-S", str(size), "-I", str(iters)]
     server, client = list(base), base + ["127.0.0.1"]
     if gpus:
         server += ["-D", "cuda", "-i", str(gpus[0])]
@@ -142,22 +142,74 @@ def iterations(size, total_bytes, at_least=200):
     return max(at_least, total_bytes // size)
 
 
-def measure(tools, sizes, repeats, total_bytes):
-    """[{tool, size, gbps[], median_gbps, command}] for each tool and size, runs interleaved."""
-    rows = []
+def needs(args, chapters=False, fabtests=True):
+    """What the run needs, before anything runs: each missing piece is one line saying what
+    provides it (a ValueError). Also a note when fi_rma_bw is another libfabric than the
+    chapters': then its figures are no baseline for them."""
+    fi.pick(args.provider, fi.lib.FI_MSG | fi.lib.FI_RMA)  # one line if unusable here
+    tool = prefix() / "bin" / "fi_rma_bw"
+    if fabtests and not tool.exists():
+        raise ValueError(f"{tool} not found (fabtests are not in Debian's packages): build "
+                         "libfabric and fabtests with `bash scripts/build_libfabric.sh`, or "
+                         "set LIBFABRIC_PREFIX to an install that has bin/fi_rma_bw")
+    if args.gpus:
+        try:
+            import cupy
+            count = cupy.cuda.runtime.getDeviceCount()
+        except Exception as e:  # no cupy, no driver, no device: all say the same here
+            raise ValueError(f"--gpus needs cupy and GPUs ({str(e).splitlines()[0]}): "
+                             ".venv/bin/python -m pip install -e '.[gpu]'") from None
+        if max(args.gpus) >= count:
+            raise ValueError(f"--gpus {','.join(map(str, args.gpus))}: this machine has "
+                             f"{count} GPUs")
+    ucx = getattr(args, "ucx", None)
+    if ucx and not (Path(ucx) / "libucx" / "bin" / "ucx_perftest").exists():
+        raise ValueError(f"--ucx {ucx}: no libucx/bin/ucx_perftest there (unpack the "
+                         "libucx-cu13 wheel into it)")
+    theirs, ours = tool_libfabric(), "%d.%d" % fi.version()
+    if fabtests and not bench.same_libfabric(theirs):
+        print(f"note: fi_rma_bw is libfabric {theirs or '(unknown: no fi_info beside it)'}, "
+              f"the chapters run {ours}: "
+              + ("the ratios compare two libfabrics" if chapters else
+                 "the chapters will not count its figures as their baseline"), flush=True)
+
+
+def measure(tools, sizes, repeats, total_bytes, rows):
+    """Append {tool, size, gbps[], median_gbps, command} to `rows` for each tool and size,
+    runs interleaved. When a run fails, `rows` keeps what was measured before it (a tool
+    with fewer repeats says so in its gbps list), and the error goes on."""
     for size in sizes:
         iters = iterations(size, total_bytes)
         batch = [{"tool": name, "size": size, "iters": iters, "gbps": []} for name, _ in tools]
-        for _ in range(repeats):  # tool after tool, so a noisy moment hits all of them
-            for row, (_, fn) in zip(batch, tools):
-                gbps, row["command"] = fn(size, iters)
-                row["gbps"].append(round(gbps, 3))
-        for row in batch:
-            row["median_gbps"] = statistics.median(row["gbps"])
-            print(f"  {row['tool']:<28} {size:>10} B  median {row['median_gbps']:9.3f} Gbps  "
-                  f"({', '.join(f'{g:.1f}' for g in row['gbps'])})", flush=True)
-        rows.extend(batch)
+        try:
+            for _ in range(repeats):  # tool after tool, so a noisy moment hits all of them
+                for row, (_, fn) in zip(batch, tools):
+                    gbps, row["command"] = fn(size, iters)
+                    row["gbps"].append(round(gbps, 3))
+        finally:
+            for row in (r for r in batch if r["gbps"]):
+                row["median_gbps"] = statistics.median(row["gbps"])
+                print(f"  {row['tool']:<28} {size:>10} B  median {row['median_gbps']:9.3f} "
+                      f"Gbps  ({', '.join(f'{g:.1f}' for g in row['gbps'])})", flush=True)
+                rows.append(row)
     return rows
+
+
+def run_all(name, args, tools, keep, chapters=False):
+    """Check what the run needs, measure, and `keep(rows)` what was measured, also when a
+    run failed (then one line says what failed, and the exit is non-zero)."""
+    try:
+        needs(args, chapters, fabtests=any(n.startswith("fi_rma_bw") for n, _ in tools))
+    except (ValueError, fi.FabricError) as e:
+        sys.exit(f"{name}: {e}")
+    rows = []
+    try:
+        measure(tools, args.sizes, args.repeats, args.bytes, rows)
+    except (FileNotFoundError, RuntimeError, subprocess.TimeoutExpired) as e:
+        if rows:
+            keep(rows)
+        sys.exit(f"{name}: {e}" + ("; what was measured before it is written" if rows else ""))
+    keep(rows)
 
 
 def baseline_tools(provider, gpus, ucx, timeout):
@@ -171,27 +223,36 @@ def baseline_tools(provider, gpus, ucx, timeout):
     return tools
 
 
-def save(rows, kind, label, provider, gpus):
-    """Write (or add to) results/<kind>/<label>-<provider>-<memory>.json: rows of the same
-    tool and size are replaced, others kept, each row saying when and at which commit."""
-    memory = "cuda" if gpus else "host"
-    version = subprocess.run([str(prefix() / "bin" / "fi_info"), "--version"],
-                             capture_output=True, text=True, env=tool_env()).stdout
+def tool_libfabric():
+    """The version of the libfabric fi_rma_bw runs with ("2.1.0"), or None."""
+    try:
+        version = subprocess.run([str(prefix() / "bin" / "fi_info"), "--version"],
+                                 capture_output=True, text=True, env=tool_env()).stdout
+    except OSError:
+        return None
+    return (re.findall(r"libfabric: ([\d.]+)", version) or [None])[0]
+
+
+def save(rows, kind, args):
+    """Write (or add to) RESULTS/<kind>/<label>-<provider>-<memory>.json: rows of the same
+    tool and size are replaced, others kept, each row saying when and at which commit. The
+    libfabric is the tools' for baselines, the chapters' (this binding's) for chapters."""
+    memory, gpus = "cuda" if args.gpus else "host", args.gpus
     stamp = {"git": bench.git_sha(), "date": datetime.now(timezone.utc).isoformat(
         timespec="seconds")}
-    folder = bench.BASELINES if kind == "baseline" else bench.RESULTS / kind
-    path = folder / f"{label}-{provider}-{memory}.json"
+    folder = Path(args.results) / ("baselines" if kind == "baseline" else kind)
+    path = folder / f"{args.label}-{args.provider}-{memory}.json"
     new = {(r["tool"], r["size"]) for r in rows}
     try:
         kept = [r for r in json.loads(path.read_text())["runs"] if (r["tool"], r["size"]) not in new]
     except (OSError, ValueError, KeyError):
         kept = []
     runs = sorted(kept + [{**r, **stamp} for r in rows], key=lambda r: (r["size"], r["tool"]))
-    data = {"kind": kind, "provider": provider, "memory": memory, "gpus": gpus,
-            "libfabric": (re.findall(r"libfabric: ([\d.]+)", version) or [None])[0],
+    data = {"kind": kind, "provider": args.provider, "memory": memory, "gpus": gpus,
+            "libfabric": tool_libfabric() if kind == "baseline" else "%d.%d" % fi.version(),
             "machine": bench.machine(gpus[1] if gpus else None), **stamp, "runs": runs}
     bench.write_json(path, data)
-    print(f"wrote {path.relative_to(ROOT)}")
+    print(f"wrote {cli.shown(path)}")
     return path
 
 
@@ -206,6 +267,8 @@ def parser(doc):
     p.add_argument("--label", type=cli.parse_label, default=os.uname().nodename,
                    help="machine name for the file")
     p.add_argument("--timeout", type=float, default=120)
+    p.add_argument("--results", default=str(bench.RESULTS),
+                   help="folder to write into (default: the repository's results/)")
     return p
 
 
@@ -234,12 +297,8 @@ def main():
     p = parser(__doc__)
     p.add_argument("--ucx", help="unpacked libucx-cu13 wheel, for ucx_perftest (GPU only)")
     args = parse(p)
-    try:
-        rows = measure(baseline_tools(args.provider, args.gpus, args.ucx, args.timeout),
-                       args.sizes, args.repeats, args.bytes)
-    except (FileNotFoundError, RuntimeError, subprocess.TimeoutExpired) as e:
-        sys.exit(f"baseline: {e}")
-    save(rows, "baseline", args.label, args.provider, args.gpus)
+    run_all("baseline", args, baseline_tools(args.provider, args.gpus, args.ucx, args.timeout),
+            lambda rows: save(rows, "baseline", args))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Benchmark chapters 07 and 09-11 against the baselines, in the same run, over page sizes.
 
-    python scripts/bench.py -p shm --sizes 4K,16K,64K,256K,1M,4M --label my-laptop
-    python scripts/bench.py -p shm --sizes 1M,16M --gpus 0,1 --ucx DIR --label h200x2
-    python scripts/bench.py -p tcp --sizes 64K --chapters 7,9,10,11 --nics-per-gpu 4 --label my-laptop
+    .venv/bin/python scripts/bench.py -p shm --sizes 4K,16K,64K,256K,1M,4M --label my-laptop
+    .venv/bin/python scripts/bench.py -p shm --sizes 1M,16M --gpus 0,1 --ucx DIR --label h200x2
+    .venv/bin/python scripts/bench.py -p tcp --sizes 64K --chapters 7,9,10,11 --nics-per-gpu 4 --label my-laptop
 
 Each repeat runs each chapter's server and client on this host, then
 fi_rma_bw (write and writedata), and on GPUs UCX's put bandwidth and
@@ -13,16 +13,17 @@ shm and tcp). With --gpus A,B, chapters 09 on put buffers on both GPUs on
 both sides, and each GPU writes to the other one's: every byte crosses
 NVLink, both ways at once, against the ceiling of cudaMemcpyPeer both ways.
 Writes results/<chapter>/<label>-<provider>-<memory>.json and
-results/baselines/<label>-<provider>-<memory>.json.
+results/baselines/<label>-<provider>-<memory>.json. What the run needs is
+checked before anything runs; when a later run fails, what was measured is
+written.
 """
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baseline import baseline_tools, chapter_list, measure, memcpy_peer, parse, parser, \
+from baseline import baseline_tools, chapter_list, memcpy_peer, parse, parser, run_all, \
     save  # noqa: E402
 from pair import chapter_path, run_pair  # noqa: E402
 
@@ -75,22 +76,25 @@ def main():
         pairs = [args.gpus, args.gpus[::-1]]
         tools.append(("cudaMemcpyPeer both ways", lambda size, iters: memcpy_peer(size, iters,
                                                                                   pairs)))
-    try:
-        rows = measure(tools, args.sizes, args.repeats, args.bytes)
-    except (FileNotFoundError, RuntimeError, subprocess.TimeoutExpired) as e:
-        sys.exit(f"bench: {e}")
+    run_all("bench", args, tools, lambda rows: keep(rows, chapters, args), chapters=True)
+
+
+def keep(rows, chapters, args):
+    """Each chapter's ratios to the baselines of the same run and size; then the files."""
     ours = [r for r in rows if r["tool"].startswith("chapter ")]
     for row in ours:
         for other in rows:
             if other["size"] == row["size"] and not other["tool"].startswith("chapter "):
                 row[f"ratio_to {other['tool']}"] = round(row["median_gbps"] / other["median_gbps"], 3)
-        print(f"  {row['tool']:<20} {row['size']:>10} B: / fi_rma_bw -o write = "
-              f"{row['ratio_to fi_rma_bw -o write']:.2f}")
+        if "ratio_to fi_rma_bw -o write" in row:
+            print(f"  {row['tool']:<20} {row['size']:>10} B: / fi_rma_bw -o write = "
+                  f"{row['ratio_to fi_rma_bw -o write']:.2f}")
     for c in chapters:
-        name = chapter_path(c).stem
-        save([r for r in ours if r["tool"] == tool_name(c, args.nics_per_gpu, args.gpus)], name,
-             args.label, args.provider, args.gpus)
-    save([r for r in rows if r not in ours], "baseline", args.label, args.provider, args.gpus)
+        mine = [r for r in ours if r["tool"] == tool_name(c, args.nics_per_gpu, args.gpus)]
+        if mine:
+            save(mine, chapter_path(c).stem, args)
+    if len(ours) < len(rows):
+        save([r for r in rows if r not in ours], "baseline", args)
 
 
 if __name__ == "__main__":

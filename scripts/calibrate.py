@@ -1,10 +1,10 @@
 """Calibrate the model of the p5 run on the blog's figures and print the prediction table.
 
-    python scripts/calibrate.py                 # writes results/model/calibration.json
-    python scripts/calibrate.py --results DIR   # reads DIR/blog_p5.json and the measurements
+    .venv/bin/python scripts/calibrate.py                 # writes results/model/calibration.json
+    .venv/bin/python scripts/calibrate.py --results DIR   # reads DIR/blog_p5.json and the measurements
                                                 # common/calibration.py names; writes DIR/model/
-    python scripts/calibrate.py --fit-crowd     # the other choice, crowd fitted on 13: printed only
-    python scripts/calibrate.py --ladder        # the measured costs fitted instead, one chapter
+    .venv/bin/python scripts/calibrate.py --fit-crowd     # the other choice, crowd fitted on 13: printed only
+    .venv/bin/python scripts/calibrate.py --ladder        # the measured costs fitted instead, one chapter
                                                 # more each time: what the aim would take
 
 Three CPU costs are measured on our machines, two parameters are fitted on a

@@ -6,9 +6,9 @@ this launcher serves); see common/launch.py. Lines a rank prints come out as
 "[rank] line". If a rank dies, the others are told and stop; the launcher says
 which rank, how, and exits non-zero.
 
-    python scripts/launch.py -n 4 chapters/16_moe.py --device cpu
-    python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p tcp
-    python scripts/launch.py -n 2 --gpus 0,1 chapters/16_moe.py --device cuda
+    .venv/bin/python scripts/launch.py -n 4 chapters/16_moe.py --device cpu
+    .venv/bin/python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p tcp
+    .venv/bin/python scripts/launch.py -n 2 --gpus 0,1 chapters/16_moe.py --device cuda
 """
 import argparse
 import sys

@@ -4,9 +4,9 @@ Starts the server, reads the address it prints, runs each client against it,
 then waits for the server to finish (or stops it with Ctrl-C, as you would).
 The server is also stopped on any failure, so nothing is left running.
 
-    python scripts/pair.py 04                          # default provider
-    python scripts/pair.py 05 -p tcp --clients 3 -- "some text"
-    python scripts/pair.py 04 -p shm --server-args="--timeout 5" -- "hi" --timeout 3
+    .venv/bin/python scripts/pair.py 04                          # default provider
+    .venv/bin/python scripts/pair.py 05 -p tcp --clients 3 -- "some text"
+    .venv/bin/python scripts/pair.py 04 -p shm --server-args="--timeout 5" -- "hi" --timeout 3
 
 Also a library: tests and the tour call run_pair().
 """

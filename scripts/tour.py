@@ -1,17 +1,28 @@
-"""The tour: run every chapter on this host's default provider and print a table.
+"""The tour: every chapter on this machine, and whether its lesson shows here.
 
-    python scripts/tour.py              # the default provider (what the chapters pick)
-    python scripts/tour.py -p tcp       # another one
+    .venv/bin/python scripts/tour.py              # the default provider (what the chapters pick)
+    .venv/bin/python scripts/tour.py -p tcp       # another one
 
-Each step runs a chapter the way its docstring says (server and client as a
-pair on this host) and checks what it printed, not just its exit code.
+Each chapter declares in LESSON, below its docstring, the figure that shows
+its lesson, the client run that shows it, and what counts as visible: a
+threshold every repeat meets, or a factor by which it beats another chapter
+(or itself with other server flags) on medians, with no repeat of one inside
+the range of the other (beyond the noise). The tour runs each chapter that
+way, server and client as a pair on this host, checks what they printed
+(every byte verified), and prints per chapter what it showed here and whether
+the lesson is visible here; where it is not, the chapter's own sentence says
+why. Measured figures come from --repeats runs, chapter after chapter within a
+repeat, so that a busy moment hits them all.
 """
 import argparse
 import ast
+import platform
 import re
+import shlex
+import statistics
 import subprocess
 import sys
-from functools import partial
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -19,6 +30,21 @@ from pair import ROOT, chapter_path, local_env, run_pair  # noqa: E402
 from common.patience import patience  # noqa: E402
 
 MESSAGE = "Hello from the tour"
+# figure: (pattern in the server's output, format of a value, its unit, whether lower is better)
+FIGURES = {
+    "refused": (r"-FI_EAGAIN (\d+) times", "{:.0f}", "refused posts", True),
+    "CPU per WRITE": (r"CPU time: ([\d.]+) us per WRITE", "{:.2f}", "us CPU per WRITE", True),
+    "first WRITE": (r"first contact vs a warm WRITE: .*\((\d+)x\)", "{:.0f}x",
+                    "first WRITE / a warm one", False),
+}
+
+
+def lesson(path):
+    """The chapter's LESSON, read without running the chapter."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "LESSON":
+            return ast.literal_eval(node.value)
+    return {"figure": "check"}
 
 
 def alone(chapter, provider, pattern, say):
@@ -27,65 +53,49 @@ def alone(chapter, provider, pattern, say):
     done = subprocess.run(args, capture_output=True, text=True, env=local_env(), timeout=patience(60))
     m = re.search(pattern, done.stdout)
     if done.returncode or not m:
-        return False, (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-    return True, [say(m)]
+        return False, last_line(done.stderr or done.stdout)
+    return True, say(m)
 
 
-def ch03(provider):
+def ch03(provider, _):
     return alone(3, provider, r"(\d+) providers, (\d+) \(provider, domain\) pairs",
                  lambda m: f"{m[1]} providers, {m[2]} (provider, domain) pairs")
 
 
-def ch04(provider):
+def ch04(provider, _):
     pair = run_pair(4, provider, client_args=[[MESSAGE]])
     ok = pair.ok and f"received {len(MESSAGE)} bytes: {MESSAGE}" in pair.server.out
-    return ok, [f"server received '{MESSAGE}'" if ok else _failure(pair)]
+    return ok, f"server received '{MESSAGE}'" if ok else failure(pair)
 
 
-def ch05(provider):
+def ch05(provider, _):
     texts = ["first client", "second client"]
     pair = run_pair(5, provider, ["--clients", str(len(texts))], [[t] for t in texts])
     ok = pair.ok and all(f"got back {t[::-1]!r}" in c.out for t, c in zip(texts, pair.clients))
-    return ok, [f"{len(texts)} clients served, replies reversed" if ok else _failure(pair)]
+    return ok, f"{len(texts)} clients served, replies reversed" if ok else failure(pair)
 
 
-def ch06(provider):
+def ch06(provider, _):
     pair = run_pair(6, provider, ["--clients", "1"], [["--pages", "0-15", "--page-size", "64K"]])
     ok = pair.ok and "verified 16 pages (1048576 bytes): 0 wrong bytes" in pair.clients[0].out
-    return ok, ["16 x 64 KiB written, immediate seen, 0 wrong bytes" if ok else _failure(pair)]
+    return ok, "16 x 64 KiB written, immediate seen, 0 wrong bytes" if ok else failure(pair)
 
 
-def ch07(provider):
-    pair = run_pair(7, provider, ["--clients", "1"],
-                    [["--iters", "20000", "--buffer-size", "4M", "--pages", "0-63"]])
-    speed = re.search(r"in ([\d.]+) s: ([\d.]+) Gbps", pair.server.out)
-    ok = (pair.ok and speed is not None
-          and "verified 64 pages (4194304 bytes): 0 wrong bytes" in pair.clients[0].out)
-    return ok, [f"20000 x 64 KiB WRITEs: {speed[2]} Gbps, 0 wrong bytes" if ok else _failure(pair)]
-
-
-def ch08(provider):
+def ch08(provider, _):
     return alone(8, provider, r"GPUs: (\d+).*NICs: (\d+).*physical cores: (\d+)",
                  lambda m: f"{m[1]} GPUs, {m[2]} NICs, {m[3]} physical cores")
 
 
-def multinet(chapter, provider):
-    groups = 2 if chapter >= 11 else 1  # from 11 on, a worker thread per group (GPU)
-    pair = run_pair(chapter, provider, ["--clients", "1"],
-                    [["--groups", str(groups), "--nics-per-gpu", str(4 // groups),
-                      "--iters", "20000", "--buffer-size", "4M", "--pages", "0-63"]])
-    speed = re.search(r"in ([\d.]+) s: ([\d.]+) Gbps", pair.server.out)
-    first = re.search(r"first contact vs steady state: ([\d.]+) ms vs ([\d.]+) us", pair.server.out)
-    ok = (pair.ok and speed is not None and "immediate data from 4 NICs" in pair.clients[0].out
-          and f"verified {groups} x 64 pages ({groups * 4194304} bytes): 0 wrong bytes"
-          in pair.clients[0].out and (chapter == 9 or first is not None))
-    if not ok:
-        return False, [_failure(pair)]
-    extra = f", first WRITE {first[1]} ms vs {first[2]} us" if first else ""
-    return True, [f"{groups} x {4 // groups} NICs x 5000 WRITEs: {speed[2]} Gbps{extra}"]
+def ch09(provider, lesson):
+    pair = run_pair(9, provider, ["--clients", "1"], [shlex.split(lesson["client"])])
+    per_nic = re.search(r"WRITEs per NIC: ([\d ]+),", pair.server.out)
+    ok = pair.ok and per_nic and "0 wrong bytes" in pair.clients[0].out
+    counts = per_nic[1].split() if per_nic else []
+    ok = ok and f"immediate data from {len(counts)} NICs" in pair.clients[0].out
+    return ok, f"WRITEs per NIC: {' '.join(counts)}, 0 wrong bytes" if ok else failure(pair)
 
 
-def ch16(provider):
+def ch16(provider, _):
     """4 ranks as 2 emulated nodes: every check, then a short benchmark."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "launch.py"), "-n", "4", "--ranks-per-node", "2",
@@ -93,63 +103,158 @@ def ch16(provider):
          "--hidden", "256", "--experts", "16", "--topk", "4", "--iters", "5"],
         capture_output=True, text=True, env=local_env(), cwd=ROOT, timeout=300)
     checks = len(re.findall(r"^\[0\] check .* on 4 of 4 ranks", done.stdout, re.MULTILINE))
-    latency = re.search(r"^\[0\]   dispatch +p50 +([\d.]+) us", done.stdout, re.MULTILINE)
-    if done.returncode or "all checks passed" not in done.stdout or not latency:
-        return False, ((done.stderr or done.stdout).strip().splitlines() or ["no output"])[-1:]
-    return True, [f"{checks} checks exact on 4 ranks / 2 nodes; dispatch p50 {latency[1]} us"]
+    if done.returncode or "all checks passed" not in done.stdout:
+        return False, last_line(done.stderr or done.stdout)
+    return True, f"{checks} checks exact on 4 ranks / 2 nodes"
 
 
-def _failure(pair):
+CHECKS = {3: ch03, 4: ch04, 5: ch05, 6: ch06, 8: ch08, 9: ch09, 16: ch16}
+
+
+def last_line(text):
+    return (text.strip().splitlines() or ["no output"])[-1]
+
+
+def failure(pair):
     for run in [*pair.clients, pair.server]:
         if run.rc:
-            return (run.err or run.out).strip().splitlines()[-1]
+            return last_line(run.err or run.out)
     return "unexpected output"
 
 
-STEPS = {3: ch03, 4: ch04, 5: ch05, 6: ch06, 7: ch07, 8: ch08,
-         **{n: partial(multinet, n) for n in range(9, 16)}, 16: ch16}
+class Runs:
+    """Measured runs, each (chapter, server flags, client flags) once per repeat: the
+    figure of each, or the one line saying why a run failed."""
+
+    def __init__(self, provider):
+        self.provider, self.values, self.failed = provider, {}, {}
+
+    def measure(self, spec):
+        chapter, server, client = spec
+        pair = run_pair(chapter, self.provider, ["--clients", "1", *server], [list(client)],
+                        timeout=120)
+        if not (pair.ok and "): 0 wrong bytes" in pair.clients[0].out):
+            self.failed[spec] = failure(pair)
+        for figure, (pattern, *_) in FIGURES.items():
+            if found := re.search(pattern, pair.server.out):
+                self.values.setdefault((spec, figure), []).append(float(found[1]))
+
+    def of(self, spec, figure):
+        """The values of `figure` over the repeats; a run that did not print it fails."""
+        if spec in self.failed or (spec, figure) not in self.values:
+            return None, self.failed.get(spec, f"chapter {spec[0]:02d} printed no {figure}")
+        return self.values[(spec, figure)], None
 
 
-def title(path):
-    """'what it shows': the part of the docstring's first line after the dash."""
-    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-    return doc.splitlines()[0].split(": ", 1)[-1].rstrip(".") if doc else path.stem
+def specs(number, lesson):
+    """The runs a measured chapter needs: its own, and the one it is compared with."""
+    client = tuple(shlex.split(lesson["client"]))
+    mine = (number, (), client)
+    than = lesson["visible"].get("than")
+    if not than:
+        return mine, None
+    other, *server = shlex.split(than)
+    return mine, (int(other), tuple(server), client)
 
 
-def default_provider(provider):
-    """The provider the chapters will pick, as they print it."""
-    code = ("import sys, common.fabric as fi\n"
+def spread(values, form):
+    """The median and the range of the repeats."""
+    low, middle, high = (form.format(v) for v in (min(values), statistics.median(values),
+                                                  max(values)))
+    return f"{middle} ({low}-{high})"
+
+
+def verdict(lesson, mine, theirs):
+    """(visible, why) for a measured chapter: its values against its rule."""
+    rule, lower = lesson["visible"], FIGURES[lesson["figure"]][-1]
+    if "at_least" in rule:
+        return min(mine) >= rule["at_least"], f"every repeat >= {rule['at_least']:g}"
+    if "at_most" in rule:
+        return max(mine) <= rule["at_most"], f"every repeat <= {rule['at_most']:g}"
+    a, b = statistics.median(mine), statistics.median(theirs)
+    better, worse = (b, a) if lower else (a, b)
+    factor = better / worse if worse else float("inf")
+    apart = max(mine) < min(theirs) if lower else min(mine) > max(theirs)
+    word = "lower" if lower else "higher"
+    if factor >= rule["by"] and apart:
+        return True, f"{factor:.1f}x {word}, every repeat apart"
+    return False, (f"{factor:.2f}x {word}, less than {rule['by']:g}x" if factor < rule["by"]
+                   else f"{factor:.1f}x {word}, but the repeats overlap")
+
+
+def about_here(provider):
+    """Provider, libfabric and machine, as the chapters see them; exits on a bad -p."""
+    code = ("import os, sys, common.fabric as fi\n"
+            "from common.records import machine\n"
             f"try: info, why = fi.pick({provider!r})\n"
             "except ValueError as e: sys.exit(str(e))\n"
-            "print(fi.provider_of(info), '-', why)")
+            "m = machine()\n"
+            "print(f\"provider {fi.provider_of(info)} ({why}), libfabric %d.%d, "
+            "{m['cpu']} x {m['cores']} cores\" % fi.version())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=local_env(), cwd=ROOT)
     if done.returncode:
-        sys.exit(f"tour: {(done.stderr or done.stdout).strip().splitlines()[-1]}")
-    return done.stdout.strip()
+        sys.exit(f"tour: {last_line(done.stderr or done.stdout)}")
+    return f"{done.stdout.strip()}, {platform.machine()}"
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("-p", "--provider", help="run every chapter on this provider")
+    p.add_argument("--repeats", type=int, default=3, choices=range(3, 21), metavar="3..20",
+                   help="runs of each measured chapter (default 3)")
     args = p.parse_args()
-    print(f"provider: {default_provider(args.provider)}\n")
-    rows = []
-    for path in sorted((ROOT / "chapters").glob("[0-9][0-9]_*.py")):
-        number = int(path.name[:2])
-        step = STEPS.get(number)
-        ok, result = step(args.provider) if step else (None, ["no tour step"])
-        rows.append((path.stem, title(path), result[0], {True: "ok", False: "FAILED",
-                                                        None: "skipped"}[ok]))
-        print(f"  {path.stem}: {rows[-1][3]}", flush=True)
-    widths = [max(len(r[i]) for r in rows + [("chapter", "what it shows", "result", "status")])
-              for i in range(4)]
+    start = time.monotonic()
+    print(f"{about_here(args.provider)}\n")
+    chapters = {int(path.name[:2]): path
+                for path in sorted((ROOT / "chapters").glob("[0-9][0-9]_*.py"))}
+    lessons = {n: lesson(path) for n, path in chapters.items()}
+    rows, notes = {}, []
+    for n, path in chapters.items():
+        if n in CHECKS:
+            ok, said = CHECKS[n](args.provider, lessons[n])
+            rows[n] = (said, "yes" if ok else "no", ok)
+            print(f"  {path.stem}: {'ok' if ok else 'FAILED'}", flush=True)
+    measured = {n: specs(n, lessons[n]) for n in chapters if n not in rows}
+    runs = Runs(args.provider)
+    for repeat in range(args.repeats):
+        for spec in dict.fromkeys(s for pair in measured.values() for s in pair if s):
+            if spec not in runs.failed:
+                runs.measure(spec)
+        print(f"  repeat {repeat + 1} of {args.repeats}: chapters "
+              f"{', '.join(f'{n:02d}' for n in measured)}", flush=True)
+    for n, (mine, other) in measured.items():
+        lesson_n, figure = lessons[n], lessons[n]["figure"]
+        values, failed = runs.of(mine, figure)
+        theirs, failed_too = runs.of(other, figure) if other else (None, None)
+        if failed or failed_too:
+            rows[n] = (failed or failed_too, "-", False)
+            continue
+        _, form, unit, _ = FIGURES[figure]
+        said = f"{spread(values, form)} {unit}"
+        if other:
+            said += f" vs {spread(theirs, form)} for {' '.join([f'{other[0]:02d}', *other[1]])}"
+        visible, why = verdict(lesson_n, values, theirs)
+        rows[n] = (said, f"{'yes' if visible else 'no'}: {why}", True)
+        if not visible and "small" in lesson_n:
+            notes.append(f"{chapters[n].stem}: {lesson_n['small']}")
+    table = [("chapter", "what it shows here", "lesson visible here")] + \
+        [(chapters[n].stem, *rows[n][:2]) for n in sorted(rows)]
+    widths = [max(len(r[i]) for r in table) for i in range(2)]
     print()
-    for row in [("chapter", "what it shows", "result", "status")] + rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-    failed = [r[0] for r in rows if r[3] == "FAILED"]
-    print(f"\n{len(rows) - len(failed)} of {len(rows)} chapters ok"
-          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    for row in table:
+        print(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]}".rstrip())
+    runs_of = {}  # each measured run, and the chapters that made it: what the figures are of
+    for n in measured:
+        runs_of.setdefault(lessons[n]["client"], []).append(f"{n:02d}")
+    print(f"\nmedians (ranges) of {args.repeats} repeats of these client runs:\n" + "\n".join(
+        f"  {', '.join(numbers)}: {flags}" for flags, numbers in runs_of.items()))
+    if notes:
+        print("\nwhy not here:\n" + "\n".join(f"  {note}" for note in notes))
+    failed = [chapters[n].stem for n in sorted(rows) if not rows[n][2]]
+    print(f"\n{len(rows) - len(failed)} of {len(rows)} chapters ran and verified their data"
+          + (f"; failed: {', '.join(failed)}" if failed else "")
+          + f"; the tour took {time.monotonic() - start:.0f} s")
     return 1 if failed else 0
 
 

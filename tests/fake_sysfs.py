@@ -112,9 +112,11 @@ def save(root, machine):
     return path
 
 
-if __name__ == "__main__":  # python tests/fake_sysfs.py DIR: the p5, to try chapter 08 on
+if __name__ == "__main__":  # .venv/bin/python tests/fake_sysfs.py DIR: the p5, to try chapter 08 on
     import sys
     if len(sys.argv) != 2:
-        sys.exit("usage: python tests/fake_sysfs.py DIR")
+        sys.exit("usage: .venv/bin/python tests/fake_sysfs.py DIR")
     root = Path(sys.argv[1])
-    print(f"python chapters/08_topo.py --sysfs {root} --machine {save(root, p5(root))}")
+    from common.cli import command
+    print(command("--sysfs", root, "--machine", save(root, p5(root)),
+                  program=Path(__file__).resolve().parents[1] / "chapters" / "08_topo.py"))
