@@ -1,0 +1,168 @@
+"""CONNECT (common/connect.py): it fits one SEND of the NIC, it says whose client sent it,
+and a server refuses another chapter's client by name, then serves the next; an idle
+server leaves the CPU to others."""
+import argparse
+import importlib.util
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from common import cli, connect, multinet
+import common.fabric as fi
+from scripts.pair import ADDRESS, chapter_path, local_env
+from tests.test_queue import start
+
+EFA_ADDRESS = bytes(32)  # an efa endpoint name: struct efa_ep_addr (prov/efa/src/efa_base_ep.h)
+SMALL_LIMIT = 8928       # bytes: an EFA link's MTU, less than the old CONNECTs
+GIB_PAGES = 1 << 14      # 64 KiB pages in a 1 GiB buffer
+
+
+def load(chapter):
+    spec = importlib.util.spec_from_file_location(f"chapter{chapter}", chapter_path(chapter))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def series_pages(buffers):
+    """The default pages of 07 and 09-15: the first 1000 of each 1 GiB buffer."""
+    return [b * GIB_PAGES + i for b in range(buffers) for i in range(1000)]
+
+
+@pytest.fixture
+def small_mtu(monkeypatch):
+    """Every NIC carries at most SMALL_LIMIT bytes in one SEND."""
+    monkeypatch.setattr(connect.fi, "max_send", lambda info: SMALL_LIMIT)
+
+
+def test_07_with_3_buffers_fits_where_its_old_connect_did_not(small_mtu):
+    args = argparse.Namespace(seed=42, page_size=64 << 10, iters=1_000_000,
+                              pages=series_pages(3))
+    new = load(7).request(args, EFA_ADDRESS, [(0, 1 << 30, 0)] * 3)
+    # the old format: header, address, a region per buffer, 4 bytes per page
+    old = struct.calcsize("<QQQIHH") + len(EFA_ADDRESS) + 3 * 24 + 3000 * 4
+    assert old == 12136
+    with pytest.raises(cli.UsageError, match="CONNECT would be 12136 bytes"):
+        connect.fits(None, old, "pages or buffers")
+    connect.fits(None, len(new), "pages or buffers")
+    assert len(new) < 1000
+
+
+def test_09_on_8_gpus_x_4_nics_fits_where_its_old_connect_did_not(small_mtu):
+    lanes = 8 * 4
+    args = argparse.Namespace(number=9, seed=42, page_size=64 << 10, iters=1_000_000,
+                              pages=series_pages(2), buffers=2, groups=8)
+    new = multinet.request(args, EFA_ADDRESS, [EFA_ADDRESS] * lanes,
+                           bytes(multinet.REGION.size * lanes * 2))
+    # the old format: header, 33 addresses with their lengths, 64 regions, 4 bytes per page
+    old = struct.calcsize("<QQQIHHH") + 33 * (2 + 32) + lanes * 2 * 24 + 2000 * 4
+    assert old == 10692
+    with pytest.raises(cli.UsageError):
+        connect.fits(None, old, "pages, buffers or NICs")
+    connect.fits(None, len(new), "pages, buffers or NICs")
+    assert len(new) < 3000
+
+
+def test_connect_says_whose_it_is():
+    message = connect.pack(9, b"where", b"rest")
+    assert message.startswith(connect.MAGIC) and connect.is_connect(message)
+    assert connect.unpack(message, 9) == (b"where", b"rest", None)
+    assert connect.unpack(message, 7)[2] == ("this is chapter 07's server; "
+                                             "you ran chapter 09's client")
+    assert not connect.is_connect(b"Thello")
+
+
+@pytest.mark.parametrize("pages", [[0, 1, 2, 7, 8, 3], [5], list(range(3000))])
+def test_page_runs_keep_pages_and_order(pages):
+    runs, packed = connect.pack_pages(pages)
+    assert connect.unpack_pages(packed, 0, runs) == pages
+
+
+def test_send_limit_is_the_links_mtu_or_a_stated_fallback():
+    assert fi.send_limit(8760, 2 ** 64 - 1) == 8760      # efa: the device's max_msg_sz
+    assert fi.send_limit(4096, 1 << 31) == 4096          # verbs: the port's active MTU
+    assert fi.send_limit(0, 2 ** 64 - 1) == fi.FALLBACK_MTU  # shm, tcp: no NIC
+    assert fi.send_limit(8760, 2048) == 2048             # never above max_msg_size
+    for provider in ("shm", "tcp"):
+        info, _ = fi.pick(provider, multinet.CAPS)
+        assert fi.max_send(info) == fi.FALLBACK_MTU  # they name no NIC, hence no MTU
+
+
+def test_pages_that_do_not_fit_one_send_are_refused_at_start():
+    scattered = ",".join(str(p) for p in range(0, 1200, 2))  # 600 runs of one page
+    done = subprocess.run([sys.executable, str(chapter_path(7)), "-p", "shm",
+                           b"fi_shm://999999999:0:0\0".hex(), "--page-size", "4K",
+                           "--buffer-size", "4M", "--pages", scattered],
+                          capture_output=True, text=True, env=local_env(), timeout=30)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"07_queue.py: error: too many pages or buffers: CONNECT would be "
+        f"{connect.PREAMBLE.size + 64 + 30 + 2 * 24 + 600 * 8} bytes, and one SEND on this "
+        f"NIC carries at most {fi.FALLBACK_MTU} (fabric.max_send)"]
+
+
+CLIENT_ARGS = {5: ["hello"], 6: ["--pages", "0-3"],
+               7: ["--iters", "500", "--buffer-size", "4M", "--pages", "0-63"],
+               9: ["--iters", "500", "--buffer-size", "4M", "--pages", "0-63",
+                   "--nics-per-gpu", "2"]}
+VERIFIED = {5: "got back 'olleh'", 6: "verified 4 pages", 7: "verified 64 pages",
+            9: "verified 1 x 64 pages"}
+
+
+def run_client(chapter, provider, address):
+    return subprocess.run([sys.executable, str(chapter_path(chapter)), "-p", provider,
+                           "--timeout", "30", address, *CLIENT_ARGS[chapter]],
+                          capture_output=True, text=True, env=local_env(), timeout=120)
+
+
+@pytest.mark.parametrize("server,client", [(9, 7), (7, 9), (5, 7), (6, 5), (9, 6)])
+def test_a_client_of_another_chapter_is_refused_by_name(server, client, provider):
+    """Both sides say which chapters met; the server goes on to serve its own client."""
+    proc, out = start(server, ["-p", provider, "--clients", "2", "--timeout", "30"],
+                      ADDRESS.pattern)
+    try:
+        address = ADDRESS.search(out)[1]
+        why = f"this is chapter {server:02d}'s server; you ran chapter {client:02d}'s client"
+        wrong = run_client(client, provider, address)
+        assert wrong.returncode == 1, wrong
+        assert wrong.stderr.strip().splitlines()[-1] == (
+            f"{chapter_path(client).name}: error: the server refused: {why}")
+        right = run_client(server, provider, address)
+        assert right.returncode == 0, right.stderr
+        assert VERIFIED[server] in right.stdout
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert f"client 1: refused: {why}" in err.splitlines()
+
+
+def runnable_share(pid, seconds=2.0, every=0.01):
+    """How often process `pid` was found running or waiting to run (state R), sampled
+    every `every` s for `seconds`: 1.0 for a busy poller however busy the machine (it
+    waits for a core in state R), near 0 for one that sleeps (state S)."""
+    states = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        states.append(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0])
+        time.sleep(every)
+    return states.count("R") / len(states)
+
+
+@pytest.mark.parametrize("chapter", [5, 6, 7, 9])
+def test_an_idle_server_leaves_the_cpu_alone(chapter):
+    """While no client is connected, a server sleeps between its CQ reads."""
+    proc, _ = start(chapter, ["-p", "shm"], ADDRESS.pattern)
+    try:
+        time.sleep(1)  # past starting up
+        share = runnable_share(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGINT)  # it closes what it opened: nothing left in /dev/shm
+        proc.wait(30)
+    assert share < 0.5, f"runnable in {share:.0%} of the samples"
