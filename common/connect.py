@@ -1,5 +1,5 @@
 """CONNECT, the first message of every client from chapter 05 on, and how a server
-answers a client it will not serve.
+answers a client it will not (or can no longer) serve.
 
 CONNECT opens with what a server of any chapter can read: a magic, the client's
 chapter and its address. So a server never misreads a request of another
@@ -7,7 +7,8 @@ chapter's format: it tells that client why (a refusal, which the client waits
 for like any reply) and serves the next one. Every control message, CONNECT
 included, fits in one SEND the NIC carries whole (fabric.max_send): page lists
 travel as runs of consecutive pages, which keeps the series' 1000 pages per
-buffer to 8 bytes each.
+buffer to 8 bytes each. A client that goes away mid-run is reported as gone,
+in one line, and the server serves the next.
 """
 import errno
 import struct
@@ -20,7 +21,8 @@ MAGIC = b"LFtu"                    # "libfabric tutorial"
 PREAMBLE = struct.Struct("<4sBH")  # magic, the client's chapter, its address length
 RUN = struct.Struct("<II")         # a run of pages: the first, how many
 REFUSED = b"refused: "  # server -> client, then why; never a heartbeat's length
-WHY = 240  # bytes of the why that reach the client
+WHY = 240  # bytes of the why that reach the client: a refusal, like a heartbeat or LANDED
+#            (8 bytes), is below any link's MTU (InfiniBand's smallest is 256)
 ADDRESS_BOUND = 64  # bytes: no provider's address is longer (efa 32, verbs 28 or 48)
 # How providers report an operation to a peer that is no longer there: shm the failed
 # copy into a dead process (EIO), tcp;ofi_rxm the cancelled operations of a closed
@@ -124,7 +126,8 @@ def unpack_pages(data, at, runs):
 
 def gone(error):
     """Whether `error` says that the peer is no longer there."""
-    return isinstance(error, fi.CompletionError) and errno.errorcode.get(abs(error.rc)) in PEER_GONE
+    return (isinstance(error, fi.CompletionError)
+            and errno.errorcode.get(abs(error.rc)) in PEER_GONE)  # shm's sign is flipped
 
 
 def report(n, error):
