@@ -84,6 +84,28 @@ def test_page_runs_keep_pages_and_order(pages):
     assert connect.unpack_pages(packed, 0, runs) == pages
 
 
+def test_messages_are_taken_in_the_order_they_came():
+    """05's server has two receives posted; a client's text must not overtake its CONNECT
+    when the text landed in the buffer listed first."""
+    poller = fi.Poller(None)
+    first, second = (fi.ffi.new("struct fi_context2 *") for _ in range(2))
+    poller.done[fi.key(second)] = 7  # completed first
+    poller.done[fi.key(first)] = 9
+    assert poller.wait([first, second], 1, "message") == (second, 7)
+
+
+@pytest.mark.parametrize("error,gone", [
+    (fi.CompletionError(5, "Input/output error", None), True),  # shm 1.17: a dead peer
+    (fi.CompletionError(-125, "Operation canceled", None), True),  # tcp: connection closed
+    (fi.CompletionError(-107, "Transport endpoint is not connected", None), True),  # efa
+    (fi.CompletionError(-22, "Invalid argument", None), False),
+    (TimeoutError("no WRITE completed for 2 s"), False),
+])
+def test_a_peer_gone_is_told_from_other_failures(error, gone, capsys):
+    connect.report(3, error)
+    assert capsys.readouterr().err == f"client 3: {'gone' if gone else 'failed'}: {error}\n"
+
+
 def test_send_limit_is_the_links_mtu_or_a_stated_fallback():
     assert fi.send_limit(8760, 2 ** 64 - 1) == 8760      # efa: the device's max_msg_sz
     assert fi.send_limit(4096, 1 << 31) == 4096          # verbs: the port's active MTU
