@@ -15,7 +15,7 @@ import pytest
 
 from common import cli, connect, multinet
 import common.fabric as fi
-from scripts.pair import ADDRESS, chapter_path, local_env
+from scripts.pair import ADDRESS, chapter_path, local_env, run_pair
 from tests.test_queue import start
 
 EFA_ADDRESS = bytes(32)  # an efa endpoint name: struct efa_ep_addr (prov/efa/src/efa_base_ep.h)
@@ -67,6 +67,21 @@ def test_09_on_8_gpus_x_4_nics_fits_where_its_old_connect_did_not(small_mtu):
         connect.fits(None, old, "pages, buffers or NICs")
     connect.fits(None, len(new), "pages, buffers or NICs")
     assert len(new) < 3000
+
+
+@pytest.mark.parametrize("chapter,args,verified", [
+    (7, ["--buffers", "3", "--iters", "3000"], "verified 3000 pages (12288000 bytes)"),
+    (9, ["--groups", "8", "--nics-per-gpu", "4", "--iters", "16000"],
+     "verified 8 x 2000 pages (65536000 bytes)"),
+])
+def test_the_series_layouts_run_within_the_fallback_mtu(chapter, args, verified):
+    """The default pages (1000 per buffer; of 4 KiB here, to keep it small) of 07 with 3
+    buffers and of 09 on 8 x 4 virtual NICs: 12 and 10 KB in the old format, more than
+    the 4096 bytes that a server's inbox holds on shm."""
+    pair = run_pair(chapter, "shm", ["--clients", "1", "--timeout", "60"],
+                    [["--buffer-size", "4M", "--page-size", "4K", "--timeout", "60", *args]])
+    assert pair.ok, pair
+    assert f"{verified}: 0 wrong bytes" in pair.clients[0].out
 
 
 def test_connect_says_whose_it_is():
