@@ -180,6 +180,24 @@ def test_a_client_of_another_chapter_is_refused_by_name(server, client, provider
     assert f"client 1: refused: {why}" in err.splitlines()
 
 
+def test_a_message_that_is_no_connect_is_ignored_not_served():
+    """A chapter 04 client's text where a CONNECT was due: one line, and not a client."""
+    proc, out = start(7, ["-p", "shm", "--clients", "1", "--timeout", "30"], ADDRESS.pattern)
+    try:
+        address = ADDRESS.search(out)[1]
+        stray = subprocess.run([sys.executable, str(chapter_path(4)), "-p", "shm", address,
+                                "hello"], capture_output=True, text=True, env=local_env(),
+                               timeout=60)
+        assert stray.returncode == 0, stray.stderr  # 04 only sends
+        right = run_client(7, "shm", address)
+        assert right.returncode == 0, right.stderr
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert err.splitlines() == ["ignored a 5-byte message that is not a CONNECT"]
+
+
 def runnable_share(pid, seconds=2.0, every=0.01):
     """How often process `pid` was found running or waiting to run (state R), sampled
     every `every` s for `seconds`: 1.0 for a busy poller however busy the machine (it
