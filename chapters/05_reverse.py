@@ -3,7 +3,10 @@
 What you will learn: on an RDM endpoint nothing tells the server who sent a
 message, so the client's first SEND is a CONNECT carrying its own address;
 the server inserts it into its address vector and can then SEND back. Each
-side keeps a receive posted before the peer can send to it.
+side keeps a receive posted before the peer can send to it. CONNECT opens
+with a magic and the client's chapter (common/connect.py, the same in every
+later chapter), so a server refuses another chapter's client by name; and no
+message is larger than one SEND the NIC carries whole (fabric.max_send).
 
 New since chapter 04: messages in both directions, a CONNECT message, the
 server serving one client after another (fi_av_remove when done). What 04
@@ -40,46 +43,47 @@ LESSON = {"figure": "check", "shows": "two clients answered, each by its address
 # Chapter 04 could only talk one way. Here the client introduces itself:
 #
 #     client                              server
-#     CONNECT(client address)  ------->   fi_av_insert -> fi_addr
+#     CONNECT(magic, chapter 05,
+#             client address)  ------->   fi_av_insert -> fi_addr
 #     TEXT("hello")            ------->   reverse
 #                              <-------   TEXT("olleh")
 
 # %%
 import sys
 
-from common import cli
+from common import cli, connect
 from common.fabric import ffi, lib
 import common.fabric as fi
 
-MAX_MESSAGE = 4096  # bytes per buffer
-CONNECT, TEXT = b"C", b"T"  # first byte of every message says what it carries
+CHAPTER = 5
+TEXT = b"T"  # the first byte of a text; a CONNECT starts with common.connect.MAGIC
 
 
 class Buffer:
-    """One registered message buffer and the context of the operation using it."""
+    """One registered message buffer, as large as one SEND the NIC carries whole
+    (fi.max_send), and the context of the operation using it."""
 
-    def __init__(self, own, domain, key):
-        self.mem = ffi.new("char[]", MAX_MESSAGE)
-        mr = own(fi.mr_reg(domain, self.mem, MAX_MESSAGE, lib.FI_SEND | lib.FI_RECV, key=key))
+    def __init__(self, own, info, domain, key):
+        self.size = fi.max_send(info)
+        self.mem = ffi.new("char[]", self.size)
+        mr = own(fi.mr_reg(domain, self.mem, self.size, lib.FI_SEND | lib.FI_RECV, key=key))
         self.desc = fi.mr_desc(mr)
         self.ctx = ffi.new("struct fi_context2 *")  # must live until the completion
 
     def recv(self, ep):
-        if not fi.recvmsg(ep, self.mem, MAX_MESSAGE, self.desc, lib.FI_ADDR_UNSPEC, self.ctx):
+        if not fi.recvmsg(ep, self.mem, self.size, self.desc, lib.FI_ADDR_UNSPEC, self.ctx):
             raise fi.FabricError("fi_recvmsg", -lib.FI_EAGAIN)  # never full: 2 recvs at most
 
-    def send(self, ep, poller, dest, kind, payload, timeout):
-        """SEND kind+payload to dest and wait for its completion."""
-        message = kind + payload
+    def send(self, ep, poller, dest, message, timeout):
+        """SEND `message` to dest and wait for its completion."""
         self.mem[0:len(message)] = message
         poller.until_posted(lambda: fi.sendmsg(ep, self.mem, len(message), self.desc, dest,
                                                self.ctx), timeout, "message accepted")
         poller.wait([self.ctx], timeout, "send completion: is the peer still there?")
 
     def received(self, length):
-        """(kind, payload) of the message that landed in this buffer."""
-        data = ffi.buffer(self.mem, length)[:]
-        return data[:1], data[1:]
+        """The message that landed in this buffer."""
+        return ffi.buffer(self.mem, length)[:]
 
 
 # %% [markdown]
@@ -90,8 +94,8 @@ def server(info, args):
     with fi.Closer() as own:
         domain, cq, av, ep = fi.open_endpoint(own, info)
         poller = fi.Poller(cq)
-        inbox = [Buffer(own, domain, key=1), Buffer(own, domain, key=2)]
-        outbox = Buffer(own, domain, key=3)
+        inbox = [Buffer(own, info, domain, key=1), Buffer(own, info, domain, key=2)]
+        outbox = Buffer(own, info, domain, key=3)
         for b in inbox:  # two receives posted: a client sends CONNECT and TEXT back to back
             b.recv(ep)
         addr = fi.getname(ep).hex()
@@ -100,25 +104,35 @@ def server(info, args):
 
         client, served = None, 0
         while not args.clients or served < args.clients:
-            ctx, length = poller.wait([b.ctx for b in inbox], None, "message")
+            ctx, length = poller.wait([b.ctx for b in inbox], None, "message",
+                                      idle=client is None)
             buf = next(b for b in inbox if b.ctx == ctx)
-            kind, payload = buf.received(length)
+            message = buf.received(length)
             buf.recv(ep)  # repost at once: the next message may be on its way
-            if kind == CONNECT:
+            if connect.is_connect(message):
                 if client is not None:
                     fi.av_remove(av, client)  # the previous client never sent its text
-                client = fi.av_insert(av, payload)
-                continue
-            if kind != TEXT or client is None:
-                print(f"ignored a {len(payload)}-byte message of kind {kind!r}", file=sys.stderr)
+                address, _, why = connect.unpack(message, CHAPTER)
+                client = fi.av_insert(av, address)
+                if not why:
+                    continue
+                reply = connect.refusal(why)  # a client of another chapter: told why
+            elif message[:1] == TEXT and client is not None:
+                text, why = message[1:].decode(errors="replace"), None
+                reply = TEXT + text[::-1].encode()
+            else:
+                print(f"ignored a {len(message)}-byte message: neither a CONNECT nor a text "
+                      "after one", file=sys.stderr)
                 continue
             served += 1
-            text = payload.decode(errors="replace")
             try:
-                outbox.send(ep, poller, client, TEXT, text[::-1].encode(), args.timeout)
-                print(f"client {served}: {text!r} -> {text[::-1]!r}", flush=True)
+                outbox.send(ep, poller, client, reply, args.timeout)
+                if why:
+                    connect.report(served, connect.Refused(why))
+                else:
+                    print(f"client {served}: {text!r} -> {text[::-1]!r}", flush=True)
             except (fi.FabricError, TimeoutError) as e:  # that client is gone; serve the next
-                print(f"client {served}: reply failed: {e}", file=sys.stderr, flush=True)
+                connect.report(served, e)
             fi.av_remove(av, client)
             client = None
 
@@ -127,16 +141,17 @@ def client(info, args, addr, message):
     with fi.Closer() as own:
         domain, cq, av, ep = fi.open_endpoint(own, info)
         poller = fi.Poller(cq)
-        inbox, outbox = Buffer(own, domain, key=1), Buffer(own, domain, key=2)
+        inbox, outbox = Buffer(own, info, domain, key=1), Buffer(own, info, domain, key=2)
         server_addr = fi.av_insert(av, addr)
         inbox.recv(ep)  # before we speak: the reply needs somewhere to land
-        outbox.send(ep, poller, server_addr, CONNECT, fi.getname(ep), args.timeout)
-        outbox.send(ep, poller, server_addr, TEXT, message, args.timeout)
+        outbox.send(ep, poller, server_addr, connect.pack(CHAPTER, fi.getname(ep), b""),
+                    args.timeout)
+        outbox.send(ep, poller, server_addr, TEXT + message, args.timeout)
         _, length = poller.wait([inbox.ctx], args.timeout, "reply from the server")
-        kind, reply = inbox.received(length)
-        reply = reply.decode(errors="replace")
-        print(f"sent {message.decode()!r}, got back {reply!r}")
-        if kind != TEXT or reply != message.decode()[::-1]:
+        reply = connect.heard(inbox.received(length))
+        text = reply[1:].decode(errors="replace")
+        print(f"sent {message.decode()!r}, got back {text!r}")
+        if reply[:1] != TEXT or text != message.decode()[::-1]:
             raise ValueError("the reply is not the reversed message")
 
 
@@ -148,13 +163,14 @@ def main():
     cli.add_clients(p)
     args = p.parse_args()
     message = args.message.encode()
-    if len(message) + 1 > MAX_MESSAGE:
-        raise cli.UsageError(f"message is {len(message)} bytes; the buffer holds "
-                             f"{MAX_MESSAGE - 1} after the 1-byte kind")
     if args.clients < 0:
         raise cli.UsageError("--clients must be 0 (no limit) or more")
 
     info, addr = cli.peer(args)
+    if len(message) + 1 > fi.max_send(info):
+        raise cli.UsageError(f"message is {len(message)} bytes; the buffer holds "
+                             f"{fi.max_send(info) - 1} after the 1-byte kind (one SEND "
+                             "that the NIC carries whole)")
     if addr is None:
         return server(info, args)
     return client(info, args, addr, message)

@@ -11,8 +11,8 @@ on EFA; CUDA IPC on shm) - a libfabric built with CUDA is needed for that.
 
 New since chapter 05: FI_RMA, buffers registered for remote access, the
 CONNECT message grows a list of (address, size, key) and a request ("fill
-these pages from this seed"), fi_writemsg, immediate data, a check of every
-byte that arrived.
+these pages from this seed", the pages as runs of consecutive ones),
+fi_writemsg, immediate data, a check of every byte that arrived.
 
     .venv/bin/python chapters/06_write.py                                   # server
     .venv/bin/python chapters/06_write.py ADDRESS --pages 0,3,5-9           # client
@@ -74,8 +74,9 @@ LESSON = {"figure": "wrong bytes", "visible": {"at_most": 0}}
 # ## Motivation
 #     client                                         server
 #     register B buffers (FI_REMOTE_WRITE)
-#     CONNECT(address, [(addr, size, key)] x B,
-#             page size, seed, pages)  ---------->   fi_av_insert
+#     CONNECT(magic, 06, address,
+#             [(addr, size, key)] x B,
+#             page size, seed, page runs) ------->   fi_av_insert
 #                                                    fill pages from the seed
 #                                      <----------   WRITE page, WRITE page, ...
 #                                      <----------   WRITE last page + immediate data
@@ -85,15 +86,14 @@ LESSON = {"figure": "wrong bytes", "visible": {"at_most": 0}}
 import struct
 import sys
 
-from common import cli, memory
+from common import cli, connect, memory
 from common.fabric import ffi, lib
 import common.fabric as fi
 
+CHAPTER = 6
 CAPS = lib.FI_MSG | lib.FI_RMA
-MAX_MESSAGE = 64 * 1024  # bytes: room for the page list
-HEADER = struct.Struct("<QQIHH")  # seed, page size, number of pages, of buffers, address length
-REGION = struct.Struct("<QQQ")    # remote address, size, key: what a WRITE needs per buffer
-PAGE = struct.Struct("<I")
+HEADER = struct.Struct("<QQIH")  # seed, page size, number of page runs, of buffers
+REGION = struct.Struct("<QQQ")   # remote address, size, key: what a WRITE needs per buffer
 BAD_KEY = 0xBAD0_0000  # --bad-key: a key no registration of ours has
 
 
@@ -105,31 +105,31 @@ def server(info, args):
     with fi.Closer() as own:
         domain, cq, av, ep = fi.open_endpoint(own, info)
         poller = fi.Poller(cq)
-        inbox = fi.Inbox(own, domain, ep, MAX_MESSAGE)
+        inbox = fi.Inbox(own, domain, ep, fi.max_send(info))
         addr = fi.getname(ep).hex()
         print(f"server address: {addr}")
         print(cli.client_hint(args, addr), flush=True)
         served = 0
         while not args.clients or served < args.clients:
-            _, length = poller.wait([inbox.ctx], None, "CONNECT")
+            _, length = poller.wait([inbox.ctx], None, "CONNECT", idle=True)
             request = inbox.take(length)
+            if connect.stray(request):
+                continue
             served += 1
             try:
                 with fi.Closer() as client_own:  # what one client needs, released after it
                     serve(client_own, domain, ep, av, poller, request, args)
-            except (fi.FabricError, TimeoutError, ValueError) as e:  # that client is gone
-                print(f"client {served}: failed: {e}", file=sys.stderr, flush=True)
+            except (fi.FabricError, TimeoutError, ValueError) as e:  # serve the next one
+                connect.report(served, e)
 
 
 def serve(own, domain, ep, av, poller, request, args):
-    seed, page_size, npages, nbufs, addrlen = HEADER.unpack_from(request)
+    client, request = connect.accept(own, av, domain, ep, poller, request, CHAPTER, args.timeout)
+    seed, page_size, runs, nbufs = HEADER.unpack_from(request)
     at = HEADER.size
-    client = fi.av_insert(av, request[at:at + addrlen])
-    own.callback(fi.av_remove, av, client)
-    at += addrlen
     regions = [REGION.unpack_from(request, at + i * REGION.size) for i in range(nbufs)]
-    at += nbufs * REGION.size
-    pages = [PAGE.unpack_from(request, at + i * PAGE.size)[0] for i in range(npages)]
+    pages = connect.unpack_pages(request, at + nbufs * REGION.size, runs)
+    npages = len(pages)
     per_buffer = regions[0][1] // page_size
 
     # The data, generated before anything is timed: page j of the request in slot j.
@@ -157,30 +157,39 @@ def client(info, args, addr):
     with fi.Closer() as own:
         domain, cq, av, ep = fi.open_endpoint(own, info)
         poller = fi.Poller(cq)
-        # a posted receive, for providers that use one per immediate
-        fi.Inbox(own, domain, ep, MAX_MESSAGE)
+        # where a refusal lands; also a posted receive, for providers that use one per immediate
+        inbox = fi.Inbox(own, domain, ep, len(connect.REFUSED) + connect.WHY)
         buffers = [memory.Buffer(args.buffer_size, args.gpu) for _ in range(args.buffers)]
         mrs = [memory.register(own, domain, b, lib.FI_REMOTE_WRITE, key=i + 1)
                for i, b in enumerate(buffers)]
         print(f"memory: {args.buffers} x {args.buffer_size} bytes of {buffers[0].kind}")
         server_addr = fi.av_insert(av, addr)
 
-        me = fi.getname(ep)
-        request = (HEADER.pack(args.seed, args.page_size, len(pages), len(buffers), len(me)) + me
-                   + b"".join(REGION.pack(fi.remote_base(info, b.ptr), b.size,
-                                          BAD_KEY if args.bad_key else fi.mr_key(mr))
-                              for b, mr in zip(buffers, mrs))
-                   + b"".join(PAGE.pack(p) for p in pages))
-        poller.send(own, domain, ep, request, server_addr, 1001, args.timeout, "CONNECT",
-                    ": is the server running?")
+        regions = [(fi.remote_base(info, b.ptr), b.size,
+                    BAD_KEY if args.bad_key else fi.mr_key(mr)) for b, mr in zip(buffers, mrs)]
+        poller.send(own, domain, ep, request(args, fi.getname(ep), regions), server_addr, 1001,
+                    args.timeout, "CONNECT", ": is the server running?")
 
-        data = poller.wait_remote_data(args.timeout, "WRITE with immediate data from the server")
+        _, length = poller.wait([inbox.ctx], args.timeout,
+                                "WRITE with immediate data from the server", or_remote_data=True)
+        if not poller.remote_data:  # a message instead: the server refused us
+            connect.heard(inbox.take(length))
+            raise ValueError("the server sent a message, not the immediate data")
+        data = poller.remote_data.pop(0)
         print(f"remote write completion: FI_REMOTE_CQ_DATA, immediate data {data}")
         wrong = memory.count_wrong(buffers, args.page_size, args.seed, pages)
         print(f"verified {len(pages)} pages ({len(pages) * args.page_size} bytes): "
               f"{wrong} wrong bytes")
         if data != len(pages) or wrong:
             raise ValueError(f"{wrong} wrong bytes, immediate data {data} (expected {len(pages)})")
+
+
+def request(args, me, regions):
+    """CONNECT: who we are (`me`, our address), where to write (`regions`: per buffer, its
+    remote address, size and key) and what (the pages, from the seed)."""
+    runs, pages = connect.pack_pages(args.pages)
+    return connect.pack(CHAPTER, me, HEADER.pack(args.seed, args.page_size, runs, len(regions))
+                        + b"".join(REGION.pack(*r) for r in regions) + pages)
 
 
 def main():
@@ -191,8 +200,6 @@ def main():
                                       "key, to see how a failed WRITE is reported"))
     args = p.parse_args()
     cli.check_pages(args, lambda per_buffer: list(range(16)))
-    if HEADER.size + 64 + args.buffers * REGION.size + len(args.pages) * PAGE.size > MAX_MESSAGE:
-        raise cli.UsageError(f"too many pages or buffers for one {MAX_MESSAGE}-byte CONNECT")
     memory.use_gpu(args.gpu)
 
     # GPU memory needs FI_HMEM (shm then moves it with CUDA IPC); give --gpu to
@@ -202,6 +209,8 @@ def main():
     print(f"memory registration: {mr_mode}")
     if addr is None:
         return server(info, args)
+    fake = request(args, bytes(connect.ADDRESS_BOUND), [(0, 0, 0)] * args.buffers)
+    connect.fits(info, len(fake), "pages or buffers")
     return client(info, args, addr)
 
 

@@ -73,8 +73,8 @@ LESSON = {"figure": "refused", "visible": {"at_least": 1},
 # ## Motivation
 #     client                                         server
 #     register B buffers of 1 GiB
-#     CONNECT(address, [(addr, size, key)] x B,
-#             page size, seed, pages, N) --------->  fill the pages from the seed
+#     CONNECT(magic, 07, address, [(addr, size, key)] x B,
+#             page size, seed, page runs, N) ----->  fill the pages from the seed
 #                                                    N times: WRITE the next page;
 #                                                      -FI_EAGAIN -> pending queue,
 #                                                      read the CQ, post from the queue
@@ -89,16 +89,15 @@ import struct
 import sys
 import time
 
-from common import bench, cli, memory
+from common import bench, cli, connect, memory
 from common.opqueue import CONTEXTS, HEARTBEAT, Heartbeat, OpQueue, write_messages
 from common.fabric import lib
 import common.fabric as fi
 
+CHAPTER = 7
 CAPS = lib.FI_MSG | lib.FI_RMA
-MAX_MESSAGE = 64 * 1024  # bytes: room for the page list
-HEADER = struct.Struct("<QQQIHH")  # seed, page size, WRITEs, pages, buffers, address length
-REGION = struct.Struct("<QQQ")     # remote address, size, key: what a WRITE needs per buffer
-PAGE = struct.Struct("<I")
+HEADER = struct.Struct("<QQQIH")  # seed, page size, WRITEs, page runs, buffers
+REGION = struct.Struct("<QQQ")    # remote address, size, key: what a WRITE needs per buffer
 LANDED = struct.Struct("<Q")       # client -> server: all the data is in my memory
 BURST = 64                         # new WRITEs submitted between two reads of the CQ
 BAD_KEY = 0xBAD0_0000  # --bad-key: a key no registration of ours has
@@ -112,34 +111,33 @@ def server(info, args):
     with fi.Closer() as own:
         domain, cq, av, ep = fi.open_endpoint(own, info)
         poller = fi.Poller(cq)
-        inbox = fi.Inbox(own, domain, ep, MAX_MESSAGE)
+        inbox = fi.Inbox(own, domain, ep, fi.max_send(info))
         addr = fi.getname(ep).hex()
         print(f"server address: {addr}")
         print(cli.client_hint(args, addr, LESSON), flush=True)
         served, backlog = 0, []  # CONNECTs that came while another client was served
         while not args.clients or served < args.clients:
             if not backlog:
-                _, length = poller.wait([inbox.ctx], None, "CONNECT")
+                _, length = poller.wait([inbox.ctx], None, "CONNECT", idle=True)
                 backlog.append(inbox.take(length))
             request = backlog.pop(0)
+            if connect.stray(request):
+                continue
             served += 1
             try:
                 with fi.Closer() as client_own:  # what one client needs, released after it
                     serve(client_own, info, domain, ep, av, cq, poller, inbox, backlog, request,
                           args)
-            except (fi.FabricError, TimeoutError, ValueError) as e:  # that client is gone
-                print(f"client {served}: failed: {e}", file=sys.stderr, flush=True)
+            except (fi.FabricError, TimeoutError, ValueError) as e:  # serve the next one
+                connect.report(served, e)
 
 
 def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
-    seed, page_size, iters, npages, nbufs, addrlen = HEADER.unpack_from(request)
-    at = HEADER.size
-    client = fi.av_insert(av, request[at:at + addrlen])
-    own.callback(fi.av_remove, av, client)
-    at += addrlen
-    regions = [REGION.unpack_from(request, at + i * REGION.size) for i in range(nbufs)]
-    at += nbufs * REGION.size
-    pages = [PAGE.unpack_from(request, at + i * PAGE.size)[0] for i in range(npages)]
+    client, request = connect.accept(own, av, domain, ep, poller, request, CHAPTER, args.timeout)
+    seed, page_size, iters, runs, nbufs = HEADER.unpack_from(request)
+    regions = [REGION.unpack_from(request, HEADER.size + i * REGION.size) for i in range(nbufs)]
+    pages = connect.unpack_pages(request, HEADER.size + nbufs * REGION.size, runs)
+    npages = len(pages)
 
     # Contexts to spare: the provider, not us, should be the one to say "full".
     queue = OpQueue(ep, cq, poller, slots=max(4 * info.tx_attr.size, CONTEXTS))
@@ -214,22 +212,17 @@ def client(info, args, addr):
     with fi.Closer() as own:
         domain, cq, av, ep = fi.open_endpoint(own, info)
         poller = fi.Poller(cq)
-        inbox = fi.Inbox(own, domain, ep, HEARTBEAT.size)
+        inbox = fi.Inbox(own, domain, ep, len(connect.REFUSED) + connect.WHY)  # or a heartbeat
         buffers = [memory.Buffer(args.buffer_size, args.gpu) for _ in range(args.buffers)]
         mrs = [memory.register(own, domain, b, lib.FI_REMOTE_WRITE, key=i + 1)
                for i, b in enumerate(buffers)]
         print(f"memory: {args.buffers} x {args.buffer_size} bytes of {buffers[0].kind}")
         server_addr = fi.av_insert(av, addr)
 
-        me = fi.getname(ep)
-        request = (HEADER.pack(args.seed, args.page_size, args.iters, len(pages), len(buffers),
-                               len(me)) + me
-                   + b"".join(REGION.pack(fi.remote_base(info, b.ptr), b.size,
-                                          BAD_KEY if args.bad_key else fi.mr_key(mr))
-                              for b, mr in zip(buffers, mrs))
-                   + b"".join(PAGE.pack(p) for p in pages))
-        poller.send(own, domain, ep, request, server_addr, 1001, args.timeout, "CONNECT",
-                    ": is the server running?")
+        regions = [(fi.remote_base(info, b.ptr), b.size,
+                    BAD_KEY if args.bad_key else fi.mr_key(mr)) for b, mr in zip(buffers, mrs)]
+        poller.send(own, domain, ep, request(args, fi.getname(ep), regions), server_addr, 1001,
+                    args.timeout, "CONNECT", ": is the server running?")
 
         # One-sided WRITEs leave no trace here; the heartbeats say the server is alive.
         progress = bench.Progress("WRITEs completed (server's count)", args.iters, args.page_size)
@@ -237,7 +230,7 @@ def client(info, args, addr):
             got, length = poller.wait([inbox.ctx], args.timeout, "heartbeat from the server",
                                       or_remote_data=True)
             if got is not None:
-                progress.update(HEARTBEAT.unpack(inbox.take(length))[0])
+                progress.update(HEARTBEAT.unpack(connect.heard(inbox.take(length)))[0])
         progress.close()
         data = poller.remote_data.pop(0)
         memory.synchronize(args.gpu)  # the GPU has finished every copy into our buffers
@@ -249,6 +242,15 @@ def client(info, args, addr):
               f"{wrong} wrong bytes")
         if data != args.iters or wrong:
             raise ValueError(f"{wrong} wrong bytes, immediate data {data} (expected {args.iters})")
+
+
+def request(args, me, regions):
+    """CONNECT: our address `me`, per buffer its (remote address, size, key), the pages
+    and how many WRITEs to cycle over them."""
+    runs, pages = connect.pack_pages(args.pages)
+    return connect.pack(CHAPTER, me, HEADER.pack(args.seed, args.page_size, args.iters, runs,
+                                                 len(regions))
+                        + b"".join(REGION.pack(*r) for r in regions) + pages)
 
 
 def main():
@@ -269,8 +271,6 @@ def main():
     if not 1 <= args.iters < 1 << 32:
         raise cli.UsageError(f"--iters must be 1..{(1 << 32) - 1}: it travels as 32-bit "
                              "immediate data")
-    if HEADER.size + 64 + args.buffers * REGION.size + len(args.pages) * PAGE.size > MAX_MESSAGE:
-        raise cli.UsageError(f"too many pages or buffers for one {MAX_MESSAGE}-byte CONNECT")
     memory.use_gpu(args.gpu)
 
     info, addr = cli.peer(args, CAPS, prefer=lib.FI_HMEM if args.gpu is not None else 0)
@@ -278,6 +278,8 @@ def main():
     print(f"memory registration: {mr_mode}")
     if addr is None:
         return server(info, args)
+    fake = request(args, bytes(connect.ADDRESS_BOUND), [(0, 0, 0)] * args.buffers)
+    connect.fits(info, len(fake), "pages or buffers")
     return client(info, args, addr)
 
 

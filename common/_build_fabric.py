@@ -185,6 +185,7 @@ int tut_mr_reg(struct fid_domain *domain, void *buf, size_t len, uint64_t access
                uint64_t dmabuf_offset, struct fid_mr **mr);
 int tut_has_dmabuf(void);
 size_t tut_nic_speed(const struct fi_info *info);
+size_t tut_nic_mtu(const struct fi_info *info);
 int tut_nic_pci(const struct fi_info *info, char *buf, size_t len);
 int tut_wait_data(struct fid_cq **cqs, size_t n, uint64_t *data, uint8_t *got, int *stop,
                   size_t *failed);
@@ -290,6 +291,14 @@ static size_t tut_nic_speed(const struct fi_info *info)
     if (!info->nic || !info->nic->link_attr)
         return 0;
     return info->nic->link_attr->speed;
+}
+
+/* The link's MTU in bytes, 0 when the provider does not say (shm, tcp). */
+static size_t tut_nic_mtu(const struct fi_info *info)
+{
+    if (!info->nic || !info->nic->link_attr)
+        return 0;
+    return info->nic->link_attr->mtu;
 }
 
 /* PCI address of the NIC ("0000:4f:00.0"); 0 when unknown. */

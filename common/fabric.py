@@ -208,6 +208,24 @@ def usable(caps=lib.FI_MSG):
         return []
 
 
+# The most a control message may be where the provider names no link MTU (shm, tcp
+# have no NIC): 4096 bytes, InfiniBand's largest MTU, so what runs here fits a real NIC.
+FALLBACK_MTU = 4096
+
+
+def max_send(info):
+    """The largest SEND the NIC carries in one packet: its link MTU where the provider
+    sets one (efa: the device's max_msg_sz, prov/efa/src/efa_prov_info.c; verbs: the
+    port's active MTU, prov/verbs/src/verbs_info.c), else FALLBACK_MTU; never more than
+    ep_attr->max_msg_size. efa-direct does not split a larger SEND (prov/efa/src/efa_msg.c
+    only asserts its length), and efa's RDM fabric and rxm switch protocols for one."""
+    return send_limit(lib.tut_nic_mtu(info), info.ep_attr.max_msg_size)
+
+
+def send_limit(mtu, max_msg_size):
+    return min(mtu or FALLBACK_MTU, max_msg_size)
+
+
 def check_address(info, addr):
     """Raise ValueError unless `addr` has the shape of an address of this provider."""
     if info.addr_format == lib.FI_ADDR_STR:
@@ -458,6 +476,9 @@ def key(context):
     return int(ffi.cast("uintptr_t", context))
 
 
+IDLE_NAP = (50e-6, 4e-3)  # seconds: an idle wait's first sleep, and its longest
+
+
 class Poller:
     """Reads a CQ and keeps each completion, by operation context, until it is asked for.
 
@@ -483,12 +504,19 @@ class Poller:
         if entry.op_context != ffi.NULL:
             self.done[key(entry.op_context)] = entry.len
 
-    def _until(self, ready, timeout, what):
+    def _until(self, ready, timeout, what, idle=False):
         deadline = None if timeout is None else time.monotonic() + timeout
+        nap = 0.0
         while not ready():
-            if not self.poll():
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"no {what} within {timeout:g} s")
+            if self.poll():
+                nap = 0.0
+                continue
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"no {what} within {timeout:g} s")
+            if idle:  # nobody to serve: sleep longer each time, the CPU is someone else's
+                nap = min(max(2 * nap, IDLE_NAP[0]), IDLE_NAP[1])
+                time.sleep(nap)
+            else:
                 # Let a peer on the same core run. Not time.sleep(0): that is a real
                 # sleep (~50 us of timer slack), which cut tcp's throughput by 5x here.
                 os.sched_yield()
@@ -512,12 +540,15 @@ class Poller:
                           f"{what} accepted")
         self.wait([ctx], timeout, f"{what} completion{hint}")
 
-    def wait(self, contexts, timeout, what, or_remote_data=False):
-        """Wait until one of `contexts` completes: returns (that context, bytes received).
-        With `or_remote_data`, immediate data arriving first ends the wait: (None, 0)."""
+    def wait(self, contexts, timeout, what, or_remote_data=False, idle=False):
+        """Wait until one of `contexts` completes: returns (the first of them to complete,
+        bytes received): messages are handled in the order they came.
+        With `or_remote_data`, immediate data arriving first ends the wait: (None, 0).
+        `idle`: a server waiting for its next client, which backs off instead of taking
+        a core (a blocking wait is no way out: EFA's CQs have no wait object)."""
         self._until(lambda: any(key(c) in self.done for c in contexts)
-                    or (or_remote_data and self.remote_data), timeout, what)
-        ctx = next((c for c in contexts if key(c) in self.done), None)
+                    or (or_remote_data and self.remote_data), timeout, what, idle)
+        ctx = next((c for k in self.done for c in contexts if key(c) == k), None)
         return (None, 0) if ctx is None else (ctx, self.done.pop(key(ctx)))
 
     def wait_all(self, contexts, timeout, what):

@@ -11,20 +11,16 @@ import sys
 import threading
 import time
 
-from common import bench, cli, memory, topo
+from common import bench, cli, connect, memory, topo
 from common.fabric import ffi, lib
 from common.opqueue import CONTEXTS, HEARTBEAT, Heartbeat, OpQueue, write_messages
 import common.fabric as fi
 
 CAPS = lib.FI_MSG | lib.FI_RMA
-MAX_MESSAGE = 64 * 1024
-HEADER = struct.Struct("<QQQIHHH")  # seed, page size, WRITEs, pages, buffers, groups,
+HEADER = struct.Struct("<QQQIHHH")  # seed, page size, WRITEs, page runs, buffers, groups,
 REGION = struct.Struct("<QQQ")      # NICs per group | remote addr, size, key
 NAME = struct.Struct("<H")  # each address's length before it: shm's ":9:0" and ":10:0" differ
-PAGE = struct.Struct("<I")
 LANDED = struct.Struct("<Q")
-REFUSED = b"refused: "  # server -> client, then why; never a heartbeat's length
-WHY = 240  # bytes of the why that reach the client
 BURST = 1  # new WRITEs per lane per visit: one, as in the series; chapter 14 posts more
 
 
@@ -82,23 +78,25 @@ def lane_infos(args, head, groups, per_group):
 def server(info, args, warmup=None, engine=None):
     with fi.Closer() as own:
         control = Lane(own, info)
-        inbox = fi.Inbox(own, control.domain, control.ep, MAX_MESSAGE)
+        inbox = fi.Inbox(own, control.domain, control.ep, fi.max_send(info))
         addr = fi.getname(control.ep).hex()
         print(f"server address: {addr}")
         print(cli.client_hint(args, addr, args.lesson, swap_gpus(args)), flush=True)
         served, backlog = 0, []
         while not args.clients or served < args.clients:
             if not backlog:
-                _, length = control.poller.wait([inbox.ctx], None, "CONNECT")
+                _, length = control.poller.wait([inbox.ctx], None, "CONNECT", idle=True)
                 backlog.append(inbox.take(length))
             request = backlog.pop(0)
+            if connect.stray(request):
+                continue
             served += 1
             try:
                 with fi.Closer() as client_own:
                     serve(client_own, info, control, inbox, backlog, request, args, warmup,
                           engine or write_all)
             except (fi.FabricError, TimeoutError, ValueError) as e:
-                print(f"client {served}: failed: {e}", file=sys.stderr, flush=True)
+                connect.report(served, e)
 
 
 def swap_gpus(args):
@@ -121,10 +119,10 @@ def unpack_names(data, at, count):
 
 
 def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
-    seed, page_size, iters, npages, nbufs, groups, per_group = HEADER.unpack_from(request)
-    names, at = unpack_names(request, HEADER.size, 1 + groups * per_group)
-    client = fi.av_insert(control.av, names[0])
-    own.callback(fi.av_remove, control.av, client)
+    client, request = connect.accept(own, control.av, control.domain, control.ep, control.poller,
+                                     request, args.number, args.timeout)
+    seed, page_size, iters, runs, nbufs, groups, per_group = HEADER.unpack_from(request)
+    names, at = unpack_names(request, HEADER.size, groups * per_group)
     beat = Heartbeat(own, control.domain, client)
     lanes, started = [], False
     try:
@@ -137,12 +135,11 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
             for n in range(per_group):
                 lane = Lane(own, infos[g][n], args.gpus[g] if args.gpus else None)
                 lane.group = g
-                lane.peer = fi.av_insert(lane.av, names[1 + len(lanes)])
+                lane.peer = fi.av_insert(lane.av, names[len(lanes)])
                 lanes.append(lane)
         regions = [REGION.unpack_from(request, at + i * REGION.size)
                    for i in range(groups * per_group * nbufs)]
-        at += len(regions) * REGION.size
-        pages = [PAGE.unpack_from(request, at + i * PAGE.size)[0] for i in range(npages)]
+        pages = connect.unpack_pages(request, at + len(regions) * REGION.size, runs)
 
         for k, lane in enumerate(lanes):  # WRITEs per lane, as even as they come
             lane.iters = iters // len(lanes) + (k < iters % len(lanes))
@@ -169,21 +166,12 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
         for lane in lanes + [control]:
             lane.queue.drain(args.timeout)
         if not started and isinstance(e, (fi.FabricError, ValueError)):
-            refuse(own, control, client, e, args.timeout)
+            connect.refuse(own, control.domain, control.ep, control.poller, client, e,
+                           args.timeout)
         raise
     report(args, lanes, sources, iters, page_size, elapsed, cpu)
     if compare:
         compare(elapsed)
-
-
-def refuse(own, control, client, why, timeout):
-    """Tell a client that waits for heartbeats why none will come. If it cannot hear it
-    (gone too), the server's own error still says why."""
-    try:
-        control.poller.send(own, control.domain, control.ep, REFUSED + str(why).encode()[:WHY],
-                            client, 1003, timeout, "the refusal")
-    except (fi.FabricError, TimeoutError):
-        pass
 
 
 def build_messages(own, lane, source, regions, pages, page_size, n, per_group):
@@ -251,7 +239,7 @@ def client(info, args, addr, infos):
     groups, per_group = len(infos), len(infos[0])
     with fi.Closer() as own:
         control = Lane(own, info)
-        inbox = fi.Inbox(own, control.domain, control.ep, len(REFUSED) + WHY)
+        inbox = fi.Inbox(own, control.domain, control.ep, len(connect.REFUSED) + connect.WHY)
         server_addr = fi.av_insert(control.av, addr)
         lanes = [Lane(own, i, args.gpus[g] if args.gpus else None)
                  for g, group in enumerate(infos) for i in group]
@@ -266,13 +254,10 @@ def client(info, args, addr, infos):
                 regions += REGION.pack(fi.remote_base(lane.info, b.ptr), b.size, fi.mr_key(mr))
         print(f"memory: {groups} x {args.buffers} x {args.buffer_size} bytes of "
               f"{' / '.join(sorted({bs[0].kind for bs in buffers}))}")
-        request = (HEADER.pack(args.seed, args.page_size, args.iters, len(args.pages),
-                               args.buffers, groups, per_group)
-                   + pack_names([fi.getname(control.ep)] + [fi.getname(lane.ep) for lane in lanes])
-                   + regions
-                   + b"".join(PAGE.pack(p) for p in args.pages))
-        control.poller.send(own, control.domain, control.ep, request, server_addr, 1001,
-                            args.timeout, "CONNECT", ": is the server running?")
+        control.poller.send(own, control.domain, control.ep,
+                            request(args, fi.getname(control.ep),
+                                    [fi.getname(lane.ep) for lane in lanes], regions),
+                            server_addr, 1001, args.timeout, "CONNECT", ": is the server running?")
 
         data = wait_immediates(control, inbox, lanes, args)
         for bs in buffers:
@@ -315,9 +300,7 @@ def wait_immediates(control, inbox, lanes, args):
             control.poller.poll()
             if fi.key(inbox.ctx) in control.poller.done:
                 message = inbox.take(control.poller.done.pop(fi.key(inbox.ctx)))
-                if message.startswith(REFUSED):
-                    raise ValueError("the server " + message.decode(errors="replace"))
-                progress.update(HEARTBEAT.unpack(message)[0])
+                progress.update(HEARTBEAT.unpack(connect.heard(message))[0])
                 deadline = time.monotonic() + args.timeout
             elif time.monotonic() > deadline:
                 raise TimeoutError(f"no heartbeat from the server within {args.timeout:g} s "
@@ -331,6 +314,16 @@ def wait_immediates(control, inbox, lanes, args):
     if errors:
         raise errors[0]
     return list(data[0:len(lanes)])
+
+
+def request(args, me, names, regions):
+    """CONNECT: the control endpoint's address `me`, each lane's (`names`), and the packed
+    `regions` (per lane, per buffer: remote address, size, key); the pages and WRITEs."""
+    runs, pages = connect.pack_pages(args.pages)
+    return connect.pack(args.number, me,
+                        HEADER.pack(args.seed, args.page_size, args.iters, runs, args.buffers,
+                                    args.groups, len(names) // args.groups)
+                        + pack_names(names) + regions + pages)
 
 
 def parse(doc, add_args=None):
@@ -364,9 +357,6 @@ def parse(doc, add_args=None):
     if not lanes <= args.iters < 1 << 32:
         raise cli.UsageError(f"--iters must be {lanes}..{(1 << 32) - 1}: at least one WRITE "
                              "per NIC")
-    if (HEADER.size + (NAME.size + 64) * (lanes + 1) + lanes * args.buffers * REGION.size
-            + len(args.pages) * PAGE.size > MAX_MESSAGE):
-        raise cli.UsageError(f"too many pages, buffers or NICs for one {MAX_MESSAGE}-byte CONNECT")
     for gpu in reversed(args.gpus or []):  # each must exist; the first ends up current
         memory.use_gpu(gpu)
 
@@ -380,10 +370,13 @@ def run(doc, chapter, warmup=None, engine=None, add_args=None, lesson=None):
     by default) and `add_args` (their own flags); `lesson`: the chapter's LESSON,
     whose client run the server prints as the client command."""
     args = parse(doc, add_args)
-    args.chapter, args.lesson = chapter, lesson
+    args.chapter, args.number, args.lesson = chapter, int(chapter[:2]), lesson
     info, addr = cli.peer(args, CAPS, prefer=lib.FI_HMEM if args.gpus else 0)
     if addr is None:
         return server(info, args, warmup, engine and (lambda *a: engine(args, *a)))
     infos, what = lane_infos(args, info, args.groups, args.nics_per_gpu)  # before opening
     print(what)
+    lanes, name = args.groups * len(infos[0]), bytes(connect.ADDRESS_BOUND)
+    fake = request(args, name, [name] * lanes, bytes(REGION.size * lanes * args.buffers))
+    connect.fits(info, len(fake), "pages, buffers or NICs")
     return client(info, args, addr, infos)

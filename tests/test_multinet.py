@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from common import multinet, topo
+from common import connect, multinet, topo
 import common.fabric as fi
 from scripts.pair import run_pair
 from tests.gpu import has_gpu, needs_gpus
@@ -115,17 +115,19 @@ def test_a_refused_client_hears_why_at_once(provider):
     why = "the client has 1 groups, this server 2 GPUs"
     with fi.Closer() as own:
         server, client, lane = (multinet.Lane(own, info) for _ in range(3))
-        server_inbox = fi.Inbox(own, server.domain, server.ep, multinet.MAX_MESSAGE)
+        server_inbox = fi.Inbox(own, server.domain, server.ep, fi.max_send(info))
         client_inbox = fi.Inbox(own, client.domain, client.ep,
-                                len(multinet.REFUSED) + multinet.WHY)
-        request = multinet.HEADER.pack(1, 4096, 1, 1, 1, 1, 1) + multinet.pack_names(
-            [fi.getname(client.ep), fi.getname(lane.ep)])
+                                len(connect.REFUSED) + connect.WHY)
+        request = connect.pack(9, fi.getname(client.ep),
+                               multinet.HEADER.pack(1, 4096, 1, 1, 1, 1, 1)
+                               + multinet.pack_names([fi.getname(lane.ep)]))
         failed = []
 
         def serve():
             try:
                 multinet.serve(own, info, server, server_inbox, [], request,
-                               argparse.Namespace(gpus=[0, 1], timeout=20.0), None, None)
+                               argparse.Namespace(gpus=[0, 1], number=9, timeout=20.0), None,
+                               None)
             except ValueError as e:
                 failed.append(str(e))
         thread = threading.Thread(target=serve)

@@ -144,7 +144,7 @@ def test_07_a_second_completion_is_caught(monkeypatch):
     (["--pages", "40000"], "--pages must name pages 0..32767"),
     (["--pages", "a-b"], "not a page number"),
     (["--iters", "0"], "--iters must be"),
-    (["--page-size", "4K", "--pages", "0-20000"], "too many pages"),
+    (["--page-size", "4K", "--pages", ",".join(map(str, range(0, 2000, 2)))], "too many pages"),
     (["--gpu", "0"] if not has_gpu() else ["--gpu", "99"], "GPU"),
 ])
 def test_07_bad_input(args, pattern):
@@ -177,7 +177,9 @@ def start(chapter, args, until):
 
 def client_gone_server_survives(chapter, provider, server_args=(), client_args=()):
     """A client stopped while WRITEs stream into it (Ctrl-C: it closes what it opened):
-    the server gives up on it within its --timeout and serves the next one."""
+    the server says so in one line, and serves the next one. Where the provider
+    reports the failed WRITE (shm in 1.17: EIO; tcp: the closed connection), the line
+    says "gone"; 2.1's shm reports nothing, and its WRITEs stop completing."""
     server, out = start(chapter, ["-p", provider, "--clients", "2", "--timeout", "2",
                                   *server_args], ADDRESS.pattern)
     procs = [server]
@@ -199,7 +201,9 @@ def client_gone_server_survives(chapter, provider, server_args=(), client_args=(
         for proc in procs:
             proc.kill()
     assert server.returncode == 0
-    assert re.search(r"^client 1: failed: ", err, re.MULTILINE), err
+    assert re.search(r"^client 1: (gone: fi_cq_read: |failed: no WRITE completed for 2 s )",
+                     err, re.MULTILINE), err
+    assert "Traceback" not in err
 
 
 def test_07_client_gone_mid_run_server_survives(provider):

@@ -1,0 +1,136 @@
+"""CONNECT, the first message of every client from chapter 05 on, and how a server
+answers a client it will not (or can no longer) serve.
+
+CONNECT opens with what a server of any chapter can read: a magic, the client's
+chapter and its address. So a server never misreads a request of another
+chapter's format: it tells that client why (a refusal, which the client waits
+for like any reply) and serves the next one. Every control message, CONNECT
+included, fits in one SEND the NIC carries whole (fabric.max_send): page lists
+travel as runs of consecutive pages, which keeps the series' 1000 pages per
+buffer to 8 bytes each. A client that goes away mid-run is reported as gone,
+in one line, and the server serves the next.
+"""
+import errno
+import struct
+import sys
+
+from common import cli
+import common.fabric as fi
+
+MAGIC = b"LFtu"                    # "libfabric tutorial"
+PREAMBLE = struct.Struct("<4sBH")  # magic, the client's chapter, its address length
+RUN = struct.Struct("<II")         # a run of pages: the first, how many
+REFUSED = b"refused: "  # server -> client, then why; never a heartbeat's length
+WHY = 240  # bytes of the why that reach the client: a refusal, like a heartbeat or LANDED
+#            (8 bytes), is below any link's MTU (InfiniBand's smallest is 256)
+ADDRESS_BOUND = 64  # bytes: no provider's address is longer (efa 32, verbs 28 or 48)
+# How providers report an operation to a peer that is no longer there: shm the failed
+# copy into a dead process (EIO), tcp;ofi_rxm the cancelled operations of a closed
+# connection, efa an unreachable or unresponsive peer (prov/efa/src/efa_errno.h).
+PEER_GONE = {"EIO", "ECANCELED", "ECONNABORTED", "ECONNRESET", "ENOTCONN", "EHOSTUNREACH",
+             "EPIPE"}
+
+
+class Refused(ValueError):
+    """A CONNECT this server does not serve; the client has been told why when it could be."""
+
+
+def pack(chapter, address, body):
+    return PREAMBLE.pack(MAGIC, chapter, len(address)) + address + body
+
+
+def is_connect(message):
+    return message[:len(MAGIC)] == MAGIC and len(message) >= PREAMBLE.size
+
+
+def stray(message):
+    """Whether `message`, which came where a CONNECT was due, is something else (a chapter
+    04 client's text, another program's): said in one line, it is not a client."""
+    if is_connect(message):
+        return False
+    print(f"ignored a {len(message)}-byte message that is not a CONNECT", file=sys.stderr,
+          flush=True)
+    return True
+
+
+def unpack(message, chapter):
+    """(the client's address, the rest, why not) of a CONNECT to `chapter`'s server:
+    `why not` is None, or says that the client is of another chapter."""
+    _, theirs, length = PREAMBLE.unpack_from(message)
+    at = PREAMBLE.size + length
+    why = (None if theirs == chapter else
+           f"this is chapter {chapter:02d}'s server; you ran chapter {theirs:02d}'s client")
+    return message[PREAMBLE.size:at], message[at:], why
+
+
+def accept(own, av, domain, ep, poller, request, chapter, timeout):
+    """(the client's fi_addr, the rest of its CONNECT), for a client of `chapter`;
+    one of another chapter is told so by name and refused (Refused)."""
+    address, body, why = unpack(request, chapter)
+    client = fi.av_insert(av, address)
+    own.callback(fi.av_remove, av, client)
+    if why:
+        refuse(own, domain, ep, poller, client, why, timeout)
+        raise Refused(why)
+    return client, body
+
+
+def refusal(why):
+    return REFUSED + str(why).encode()[:WHY]
+
+
+def refuse(own, domain, ep, poller, client, why, timeout):
+    """Tell a client that waits for the server why nothing more will come. If it cannot
+    hear it (gone too), the server's own line still says why."""
+    try:
+        poller.send(own, domain, ep, refusal(why), client, 1003, timeout, "the refusal")
+    except (fi.FabricError, TimeoutError):
+        pass
+
+
+def heard(message):
+    """A message from the server, unless it is a refusal: then ValueError with its why."""
+    if message.startswith(REFUSED):
+        raise ValueError("the server " + message.decode(errors="replace"))
+    return message
+
+
+def fits(info, size, too_many):
+    """Refuse (cli.UsageError, saying what is `too_many`) a CONNECT of `size` bytes that
+    one SEND on `info`'s NIC would not carry whole."""
+    limit = fi.max_send(info)
+    if size > limit:
+        raise cli.UsageError(f"too many {too_many}: CONNECT would be {size} bytes, and one SEND "
+                             f"on this NIC carries at most {limit} (fabric.max_send)")
+
+
+def pack_pages(pages):
+    """The page list as runs of consecutive pages: (first, count) each."""
+    runs = []
+    for page in pages:
+        if runs and runs[-1][0] + runs[-1][1] == page:
+            runs[-1][1] += 1
+        else:
+            runs.append([page, 1])
+    return len(runs), b"".join(RUN.pack(*run) for run in runs)
+
+
+def unpack_pages(data, at, runs):
+    """The pages of `runs` runs packed by pack_pages from `at` on."""
+    pages = []
+    for i in range(runs):
+        first, count = RUN.unpack_from(data, at + i * RUN.size)
+        pages.extend(range(first, first + count))
+    return pages
+
+
+def gone(error):
+    """Whether `error` says that the peer is no longer there."""
+    return (isinstance(error, fi.CompletionError)
+            and errno.errorcode.get(abs(error.rc)) in PEER_GONE)  # shm's sign is flipped
+
+
+def report(n, error):
+    """The server's one line about client `n`, which it stopped serving on `error`."""
+    what = "refused" if isinstance(error, Refused) else "gone" if gone(error) else "failed"
+    print(f"client {n}: {what}: {error}", file=sys.stderr, flush=True)
