@@ -63,20 +63,52 @@ def run_pair(server, client, env, timeout):
     return done.stdout, out
 
 
-def fi_rma_bw(provider, op, size, iters, gpus, timeout):
-    """One run of fi_rma_bw; the client's Gbps (fabtests prints MB/s of 10^6 bytes)."""
+def tools_libfabric():
+    """The version of the libfabric the tools there use (their fi_info --version), or None."""
+    try:
+        out = subprocess.run([str(prefix() / "bin" / "fi_info"), "--version"],
+                             capture_output=True, text=True, env=tool_env()).stdout
+    except OSError:
+        return None
+    return (re.findall(r"libfabric: ([\d.]+)", out) or [None])[0]
+
+
+def rma_bw_tool():
+    """fabtests' fi_rma_bw, from LIBFABRIC_PREFIX/bin, else .deps/libfabric/bin."""
     tool = prefix() / "bin" / "fi_rma_bw"
     if not tool.exists():
-        raise FileNotFoundError(f"{tool} not found: build it with scripts/build_libfabric.sh "
-                                "or set LIBFABRIC_PREFIX")
-    base = [str(tool), "-p", provider, "-E", "-o", op, "-S", str(size), "-I", str(iters)]
-    server, client = list(base), base + ["127.0.0.1"]
-    if gpus:
-        server += ["-D", "cuda", "-i", str(gpus[0])]
-        client[1:1] = ["-D", "cuda", "-i", str(gpus[1])]
+        raise FileNotFoundError(f"{tool} not found: build it with 'bash scripts/build_libfabric.sh'"
+                                " or set LIBFABRIC_PREFIX to a libfabric built with fabtests")
+    return tool
+
+
+def rma_bw_command(provider, op, size, iters, gpu=None, port=None, nic=None):
+    """One side's fi_rma_bw (a client adds the server's host): -E exchanges the addresses
+    over a TCP socket (on `port`, default 3000), which shm needs; `nic`: (fabric, domain)."""
+    command = [str(rma_bw_tool()), "-p", provider, f"-E={port}" if port else "-E", "-o", op,
+               "-S", str(size), "-I", str(iters)]
+    if nic:
+        command += ["-f", nic[0], "-d", nic[1]]
+    if gpu is not None:
+        command += ["-D", "cuda", "-i", str(gpu)]
+    return command
+
+
+def rma_bw_gbps(output):
+    """The Gbps of fi_rma_bw's figures line (fabtests prints MB/s of 10^6 bytes)."""
+    row = next((line.split() for line in output.splitlines()
+                if re.match(r"^\d+[kmg]?\s+\d", line)), None)
+    if row is None:
+        raise RuntimeError(f"fi_rma_bw printed no figures: {output.strip()[-300:]}")
+    return float(row[4]) * 8 / 1000
+
+
+def fi_rma_bw(provider, op, size, iters, gpus, timeout):
+    """One run of fi_rma_bw between two processes here; the client's Gbps."""
+    server = rma_bw_command(provider, op, size, iters, gpus and gpus[0])
+    client = rma_bw_command(provider, op, size, iters, gpus and gpus[1]) + ["127.0.0.1"]
     out, _ = run_pair(server, client, tool_env(), timeout)
-    row = next(line.split() for line in out.splitlines() if re.match(r"^\d+[kmg]?\s+\d", line))
-    return float(row[4]) * 8 / 1000, " ".join(client[1:])
+    return rma_bw_gbps(out), " ".join(client[1:])
 
 
 def ucx_put_bw(ucx, size, iters, gpus, timeout):
@@ -142,12 +174,15 @@ def iterations(size, total_bytes, at_least=200):
     return max(at_least, total_bytes // size)
 
 
-def measure(tools, sizes, repeats, total_bytes):
-    """[{tool, size, gbps[], median_gbps, command}] for each tool and size, runs interleaved."""
-    rows = []
+def measure(tools, sizes, repeats, total_bytes, rows=None):
+    """[{tool, size, gbps[], median_gbps, command}] for each tool and size, runs interleaved.
+    `rows`: a list to fill as the figures come in, which the caller keeps when a run fails
+    (a row's median only once all its repeats are in)."""
+    rows = [] if rows is None else rows
     for size in sizes:
         iters = iterations(size, total_bytes)
         batch = [{"tool": name, "size": size, "iters": iters, "gbps": []} for name, _ in tools]
+        rows.extend(batch)
         for _ in range(repeats):  # tool after tool, so a noisy moment hits all of them
             for row, (_, fn) in zip(batch, tools):
                 gbps, row["command"] = fn(size, iters)
@@ -156,7 +191,6 @@ def measure(tools, sizes, repeats, total_bytes):
             row["median_gbps"] = statistics.median(row["gbps"])
             print(f"  {row['tool']:<28} {size:>10} B  median {row['median_gbps']:9.3f} Gbps  "
                   f"({', '.join(f'{g:.1f}' for g in row['gbps'])})", flush=True)
-        rows.extend(batch)
     return rows
 
 
@@ -175,8 +209,6 @@ def save(rows, kind, label, provider, gpus):
     """Write (or add to) results/<kind>/<label>-<provider>-<memory>.json: rows of the same
     tool and size are replaced, others kept, each row saying when and at which commit."""
     memory = "cuda" if gpus else "host"
-    version = subprocess.run([str(prefix() / "bin" / "fi_info"), "--version"],
-                             capture_output=True, text=True, env=tool_env()).stdout
     stamp = {"git": bench.git_sha(), "date": datetime.now(timezone.utc).isoformat(
         timespec="seconds")}
     folder = bench.BASELINES if kind == "baseline" else bench.RESULTS / kind
@@ -188,7 +220,7 @@ def save(rows, kind, label, provider, gpus):
         kept = []
     runs = sorted(kept + [{**r, **stamp} for r in rows], key=lambda r: (r["size"], r["tool"]))
     data = {"kind": kind, "provider": provider, "memory": memory, "gpus": gpus,
-            "libfabric": (re.findall(r"libfabric: ([\d.]+)", version) or [None])[0],
+            "libfabric": tools_libfabric(),
             "machine": bench.machine(gpus[1] if gpus else None), **stamp, "runs": runs}
     bench.write_json(path, data)
     print(f"wrote {path.relative_to(ROOT)}")
