@@ -1,22 +1,23 @@
 """Two hosts, one command each: chapters 07 and 09-15 between them, beside fi_rma_bw and the blog.
 
-    python scripts/two_hosts.py --peer HOSTB                          # on host A
-    python scripts/two_hosts.py --peer HOSTA                          # on host B
-    MASTER_ADDR=HOSTA MASTER_PORT=29500 python scripts/two_hosts.py   # the same on both
-    srun -N 2 python scripts/two_hosts.py -p efa --gpus 0,1,2,3,4,5,6,7
+    .venv/bin/python scripts/two_hosts.py --peer HOSTB                          # on host A
+    .venv/bin/python scripts/two_hosts.py --peer HOSTA                          # on host B
+    MASTER_ADDR=HOSTA MASTER_PORT=29500 .venv/bin/python scripts/two_hosts.py   # on both
+    srun -N 2 .venv/bin/python scripts/two_hosts.py -p efa --gpus 0,1,2,3,4,5,6,7
 
 What runs: for each size and repeat, the chapters one after the other (07
 and 09-15, or --chapters), rank 0 running each chapter's server (the
 writer, whose Gbps count, as in the series) and rank 1 its client; the
 server's address reaches the client through the rendezvous, nothing is
-pasted. Then, as the same-run baseline, fabtests' `fi_rma_bw -o write`
-between the same NICs: one pair on chapter 07's NIC, and for 09-15 one
-pair per NIC the chapters use (32 on a p5 with --gpus 0,...,7), all at
-once, their Gbps summed. Each pair moves what a chapter moves (--bytes), so
-that the pairs overlap although they start apart; the figure is the
-server's, rank 0 -> rank 1, the chapters' direction. The ceiling is the
-sum of the NICs' link speeds from fi_info, where the provider reports them
-(efa and verbs do, shm and tcp do not).
+pasted. Each NIC moves --bytes a run, as in the series (1,000,000 WRITEs
+of 64 KiB in 07 on one NIC, 32,000,000 in 09-15 on 32). Then, as the
+same-run baseline, fabtests' `fi_rma_bw -o write` between the same NICs:
+one pair on chapter 07's NIC, and for 09-15 one pair per NIC the chapters
+use (32 on a p5 with --gpus 0,...,7), all at once, their Gbps summed; each
+pair moves --bytes too, so that the pairs overlap although they start
+apart. The figure is the server's, rank 0 -> rank 1, the chapters'
+direction. The ceiling is the sum of the NICs' link speeds from fi_info,
+where the provider reports them (efa and verbs do, shm and tcp do not).
 
 Who is who: rank 0 serves the rendezvous (chapter 16's, common/launch.py)
 on PORT + 1 and fi_rma_bw's address exchange (-E) on PORT + 2 onwards;
@@ -38,10 +39,11 @@ The report, results/two_hosts/<label>-<provider>-<memory>-<time>.json (or
 --out), is one file written whole by rank 0, or by rank 1 when rank 0 is
 gone: both machines, the libfabric each loaded (path, version) and the one
 fi_rma_bw uses, the provider, the NICs, every figure of every repeat, both
-sides' commands, and the table printed beside the blog's p5 figures. A host
-that goes away mid-run stops the other within seconds (the rendezvous says
-so); what was measured until then is written, with "complete": false and
-why it stopped.
+sides' commands, and the table printed beside the blog's p5 figures. When a
+host's run dies mid-way (killed, crashed) the other stops within a second,
+told by the rendezvous; when it goes silent (powered off, cable out), within
+--timeout. What was measured until then is written, with "complete": false
+and why it stopped, and the last line says why, with exit code 1.
 """
 import argparse
 import contextlib
@@ -50,6 +52,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import socket
 import statistics
 import subprocess
@@ -93,8 +96,8 @@ def arguments():
     p.add_argument("--chapters", default=CHAPTERS, help=f"which of them ({CHAPTERS})")
     p.add_argument("--sizes", default="64K", help="page sizes, comma-separated (default 64K)")
     p.add_argument("--bytes", type=cli.parse_size, default=64 << 30,
-                   help="bytes each run moves (default 64G: chapter 07's 1,000,000 x 64 KiB "
-                   "in the series; at least 200 WRITEs)")
+                   help="bytes each NIC moves in a run (default 64G: the series' 1,000,000 "
+                   "WRITEs of 64 KiB per NIC; at least 200 WRITEs)")
     p.add_argument("--repeats", type=cli.count(1, 100), default=3)
     p.add_argument("--gpus", help="GPUs whose memory the chapters use, the same on both "
                    "hosts, e.g. 0,1,2,3 (default: host memory)")
@@ -234,19 +237,21 @@ def here(args):
     args.provider_used = fi.provider_of(head).split(";")[0]
     real = bool(topo.nics_here(head))  # NICs with PCI addresses; else virtual ones
     first = [nic(head, args.gpus[0] if args.gpus else None, real)]
-    lanes, what = first, "no chapter from 09 on"
+    lanes, count, what = first, 1, "no chapter from 09 on"
     if any(c >= 9 for c in args.chapters):
         groups = len(args.gpus) if args.gpus else args.groups
         infos, what = multinet.lane_infos(args, head, groups, args.nics_per_gpu)
+        count = sum(len(group) for group in infos)
         if real:  # virtual NICs are all one domain: one pair stands for them
             lanes = [nic(i, args.gpus[g] if args.gpus else None, real)
                      for g, group in enumerate(infos) for i in group]
     return {"machine": bench.machine(args.gpus[0] if args.gpus else None), "git": bench.git_sha(),
+            "command": shown([sys.executable, *sys.argv]),
             "provider": f"{fi.provider_of(head)} ({why})", "provider_used": args.provider_used,
             "libfabric": {"version": "%d.%d" % fi.version(), "path": loaded_libfabric()},
             "fi_rma_bw": None if args.no_baseline else
             {"path": str(rma_bw_tool()), "libfabric": tools_libfabric()},
-            "nic_07": first, "lanes": lanes, "lanes_line": what,
+            "nic_07": first, "lanes": lanes, "lane_count": count, "lanes_line": what,
             "environment": {k: v for k, v in sorted(os.environ.items())
                             if k.startswith("FI_") or k in ("LIBFABRIC_PREFIX", "LD_LIBRARY_PATH")}}
 
@@ -266,9 +271,11 @@ def introduce(group, args, mine):
     if differ:
         raise ValueError("the two hosts were started with different arguments: "
                          + "; ".join(differ))
-    if [len(h["lanes"]) for h in hosts] != [len(hosts[0]["lanes"])] * 2:
-        raise ValueError(f"rank 0 has {len(hosts[0]['lanes'])} NICs for 09-15, rank 1 "
-                         f"{len(hosts[1]['lanes'])}: fi_rma_bw pairs them one to one")
+    if hosts[0]["lane_count"] != hosts[1]["lane_count"] or \
+            len(hosts[0]["lanes"]) != len(hosts[1]["lanes"]):
+        raise ValueError(f"rank 0 has {hosts[0]['lane_count']} NICs for 09-15, rank 1 "
+                         f"{hosts[1]['lane_count']}: the chapters and fi_rma_bw pair them "
+                         "one to one")
     for h in hosts:
         del h["arguments"]  # the same on both: the report says them once
     return hosts, a
@@ -336,7 +343,18 @@ class Steps:
                     stop(p.proc, GRACE)
 
     def start(self, command, folder, env=None):
-        self.running.append(Program(command, folder, env or self.env))
+        """Start a program and remember it. A Ctrl-C or SIGTERM that comes meanwhile waits
+        until it is remembered: however this host stops, no program of its runs on."""
+        came = []
+        held = {s: signal.signal(s, lambda signum, _: came.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.running.append(Program(command, folder, env or self.env))
+        finally:
+            for s, handler in held.items():
+                signal.signal(s, handler)
+        if came:
+            signal.raise_signal(came[0])  # now to the handler held back: KeyboardInterrupt
         return self.running[-1]
 
     def swap(self, mine=None):
@@ -351,7 +369,7 @@ class Steps:
         if failed:
             rank, o = failed[0]
             raise Failed(f"{what} failed on rank {rank} "
-                               f"({self.hosts[rank]['machine']['host']}): {o['error']}")
+                         f"({self.hosts[rank]['machine']['host']}): {o['error']}")
         return {f"rank {r}": o["command"] for r, o in enumerate(outcomes)}
 
     def finish(self, programs, theirs):
@@ -367,6 +385,8 @@ class Steps:
     def chapter(self, number):
         """measure()'s tool for one chapter: rank 0 its server, rank 1 its client."""
         def run(size, iters):
+            if number >= 9:  # as in the series: each NIC moves what 07's one moves
+                iters *= self.hosts[0]["lane_count"]
             server, client = chapter_args(number, size, iters, self.args.nics_per_gpu,
                                           self.args.groups, self.args.gpus)
             command = [sys.executable, str(chapter_path(number)), "-p", self.args.provider_used]
@@ -399,8 +419,9 @@ class Steps:
             return outcomes[0]["gbps"], self.settle(f"chapter {number:02d}", outcomes)
         return run
 
-    def rma_bw(self, nics):
-        """measure()'s tool for fi_rma_bw -o write on each pair of `nics` at once, summed."""
+    def rma_bw(self, nics, name):
+        """measure()'s tool for fi_rma_bw -o write on each pair of `nics` ("nic_07" or
+        "lanes", from here()) at once, summed."""
         def run(size, iters):
             def command(i, nic):
                 return rma_bw_command(self.args.provider_used, "write", size, iters, nic["gpu"],
@@ -424,7 +445,7 @@ class Steps:
                     outcome = self.merge([p.outcome() for p in clients])
                     self.swap(outcome)
                     outcomes = [self.swap()[0], outcome]
-            return outcomes[0]["gbps"], self.settle(f"fi_rma_bw on {nics}", outcomes)
+            return outcomes[0]["gbps"], self.settle(name, outcomes)
         return run
 
     def clients(self, commands, folder):
@@ -461,12 +482,12 @@ def tools(steps, args, hosts):
     if args.no_baseline:
         return chosen, {}
     one = "fi_rma_bw, 1 NIC pair"
-    chosen.append((one, steps.rma_bw("nic_07")))
+    chosen.append((one, steps.rma_bw("nic_07", one)))
     baselines = {c: one for c in args.chapters}
     pairs = len(hosts[0]["lanes"])
     if pairs > 1 and max(args.chapters) >= 9:
         many = f"fi_rma_bw, {pairs} NIC pairs"
-        chosen.append((many, steps.rma_bw("lanes")))
+        chosen.append((many, steps.rma_bw("lanes", many)))
         baselines.update({c: many for c in args.chapters if c >= 9})
     return chosen, baselines
 
@@ -525,8 +546,8 @@ def show(lines, rows, hosts, repeats, moved):
     for row in rows:
         if row["tool"].startswith("fi_rma_bw") and median(row) is not None:
             print(f"{row['tool']}, {row['size']} B: {median(row):.3f} Gbps")
-    print(f"Gbps: medians of {repeats} runs of {moved} bytes (at least 200 WRITEs); p5: the "
-          "series (07: % of one 100 Gbps NIC, 09-15: % of 32)")
+    print(f"Gbps: medians of {repeats} runs of {moved} bytes per NIC (at least 200 WRITEs); "
+          "p5: the series (07: % of one 100 Gbps NIC, 09-15: % of 32)")
 
 
 def report_path(args, memory_kind):
@@ -541,7 +562,7 @@ def write_report(args, agreed, hosts, rows, lines, stopped):
     data = {"kind": "two_hosts", "complete": stopped is None, "stopped": stopped,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "provider": hosts[0]["provider"], "memory": memory_kind,
-            "arguments": agreed, "argv": sys.argv[1:], "hosts": hosts,
+            "arguments": agreed, "hosts": hosts,
             "runs": [r for r in rows if r["gbps"]], "table": lines}
     path = bench.write_json(report_path(args, memory_kind), data)
     shown_path = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path

@@ -17,8 +17,9 @@ from types import SimpleNamespace
 import pytest
 
 from scripts import two_hosts
-from scripts.baseline import rma_bw_tool
+from scripts.baseline import measure, rma_bw_gbps, rma_bw_tool
 from scripts.pair import ROOT
+from tests.gpu import needs_gpu
 from tests.test_bad_input import assert_one_line_error
 
 SCRIPT = str(ROOT / "scripts" / "two_hosts.py")
@@ -97,7 +98,7 @@ def test_the_series_table_between_two_hosts_on_loopback(provider, tmp_path):
     # the server's address went over the rendezvous: in rank 1's command, in no argument
     command = data["runs"][0]["command"]["rank 1"].split()
     assert command[1:4] == ["chapters/07_queue.py", "-p", provider]
-    assert command[4] not in data["argv"] and int(command[4], 16)
+    assert int(command[4], 16) and not any(command[4] in h["command"] for h in data["hosts"])
     assert all(h["libfabric"]["path"] and h["libfabric"]["version"] for h in data["hosts"])
     if missing:
         pytest.skip(f"the chapters ran; the fi_rma_bw baseline did not: {missing}")
@@ -223,3 +224,46 @@ def test_a_host_gone_mid_run_stops_the_other_which_keeps_what_was_measured(gone,
     assert not kept["complete"] and kept["stopped"]
     assert kept["runs"][0]["size"] == 4096 and kept["runs"][0]["gbps"][0] > 0
     assert [t["size"] for t in kept["table"]][0] == 4096
+
+
+@needs_gpu
+def test_gpu_memory_on_both_hosts(tmp_path):
+    """Both "hosts" on this machine's GPU 0: 07 and 09 from GPU memory into GPU memory, and
+    fi_rma_bw -D cuda where fabtests are there."""
+    missing = rma_bw_missing()
+    report = tmp_path / "report.json"
+    results = both(["--peer", "127.0.0.1", "--port", str(free_port()), "-p", "shm", "--gpus", "0",
+                    "--chapters", "7,9", "--sizes", "64K", "--bytes", "64M", "--repeats", "1",
+                    "--out", str(report), *(["--no-baseline"] if missing else [])])
+    assert_ranks_0_and_1(results)
+    data = json.loads(report.read_text())
+    assert data["complete"] and data["memory"] == "cuda"
+    assert [t["chapter"] for t in data["table"]] == ["07", "09"]
+    assert "--gpu 0" in data["runs"][0]["command"]["rank 1"]
+    assert "--gpus 0" in data["runs"][1]["command"]["rank 1"]
+    assert all(h["machine"]["gpu"] for h in data["hosts"])
+    if missing:
+        pytest.skip(f"the chapters ran; the fi_rma_bw baseline did not: {missing}")
+    [rma] = [r for r in data["runs"] if r["tool"].startswith("fi_rma_bw")]
+    assert "-D cuda -i 0" in rma["command"]["rank 1"][0] and rma["median_gbps"] > 0
+
+
+def test_what_was_measured_is_kept_when_a_run_fails():
+    calls = []
+
+    def tool(size, iters):
+        calls.append(size)
+        if len(calls) == 2:
+            raise TimeoutError("the other host went silent")
+        return 1.5, "a command"
+    rows = []
+    with pytest.raises(TimeoutError):
+        measure([("tool", tool)], [4096, 8192], 1, 1 << 20, rows)
+    assert [(r["size"], r["gbps"]) for r in rows] == [(4096, [1.5]), (8192, [])]
+
+
+def test_fi_rma_bw_without_figures_is_an_error_not_a_crash():
+    assert rma_bw_gbps("bytes iters total time MB/sec usec/xfer Mxfers/sec\n"
+                       "64k     200     12m   0.01s   1000.00  65.54  0.02\n") == 8.0
+    with pytest.raises(RuntimeError, match="fi_rma_bw printed no figures: fi_getinfo"):
+        rma_bw_gbps("fi_getinfo(): -61\n")
