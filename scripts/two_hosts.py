@@ -13,7 +13,8 @@ pasted. Each NIC moves --bytes a run, as in the series (1,000,000 WRITEs
 of 64 KiB in 07 on one NIC, 32,000,000 in 09-15 on 32). Then, as the
 same-run baseline, fabtests' `fi_rma_bw -o write` between the same NICs:
 one pair on chapter 07's NIC, and for 09-15 one pair per NIC the chapters
-use (32 on a p5 with --gpus 0,...,7), all at once, their Gbps summed; each
+use (32 on a p5 with --gpus 0,...,7; where there are no NICs, one per
+virtual NIC), all at once, their Gbps summed; each
 pair moves --bytes too, so that the pairs overlap although they start
 apart. The figure is the server's, rank 0 -> rank 1, the chapters'
 direction. The ceiling is the sum of the NICs' link speeds from fi_info,
@@ -237,21 +238,19 @@ def here(args):
     args.provider_used = fi.provider_of(head).split(";")[0]
     real = bool(topo.nics_here(head))  # NICs with PCI addresses; else virtual ones
     first = [nic(head, args.gpus[0] if args.gpus else None, real)]
-    lanes, count, what = first, 1, "no chapter from 09 on"
-    if any(c >= 9 for c in args.chapters):
+    lanes, what = first, "no chapter from 09 on"
+    if any(c >= 9 for c in args.chapters):  # virtual NICs too: each is a domain of its own
         groups = len(args.gpus) if args.gpus else args.groups
         infos, what = multinet.lane_infos(args, head, groups, args.nics_per_gpu)
-        count = sum(len(group) for group in infos)
-        if real:  # virtual NICs are all one domain: one pair stands for them
-            lanes = [nic(i, args.gpus[g] if args.gpus else None, real)
-                     for g, group in enumerate(infos) for i in group]
+        lanes = [nic(i, args.gpus[g] if args.gpus else None, real)
+                 for g, group in enumerate(infos) for i in group]
     return {"machine": bench.machine(args.gpus[0] if args.gpus else None), "git": bench.git_sha(),
             "command": shown([sys.executable, *sys.argv]),
             "provider": f"{fi.provider_of(head)} ({why})", "provider_used": args.provider_used,
             "libfabric": {"version": "%d.%d" % fi.version(), "path": loaded_libfabric()},
             "fi_rma_bw": None if args.no_baseline else
             {"path": str(rma_bw_tool()), "libfabric": tools_libfabric()},
-            "nic_07": first, "lanes": lanes, "lane_count": count, "lanes_line": what,
+            "nic_07": first, "lanes": lanes, "lanes_line": what,
             "environment": {k: v for k, v in sorted(os.environ.items())
                             if k.startswith("FI_") or k in ("LIBFABRIC_PREFIX", "LD_LIBRARY_PATH")}}
 
@@ -271,10 +270,9 @@ def introduce(group, args, mine):
     if differ:
         raise ValueError("the two hosts were started with different arguments: "
                          + "; ".join(differ))
-    if hosts[0]["lane_count"] != hosts[1]["lane_count"] or \
-            len(hosts[0]["lanes"]) != len(hosts[1]["lanes"]):
-        raise ValueError(f"rank 0 has {hosts[0]['lane_count']} NICs for 09-15, rank 1 "
-                         f"{hosts[1]['lane_count']}: the chapters and fi_rma_bw pair them "
+    if len(hosts[0]["lanes"]) != len(hosts[1]["lanes"]):
+        raise ValueError(f"rank 0 has {len(hosts[0]['lanes'])} NICs for 09-15, rank 1 "
+                         f"{len(hosts[1]['lanes'])}: the chapters and fi_rma_bw pair them "
                          "one to one")
     for h in hosts:
         del h["arguments"]  # the same on both: the report says them once
@@ -386,7 +384,7 @@ class Steps:
         """measure()'s tool for one chapter: rank 0 its server, rank 1 its client."""
         def run(size, iters):
             if number >= 9:  # as in the series: each NIC moves what 07's one moves
-                iters *= self.hosts[0]["lane_count"]
+                iters *= len(self.hosts[0]["lanes"])
             server, client = chapter_args(number, size, iters, self.args.nics_per_gpu,
                                           self.args.groups, self.args.gpus)
             command = [sys.executable, str(chapter_path(number)), "-p", self.args.provider_used]

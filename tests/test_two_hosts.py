@@ -82,8 +82,10 @@ def provider(request):
 def test_the_series_table_between_two_hosts_on_loopback(provider, tmp_path):
     missing = rma_bw_missing()
     report = tmp_path / "report.json"
-    results = both(["--peer", "127.0.0.1", "--port", str(free_port()), "-p", provider, *TINY,
-                    "--out", str(report), *(["--no-baseline"] if missing else [])])
+    port = free_port()
+    results = both(["--peer", "127.0.0.1", "--port", str(port), "-p", provider, *TINY,
+                    "--nics-per-gpu", "2", "--out", str(report),
+                    *(["--no-baseline"] if missing else [])])
     assert_ranks_0_and_1(results)
     data = json.loads(report.read_text())
     assert data["complete"] and data["stopped"] is None
@@ -102,10 +104,16 @@ def test_the_series_table_between_two_hosts_on_loopback(provider, tmp_path):
     assert all(h["libfabric"]["path"] and h["libfabric"]["version"] for h in data["hosts"])
     if missing:
         pytest.skip(f"the chapters ran; the fi_rma_bw baseline did not: {missing}")
-    [rma] = [r for r in data["runs"] if r["tool"].startswith("fi_rma_bw")]
-    assert rma["median_gbps"] > 0 and rma["command"]["rank 1"][0].endswith(" 127.0.0.1")
-    for line in data["table"]:  # one pair: the virtual NICs of 09-15 are one domain
-        assert line["baseline"] == rma["tool"] and line["percent_of_baseline"] > 0
+    one, two = [r for r in data["runs"] if r["tool"].startswith("fi_rma_bw")]
+    assert (one["tool"], two["tool"]) == ("fi_rma_bw, 1 NIC pair", "fi_rma_bw, 2 NIC pairs")
+    assert one["median_gbps"] > 0 and two["median_gbps"] > 0
+    # one pair per (virtual) NIC of 09-15, at once, each on a port of its own
+    assert [c.split()[3] for c in two["command"]["rank 0"]] == [f"-E={port + 2}",
+                                                                 f"-E={port + 3}"]
+    assert all(c.endswith(" 127.0.0.1") for c in two["command"]["rank 1"])
+    for line in data["table"]:
+        assert line["baseline"] == (one if line["chapter"] == "07" else two)["tool"]
+        assert line["percent_of_baseline"] > 0
         assert line["links_gbps"] is None  # shm and tcp report no link speed
 
 
