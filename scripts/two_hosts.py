@@ -12,13 +12,14 @@ server's address reaches the client through the rendezvous, nothing is
 pasted. Each NIC moves --bytes a run, as in the series (1,000,000 WRITEs
 of 64 KiB in 07 on one NIC, 32,000,000 in 09-15 on 32). Then, as the
 same-run baseline, fabtests' `fi_rma_bw -o write` between the same NICs:
-one pair on chapter 07's NIC, and for 09-15 one pair per NIC the chapters
-use (32 on a p5 with --gpus 0,...,7; where there are no NICs, one per
-virtual NIC), all at once, their Gbps summed; each
-pair moves --bytes too, so that the pairs overlap although they start
-apart. The figure is the server's, rank 0 -> rank 1, the chapters'
-direction. The ceiling is the sum of the NICs' link speeds from fi_info,
-where the provider reports them (efa and verbs do, shm and tcp do not).
+one pair on chapter 07's NIC, and for 09-15 one pair per NIC they use (32
+on a p5 with --gpus 0,...,7; one per virtual NIC where there are none),
+all at once, their Gbps summed. Each pair moves --bytes too, so that the
+pairs overlap although they start apart. The figure is the server's, rank
+0 -> rank 1, the chapters' direction (with -o write the client writes back
+at the same time: bandwidth_rma in fabtests/benchmarks/benchmark_shared.c).
+The ceiling is the sum of the NICs' link speeds from fi_info, where the
+provider reports them (efa and verbs do, shm and tcp do not).
 
 Who is who: rank 0 serves the rendezvous (chapter 16's, common/launch.py)
 on PORT + 1 and fi_rma_bw's address exchange (-E) on PORT + 2 onwards;
