@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from scripts import two_hosts
-from scripts.baseline import measure, rma_bw_gbps, rma_bw_tool
+from scripts.baseline import measure, rma_bw_command, rma_bw_gbps, rma_bw_tool
 from scripts.pair import ROOT
 from tests.gpu import needs_gpu
 from tests.test_bad_input import assert_one_line_error
@@ -275,3 +275,27 @@ def test_fi_rma_bw_without_figures_is_an_error_not_a_crash():
                        "64k     200     12m   0.01s   1000.00  65.54  0.02\n") == 8.0
     with pytest.raises(RuntimeError, match="fi_rma_bw printed no figures: fi_getinfo"):
         rma_bw_gbps("fi_getinfo(): -61\n")
+
+
+def test_on_a_p5_the_ceiling_is_the_sum_of_the_links_and_each_nic_pair_is_named(
+        tmp_path, monkeypatch):
+    """Without the hardware: a p5's 32 NICs of 100 Gbps as here() would list them."""
+    def nics(count):
+        return [{"fabric": "efa", "domain": f"rdmap{79 + i}s0-rdm", "gpu": i // 4, "gbps": 100.0,
+                 "real": True} for i in range(count)]
+    hosts = [{"nic_07": nics(1), "lanes": nics(32)}] * 2
+    many = "fi_rma_bw, 32 NIC pairs"
+    rows = [{"tool": "chapter 07", "size": 65536, "gbps": [97.4], "median_gbps": 97.4},
+            {"tool": "chapter 15", "size": 65536, "gbps": [3108.3], "median_gbps": 3108.3},
+            {"tool": "fi_rma_bw, 1 NIC pair", "size": 65536, "gbps": [94.8], "median_gbps": 94.8},
+            {"tool": many, "size": 65536, "gbps": [3000.0, 2900.0]}]  # its median not in yet
+    lines = two_hosts.table(rows, hosts, {7: "fi_rma_bw, 1 NIC pair", 15: many})
+    assert [(t["chapter"], t["links_gbps"], t["percent_of_links"]) for t in lines] == \
+        [("07", 100.0, 97.4), ("15", 3200.0, 97.134)]
+    assert lines[1]["baseline_gbps"] == 2950.0 and lines[1]["p5_percent"] == 97.1
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "fi_rma_bw").touch()
+    monkeypatch.setenv("LIBFABRIC_PREFIX", str(tmp_path))
+    command = rma_bw_command("efa", "write", 65536, 1000, 3, 29502, ("efa", "rdmap79s0-rdm"))
+    assert command[1:] == ["-p", "efa", "-E=29502", "-o", "write", "-S", "65536", "-I", "1000",
+                           "-f", "efa", "-d", "rdmap79s0-rdm", "-D", "cuda", "-i", "3"]
