@@ -65,8 +65,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baseline import ROOT, chapter_list, measure, rma_bw_command, rma_bw_gbps, rma_bw_tool, \
-    tool_env, tools_libfabric  # noqa: E402
+from baseline import ROOT, chapter_list, measure, prefix, rma_bw_command, rma_bw_gbps, \
+    rma_bw_tool, tool_env, tools_libfabric  # noqa: E402
 from bench import chapter_args  # noqa: E402
 from pair import ADDRESS, chapter_path, stop  # noqa: E402
 from common import bench, cli, memory, multinet, topo  # noqa: E402
@@ -527,13 +527,15 @@ def percent(value):
     return f"{value:.1f}%" if value >= 1 else f"{value:.2g}%"
 
 
-def show(lines, rows, hosts, repeats, moved):
-    a, b = (h["machine"] for h in hosts)
-    lf = hosts[0]["libfabric"]
-    tool = hosts[0]["fi_rma_bw"]
-    print(f"\n{a['host']} ({a['cpu']}, {a['cores']} cores{', ' + a['gpu'] if a['gpu'] else ''})"
-          f" -> {b['host']} ({b['cpu']}, {b['cores']} cores"
-          f"{', ' + b['gpu'] if b['gpu'] else ''}); provider {hosts[0]['provider']}; "
+def described(machine):
+    gpu = f", {machine['gpu']}" if machine["gpu"] else ""
+    return f"{machine['host']} ({machine['cpu']}, {machine['cores']} cores{gpu})"
+
+
+def show(lines, rows, hosts, repeats, moved, memory_kind):
+    lf, tool = hosts[0]["libfabric"], hosts[0]["fi_rma_bw"]
+    print(f"\n{described(hosts[0]['machine'])} -> {described(hosts[1]['machine'])}; "
+          f"{memory_kind} memory; provider {hosts[0]['provider']}; "
           f"libfabric {lf['version']} ({lf['path']})"
           + (f"; fi_rma_bw {tool['path']} (libfabric {tool['libfabric']})" if tool else ""))
     print(f"{'chapter':<9}{'size':>9}{'Gbps':>10}{'Mpps':>8}{'% fi_rma_bw':>13}{'% links':>9}"
@@ -547,6 +549,10 @@ def show(lines, rows, hosts, repeats, moved):
             print(f"{row['tool']}, {row['size']} B: {median(row):.3f} Gbps")
     print(f"Gbps: medians of {repeats} runs of {moved} bytes per NIC (at least 200 WRITEs); "
           "p5: the series (07: % of one 100 Gbps NIC, 09-15: % of 32)")
+    if tool and not f"{tool['libfabric']}.".startswith(lf["version"] + "."):
+        print(f"note: the chapters loaded libfabric {lf['version']}, fi_rma_bw uses "
+              f"{tool['libfabric']}; for one library on both sides build the binding against "
+              f"fi_rma_bw's: LIBFABRIC_PREFIX={shlex.quote(str(prefix()))} bash scripts/setup.sh")
 
 
 def report_path(args, memory_kind):
@@ -587,7 +593,7 @@ def main():
         except (PeerGone, Failed, TimeoutError, KeyboardInterrupt) as e:
             stopped = e
         lines = table(rows, hosts, baselines)
-        show(lines, rows, hosts, args.repeats, args.bytes)
+        show(lines, rows, hosts, args.repeats, args.bytes, "GPU" if args.gpus else "host")
         # rank 0 writes; rank 1 only when rank 0 is gone (or silent), with what it has
         if group.rank == 0 or isinstance(stopped, (PeerGone, TimeoutError)):
             why = stopped and (str(stopped) or "interrupted (Ctrl-C or SIGTERM)")
