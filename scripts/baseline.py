@@ -67,16 +67,53 @@ def run_pair(server, client, env, timeout):
     return done.stdout, out
 
 
+def tools_libfabric():
+    """The version of the libfabric the tools there use (their fi_info --version), or None."""
+    try:
+        out = subprocess.run([str(prefix() / "bin" / "fi_info"), "--version"],
+                             capture_output=True, text=True, env=tool_env()).stdout
+    except OSError:
+        return None
+    return (re.findall(r"libfabric: ([\d.]+)", out) or [None])[0]
+
+
+def rma_bw_tool():
+    """fabtests' fi_rma_bw, from LIBFABRIC_PREFIX/bin, else .deps/libfabric/bin."""
+    tool = prefix() / "bin" / "fi_rma_bw"
+    if not tool.exists():
+        raise FileNotFoundError(f"{tool} not found (fabtests are not in Debian's packages): "
+                                "build libfabric and fabtests with `bash scripts/build_libfabric.sh`,"
+                                " or set LIBFABRIC_PREFIX to an install that has bin/fi_rma_bw")
+    return tool
+
+
+def rma_bw_command(provider, op, size, iters, gpu=None, port=None, nic=None):
+    """One side's fi_rma_bw (a client adds the server's host): -E exchanges the addresses
+    over a TCP socket (on `port`, default 3000), which shm needs; `nic`: (fabric, domain)."""
+    command = [str(rma_bw_tool()), "-p", provider, f"-E={port}" if port else "-E", "-o", op,
+               "-S", str(size), "-I", str(iters)]
+    if nic:
+        command += ["-f", nic[0], "-d", nic[1]]
+    if gpu is not None:
+        command += ["-D", "cuda", "-i", str(gpu)]
+    return command
+
+
+def rma_bw_gbps(output):
+    """The Gbps of fi_rma_bw's figures line (fabtests prints MB/s of 10^6 bytes)."""
+    row = next((line.split() for line in output.splitlines()
+                if re.match(r"^\d+[kmg]?\s+\d", line)), None)
+    if row is None:
+        raise RuntimeError(f"fi_rma_bw printed no figures: {output.strip()[-300:]}")
+    return float(row[4]) * 8 / 1000
+
+
 def fi_rma_bw(provider, op, size, iters, gpus, timeout):
-    """One run of fi_rma_bw; the client's Gbps (fabtests prints MB/s of 10^6 bytes)."""
-    base = [str(prefix() / "bin" / "fi_rma_bw"), "-p", provider, "-E", "-o", op, "-S", str(size), "-I", str(iters)]
-    server, client = list(base), base + ["127.0.0.1"]
-    if gpus:
-        server += ["-D", "cuda", "-i", str(gpus[0])]
-        client[1:1] = ["-D", "cuda", "-i", str(gpus[1])]
+    """One run of fi_rma_bw between two processes here; the client's Gbps."""
+    server = rma_bw_command(provider, op, size, iters, gpus and gpus[0])
+    client = rma_bw_command(provider, op, size, iters, gpus and gpus[1]) + ["127.0.0.1"]
     out, _ = run_pair(server, client, tool_env(), timeout)
-    row = next(line.split() for line in out.splitlines() if re.match(r"^\d+[kmg]?\s+\d", line))
-    return float(row[4]) * 8 / 1000, " ".join(client[1:])
+    return rma_bw_gbps(out), " ".join(client[1:])
 
 
 def ucx_put_bw(ucx, size, iters, gpus, timeout):
@@ -147,11 +184,11 @@ def needs(args, chapters=False, fabtests=True):
     provides it (a ValueError). Also a note when fi_rma_bw is another libfabric than the
     chapters': then its figures are no baseline for them."""
     fi.pick(args.provider, fi.lib.FI_MSG | fi.lib.FI_RMA)  # one line if unusable here
-    tool = prefix() / "bin" / "fi_rma_bw"
-    if fabtests and not tool.exists():
-        raise ValueError(f"{tool} not found (fabtests are not in Debian's packages): build "
-                         "libfabric and fabtests with `bash scripts/build_libfabric.sh`, or "
-                         "set LIBFABRIC_PREFIX to an install that has bin/fi_rma_bw")
+    if fabtests:
+        try:
+            rma_bw_tool()
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
     if args.gpus:
         try:
             import cupy
@@ -166,7 +203,7 @@ def needs(args, chapters=False, fabtests=True):
     if ucx and not (Path(ucx) / "libucx" / "bin" / "ucx_perftest").exists():
         raise ValueError(f"--ucx {ucx}: no libucx/bin/ucx_perftest there (unpack the "
                          "libucx-cu13 wheel into it)")
-    theirs, ours = tool_libfabric(), "%d.%d" % fi.version()
+    theirs, ours = tools_libfabric(), "%d.%d" % fi.version()
     if fabtests and not bench.same_libfabric(theirs):
         print(f"note: fi_rma_bw is libfabric {theirs or '(unknown: no fi_info beside it)'}, "
               f"the chapters run {ours}: "
@@ -174,13 +211,16 @@ def needs(args, chapters=False, fabtests=True):
                  "the chapters will not count its figures as their baseline"), flush=True)
 
 
-def measure(tools, sizes, repeats, total_bytes, rows):
-    """Append {tool, size, gbps[], median_gbps, command} to `rows` for each tool and size,
-    runs interleaved. When a run fails, `rows` keeps what was measured before it (a tool
-    with fewer repeats says so in its gbps list), and the error goes on."""
+def measure(tools, sizes, repeats, total_bytes, rows=None):
+    """[{tool, size, iters, gbps[], median_gbps, command}] for each tool and size, runs
+    interleaved. `rows`: a list filled as the figures come in, which the caller keeps when
+    a run fails: a row cut short says so in its gbps list (its median is of those), a row
+    not yet run has an empty one."""
+    rows = [] if rows is None else rows
     for size in sizes:
         iters = iterations(size, total_bytes)
         batch = [{"tool": name, "size": size, "iters": iters, "gbps": []} for name, _ in tools]
+        rows.extend(batch)
         try:
             for _ in range(repeats):  # tool after tool, so a noisy moment hits all of them
                 for row, (_, fn) in zip(batch, tools):
@@ -191,7 +231,6 @@ def measure(tools, sizes, repeats, total_bytes, rows):
                 row["median_gbps"] = statistics.median(row["gbps"])
                 print(f"  {row['tool']:<28} {size:>10} B  median {row['median_gbps']:9.3f} "
                       f"Gbps  ({', '.join(f'{g:.1f}' for g in row['gbps'])})", flush=True)
-                rows.append(row)
     return rows
 
 
@@ -223,21 +262,12 @@ def baseline_tools(provider, gpus, ucx, timeout):
     return tools
 
 
-def tool_libfabric():
-    """The version of the libfabric fi_rma_bw runs with ("2.1.0"), or None."""
-    try:
-        version = subprocess.run([str(prefix() / "bin" / "fi_info"), "--version"],
-                                 capture_output=True, text=True, env=tool_env()).stdout
-    except OSError:
-        return None
-    return (re.findall(r"libfabric: ([\d.]+)", version) or [None])[0]
-
-
 def save(rows, kind, args):
     """Write (or add to) RESULTS/<kind>/<label>-<provider>-<memory>.json: rows of the same
     tool and size are replaced, others kept, each row saying when and at which commit. The
     libfabric is the tools' for baselines, the chapters' (this binding's) for chapters."""
     memory, gpus = "cuda" if args.gpus else "host", args.gpus
+    rows = [r for r in rows if r["gbps"]]  # a run that never ran has no figure to keep
     stamp = {"git": bench.git_sha(), "date": datetime.now(timezone.utc).isoformat(
         timespec="seconds")}
     folder = Path(args.results) / ("baselines" if kind == "baseline" else kind)
@@ -249,7 +279,7 @@ def save(rows, kind, args):
         kept = []
     runs = sorted(kept + [{**r, **stamp} for r in rows], key=lambda r: (r["size"], r["tool"]))
     data = {"kind": kind, "provider": args.provider, "memory": memory, "gpus": gpus,
-            "libfabric": tool_libfabric() if kind == "baseline" else "%d.%d" % fi.version(),
+            "libfabric": tools_libfabric() if kind == "baseline" else "%d.%d" % fi.version(),
             "machine": bench.machine(gpus[1] if gpus else None), **stamp, "runs": runs}
     bench.write_json(path, data)
     print(f"wrote {cli.shown(path)}")

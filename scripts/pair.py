@@ -82,7 +82,7 @@ class _Collector(threading.Thread):
         return "".join(self.lines)
 
 
-def _stop(proc, grace):
+def stop(proc, grace):
     """Ctrl-C first (the chapter closes its resources), then a kill if it ignores it.
 
     Returns whether the process was still running.
@@ -139,7 +139,7 @@ def run_pair(chapter, provider=None, server_args=(), client_args=((),), env=None
             except subprocess.TimeoutExpired:
                 pass
     finally:
-        pair.stopped = _stop(proc, grace)
+        pair.stopped = stop(proc, grace)
         out.join(grace)
         err.join(grace)
     server.rc, server.out, server.err = proc.returncode, out.text, err.text
