@@ -95,6 +95,12 @@ def describe(entry):
             f"{entry.get('memory')} memory, libfabric {entry.get('libfabric')}")
 
 
+def blog_percent(blog, chapter):
+    """The blog's figure as % of the links it used: one NIC in 07, all of them after."""
+    entry = blog["chapters"][chapter]
+    return 100 * entry["gbps"] / entry.get("limit_gbps", blog["limit_gbps"])
+
+
 def _model(ax, rows, x, key, label):
     """The model's points, one marker per role: predicted, fitted."""
     for role, marker in (("predicted", "D"), ("fitted", "s")):
