@@ -245,6 +245,7 @@ def run_all(name, args, tools, keep, chapters=False):
     try:
         measure(tools, args.sizes, args.repeats, args.bytes, rows)
     except (FileNotFoundError, RuntimeError, subprocess.TimeoutExpired) as e:
+        rows = [r for r in rows if r["gbps"]]  # those that never ran have nothing to keep
         if rows:
             keep(rows)
         sys.exit(f"{name}: {e}" + ("; what was measured before it is written" if rows else ""))
@@ -267,7 +268,6 @@ def save(rows, kind, args):
     tool and size are replaced, others kept, each row saying when and at which commit. The
     libfabric is the tools' for baselines, the chapters' (this binding's) for chapters."""
     memory, gpus = "cuda" if args.gpus else "host", args.gpus
-    rows = [r for r in rows if r["gbps"]]  # a run that never ran has no figure to keep
     stamp = {"git": bench.git_sha(), "date": datetime.now(timezone.utc).isoformat(
         timespec="seconds")}
     folder = Path(args.results) / ("baselines" if kind == "baseline" else kind)
