@@ -170,8 +170,9 @@ def test_no_fi_rma_bw_is_one_line_naming_the_build(tmp_path):
                            "--out", str(tmp_path / "report.json")], capture_output=True,
                           text=True, cwd=ROOT, timeout=60,
                           env=dict(os.environ, LIBFABRIC_PREFIX=str(tmp_path)))
-    assert_one_line_error(done, f"{tmp_path}/bin/fi_rma_bw not found: build it with "
-                                "'bash scripts/build_libfabric.sh'")
+    assert_one_line_error(done, f"{tmp_path}/bin/fi_rma_bw not found (fabtests are not in "
+                                "Debian's packages): build libfabric and fabtests with "
+                                "`bash scripts/build_libfabric.sh`")
     assert not (tmp_path / "report.json").exists()
 
 
