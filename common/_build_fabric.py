@@ -25,7 +25,13 @@ struct fid_ep { struct fid fid; ...; };
 struct fid_cq { struct fid fid; ...; };
 struct fid_av { struct fid fid; ...; };
 struct fid_mr { struct fid fid; void *mem_desc; uint64_t key; ...; };
-struct fid_nic { struct fid fid; ...; };
+struct fi_device_attr { char *name; ...; };
+enum fi_bus_type { FI_BUS_UNSPEC, FI_BUS_UNKNOWN, FI_BUS_PCI, ... };
+struct fi_pci_attr { uint16_t domain_id; uint8_t bus_id; uint8_t device_id; uint8_t function_id; };
+struct fi_bus_attr { enum fi_bus_type bus_type; union { struct fi_pci_attr pci; } attr; };
+struct fi_link_attr { char *address; size_t mtu; size_t speed; ...; };
+struct fid_nic { struct fid fid; struct fi_device_attr *device_attr; struct fi_bus_attr *bus_attr;
+                 struct fi_link_attr *link_attr; void *prov_attr; };
 struct fi_context2 { void *internal[8]; };
 
 enum fi_ep_type { FI_EP_UNSPEC, FI_EP_MSG, FI_EP_DGRAM, FI_EP_RDM, ... };
@@ -84,6 +90,8 @@ struct fi_msg_rma { const struct iovec *msg_iov; void **desc; size_t iov_count; 
 #define FI_SOCKADDR_IN ...
 #define FI_SOCKADDR_IN6 ...
 #define FI_ADDR_STR ...
+#define FI_SOCKADDR_IB ...
+#define FI_ADDR_EFA ...
 
 /* capabilities and operation flags */
 #define FI_MSG ...
