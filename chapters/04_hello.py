@@ -15,13 +15,13 @@ New since chapter 03: we open the objects that 03 only listed.
 Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm):
 
     $ python chapters/04_hello.py
-    provider: shm (default: no efa/verbs device here), domain shm
+    provider: shm (default: no efa/verbs device here), fabric shm, domain shm
     server address: 66695f73686d3a2f2f363036383a303a3000
     run the client: python chapters/04_hello.py -p shm 66695f73686d3a2f2f363036383a303a3000 'hello'
     received 17 bytes: Hello, libfabric!
 
     $ python chapters/04_hello.py 66695f73686d3a2f2f363036383a303a3000 'Hello, libfabric!'   # another terminal
-    provider: shm (default: no efa/verbs device here), domain shm
+    provider: shm (default: no efa/verbs device here), fabric shm, domain shm
     sent 17 bytes: Hello, libfabric!
 """
 # %% [markdown]

@@ -18,17 +18,17 @@ flight at once.
 Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, tcp on loopback):
 
     $ FI_TCP_IFACE=lo python chapters/05_reverse.py -p tcp --clients 2
-    provider: tcp;ofi_rxm (asked for), domain lo
+    provider: tcp;ofi_rxm (asked for), fabric 127.0.0.1/32, domain lo
     server address: 020090b97f0000010000000000000000
     run the client: python chapters/05_reverse.py -p tcp 020090b97f0000010000000000000000 'hello'
     client 1: 'hello' -> 'olleh'
     client 2: 'libfabric' -> 'cirbafbil'
 
     $ FI_TCP_IFACE=lo python chapters/05_reverse.py -p tcp 020090b97f0000010000000000000000 hello      # another terminal
-    provider: tcp;ofi_rxm (asked for), domain lo
+    provider: tcp;ofi_rxm (asked for), fabric 127.0.0.1/32, domain lo
     sent 'hello', got back 'olleh'
     $ FI_TCP_IFACE=lo python chapters/05_reverse.py -p tcp 020090b97f0000010000000000000000 libfabric
-    provider: tcp;ofi_rxm (asked for), domain lo
+    provider: tcp;ofi_rxm (asked for), fabric 127.0.0.1/32, domain lo
     sent 'libfabric', got back 'cirbafbil'
 """
 # %% [markdown]

@@ -22,14 +22,14 @@ byte that arrived.
 Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory):
 
     $ python chapters/06_write.py -p shm
-    provider: shm (asked for), domain shm
+    provider: shm (asked for), fabric shm, domain shm
     memory registration: FI_MR_VIRT_ADDR
     server address: 66695f73686d3a2f2f373935323a303a3000
     run the client: python chapters/06_write.py -p shm 66695f73686d3a2f2f373935323a303a3000
     wrote 8 pages of 65536 bytes from host memory, the last with immediate data 8
 
     $ python chapters/06_write.py -p shm 66695f73686d3a2f2f373935323a303a3000 --pages 0,3,5-9,31
-    provider: shm (asked for), domain shm
+    provider: shm (asked for), fabric shm, domain shm
     memory registration: FI_MR_VIRT_ADDR
     memory: 2 x 1048576 bytes of host memory
     remote write completion: FI_REMOTE_CQ_DATA, immediate data 8
@@ -39,14 +39,14 @@ On one NVIDIA H200 (libfabric 2.1.0 built by scripts/build_libfabric.sh, shm, pa
 and client buffers in GPU 0 memory; lines as printed by scripts/pair.py):
 
     $ python chapters/06_write.py -p shm --clients 1 --gpu 0
-    provider: shm (asked for), domain shm
+    provider: shm (asked for), fabric shm, domain shm
     memory registration: FI_MR_VIRT_ADDR, FI_MR_HMEM
     server address: 66695f73686d3a2f2f3433353a303a3000
     run the client: python chapters/06_write.py -p shm 66695f73686d3a2f2f3433353a303a3000
     wrote 16 pages of 1048576 bytes from GPU 0 memory (cuda), the last with immediate data 16
 
     $ python chapters/06_write.py -p shm 66695f73686d3a2f2f3433353a303a3000 --gpu 0 --page-size 1M --buffer-size 16M --pages 0-15
-    provider: shm (asked for), domain shm
+    provider: shm (asked for), fabric shm, domain shm
     memory registration: FI_MR_VIRT_ADDR, FI_MR_HMEM
     memory: 2 x 16777216 bytes of GPU 0 memory (cuda)
     remote write completion: FI_REMOTE_CQ_DATA, immediate data 16
@@ -139,8 +139,6 @@ def client(info, args, addr):
     with fi.Closer() as own:
         domain, cq, av, ep = fi.open_endpoint(own, info)
         poller = fi.Poller(cq)
-        # a posted receive, for providers that use one per immediate
-        fi.Inbox(own, domain, ep, MAX_MESSAGE)
         buffers = [memory.Buffer(args.buffer_size, args.gpu) for _ in range(args.buffers)]
         mrs = [memory.register(own, domain, b, lib.FI_REMOTE_WRITE, key=i + 1)
                for i, b in enumerate(buffers)]
@@ -179,7 +177,7 @@ def main():
 
     # GPU memory needs FI_HMEM (shm then moves it with CUDA IPC); give --gpu to
     # both sides, since the server's endpoint is the one that writes into it.
-    info, addr = cli.peer(args, CAPS, prefer=lib.FI_HMEM if args.gpu is not None else 0)
+    info, addr = cli.peer(args, CAPS, hmem=args.gpu is not None)
     mr_mode = fi.tostr(info.domain_attr.mr_mode, lib.FI_TYPE_MR_MODE) or "no mode bits"
     print(f"memory registration: {mr_mode}")
     if addr is None:

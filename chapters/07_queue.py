@@ -30,7 +30,7 @@ Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host
 memory; the series' run: 2 x 1 GiB, 2 x 1000 pages, 1,000,000 WRITEs of 64 KiB):
 
     $ python chapters/07_queue.py -p shm --clients 1
-    provider: shm (asked for), domain shm
+    provider: shm (asked for), fabric shm, domain shm
     memory registration: FI_MR_VIRT_ADDR
     server address: 66695f73686d3a2f2f31373938333a303a3000
     run the client: python chapters/07_queue.py -p shm 66695f73686d3a2f2f31373938333a303a3000
@@ -39,7 +39,7 @@ memory; the series' run: 2 x 1 GiB, 2 x 1000 pages, 1,000,000 WRITEs of 64 KiB):
     1000000 WRITEs of 65536 bytes in 11.606 s: 45.174 Gbps, 0.086 Mpps (77.9% of 57.959 Gbps, fi_rma_bw here (results/baselines/vm-2core-shm-host.json))
 
     $ python chapters/07_queue.py -p shm 66695f73686d3a2f2f31373938333a303a3000
-    provider: shm (asked for), domain shm
+    provider: shm (asked for), fabric shm, domain shm
     memory registration: FI_MR_VIRT_ADDR
     memory: 2 x 1073741824 bytes of host memory
     remote write completion: FI_REMOTE_CQ_DATA, immediate data 1000000
@@ -265,7 +265,7 @@ def main():
         raise cli.UsageError(f"too many pages or buffers for one {MAX_MESSAGE}-byte CONNECT")
     memory.use_gpu(args.gpu)
 
-    info, addr = cli.peer(args, CAPS, prefer=lib.FI_HMEM if args.gpu is not None else 0)
+    info, addr = cli.peer(args, CAPS, hmem=args.gpu is not None)
     mr_mode = fi.tostr(info.domain_attr.mr_mode, lib.FI_TYPE_MR_MODE) or "no mode bits"
     print(f"memory registration: {mr_mode}")
     if addr is None:

@@ -30,7 +30,7 @@ Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host m
 4 virtual NICs):
 
     $ python chapters/09_multinet.py -p shm --clients 1
-    provider: shm (asked for), domain shm
+    provider: shm (asked for), fabric shm, domain shm
     server address: 66695f73686d3a2f2f32373831323a303a3000
     run the client: python chapters/09_multinet.py -p shm 66695f73686d3a2f2f32373831323a303a3000
     1 x 4 virtual NICs: independent domains of shm (no NIC with a PCI address here)
@@ -38,7 +38,7 @@ Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host m
     100000 WRITEs of 65536 bytes in 0.864 s: 60.707 Gbps, 0.116 Mpps (107.0% of 56.723 Gbps, fi_rma_bw here (results/baselines/vm-2core-shm-host.json))
 
     $ python chapters/09_multinet.py 66695f73686d3a2f2f32373831323a303a3000 -p shm --nics-per-gpu 4 --iters 100000 --buffer-size 64M --pages 0-63
-    provider: shm (asked for), domain shm
+    provider: shm (asked for), fabric shm, domain shm
     1 x 4 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 1 x 2 x 67108864 bytes of host memory
     immediate data from 4 NICs, one each: 25000 25000 25000 25000

@@ -19,7 +19,7 @@ Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, tcp on loop
 host memory, 4 virtual NICs; the first WRITE on each opens a TCP connection):
 
     $ python chapters/10_warmup.py -p tcp --clients 1
-    provider: tcp;ofi_rxm (asked for), domain lo
+    provider: tcp;ofi_rxm (asked for), fabric 127.0.0.1/32, domain lo
     server address: 02008f1d7f0000010000000000000000
     run the client: python chapters/10_warmup.py -p tcp 02008f1d7f0000010000000000000000
     1 x 4 virtual NICs: independent domains of tcp (no NIC with a PCI address here)
@@ -29,7 +29,7 @@ host memory, 4 virtual NICs; the first WRITE on each opens a TCP connection):
     first contact vs steady state: 60.487 ms vs 109.0 us per WRITE per NIC (555x)
 
     $ python chapters/10_warmup.py 02008f1d7f0000010000000000000000 -p tcp --nics-per-gpu 4 --iters 10000 --buffer-size 64M --pages 0-63
-    provider: tcp;ofi_rxm (asked for), domain lo
+    provider: tcp;ofi_rxm (asked for), fabric 127.0.0.1/32, domain lo
     1 x 4 virtual NICs: independent domains of tcp (no NIC with a PCI address here)
     memory: 1 x 2 x 67108864 bytes of host memory
     immediate data from 4 NICs, one each: 2500 2500 2500 2500

@@ -26,7 +26,7 @@ Transcripts (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host 
 threads, which take turns on the GIL (chapter 10, one thread: 0.186 Mpps):
 
     $ python chapters/11_multithread.py -p shm --clients 1 --engine python
-    provider: shm (asked for), domain shm
+    provider: shm (asked for), fabric shm, domain shm
     server address: 66695f73686d3a2f2f32373836373a303a3000
     run the client: python chapters/11_multithread.py -p shm 66695f73686d3a2f2f32373836373a303a3000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
@@ -37,7 +37,7 @@ threads, which take turns on the GIL (chapter 10, one thread: 0.186 Mpps):
     first contact vs steady state: 3.955 ms vs 21.7 us per WRITE per NIC (182x)
 
     $ python chapters/11_multithread.py 66695f73686d3a2f2f32373836373a303a3000 -p shm --groups 2 --nics-per-gpu 2 --iters 400000 --page-size 4K --buffer-size 1M --pages 0-63
-    provider: shm (asked for), domain shm
+    provider: shm (asked for), fabric shm, domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 1048576 bytes of host memory
     immediate data from 4 NICs, one each: 100000 100000 100000 100000
@@ -46,7 +46,7 @@ threads, which take turns on the GIL (chapter 10, one thread: 0.186 Mpps):
 The same with the worker loop in C, the GIL released:
 
     $ python chapters/11_multithread.py -p shm --clients 1
-    provider: shm (asked for), domain shm
+    provider: shm (asked for), fabric shm, domain shm
     server address: 66695f73686d3a2f2f32373838303a303a3000
     run the client: python chapters/11_multithread.py -p shm 66695f73686d3a2f2f32373838303a303a3000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
@@ -57,7 +57,7 @@ The same with the worker loop in C, the GIL released:
     first contact vs steady state: 3.991 ms vs 6.6 us per WRITE per NIC (605x)
 
     $ python chapters/11_multithread.py 66695f73686d3a2f2f32373838303a303a3000 -p shm --groups 2 --nics-per-gpu 2 --iters 400000 --page-size 4K --buffer-size 1M --pages 0-63
-    provider: shm (asked for), domain shm
+    provider: shm (asked for), fabric shm, domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 1048576 bytes of host memory
     immediate data from 4 NICs, one each: 100000 100000 100000 100000

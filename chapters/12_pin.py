@@ -24,7 +24,7 @@ Transcript (2 x H200 box: 32-core Xeon, one NUMA node, CUDA-enabled libfabric
 writing to the other's; 2 virtual NICs per GPU; 1 MiB pages; commit f6fe2b2):
 
     $ python chapters/12_pin.py -p shm --clients 1 --gpus 0,1
-    provider: shm (asked for), domain shm
+    provider: shm (asked for), fabric shm, domain shm
     server address: 66695f73686d3a2f2f343132343a303a3000
     run the client: python chapters/12_pin.py -p shm 66695f73686d3a2f2f343132343a303a3000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
@@ -35,7 +35,7 @@ writing to the other's; 2 virtual NICs per GPU; 1 MiB pages; commit f6fe2b2):
     first contact vs steady state: 7.986 ms vs 13.0 us per WRITE per NIC (616x)
 
     $ python chapters/12_pin.py -p shm 66695f73686d3a2f2f343132343a303a3000 --gpus 1,0 --nics-per-gpu 2 --page-size 1M --buffer-size 64M --pages 0-63 --iters 400000
-    provider: shm (asked for), domain shm
+    provider: shm (asked for), fabric shm, domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 67108864 bytes of GPU 0 memory (cuda) / GPU 1 memory (cuda)
     immediate data from 4 NICs, one each: 100000 100000 100000 100000

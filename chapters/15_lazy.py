@@ -23,7 +23,7 @@ Transcript (2 x H200 box: 32-core Xeon, one NUMA node, CUDA-enabled libfabric
 writing to the other's; 2 virtual NICs per GPU; 1 MiB pages; commit f6fe2b2):
 
     $ python chapters/15_lazy.py -p shm --clients 1 --gpus 0,1
-    provider: shm (asked for), domain shm
+    provider: shm (asked for), fabric shm, domain shm
     server address: 66695f73686d3a2f2f343338393a303a3000
     run the client: python chapters/15_lazy.py -p shm 66695f73686d3a2f2f343338393a303a3000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
@@ -34,7 +34,7 @@ writing to the other's; 2 virtual NICs per GPU; 1 MiB pages; commit f6fe2b2):
     first contact vs steady state: 7.603 ms vs 12.9 us per WRITE per NIC (588x)
 
     $ python chapters/15_lazy.py -p shm 66695f73686d3a2f2f343338393a303a3000 --gpus 1,0 --nics-per-gpu 2 --page-size 1M --buffer-size 64M --pages 0-63 --iters 400000
-    provider: shm (asked for), domain shm
+    provider: shm (asked for), fabric shm, domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 67108864 bytes of GPU 0 memory (cuda) / GPU 1 memory (cuda)
     immediate data from 4 NICs, one each: 100000 100000 100000 100000
@@ -49,7 +49,7 @@ what cudaMemcpyPeer moves both ways at once (4904 Gbps, the baseline
 scripts/progression.py measured on this box):
 
     $ python chapters/15_lazy.py -p shm --clients 1 --gpus 0,1
-    provider: shm (asked for), domain shm
+    provider: shm (asked for), fabric shm, domain shm
     server address: 66695f73686d3a2f2f343437363a303a3000
     run the client: python chapters/15_lazy.py -p shm 66695f73686d3a2f2f343437363a303a3000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
@@ -60,7 +60,7 @@ scripts/progression.py measured on this box):
     first contact vs steady state: 8.698 ms vs 30.3 us per WRITE per NIC (287x)
 
     $ python chapters/15_lazy.py -p shm 66695f73686d3a2f2f343437363a303a3000 --gpus 1,0 --nics-per-gpu 2 --page-size 4M --buffer-size 256M --pages 0-63 --iters 200000
-    provider: shm (asked for), domain shm
+    provider: shm (asked for), fabric shm, domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 268435456 bytes of GPU 0 memory (cuda) / GPU 1 memory (cuda)
     immediate data from 4 NICs, one each: 50000 50000 50000 50000

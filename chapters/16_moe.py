@@ -157,11 +157,7 @@ class Proxy:
                  kernels_wait=False):
         """kernels_wait: GPU kernels, not this host, wait on the stamps (moe_nvlink)."""
         self.timeout = timeout
-        info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA,
-                          prefer=lib.FI_HMEM if mem.gpu is not None else 0)
-        if info.mode & lib.FI_RX_CQ_DATA:
-            raise ValueError(f"{fi.provider_of(info)} wants a posted receive per immediate "
-                             "(FI_RX_CQ_DATA); this proxy posts none")
+        info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA, hmem=mem.gpu is not None)
         if largest > info.ep_attr.max_msg_size:  # one WRITE per peer, never split
             raise ValueError(f"a WRITE of up to {largest} bytes, more than "
                              f"{fi.provider_of(info)} takes ({info.ep_attr.max_msg_size})")

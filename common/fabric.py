@@ -80,9 +80,20 @@ def tostr(value, kind):
 
 # --- fi_info ---------------------------------------------------------------
 
-# We give every operation a fi_context2, and keep a receive posted wherever
-# immediate data may arrive, so we can accept providers that want either.
-MODE = lib.FI_CONTEXT | lib.FI_CONTEXT2 | lib.FI_RX_CQ_DATA
+# We ask for no mode bits: the fabrics we use need none (efa's RDM fabric clears
+# FI_CONTEXT2, prov/efa/src/efa_prov_info.c; rxm strips FI_RX_CQ_DATA,
+# prov/rxm/src/rxm_init.c; shm and tcp ask for nothing). A mode offered is a
+# burden accepted: FI_CONTEXT2 is what lets efa-direct in, FI_RX_CQ_DATA would
+# oblige us to post a receive for every immediate. Every operation still has
+# a fi_context2 of its own: that is how its completion names it.
+MODE = 0
+
+# The fabric each provider's chapters use where the provider has several.
+# efa lists "efa-direct" before "efa" from libfabric 2.1 (prov/efa/src/efa_prov.c).
+# efa-direct sizes the device CQ to exactly what we ask (prov/efa/src/efa_cq.h) and
+# neither splits a SEND nor keeps it within the MTU (efa_msg.c); the RDM fabric "efa"
+# does both, as the series' demo and pplx-garden get it. Every chapter uses "efa".
+FABRICS = {"efa": "efa"}
 
 
 def hints(provider=None, ep_type=lib.FI_EP_RDM, caps=lib.FI_MSG, mr_mode=MR_MODE, mode=MODE):
@@ -96,6 +107,9 @@ def hints(provider=None, ep_type=lib.FI_EP_RDM, caps=lib.FI_MSG, mr_mode=MR_MODE
     info.domain_attr.mr_mode = mr_mode
     if provider:
         info.fabric_attr.prov_name = lib.strdup(provider.encode())  # freed by fi_freeinfo
+        if provider in FABRICS:  # libfabric 2.1's core drops other fabrics' entries
+            # (src/fabric.c); 1.x's does not, but its efa has no efa-direct
+            info.fabric_attr.name = lib.strdup(FABRICS[provider].encode())
     return info
 
 
@@ -162,18 +176,46 @@ def provider_of(info):
     return string(info.fabric_attr.prov_name)
 
 
-def pick(provider=None, caps=lib.FI_MSG, prefer=0):
+def pick(provider=None, caps=lib.FI_MSG, hmem=False):
     """The fi_info list for `provider`, or for the first of DEFAULT_PROVIDERS that works here.
 
-    Capabilities in `prefer` are asked for too where the provider has them.
+    With `hmem` (the run puts its buffers in GPU memory) the list must offer
+    FI_HMEM too: a provider that refuses it is one line saying why, never a
+    list that would register GPU memory as host memory.
     Returns (info, why) where `why` says, for the reader, how it was chosen.
     Raises ValueError with one readable line when nothing fits.
     """
-    if prefer:
+    info, why = _pick(provider, caps)
+    if hmem:
+        name = provider_of(info)
         try:
-            return pick(provider, caps | prefer)
-        except (ValueError, FabricError):
-            pass
+            info = getinfo(hints(name, caps=caps | lib.FI_HMEM))
+        except FabricError as e:
+            if e.rc != -lib.FI_ENODATA:
+                raise
+            raise ValueError(no_hmem(name)) from None
+    return info, why
+
+
+def no_hmem(provider):
+    """Why `provider` may refuse FI_HMEM, and the fix, in one line."""
+    base = provider.split(";")[0]
+    causes = {
+        # prov/efa/src/efa_user_info.c: CUDA not usable by libfabric (API >= 1.18),
+        # or P2P disabled, a device without RDMA read, FI_EFA_USE_DEVICE_RDMA=0 (API < 1.18)
+        "efa": "it needs a libfabric built with CUDA that finds the GPU (the EFA "
+               "installer's, or scripts/build_libfabric.sh), FI_HMEM_P2P_DISABLED and "
+               "FI_EFA_USE_DEVICE_RDMA unset (or 1)",
+        # prov/verbs/src/verbs_info.c (vrb_hmem_supported): peer memory or dmabuf on mlx5
+        "verbs": "it needs nvidia-peermem loaded (modprobe nvidia-peermem) or dmabuf on an "
+                 "mlx5 NIC (FI_VERBS_USE_DMABUF unset or 1), and FI_HMEM_P2P_DISABLED unset",
+    }
+    return (f"{provider} offers no FI_HMEM here, so it cannot move GPU memory: "
+            + causes.get(base, "it needs a libfabric built with CUDA "
+                               "(scripts/build_libfabric.sh, then LIBFABRIC_PREFIX)"))
+
+
+def _pick(provider, caps):
     if provider:
         if not set(provider.split(";")) <= KNOWN_PROVIDERS:
             raise ValueError(f"unknown provider '{provider}' (libfabric has: "

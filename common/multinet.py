@@ -245,8 +245,6 @@ def client(info, args, addr, infos):
         server_addr = fi.av_insert(control.av, addr)
         lanes = [Lane(own, i, args.gpus[g] if args.gpus else None)
                  for g, group in enumerate(infos) for i in group]
-        for lane in lanes:  # a posted receive, for providers that use one per immediate
-            fi.Inbox(own, lane.domain, lane.ep, 64)
         buffers = [[memory.Buffer(args.buffer_size, args.gpus[g] if args.gpus else None)
                     for _ in range(args.buffers)] for g in range(groups)]
         regions = b""
@@ -368,7 +366,7 @@ def run(doc, chapter, warmup=None, engine=None, add_args=None):
     by default) and `add_args` (their own flags)."""
     args = parse(doc, add_args)
     args.chapter = chapter
-    info, addr = cli.peer(args, CAPS, prefer=lib.FI_HMEM if args.gpus else 0)
+    info, addr = cli.peer(args, CAPS, hmem=bool(args.gpus))
     if addr is None:
         return server(info, args, warmup, engine and (lambda *a: engine(args, *a)))
     infos, what = lane_infos(args, info, args.groups, args.nics_per_gpu)  # before opening
