@@ -84,7 +84,7 @@ import sys
 import time
 
 from common import bench, cli, memory
-from common.opqueue import CONTEXTS, HEARTBEAT, Heartbeat, OpQueue, write_messages
+from common.opqueue import HEARTBEAT, Heartbeat, OpQueue, write_messages
 from common.fabric import lib
 import common.fabric as fi
 
@@ -136,7 +136,7 @@ def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
     pages = [PAGE.unpack_from(request, at + i * PAGE.size)[0] for i in range(npages)]
 
     # Contexts to spare: the provider, not us, should be the one to say "full".
-    queue = OpQueue(ep, cq, poller, slots=max(4 * info.tx_attr.size, CONTEXTS))
+    queue = OpQueue(ep, cq, poller, slots=fi.in_flight(info))
     beat = Heartbeat(own, domain, client)
     try:
         # The data, generated before anything is timed: page j of the request in slot j.

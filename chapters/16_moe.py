@@ -162,8 +162,8 @@ class Proxy:
             raise ValueError(f"a WRITE of up to {largest} bytes, more than "
                              f"{fi.provider_of(info)} takes ({info.ep_attr.max_msg_size})")
         self.provider = fi.provider_of(info)
-        domain, self.cq, av, ep = fi.open_endpoint(own, info, cq_size=4 * RING,
-                                                   av_count=group.world)
+        domain, self.cq, av, ep = fi.open_endpoint(own, info, cq_size=fi.cq_size_for(info, RING),
+                                                   av_count=group.world)  # RING WRITEs at most
         mr = memory.register(own, domain, mem, lib.FI_WRITE | lib.FI_REMOTE_WRITE, key=1)
         me = fi.getname(ep)
         peers = group.allgather(PEER.pack(fi.remote_base(info, mem.ptr), fi.mr_key(mr),

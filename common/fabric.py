@@ -283,6 +283,26 @@ def cq_open(domain, size):
     return _open("fi_cq_open", "struct fid_cq", lib.fi_cq_open, domain, attr)
 
 
+# At least this many operations may be in flight on one endpoint (chapter 07:
+# the provider, not our queue, should be the one to say "full").
+CONTEXTS = 4096
+
+
+def in_flight(info):
+    """How many operations our queues (OpQueue, common/lane.h) let one endpoint of `info`
+    have in flight: four times its transmit queue, as providers take more than
+    tx_attr.size before -FI_EAGAIN, and at least CONTEXTS."""
+    return max(4 * info.tx_attr.size, CONTEXTS)
+
+
+def cq_size_for(info, operations=None):
+    """CQ entries for an endpoint of `info`: one for each of `operations` (default:
+    in_flight(info)) and for each receive it can have posted (rx_attr.size). efa-direct
+    gives the device CQ what we ask and no more (prov/efa/src/efa_cq.h; only efa's
+    RDM fabric raises it, rdm/efa_rdm_cq.c): a completion with no room is an overrun."""
+    return (in_flight(info) if operations is None else operations) + info.rx_attr.size
+
+
 def av_open(domain, count=16):
     attr = ffi.new("struct fi_av_attr *", {"type": lib.FI_AV_TABLE, "count": count})
     return _open("fi_av_open", "struct fid_av", lib.fi_av_open, domain, attr)
@@ -355,14 +375,15 @@ class Closer(contextlib.ExitStack):
         return obj
 
 
-def open_endpoint(own, info, cq_size=64, av_count=16):
+def open_endpoint(own, info, cq_size=None, av_count=16):
     """fabric -> domain -> CQ + AV -> endpoint, bound and enabled (taught in chapter 04).
 
-    `own` is a Closer; returns (domain, cq, av, ep).
+    `own` is a Closer; returns (domain, cq, av, ep). The CQ has room for
+    cq_size_for(info) completions unless `cq_size` says otherwise.
     """
     fabric = own(fabric_open(info))
     domain = own(domain_open(fabric, info))
-    cq = own(cq_open(domain, size=cq_size))
+    cq = own(cq_open(domain, size=cq_size or cq_size_for(info)))
     av = own(av_open(domain, av_count))
     ep = own(endpoint_open(domain, info))
     ep_bind(ep, cq, lib.FI_SEND | lib.FI_RECV)

@@ -13,7 +13,7 @@ import time
 
 from common import bench, cli, memory, topo
 from common.fabric import ffi, lib
-from common.opqueue import CONTEXTS, HEARTBEAT, Heartbeat, OpQueue, write_messages
+from common.opqueue import HEARTBEAT, Heartbeat, OpQueue, write_messages
 import common.fabric as fi
 
 CAPS = lib.FI_MSG | lib.FI_RMA
@@ -35,8 +35,7 @@ class Lane:
         self.info, self.gpu = info, gpu  # gpu: whose memory it carries (None: host)
         self.domain, self.cq, self.av, self.ep = fi.open_endpoint(own, info)
         self.poller = fi.Poller(self.cq)
-        self.queue = OpQueue(self.ep, self.cq, self.poller,
-                             slots=max(4 * info.tx_attr.size, CONTEXTS))
+        self.queue = OpQueue(self.ep, self.cq, self.poller, slots=fi.in_flight(info))
         self.iters = self.submitted = 0
         self.messages = []
 

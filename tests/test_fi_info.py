@@ -67,3 +67,17 @@ def test_fi_hmem_is_asked_for_when_given():
         assert str(e).startswith("shm offers no FI_HMEM here")
     else:
         assert info.caps & lib.FI_HMEM
+
+
+@pytest.mark.parametrize("provider", ["shm", "tcp"])
+def test_every_cq_has_room_for_what_can_be_in_flight(monkeypatch, provider):
+    """efa-direct and verbs give the device CQ exactly the size asked for; a lane's queue
+    lets fi.in_flight(info) WRITEs be in flight, and receives come on the same CQ."""
+    sizes, cq_open = [], fi.cq_open
+    monkeypatch.setattr(fi, "cq_open", lambda domain, size: sizes.append(size) or
+                        cq_open(domain, size))
+    info, _ = fi.pick(provider, multinet.CAPS)
+    with fi.Closer() as own:
+        lane = multinet.Lane(own, info)
+    assert len(lane.queue.busy) == fi.in_flight(info) >= 4 * info.tx_attr.size
+    assert sizes == [fi.cq_size_for(info)] == [len(lane.queue.busy) + info.rx_attr.size]
