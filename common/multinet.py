@@ -57,13 +57,13 @@ class Lane:
 def lane_infos(args, head, groups, per_group):
     """The fi_info of each lane, group by group, and a line saying what the NICs are.
     `per_group` None: every NIC of each GPU (one virtual NIC where there are none)."""
-    nics = topo.nics_here(head)
+    by_name = lane_entries(head)
+    nics = [nic for nic in topo.nics_here(head) if nic.name in by_name]
     if not nics:
         per_group = per_group or 1
         return ([[head] * per_group for _ in range(groups)],
                 f"{groups} x {per_group} virtual NICs: independent domains of "
                 f"{args.provider_used} (no NIC with a PCI address here)")
-    by_name = {fi.string(i.domain_attr.name): i for i in fi.each(head)}
     if args.gpus:
         gpu_buses, _ = topo.gpus_here()
         layout = topo.layout(gpu_buses, nics)
@@ -76,6 +76,29 @@ def lane_infos(args, head, groups, per_group):
     return ([[by_name[n.name] for n in group] for group in chosen],
             f"{groups} x {len(chosen[0])} NICs: " + "; ".join(" ".join(n.name for n in group)
                                                            for group in chosen))
+
+
+def lane_entries(head):
+    """{domain name: the fi_info its lane opens}: of each name, an entry with the provider and
+    address format of the control endpoint (the head) and its fabric: only that fabric where
+    we chose it by name (fi.FABRICS), else that one first. One name stands for several
+    entries: efa-direct and efa share the "-rdm" domain names (prov/efa/src/efa_domain.h),
+    verbs and tcp list IPv4 and IPv6 for each NIC; verbs names a fabric per IB subnet, so
+    each rail may have its own (prov/verbs/src/verbs_info.c). A lane of another kind could
+    not reach its peer, or would follow another fabric's rules."""
+    def fabric(info):
+        return fi.string(info.fabric_attr.name)
+
+    def usable(info):
+        return ((fi.provider_of(info), info.addr_format)
+                == (fi.provider_of(head), head.addr_format)
+                and (fi.provider_of(head) not in fi.FABRICS or fabric(info) == fabric(head)))
+    lanes = {}
+    for info in filter(usable, fi.each(head)):
+        name = fi.string(info.domain_attr.name)
+        if name not in lanes or fabric(info) == fabric(head) != fabric(lanes[name]):
+            lanes[name] = info
+    return lanes
 
 
 def server(info, args, warmup=None, engine=None):
