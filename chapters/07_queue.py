@@ -210,7 +210,7 @@ def client(info, args, addr):
         poller = fi.Poller(cq)
         inbox = fi.Inbox(own, domain, ep, HEARTBEAT.size)
         buffers = [memory.Buffer(args.buffer_size, args.gpu) for _ in range(args.buffers)]
-        mrs = [memory.register(own, domain, b, lib.FI_REMOTE_WRITE, key=i + 1)
+        mrs = [memory.register(own, domain, b, memory.WRITE_TARGET, key=i + 1)
                for i, b in enumerate(buffers)]
         print(f"memory: {args.buffers} x {args.buffer_size} bytes of {buffers[0].kind}")
         server_addr = fi.av_insert(av, addr)

@@ -164,7 +164,7 @@ class Proxy:
         self.provider = fi.provider_of(info)
         domain, self.cq, av, ep = fi.open_endpoint(own, info, cq_size=fi.cq_size_for(info, RING),
                                                    av_count=group.world)  # RING WRITEs at most
-        mr = memory.register(own, domain, mem, lib.FI_WRITE | lib.FI_REMOTE_WRITE, key=1)
+        mr = memory.register(own, domain, mem, lib.FI_WRITE | memory.WRITE_TARGET, key=1)
         me = fi.getname(ep)
         peers = group.allgather(PEER.pack(fi.remote_base(info, mem.ptr), fi.mr_key(mr),
                                           len(me)) + me)

@@ -272,7 +272,7 @@ def client(info, args, addr, infos):
         regions = b""
         for k, lane in enumerate(lanes):  # every buffer of the group, on each of its NICs
             for i, b in enumerate(buffers[k // per_group]):
-                mr = memory.register(own, lane.domain, b, lib.FI_REMOTE_WRITE, key=i + 1)
+                mr = memory.register(own, lane.domain, b, memory.WRITE_TARGET, key=i + 1)
                 regions += REGION.pack(fi.remote_base(lane.info, b.ptr), b.size, fi.mr_key(mr))
         print(f"memory: {groups} x {args.buffers} x {args.buffer_size} bytes of "
               f"{' / '.join(sorted({bs[0].kind for bs in buffers}))}")

@@ -128,3 +128,15 @@ def test_nics_of_another_kind_only_are_no_lanes():
                 Entry("b-rdm", fabric="efa-direct", pci="0000:11:00.0", mode=lib.FI_CONTEXT2),
                 Entry("c-rdm", addr_format=lib.FI_SOCKADDR_IN6, pci="0000:12:00.0"))
     assert [name for name, _, _ in lanes(head)[0]] == ["a-rdm"]
+
+
+def test_write_targets_allow_the_read_of_an_emulated_write():
+    """An EFA device with RDMA read and no RDMA write emulates a large WRITE with a READ into
+    the target (efa_rdm_pke_rtw.c); efa_mr.c grants that local write only for access beyond
+    FI_SEND/FI_RECV/FI_REMOTE_READ/FI_REMOTE_WRITE. Every target registers WRITE_TARGET."""
+    assert memory.WRITE_TARGET == lib.FI_REMOTE_WRITE | lib.FI_READ
+    bare = re.compile(r"register\([^)]*lib\.FI_REMOTE_WRITE\s*,")
+    sources = sorted((ROOT / "chapters").glob("*.py")) + sorted((ROOT / "common").glob("*.py"))
+    assert [p.name for p in sources if bare.search(p.read_text())] == []
+    uses = [p.name for p in sources if "memory.WRITE_TARGET" in p.read_text()]
+    assert uses == ["06_write.py", "07_queue.py", "16_moe.py", "multinet.py"]
