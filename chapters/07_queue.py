@@ -104,7 +104,7 @@ BAD_KEY = 0xBAD0_0000  # --bad-key: a key no registration of ours has
 # %%
 def server(info, args):
     with fi.Closer() as own:
-        domain, cq, av, ep = fi.open_endpoint(own, info)
+        domain, cq, av, ep = fi.open_endpoint(own, info, shm=False)
         poller = fi.Poller(cq)
         inbox = fi.Inbox(own, domain, ep, MAX_MESSAGE)
         addr = fi.getname(ep).hex()
@@ -206,7 +206,7 @@ def write_all(queue, beat, messages, iters, page_size, timeout):
 def client(info, args, addr):
     pages = args.pages
     with fi.Closer() as own:
-        domain, cq, av, ep = fi.open_endpoint(own, info)
+        domain, cq, av, ep = fi.open_endpoint(own, info, shm=False)
         poller = fi.Poller(cq)
         inbox = fi.Inbox(own, domain, ep, HEARTBEAT.size)
         buffers = [memory.Buffer(args.buffer_size, args.gpu) for _ in range(args.buffers)]
@@ -265,7 +265,7 @@ def main():
         raise cli.UsageError(f"too many pages or buffers for one {MAX_MESSAGE}-byte CONNECT")
     memory.use_gpu(args.gpu)
 
-    info, addr = cli.peer(args, CAPS, hmem=args.gpu is not None)
+    info, addr = cli.peer(args, CAPS, hmem=args.gpu is not None, shm=False)
     mr_mode = fi.tostr(info.domain_attr.mr_mode, lib.FI_TYPE_MR_MODE) or "no mode bits"
     print(f"memory registration: {mr_mode}")
     if addr is None:

@@ -146,6 +146,7 @@ struct fi_msg_rma { const struct iovec *msg_iov; void **desc; size_t iov_count; 
 #define FI_ENOMEM ...
 #define FI_ETRUNC ...
 #define FI_ECANCELED ...
+#define FI_ENOPROTOOPT ...
 
 uint32_t fi_version(void);
 int fi_getinfo(uint32_t version, const char *node, const char *service, uint64_t flags,
@@ -187,6 +188,7 @@ const char *fi_cq_strerror(struct fid_cq *cq, int prov_errno, const void *err_da
 /* small C helpers for what differs between libfabric versions (see below) */
 int tut_mr_reg(struct fid_domain *domain, void *buf, size_t len, uint64_t access,
                uint64_t key, int iface, int device, uint64_t flags, struct fid_mr **mr);
+int tut_forbid_shm(struct fid_ep *ep);
 size_t tut_nic_speed(const struct fi_info *info);
 int tut_nic_pci(const struct fi_info *info, char *buf, size_t len);
 int tut_wait_data(struct fid_cq **cqs, size_t n, uint64_t *data, uint8_t *got, int *stop,
@@ -196,6 +198,7 @@ char *strdup(const char *s);
 
 SOURCE = r"""
 #include <sched.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 #include <rdma/fabric.h>
@@ -261,6 +264,22 @@ static int tut_wait_data(struct fid_cq **cqs, size_t n, uint64_t *data, uint8_t 
             sched_yield();  /* nothing yet: let a peer on the same core run */
     }
     return 0;
+}
+
+/* Keep efa off its own shared-memory path for peers on this host, so that a
+   benchmark on one host measures the NIC (fi_endpoint.3: before fi_enable;
+   prov/efa/src/rdm/efa_rdm_ep_fiops.c). The option came in libfabric 1.21;
+   against older headers this says -FI_ENOSYS. */
+static int tut_forbid_shm(struct fid_ep *ep)
+{
+#if FI_VERSION_GE(FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION), FI_VERSION(1, 21))
+    bool permitted = false;
+    return fi_setopt(&ep->fid, FI_OPT_ENDPOINT, FI_OPT_SHARED_MEMORY_PERMITTED, &permitted,
+                     sizeof permitted);
+#else
+    (void)ep;
+    return -FI_ENOSYS;
+#endif
 }
 
 /* Link speed in bits/s, 0 when the provider does not say. */

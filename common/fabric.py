@@ -375,11 +375,12 @@ class Closer(contextlib.ExitStack):
         return obj
 
 
-def open_endpoint(own, info, cq_size=None, av_count=16):
+def open_endpoint(own, info, cq_size=None, av_count=16, shm=True):
     """fabric -> domain -> CQ + AV -> endpoint, bound and enabled (taught in chapter 04).
 
     `own` is a Closer; returns (domain, cq, av, ep). The CQ has room for
-    cq_size_for(info) completions unless `cq_size` says otherwise.
+    cq_size_for(info) completions unless `cq_size` says otherwise. `shm` False: efa
+    may not take its shared-memory path to peers on this host (forbid_shm).
     """
     fabric = own(fabric_open(info))
     domain = own(domain_open(fabric, info))
@@ -388,8 +389,26 @@ def open_endpoint(own, info, cq_size=None, av_count=16):
     ep = own(endpoint_open(domain, info))
     ep_bind(ep, cq, lib.FI_SEND | lib.FI_RECV)
     ep_bind(ep, av)
+    if not shm:
+        forbid_shm(ep, info)
     enable(ep)
     return domain, cq, av, ep
+
+
+def forbid_shm(ep, info):
+    """Keep efa off its own shm path (FI_OPT_SHARED_MEMORY_PERMITTED = false; both peers
+    must, before fi_enable): on one host, a benchmark then measures the NIC. Other
+    providers have no such path; libfabric < 1.21 has no such option (SHM_OFF says so)."""
+    if provider_of(info) == "efa" and API_VERSION >= CAN_FORBID_SHM:
+        check("fi_setopt(FI_OPT_SHARED_MEMORY_PERMITTED)", lib.tut_forbid_shm(ep))
+
+
+CAN_FORBID_SHM = 1 << 16 | 21  # the API version that brought the option
+# What a benchmark on efa says about it
+SHM_OFF = ("efa: its shm path is off (FI_OPT_SHARED_MEMORY_PERMITTED = false): peers on "
+           "this host, too, are reached through the NIC" if API_VERSION >= CAN_FORBID_SHM else
+           "efa: libfabric < 1.21 cannot turn its shm path off: peers on this host are "
+           "reached through shared memory, not the NIC")
 
 
 # --- data path -------------------------------------------------------------

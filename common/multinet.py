@@ -33,7 +33,7 @@ class Lane:
 
     def __init__(self, own, info, gpu=None):
         self.info, self.gpu = info, gpu  # gpu: whose memory it carries (None: host)
-        self.domain, self.cq, self.av, self.ep = fi.open_endpoint(own, info)
+        self.domain, self.cq, self.av, self.ep = fi.open_endpoint(own, info, shm=False)
         self.poller = fi.Poller(self.cq)
         self.queue = OpQueue(self.ep, self.cq, self.poller, slots=fi.in_flight(info))
         self.iters = self.submitted = 0
@@ -388,7 +388,7 @@ def run(doc, chapter, warmup=None, engine=None, add_args=None):
     by default) and `add_args` (their own flags)."""
     args = parse(doc, add_args)
     args.chapter = chapter
-    info, addr = cli.peer(args, CAPS, hmem=bool(args.gpus))
+    info, addr = cli.peer(args, CAPS, hmem=bool(args.gpus), shm=False)
     if addr is None:
         return server(info, args, warmup, engine and (lambda *a: engine(args, *a)))
     infos, what = lane_infos(args, info, args.groups, args.nics_per_gpu)  # before opening

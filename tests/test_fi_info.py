@@ -43,6 +43,36 @@ def efa_list():
     return fake_info.infos(Entry("rdmap79s0-rdm", pci="0000:4f:00.0", gbps=100))
 
 
+@pytest.mark.parametrize("shm", [True, False])
+def test_a_benchmark_on_efa_says_its_shm_path_is_off(monkeypatch, capsys, shm):
+    head = efa_list()
+    monkeypatch.setattr(fi, "pick", lambda provider, caps, hmem: (head, "asked for"))
+    cli.pick_provider(argparse.Namespace(provider="efa"), shm=shm)
+    out = capsys.readouterr().out
+    assert out.startswith("provider: efa (asked for), fabric efa, domain rdmap79s0-rdm\n")
+    assert (fi.SHM_OFF in out) == (not shm)
+
+
+def test_forbidding_shm_reaches_fi_setopt_only_for_efa():
+    """Other providers are left alone; for efa the option goes to the endpoint before
+    fi_enable (shm's endpoint stands in: it does not know the option); libfabric < 1.21
+    has none (and SHM_OFF says so)."""
+    info, _ = fi.pick("shm", multinet.CAPS)
+    with fi.Closer() as own:
+        fabric = own(fi.fabric_open(info))
+        domain = own(fi.domain_open(fabric, info))
+        ep = own(fi.endpoint_open(domain, info))
+        fi.forbid_shm(ep, info)  # shm: nothing to do
+        if fi.API_VERSION >= fi.CAN_FORBID_SHM:
+            with pytest.raises(fi.FabricError, match="FI_OPT_SHARED_MEMORY_PERMITTED") as e:
+                fi.forbid_shm(ep, efa_list())
+            assert e.value.rc == -lib.FI_ENOPROTOOPT
+        else:
+            assert lib.tut_forbid_shm(ep) == -lib.FI_ENOSYS
+            fi.forbid_shm(ep, efa_list())
+            assert "cannot turn its shm path off" in fi.SHM_OFF
+
+
 def test_gpu_memory_without_fi_hmem_stops_with_the_cause(monkeypatch):
     """A provider that refuses FI_HMEM (efa: no CUDA, P2P off, FI_EFA_USE_DEVICE_RDMA=0)
     must not hand back a list that would register GPU memory as host memory."""
