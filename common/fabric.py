@@ -96,8 +96,10 @@ MODE = 0
 FABRICS = {"efa": "efa"}
 
 
-def hints(provider=None, ep_type=lib.FI_EP_RDM, caps=lib.FI_MSG, mr_mode=MR_MODE, mode=MODE):
-    """An fi_info to pass to getinfo (fi_allocinfo: required from libfabric 2.0)."""
+def hints(provider=None, ep_type=lib.FI_EP_RDM, caps=lib.FI_MSG, mr_mode=MR_MODE, mode=MODE,
+          fabric=True):
+    """An fi_info to pass to getinfo (fi_allocinfo: required from libfabric 2.0).
+    `fabric` False: every fabric of the provider, not only the one in FABRICS."""
     info = ffi.gc(lib.fi_allocinfo(), lib.fi_freeinfo)
     if info == ffi.NULL:
         raise FabricError("fi_allocinfo", -lib.FI_ENOMEM)
@@ -107,7 +109,7 @@ def hints(provider=None, ep_type=lib.FI_EP_RDM, caps=lib.FI_MSG, mr_mode=MR_MODE
     info.domain_attr.mr_mode = mr_mode
     if provider:
         info.fabric_attr.prov_name = lib.strdup(provider.encode())  # freed by fi_freeinfo
-        if provider in FABRICS:  # libfabric 2.1's core drops other fabrics' entries
+        if fabric and provider in FABRICS:  # 2.1's core drops other fabrics' entries
             # (src/fabric.c); 1.x's does not, but its efa has no efa-direct
             info.fabric_attr.name = lib.strdup(FABRICS[provider].encode())
     return info

@@ -22,6 +22,7 @@ def test_efa_hints_name_the_rdm_fabric_and_no_mode():
     assert fi.string(efa.fabric_attr.name) == "efa"
     assert efa.mode == 0
     assert fi.hints("shm").fabric_attr.name == fi.ffi.NULL  # one fabric: nothing to choose
+    assert fi.hints("efa", fabric=False).fabric_attr.name == fi.ffi.NULL  # chapter 03: all
 
 
 @pytest.mark.skipif(fi.version() < (2, 1), reason="1.x's core keeps every fabric; its efa "
