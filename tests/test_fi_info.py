@@ -9,8 +9,7 @@ import pytest
 from common import cli, memory, multinet
 import common.fabric as fi
 from common.fabric import lib
-from tests import fake_info
-from tests.fake_info import Entry
+from tests.fake_info import Entry, infos
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,7 +40,7 @@ def test_the_provider_line_names_the_fabric(capsys):
 
 
 def efa_list():
-    return fake_info.infos(Entry("rdmap79s0-rdm", pci="0000:4f:00.0", gbps=100))
+    return infos(Entry("rdmap79s0-rdm", pci="0000:4f:00.0", gbps=100))
 
 
 @pytest.mark.parametrize("shm", [True, False])
@@ -114,10 +113,6 @@ def test_every_cq_has_room_for_what_can_be_in_flight(monkeypatch, provider):
     assert sizes == [fi.cq_size_for(info)] == [len(lane.queue.busy) + info.rx_attr.size]
 
 
-def nics(*entries):
-    return fake_info.infos(*entries)
-
-
 def lanes(head, groups=1):
     args = argparse.Namespace(gpus=None, provider_used=fi.provider_of(head))
     infos, what = multinet.lane_infos(args, head, groups, None)
@@ -127,8 +122,8 @@ def lanes(head, groups=1):
 
 def test_lanes_keep_the_control_endpoints_fabric():
     """efa >= 2.1: efa-direct and efa share the "-rdm" domain names (efa_domain.h)."""
-    head = nics(*[Entry(f"rdmap{n}s0-rdm", fabric=fabric, pci=f"0000:{n:02x}:00.0", gbps=100)
-                  for fabric in ("efa", "efa-direct") for n in (79, 80)])
+    head = infos(*[Entry(f"rdmap{n}s0-rdm", fabric=fabric, pci=f"0000:{n:02x}:00.0", gbps=100)
+                   for fabric in ("efa", "efa-direct") for n in (79, 80)])
     got, what = lanes(head, groups=2)
     assert got == [("rdmap79s0-rdm", "efa", lib.FI_ADDR_EFA),
                    ("rdmap80s0-rdm", "efa", lib.FI_ADDR_EFA)]
@@ -136,28 +131,28 @@ def test_lanes_keep_the_control_endpoints_fabric():
 
 
 def test_lanes_keep_the_control_endpoints_fabric_where_it_comes_second():
-    head = nics(Entry("a-rdm", pci="0000:10:00.0"),
-                Entry("b-rdm", fabric="efa-direct", pci="0000:11:00.0"),
-                Entry("b-rdm", pci="0000:11:00.0"),
-                Entry("a-rdm", fabric="efa-direct", pci="0000:10:00.0"))
+    head = infos(Entry("a-rdm", pci="0000:10:00.0"),
+                 Entry("b-rdm", fabric="efa-direct", pci="0000:11:00.0"),
+                 Entry("b-rdm", pci="0000:11:00.0"),
+                 Entry("a-rdm", fabric="efa-direct", pci="0000:10:00.0"))
     assert [fabric for _, fabric, _ in lanes(head)[0]] == ["efa", "efa"]
 
 
 def test_lanes_keep_the_control_endpoints_address_format():
     """verbs (like tcp) lists each NIC once per address format; its fabric is the IB
     subnet (verbs_info.c), which each rail may have of its own."""
-    head = nics(*[Entry(f"mlx5_{k}", fabric=f"IB-0xfe8{k:015x}", provider="verbs;ofi_rxm",
-                        addr_format=fmt, pci=f"0000:{0x20 + k:02x}:00.0", gbps=400)
-                  for k in range(2) for fmt in (lib.FI_SOCKADDR_IN, lib.FI_SOCKADDR_IN6)])
+    head = infos(*[Entry(f"mlx5_{k}", fabric=f"IB-0xfe8{k:015x}", provider="verbs;ofi_rxm",
+                         addr_format=fmt, pci=f"0000:{0x20 + k:02x}:00.0", gbps=400)
+                   for k in range(2) for fmt in (lib.FI_SOCKADDR_IN, lib.FI_SOCKADDR_IN6)])
     assert lanes(head)[0] == [("mlx5_0", "IB-0xfe8000000000000000", lib.FI_SOCKADDR_IN),
                               ("mlx5_1", "IB-0xfe8000000000000001", lib.FI_SOCKADDR_IN)]
 
 
 def test_nics_of_another_kind_only_are_no_lanes():
     """A NIC listed only by another fabric is not one the control endpoint's kind can use."""
-    head = nics(Entry("a-rdm", pci="0000:10:00.0"),
-                Entry("b-rdm", fabric="efa-direct", pci="0000:11:00.0", mode=lib.FI_CONTEXT2),
-                Entry("c-rdm", addr_format=lib.FI_SOCKADDR_IN6, pci="0000:12:00.0"))
+    head = infos(Entry("a-rdm", pci="0000:10:00.0"),
+                 Entry("b-rdm", fabric="efa-direct", pci="0000:11:00.0", mode=lib.FI_CONTEXT2),
+                 Entry("c-rdm", addr_format=lib.FI_SOCKADDR_IN6, pci="0000:12:00.0"))
     assert [name for name, _, _ in lanes(head)[0]] == ["a-rdm"]
 
 
