@@ -104,7 +104,7 @@ def main():
         fi.pick(args.provider)  # raises the 'unknown provider' line
 
     hint = fi.hints(args.provider, ep_type=EP_TYPES.get(args.ep_type, lib.FI_EP_UNSPEC),
-                    caps=caps, mr_mode=ALL_MR_MODES, mode=ALL)
+                    caps=caps, mr_mode=ALL_MR_MODES, mode=ALL, fabric=False)
     hint.domain_attr.mode = ALL
     try:
         head = fi.getinfo(hint)

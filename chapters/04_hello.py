@@ -48,7 +48,8 @@ def open_endpoint(own, info):
     """fabric -> domain -> CQ + AV -> endpoint, bound and enabled."""
     fabric = own(fi.fabric_open(info))          # the provider's network
     domain = own(fi.domain_open(fabric, info))  # one NIC
-    cq = own(fi.cq_open(domain, size=64))       # where completions arrive
+    size = fi.cq_size_for(info)                 # room for all that can be in flight
+    cq = own(fi.cq_open(domain, size))          # where completions arrive
     av = own(fi.av_open(domain))                # peer address -> fi_addr_t
     ep = own(fi.endpoint_open(domain, info))    # what sends and receives
     fi.ep_bind(ep, cq, lib.FI_SEND | lib.FI_RECV)

@@ -157,10 +157,9 @@ def client(info, args, addr):
     with fi.Closer() as own:
         domain, cq, av, ep = fi.open_endpoint(own, info)
         poller = fi.Poller(cq)
-        # where a refusal lands; also a posted receive, for providers that use one per immediate
-        inbox = fi.Inbox(own, domain, ep, len(connect.REFUSED) + connect.WHY)
+        inbox = fi.Inbox(own, domain, ep, len(connect.REFUSED) + connect.WHY)  # a refusal lands here
         buffers = [memory.Buffer(args.buffer_size, args.gpu) for _ in range(args.buffers)]
-        mrs = [memory.register(own, domain, b, lib.FI_REMOTE_WRITE, key=i + 1)
+        mrs = [memory.register(own, domain, b, memory.WRITE_TARGET, key=i + 1)
                for i, b in enumerate(buffers)]
         print(f"memory: {args.buffers} x {args.buffer_size} bytes of {buffers[0].kind}")
         server_addr = fi.av_insert(av, addr)
@@ -204,7 +203,7 @@ def main():
 
     # GPU memory needs FI_HMEM (shm then moves it with CUDA IPC); give --gpu to
     # both sides, since the server's endpoint is the one that writes into it.
-    info, addr = cli.peer(args, CAPS, prefer=lib.FI_HMEM if args.gpu is not None else 0)
+    info, addr = cli.peer(args, CAPS, hmem=args.gpu is not None)
     mr_mode = fi.tostr(info.domain_attr.mr_mode, lib.FI_TYPE_MR_MODE) or "no mode bits"
     print(f"memory registration: {mr_mode}")
     if addr is None:

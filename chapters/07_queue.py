@@ -90,7 +90,7 @@ import sys
 import time
 
 from common import bench, cli, connect, memory
-from common.opqueue import CONTEXTS, HEARTBEAT, Heartbeat, OpQueue, write_messages
+from common.opqueue import HEARTBEAT, Heartbeat, OpQueue, write_messages
 from common.fabric import lib
 import common.fabric as fi
 
@@ -109,7 +109,7 @@ BAD_KEY = 0xBAD0_0000  # --bad-key: a key no registration of ours has
 # %%
 def server(info, args):
     with fi.Closer() as own:
-        domain, cq, av, ep = fi.open_endpoint(own, info)
+        domain, cq, av, ep = fi.open_endpoint(own, info, shm=False)
         poller = fi.Poller(cq)
         inbox = fi.Inbox(own, domain, ep, fi.max_send(info))
         addr = fi.getname(ep).hex()
@@ -140,7 +140,7 @@ def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
     npages = len(pages)
 
     # Contexts to spare: the provider, not us, should be the one to say "full".
-    queue = OpQueue(ep, cq, poller, slots=max(4 * info.tx_attr.size, CONTEXTS))
+    queue = OpQueue(ep, cq, poller, slots=fi.in_flight(info))
     beat = Heartbeat(own, domain, client)
     try:
         # The data, generated before anything is timed: page j of the request in slot j.
@@ -210,11 +210,11 @@ def write_all(queue, beat, messages, iters, page_size, timeout):
 def client(info, args, addr):
     pages = args.pages
     with fi.Closer() as own:
-        domain, cq, av, ep = fi.open_endpoint(own, info)
+        domain, cq, av, ep = fi.open_endpoint(own, info, shm=False)
         poller = fi.Poller(cq)
         inbox = fi.Inbox(own, domain, ep, len(connect.REFUSED) + connect.WHY)  # or a heartbeat
         buffers = [memory.Buffer(args.buffer_size, args.gpu) for _ in range(args.buffers)]
-        mrs = [memory.register(own, domain, b, lib.FI_REMOTE_WRITE, key=i + 1)
+        mrs = [memory.register(own, domain, b, memory.WRITE_TARGET, key=i + 1)
                for i, b in enumerate(buffers)]
         print(f"memory: {args.buffers} x {args.buffer_size} bytes of {buffers[0].kind}")
         server_addr = fi.av_insert(av, addr)
@@ -273,7 +273,7 @@ def main():
                              "immediate data")
     memory.use_gpu(args.gpu)
 
-    info, addr = cli.peer(args, CAPS, prefer=lib.FI_HMEM if args.gpu is not None else 0)
+    info, addr = cli.peer(args, CAPS, hmem=args.gpu is not None, shm=False)
     mr_mode = fi.tostr(info.domain_attr.mr_mode, lib.FI_TYPE_MR_MODE) or "no mode bits"
     print(f"memory registration: {mr_mode}")
     if addr is None:

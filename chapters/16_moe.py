@@ -172,21 +172,18 @@ class Proxy:
         """kernels_wait: GPU kernels, not this host, wait on the stamps (moe_nvlink).
         nics: how many of its NICs to use (None: all; virtual ones: 1)."""
         self.timeout = timeout
-        info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA,
-                          prefer=lib.FI_HMEM if mem.gpu is not None else 0)
-        if info.mode & lib.FI_RX_CQ_DATA:
-            raise ValueError(f"{fi.provider_of(info)} wants a posted receive per immediate "
-                             "(FI_RX_CQ_DATA); this proxy posts none")
+        info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA, hmem=mem.gpu is not None)
         if largest > info.ep_attr.max_msg_size:  # one WRITE per peer, never split
             raise ValueError(f"a WRITE of up to {largest} bytes, more than "
                              f"{fi.provider_of(info)} takes ({info.ep_attr.max_msg_size})")
         self.provider = fi.provider_of(info)
         scope = flush_scope(self.provider, mem.gpu)
         infos, self.nics = proxy_nics(info, group, mem.gpu, nics)
-        domains, self.cqs, avs, eps = zip(*[fi.open_endpoint(own, i, cq_size=4 * RING,
-                                                            av_count=group.world)
-                                            for i in infos])
-        mrs = [memory.register(own, domain, mem, lib.FI_WRITE | lib.FI_REMOTE_WRITE, key=1)
+        # at most RING WRITEs in flight per NIC; emulated nodes on one host reach each other by NIC
+        domains, self.cqs, avs, eps = zip(*[
+            fi.open_endpoint(own, i, cq_size=fi.cq_size_for(i, RING), av_count=group.world,
+                             shm=False) for i in infos])
+        mrs = [memory.register(own, domain, mem, lib.FI_WRITE | memory.WRITE_TARGET, key=1)
                for domain in domains]
         mine = [(fi.remote_base(i, mem.ptr), fi.mr_key(mr), fi.getname(ep))
                 for i, mr, ep in zip(infos, mrs, eps)]
@@ -850,6 +847,8 @@ def main():
                     if group.rank == 0:
                         print(f"provider: {provider}; proxy of rank 0: {a2a.proxy.nics}",
                               flush=True)
+                        if provider == "efa":
+                            print(fi.SHM_OFF, flush=True)
                 for tokens in args.tokens:
                     rows.append(benchmark(a2a, group, args, tokens, name))
                 group.barrier()

@@ -26,7 +26,12 @@ struct fid_cq { struct fid fid; ...; };
 struct fid_av { struct fid fid; ...; };
 struct fid_mr { struct fid fid; void *mem_desc; uint64_t key; ...; };
 struct fi_device_attr { char *name; ...; };
-struct fid_nic { struct fid fid; struct fi_device_attr *device_attr; ...; };
+enum fi_bus_type { FI_BUS_UNSPEC, FI_BUS_UNKNOWN, FI_BUS_PCI, ... };
+struct fi_pci_attr { uint16_t domain_id; uint8_t bus_id; uint8_t device_id; uint8_t function_id; };
+struct fi_bus_attr { enum fi_bus_type bus_type; union { struct fi_pci_attr pci; } attr; };
+struct fi_link_attr { char *address; size_t mtu; size_t speed; ...; };
+struct fid_nic { struct fid fid; struct fi_device_attr *device_attr; struct fi_bus_attr *bus_attr;
+                 struct fi_link_attr *link_attr; void *prov_attr; };
 struct fi_context2 { void *internal[8]; };
 
 enum fi_ep_type { FI_EP_UNSPEC, FI_EP_MSG, FI_EP_DGRAM, FI_EP_RDM, ... };
@@ -85,6 +90,8 @@ struct fi_msg_rma { const struct iovec *msg_iov; void **desc; size_t iov_count; 
 #define FI_SOCKADDR_IN ...
 #define FI_SOCKADDR_IN6 ...
 #define FI_ADDR_STR ...
+#define FI_SOCKADDR_IB ...
+#define FI_ADDR_EFA ...
 
 /* capabilities and operation flags */
 #define FI_MSG ...
@@ -141,6 +148,7 @@ struct fi_msg_rma { const struct iovec *msg_iov; void **desc; size_t iov_count; 
 #define FI_ENOMEM ...
 #define FI_ETRUNC ...
 #define FI_ECANCELED ...
+#define FI_ENOPROTOOPT ...
 
 uint32_t fi_version(void);
 int fi_getinfo(uint32_t version, const char *node, const char *service, uint64_t flags,
@@ -184,6 +192,7 @@ int tut_mr_reg(struct fid_domain *domain, void *buf, size_t len, uint64_t access
                uint64_t key, int iface, int device, uint64_t flags, int dmabuf_fd,
                uint64_t dmabuf_offset, struct fid_mr **mr);
 int tut_has_dmabuf(void);
+int tut_forbid_shm(struct fid_ep *ep);
 size_t tut_nic_speed(const struct fi_info *info);
 size_t tut_nic_mtu(const struct fi_info *info);
 int tut_nic_pci(const struct fi_info *info, char *buf, size_t len);
@@ -194,6 +203,7 @@ char *strdup(const char *s);
 
 SOURCE = r"""
 #include <sched.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 #include <rdma/fabric.h>
@@ -283,6 +293,22 @@ static int tut_wait_data(struct fid_cq **cqs, size_t n, uint64_t *data, uint8_t 
             sched_yield();  /* nothing yet: let a peer on the same core run */
     }
     return 0;
+}
+
+/* Keep efa off its own shared-memory path for peers on this host, so that a
+   benchmark on one host measures the NIC (fi_endpoint.3: before fi_enable;
+   prov/efa/src/rdm/efa_rdm_ep_fiops.c). The option came in libfabric 1.21;
+   against older headers this says -FI_ENOSYS. */
+static int tut_forbid_shm(struct fid_ep *ep)
+{
+#if FI_VERSION_GE(FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION), FI_VERSION(1, 21))
+    bool permitted = false;
+    return fi_setopt(&ep->fid, FI_OPT_ENDPOINT, FI_OPT_SHARED_MEMORY_PERMITTED, &permitted,
+                     sizeof permitted);
+#else
+    (void)ep;
+    return -FI_ENOSYS;
+#endif
 }
 
 /* Link speed in bits/s, 0 when the provider does not say. */

@@ -96,18 +96,23 @@ def add_peer(p):
     p.epilog = SIDES
 
 
-def pick_provider(args, caps=fi.lib.FI_MSG, prefer=0):
-    """fi_getinfo for -p (or the default), said in one line; the first entry is the best."""
-    info, why = fi.pick(args.provider, caps, prefer)
+def pick_provider(args, caps=fi.lib.FI_MSG, hmem=False, shm=True):
+    """fi_getinfo for -p (or the default), said in one line; the first entry is the best.
+    `hmem`: the run's buffers are GPU memory. `shm` False: a benchmark, whose
+    endpoints keep efa off its shm path (fi.forbid_shm): said too."""
+    info, why = fi.pick(args.provider, caps, hmem)
     args.provider_used = fi.provider_of(info).split(";")[0]  # for commands we print
-    print(f"provider: {fi.provider_of(info)} ({why}), domain {fi.string(info.domain_attr.name)}")
+    print(f"provider: {fi.provider_of(info)} ({why}), fabric {fi.string(info.fabric_attr.name)}, "
+          f"domain {fi.string(info.domain_attr.name)}")
+    if not shm and args.provider_used == "efa":
+        print(fi.SHM_OFF)
     return info
 
 
-def peer(args, caps=fi.lib.FI_MSG, prefer=0):
+def peer(args, caps=fi.lib.FI_MSG, hmem=False, shm=True):
     """(fi_info, server address or None): the provider, and the address checked against it."""
     addr = parse_address(args.address) if args.address else None
-    info = pick_provider(args, caps, prefer)
+    info = pick_provider(args, caps, hmem, shm)
     if addr is not None:
         fi.check_address(info, addr)
     return info, addr

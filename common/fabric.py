@@ -80,13 +80,26 @@ def tostr(value, kind):
 
 # --- fi_info ---------------------------------------------------------------
 
-# We give every operation a fi_context2, and keep a receive posted wherever
-# immediate data may arrive, so we can accept providers that want either.
-MODE = lib.FI_CONTEXT | lib.FI_CONTEXT2 | lib.FI_RX_CQ_DATA
+# We ask for no mode bits: the fabrics we use need none (efa's RDM fabric clears
+# FI_CONTEXT2, prov/efa/src/efa_prov_info.c; rxm strips FI_RX_CQ_DATA,
+# prov/rxm/src/rxm_init.c; shm and tcp ask for nothing). A mode offered is a
+# burden accepted: FI_CONTEXT2 is what lets efa-direct in, FI_RX_CQ_DATA would
+# oblige us to post a receive for every immediate. Every operation still has
+# a fi_context2 of its own: that is how its completion names it.
+MODE = 0
+
+# The fabric each provider's chapters use where the provider has several.
+# efa lists "efa-direct" before "efa" from libfabric 2.1 (prov/efa/src/efa_prov.c).
+# efa-direct sizes the device CQ to exactly what we ask (prov/efa/src/efa_cq.h) and
+# neither splits a SEND nor keeps it within the MTU (efa_msg.c); the RDM fabric "efa"
+# does both, as the series' demo and pplx-garden get it. Every chapter uses "efa".
+FABRICS = {"efa": "efa"}
 
 
-def hints(provider=None, ep_type=lib.FI_EP_RDM, caps=lib.FI_MSG, mr_mode=MR_MODE, mode=MODE):
-    """An fi_info to pass to getinfo (fi_allocinfo: required from libfabric 2.0)."""
+def hints(provider=None, ep_type=lib.FI_EP_RDM, caps=lib.FI_MSG, mr_mode=MR_MODE, mode=MODE,
+          fabric=True):
+    """An fi_info to pass to getinfo (fi_allocinfo: required from libfabric 2.0).
+    `fabric` False: every fabric of the provider, not only the one in FABRICS."""
     info = ffi.gc(lib.fi_allocinfo(), lib.fi_freeinfo)
     if info == ffi.NULL:
         raise FabricError("fi_allocinfo", -lib.FI_ENOMEM)
@@ -96,6 +109,9 @@ def hints(provider=None, ep_type=lib.FI_EP_RDM, caps=lib.FI_MSG, mr_mode=MR_MODE
     info.domain_attr.mr_mode = mr_mode
     if provider:
         info.fabric_attr.prov_name = lib.strdup(provider.encode())  # freed by fi_freeinfo
+        if fabric and provider in FABRICS:  # 2.1's core drops other fabrics' entries
+            # (src/fabric.c); 1.x's does not, but its efa has no efa-direct
+            info.fabric_attr.name = lib.strdup(FABRICS[provider].encode())
     return info
 
 
@@ -162,18 +178,46 @@ def provider_of(info):
     return string(info.fabric_attr.prov_name)
 
 
-def pick(provider=None, caps=lib.FI_MSG, prefer=0):
+def pick(provider=None, caps=lib.FI_MSG, hmem=False):
     """The fi_info list for `provider`, or for the first of DEFAULT_PROVIDERS that works here.
 
-    Capabilities in `prefer` are asked for too where the provider has them.
+    With `hmem` (the run puts its buffers in GPU memory) the list must offer
+    FI_HMEM too: a provider that refuses it is one line saying why, never a
+    list that would register GPU memory as host memory.
     Returns (info, why) where `why` says, for the reader, how it was chosen.
     Raises ValueError with one readable line when nothing fits.
     """
-    if prefer:
+    info, why = _pick(provider, caps)
+    if hmem:
+        name = provider_of(info)
         try:
-            return pick(provider, caps | prefer)
-        except (ValueError, FabricError):
-            pass
+            info = getinfo(hints(name, caps=caps | lib.FI_HMEM))
+        except FabricError as e:
+            if e.rc != -lib.FI_ENODATA:
+                raise
+            raise ValueError(no_hmem(name)) from None
+    return info, why
+
+
+def no_hmem(provider):
+    """Why `provider` may refuse FI_HMEM, and the fix, in one line."""
+    base = provider.split(";")[0]
+    causes = {
+        # prov/efa/src/efa_user_info.c: CUDA not usable by libfabric (API >= 1.18),
+        # or P2P disabled, a device without RDMA read, FI_EFA_USE_DEVICE_RDMA=0 (API < 1.18)
+        "efa": "it needs a libfabric built with CUDA that finds the GPU (the EFA "
+               "installer's, or scripts/build_libfabric.sh), FI_HMEM_P2P_DISABLED and "
+               "FI_EFA_USE_DEVICE_RDMA unset (or 1)",
+        # prov/verbs/src/verbs_info.c (vrb_hmem_supported): peer memory or dmabuf on mlx5
+        "verbs": "it needs nvidia-peermem loaded (modprobe nvidia-peermem) or dmabuf on an "
+                 "mlx5 NIC (FI_VERBS_USE_DMABUF unset or 1), and FI_HMEM_P2P_DISABLED unset",
+    }
+    return (f"{provider} offers no FI_HMEM here, so it cannot move GPU memory: "
+            + causes.get(base, "it needs a libfabric built with CUDA "
+                               "(scripts/build_libfabric.sh, then LIBFABRIC_PREFIX)"))
+
+
+def _pick(provider, caps):
     if provider:
         if not set(provider.split(";")) <= KNOWN_PROVIDERS:
             raise ValueError(f"unknown provider '{provider}' (libfabric has: "
@@ -274,6 +318,26 @@ def cq_open(domain, size):
     return _open("fi_cq_open", "struct fid_cq", lib.fi_cq_open, domain, attr)
 
 
+# At least this many operations may be in flight on one endpoint (chapter 07:
+# the provider, not our queue, should be the one to say "full").
+CONTEXTS = 4096
+
+
+def in_flight(info):
+    """How many operations our queues (OpQueue, common/lane.h) let one endpoint of `info`
+    have in flight: four times its transmit queue, as providers take more than
+    tx_attr.size before -FI_EAGAIN, and at least CONTEXTS."""
+    return max(4 * info.tx_attr.size, CONTEXTS)
+
+
+def cq_size_for(info, operations=None):
+    """CQ entries for an endpoint of `info`: one for each of `operations` (default:
+    in_flight(info)) and for each receive it can have posted (rx_attr.size). efa-direct
+    gives the device CQ what we ask and no more (prov/efa/src/efa_cq.h; only efa's
+    RDM fabric raises it, rdm/efa_rdm_cq.c): a completion with no room is an overrun."""
+    return (in_flight(info) if operations is None else operations) + info.rx_attr.size
+
+
 def av_open(domain, count=16):
     attr = ffi.new("struct fi_av_attr *", {"type": lib.FI_AV_TABLE, "count": count})
     return _open("fi_av_open", "struct fid_av", lib.fi_av_open, domain, attr)
@@ -350,20 +414,40 @@ class Closer(contextlib.ExitStack):
         return obj
 
 
-def open_endpoint(own, info, cq_size=64, av_count=16):
+def open_endpoint(own, info, cq_size=None, av_count=16, shm=True):
     """fabric -> domain -> CQ + AV -> endpoint, bound and enabled (taught in chapter 04).
 
-    `own` is a Closer; returns (domain, cq, av, ep).
+    `own` is a Closer; returns (domain, cq, av, ep). The CQ has room for
+    cq_size_for(info) completions unless `cq_size` says otherwise. `shm` False: efa
+    may not take its shared-memory path to peers on this host (forbid_shm).
     """
     fabric = own(fabric_open(info))
     domain = own(domain_open(fabric, info))
-    cq = own(cq_open(domain, size=cq_size))
+    cq = own(cq_open(domain, size=cq_size or cq_size_for(info)))
     av = own(av_open(domain, av_count))
     ep = own(endpoint_open(domain, info))
     ep_bind(ep, cq, lib.FI_SEND | lib.FI_RECV)
     ep_bind(ep, av)
+    if not shm:
+        forbid_shm(ep, info)
     enable(ep)
     return domain, cq, av, ep
+
+
+def forbid_shm(ep, info):
+    """Keep efa off its own shm path (FI_OPT_SHARED_MEMORY_PERMITTED = false; both peers
+    must, before fi_enable): on one host, a benchmark then measures the NIC. Other
+    providers have no such path; libfabric < 1.21 has no such option (SHM_OFF says so)."""
+    if provider_of(info) == "efa" and API_VERSION >= CAN_FORBID_SHM:
+        check("fi_setopt(FI_OPT_SHARED_MEMORY_PERMITTED)", lib.tut_forbid_shm(ep))
+
+
+CAN_FORBID_SHM = 1 << 16 | 21  # the API version that brought the option
+# What a benchmark on efa says about it
+SHM_OFF = ("efa: its shm path is off (FI_OPT_SHARED_MEMORY_PERMITTED = false): peers on "
+           "this host, too, are reached through the NIC" if API_VERSION >= CAN_FORBID_SHM else
+           "efa: libfabric < 1.21 cannot turn its shm path off: peers on this host are "
+           "reached through shared memory, not the NIC")
 
 
 # --- data path -------------------------------------------------------------

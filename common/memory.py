@@ -12,6 +12,12 @@ import common.fabric as fi
 from common.fabric import lib
 
 PAGE = 4096
+# The access a WRITE's target is registered with. FI_READ too: an EFA device with RDMA
+# read but no RDMA write emulates a large WRITE by having the target READ the data into
+# it (prov/efa/src/rdm/efa_rdm_pke_rtw.c), and only access beyond what EFA knows makes
+# efa_mr.c grant the local write that READ needs (FI_REMOTE_WRITE alone does not
+# there). verbs adds local write to remote write anyway (prov/verbs/src/verbs_mr.c).
+WRITE_TARGET = lib.FI_REMOTE_WRITE | lib.FI_READ
 
 
 class Buffer:

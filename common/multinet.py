@@ -13,7 +13,7 @@ import time
 
 from common import bench, cli, connect, memory, topo
 from common.fabric import ffi, lib
-from common.opqueue import CONTEXTS, HEARTBEAT, Heartbeat, OpQueue, write_messages
+from common.opqueue import HEARTBEAT, Heartbeat, OpQueue, write_messages
 import common.fabric as fi
 
 CAPS = lib.FI_MSG | lib.FI_RMA
@@ -29,10 +29,9 @@ class Lane:
 
     def __init__(self, own, info, gpu=None):
         self.info, self.gpu = info, gpu  # gpu: whose memory it carries (None: host)
-        self.domain, self.cq, self.av, self.ep = fi.open_endpoint(own, info)
+        self.domain, self.cq, self.av, self.ep = fi.open_endpoint(own, info, shm=False)
         self.poller = fi.Poller(self.cq)
-        self.queue = OpQueue(self.ep, self.cq, self.poller,
-                             slots=max(4 * info.tx_attr.size, CONTEXTS))
+        self.queue = OpQueue(self.ep, self.cq, self.poller, slots=fi.in_flight(info))
         self.iters = self.submitted = 0
         self.messages = []
 
@@ -54,13 +53,13 @@ class Lane:
 def lane_infos(args, head, groups, per_group):
     """The fi_info of each lane, group by group, and a line saying what the NICs are.
     `per_group` None: every NIC of each GPU (one virtual NIC where there are none)."""
-    nics = topo.nics_here(head)
+    by_name = lane_entries(head)
+    nics = [nic for nic in topo.nics_here(head) if nic.name in by_name]
     if not nics:
         per_group = per_group or 1
         return ([[head] * per_group for _ in range(groups)],
                 f"{groups} x {per_group} virtual NICs: independent domains of "
                 f"{args.provider_used} (no NIC with a PCI address here)")
-    by_name = {fi.string(i.domain_attr.name): i for i in fi.each(head)}
     if args.gpus:
         gpu_buses, _ = topo.gpus_here()
         layout = topo.layout(gpu_buses, nics)
@@ -73,6 +72,29 @@ def lane_infos(args, head, groups, per_group):
     return ([[by_name[n.name] for n in group] for group in chosen],
             f"{groups} x {len(chosen[0])} NICs: " + "; ".join(" ".join(n.name for n in group)
                                                            for group in chosen))
+
+
+def lane_entries(head):
+    """{domain name: the fi_info its lane opens}: of each name, an entry with the provider and
+    address format of the control endpoint (the head) and its fabric: only that fabric where
+    we chose it by name (fi.FABRICS), else that one first. One name stands for several
+    entries: efa-direct and efa share the "-rdm" domain names (prov/efa/src/efa_domain.h),
+    verbs and tcp list IPv4 and IPv6 for each NIC; verbs names a fabric per IB subnet, so
+    each rail may have its own (prov/verbs/src/verbs_info.c). A lane of another kind could
+    not reach its peer, or would follow another fabric's rules."""
+    def fabric(info):
+        return fi.string(info.fabric_attr.name)
+
+    def usable(info):
+        return ((fi.provider_of(info), info.addr_format)
+                == (fi.provider_of(head), head.addr_format)
+                and (fi.provider_of(head) not in fi.FABRICS or fabric(info) == fabric(head)))
+    lanes = {}
+    for info in filter(usable, fi.each(head)):
+        name = fi.string(info.domain_attr.name)
+        if name not in lanes or fabric(info) == fabric(head) != fabric(lanes[name]):
+            lanes[name] = info
+    return lanes
 
 
 def server(info, args, warmup=None, engine=None):
@@ -243,14 +265,12 @@ def client(info, args, addr, infos):
         server_addr = fi.av_insert(control.av, addr)
         lanes = [Lane(own, i, args.gpus[g] if args.gpus else None)
                  for g, group in enumerate(infos) for i in group]
-        for lane in lanes:  # a posted receive, for providers that use one per immediate
-            fi.Inbox(own, lane.domain, lane.ep, 64)
         buffers = [[memory.Buffer(args.buffer_size, args.gpus[g] if args.gpus else None)
                     for _ in range(args.buffers)] for g in range(groups)]
         regions = b""
         for k, lane in enumerate(lanes):  # every buffer of the group, on each of its NICs
             for i, b in enumerate(buffers[k // per_group]):
-                mr = memory.register(own, lane.domain, b, lib.FI_REMOTE_WRITE, key=i + 1)
+                mr = memory.register(own, lane.domain, b, memory.WRITE_TARGET, key=i + 1)
                 regions += REGION.pack(fi.remote_base(lane.info, b.ptr), b.size, fi.mr_key(mr))
         print(f"memory: {groups} x {args.buffers} x {args.buffer_size} bytes of "
               f"{' / '.join(sorted({bs[0].kind for bs in buffers}))}")
@@ -371,7 +391,7 @@ def run(doc, chapter, warmup=None, engine=None, add_args=None, lesson=None):
     whose client run the server prints as the client command."""
     args = parse(doc, add_args)
     args.chapter, args.number, args.lesson = chapter, int(chapter[:2]), lesson
-    info, addr = cli.peer(args, CAPS, prefer=lib.FI_HMEM if args.gpus else 0)
+    info, addr = cli.peer(args, CAPS, hmem=bool(args.gpus), shm=False)
     if addr is None:
         return server(info, args, warmup, engine and (lambda *a: engine(args, *a)))
     infos, what = lane_infos(args, info, args.groups, args.nics_per_gpu)  # before opening

@@ -14,7 +14,6 @@ import common.fabric as fi
 from common.fabric import ffi, lib
 
 WRITE, SEND = 1, 2               # what an operation in flight is
-CONTEXTS = 4096                  # at least this many operations may be in flight
 HEARTBEAT = struct.Struct("<Q")  # server -> client: WRITEs completed so far
 BEAT_EVERY = 0.5                 # seconds between heartbeats
 

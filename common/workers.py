@@ -28,7 +28,7 @@ def lane_array(native, mine):
     new, keep = native.ffi.new, []
     array = new("struct lane[]", len(mine))
     for w, lane in zip(array, mine):
-        slots = 4 * lane.info.tx_attr.size + 64
+        slots = fi.in_flight(lane.info)
         keep += [new("struct fi_context2[]", slots), new("uint8_t[]", slots),
                  new("size_t[]", list(range(slots))), new("size_t[]", slots)]
         w.contexts, w.busy, w.free_slots, w.pending = keep[-4:]

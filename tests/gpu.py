@@ -20,7 +20,7 @@ def why_not():
     import common.fabric as fi
     from common import memory
     try:  # the real question: can this libfabric register CUDA memory?
-        info, _ = fi.pick("shm", fi.lib.FI_MSG | fi.lib.FI_RMA, prefer=fi.lib.FI_HMEM)
+        info, _ = fi.pick("shm", fi.lib.FI_MSG | fi.lib.FI_RMA, hmem=True)
         with fi.Closer() as own:
             fabric = own(fi.fabric_open(info))
             domain = own(fi.domain_open(fabric, info))

@@ -1,0 +1,69 @@
+"""fi_info lists made by hand, for what no provider lists on this host: several fabrics
+and address formats for one domain name, NICs with PCI addresses, an efa or a verbs.
+
+    head = fake_info.infos(
+        fake_info.Entry("rdmap79s0-rdm", fabric="efa-direct", pci="0000:4f:00.0"),
+        fake_info.Entry("rdmap79s0-rdm", fabric="efa", pci="0000:4f:00.0"))
+    fi.each(head), topo.nics_here(head), multinet.lane_entries(head), ...
+
+Each entry is an fi_allocinfo'd fi_info, linked by `next`, with what Entry says; the
+list is fi_freeinfo'd when `head` is collected. A NIC's attributes belong to the list
+(their fid has no ops, so fi_freeinfo leaves them): never fi_dupinfo such an entry.
+Nothing here opens: a fake entry given to fi_fabric is refused or worse.
+"""
+from dataclasses import dataclass
+
+import common.fabric as fi
+from common.fabric import ffi, lib
+
+
+@dataclass
+class Entry:
+    domain: str                          # domain_attr.name, e.g. "rdmap79s0-rdm"
+    fabric: str = "efa"                  # fabric_attr.name
+    provider: str = "efa"                # fabric_attr.prov_name, e.g. "verbs;ofi_rxm"
+    addr_format: int = lib.FI_ADDR_EFA
+    pci: str = None                      # the NIC's PCI address, "0000:4f:00.0"; None: no NIC
+    gbps: float = 0                      # its link speed
+    mtu: int = 0                         # its link MTU
+    caps: int = lib.FI_MSG | lib.FI_RMA
+    mode: int = 0
+    mr_mode: int = fi.MR_MODE
+    tx_size: int = 1024
+    rx_size: int = 1024
+    max_msg_size: int = 1 << 30
+
+
+def infos(*entries):
+    """The fi_info list of `entries`, in their order: its head."""
+    keep = []  # the NICs' attributes, alive as long as the list
+    head = prev = ffi.NULL
+    for e in entries:
+        info = lib.fi_allocinfo()
+        info.caps, info.mode, info.addr_format = e.caps, e.mode, e.addr_format
+        info.ep_attr.type, info.ep_attr.max_msg_size = lib.FI_EP_RDM, e.max_msg_size
+        info.tx_attr.size, info.rx_attr.size = e.tx_size, e.rx_size
+        info.domain_attr.mr_mode = e.mr_mode
+        info.domain_attr.name = lib.strdup(e.domain.encode())  # fi_freeinfo frees these
+        info.fabric_attr.name = lib.strdup(e.fabric.encode())
+        info.fabric_attr.prov_name = lib.strdup(e.provider.encode())
+        if e.pci:
+            info.nic = _nic(e, keep)
+        if prev == ffi.NULL:
+            head = info
+        else:
+            prev.next = info
+        prev = info
+    return ffi.gc(head, lambda head, _nics=keep: lib.fi_freeinfo(head))
+
+
+def _nic(e, keep):
+    domain, bus, rest = e.pci.split(":")
+    device, function = rest.split(".")
+    bus_attr = ffi.new("struct fi_bus_attr *", {"bus_type": lib.FI_BUS_PCI})
+    bus_attr.attr.pci = {"domain_id": int(domain, 16), "bus_id": int(bus, 16),
+                         "device_id": int(device, 16), "function_id": int(function, 16)}
+    link = ffi.new("struct fi_link_attr *", {"mtu": e.mtu, "speed": int(e.gbps * 1e9)})
+    nic = ffi.new("struct fid_nic *", {"bus_attr": bus_attr, "link_attr": link})
+    keep += [bus_attr, link, nic]
+    return nic
