@@ -121,7 +121,7 @@ import time
 
 import numpy as np
 
-from common import bench, cli, cuda_driver, launch, memory, topo
+from common import bench, cli, cuda_driver, launch, memory, multinet, topo
 from common import moe_reference as ref
 from common._native16 import ffi, lib as native
 from common.moe import Shape, Stages, Wire, aligned, check_shape, check_tokens, \
@@ -317,11 +317,7 @@ def proxy_nics(head, group, gpu, count=None):
     mine = topo.rank_nics(nics, gpu_buses, gpu, group.rank % group.ranks_per_node,
                           group.ranks_per_node)
     mine = topo.take([mine], count)[0]
-    entries = {}
-    for info in fi.each(head):  # one entry per domain: the head's fabric and address format
-        if (fi.string(info.fabric_attr.name) == fi.string(head.fabric_attr.name)
-                and info.addr_format == head.addr_format):
-            entries.setdefault(fi.string(info.domain_attr.name), info)
+    entries = multinet.lane_entries(head)  # of each NIC, an entry of the head's kind
     other = [n.name for n in mine if n.name not in entries]
     if other:
         raise ValueError(f"NIC {other[0]} is not in fabric {fi.string(head.fabric_attr.name)} "

@@ -235,7 +235,7 @@ def here(args):
             raise ValueError(str(e)) from None
     for gpu in reversed(args.gpus or []):
         memory.use_gpu(gpu)
-    head, why = fi.pick(args.provider, multinet.CAPS, prefer=lib.FI_HMEM if args.gpus else 0)
+    head, why = fi.pick(args.provider, multinet.CAPS, hmem=bool(args.gpus))
     args.provider_used = fi.provider_of(head).split(";")[0]
     real = bool(topo.nics_here(head))  # NICs with PCI addresses; else virtual ones
     first = [nic(head, args.gpus[0] if args.gpus else None, real)]

@@ -201,7 +201,7 @@ def test_gpu_memory_is_registered_by_dmabuf_where_the_binding_has_it(capsys):
     """On the H200 machine (CUDA says dma-buf supported; environment.md) with a libfabric
     >= 1.20: cupy memory by dmabuf, and a WRITE into it verified."""
     cp = memory.cupy()
-    info, _ = fi.pick("shm", lib.FI_MSG | lib.FI_RMA, prefer=lib.FI_HMEM)
+    info, _ = fi.pick("shm", lib.FI_MSG | lib.FI_RMA, hmem=True)
     target = memory.Buffer(1 << 20, 0)
     with fi.Closer() as own:
         domain, cq, av, ep = fi.open_endpoint(own, info)

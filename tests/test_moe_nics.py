@@ -62,10 +62,13 @@ def test_each_gpus_proxy_drives_that_gpus_nics(moe, p5):
 def test_a_nics_entry_of_another_fabric_is_not_taken(moe, p5):
     """efa and efa-direct share domain names (prov/efa/src/efa_domain.h): a proxy's NICs
     come from the head's fabric and address format only."""
+    for info in fi.each(p5):
+        info.fabric_attr.prov_name = fi.lib.strdup(b"efa")  # freed with the list
     last = list(fi.each(p5))[-1]
     last.next = other = fi.lib.fi_allocinfo()  # freed with the list
     other.domain_attr.name = fi.lib.strdup(b"rdmap79s0")
     other.fabric_attr.name = fi.lib.strdup(b"efa-direct")
+    other.fabric_attr.prov_name = fi.lib.strdup(b"efa")
     infos, _ = moe.proxy_nics(p5, group(0), 0)
     assert names(infos) == [f"rdmap{79 + k}s0" for k in range(4)]
     assert infos[0] == p5 and fi.string(infos[0].fabric_attr.name) == ""
