@@ -22,49 +22,49 @@ atomic counter; --engine python|native. Python's side of the workers
     .venv/bin/python chapters/11_multithread.py --engine python                  # server, GIL-bound
 
 Transcripts (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory,
-2 groups x 2 virtual NICs, 4 KiB pages so that the cost per WRITE shows; commit 2be957c,
-other programs beside it, load average near 15). Python threads, which take turns on
-the GIL, spend 5.55 us of CPU per WRITE; the loop in C below, 2.32 (the figure
+2 groups x 2 virtual NICs, 4 KiB pages so that the cost per WRITE shows; commit 51c3160,
+other programs beside it, load average 3.2). Python threads, which take turns on
+the GIL, spend 6.09 us of CPU per WRITE; the loop in C below, 1.97 (the figure
 scripts/tour.py compares, since the Gbps of a busy 2-core machine is noise):
 
     $ .venv/bin/python chapters/11_multithread.py -p shm --clients 1 --engine python
-    provider: shm (asked for), domain shm
-    server address: 66695f73686d3a2f2f31343337373a303a3000
-    run the client: .venv/bin/python chapters/11_multithread.py -p shm 66695f73686d3a2f2f31343337373a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    provider: shm (asked for), fabric shm, domain shm
+    server address: 66695f73686d3a2f2f32323434323a303a3000
+    run the client: .venv/bin/python chapters/11_multithread.py -p shm 66695f73686d3a2f2f32323434323a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    warmup: first WRITE per NIC 1.870 ms on average, 4.047 ms at most (4 NICs)
+    warmup: first WRITE per NIC 3.587 ms on average, 7.939 ms at most (4 NICs)
     2 python worker threads, one per GPU
-    wrote from 2 x host memory; WRITEs per NIC: 100000 100000 100000 100000, each NIC's last with immediate data; -FI_EAGAIN 15103 times
-    400000 WRITEs of 4096 bytes in 2.764 s: 4.743 Gbps, 0.145 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
-    CPU time: 5.55 us per WRITE (this process, all threads)
-    first contact vs a warm WRITE: 1.870 ms vs 8.1 us on average, each a WRITE alone on its NIC (232x); unwarmed, the slowest first contact would have added 0% to this run
+    wrote from 2 x host memory; WRITEs per NIC: 25000 25000 25000 25000, each NIC's last with immediate data; -FI_EAGAIN 20202 times
+    100000 WRITEs of 4096 bytes in 1.228 s: 2.668 Gbps, 0.081 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
+    CPU time: 6.09 us per WRITE (this process, all threads)
+    first contact vs a warm WRITE: 3.587 ms vs 10.0 us on average, each a WRITE alone on its NIC (358x); unwarmed, the slowest first contact would have added 1% to this run
 
-    $ .venv/bin/python chapters/11_multithread.py -p shm 66695f73686d3a2f2f31343337373a303a3000 --groups 2 --nics-per-gpu 2 --iters 400000 --page-size 4K --buffer-size 1M --pages 0-63
-    provider: shm (asked for), domain shm
+    $ .venv/bin/python chapters/11_multithread.py -p shm 66695f73686d3a2f2f32323434323a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    provider: shm (asked for), fabric shm, domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 1048576 bytes of host memory
-    immediate data from 4 NICs, one each: 100000 100000 100000 100000
+    immediate data from 4 NICs, one each: 25000 25000 25000 25000
     verified 2 x 64 pages (524288 bytes): 0 wrong bytes
 
 The same with the worker loop in C, the GIL released:
 
     $ .venv/bin/python chapters/11_multithread.py -p shm --clients 1
-    provider: shm (asked for), domain shm
-    server address: 66695f73686d3a2f2f31343531303a303a3000
-    run the client: .venv/bin/python chapters/11_multithread.py -p shm 66695f73686d3a2f2f31343531303a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    provider: shm (asked for), fabric shm, domain shm
+    server address: 66695f73686d3a2f2f32323439333a303a3000
+    run the client: .venv/bin/python chapters/11_multithread.py -p shm 66695f73686d3a2f2f32323439333a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    warmup: first WRITE per NIC 0.989 ms on average, 2.133 ms at most (4 NICs)
+    warmup: first WRITE per NIC 2.495 ms on average, 5.651 ms at most (4 NICs)
     2 native worker threads, one per GPU
-    wrote from 2 x host memory; WRITEs per NIC: 100000 100000 100000 100000, each NIC's last with immediate data; -FI_EAGAIN 5307979 times
-    400000 WRITEs of 4096 bytes in 1.189 s: 11.028 Gbps, 0.337 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
-    CPU time: 2.32 us per WRITE (this process, all threads)
-    first contact vs a warm WRITE: 0.989 ms vs 6.6 us on average, each a WRITE alone on its NIC (149x); unwarmed, the slowest first contact would have added 0% to this run
+    wrote from 2 x host memory; WRITEs per NIC: 25000 25000 25000 25000, each NIC's last with immediate data; -FI_EAGAIN 163641 times
+    100000 WRITEs of 4096 bytes in 0.501 s: 6.541 Gbps, 0.200 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
+    CPU time: 1.97 us per WRITE (this process, all threads)
+    first contact vs a warm WRITE: 2.495 ms vs 7.3 us on average, each a WRITE alone on its NIC (343x); unwarmed, the slowest first contact would have added 1% to this run
 
-    $ .venv/bin/python chapters/11_multithread.py -p shm 66695f73686d3a2f2f31343531303a303a3000 --groups 2 --nics-per-gpu 2 --iters 400000 --page-size 4K --buffer-size 1M --pages 0-63
-    provider: shm (asked for), domain shm
+    $ .venv/bin/python chapters/11_multithread.py -p shm 66695f73686d3a2f2f32323439333a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    provider: shm (asked for), fabric shm, domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 1048576 bytes of host memory
-    immediate data from 4 NICs, one each: 100000 100000 100000 100000
+    immediate data from 4 NICs, one each: 25000 25000 25000 25000
     verified 2 x 64 pages (524288 bytes): 0 wrong bytes
 """
 # What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
