@@ -17,33 +17,37 @@ Starting the workers moves to common/shards.py, which 14 and 15 reuse.
     .venv/bin/python chapters/13_shard.py ADDRESS --groups 2 --nics-per-gpu 2
     .venv/bin/python chapters/13_shard.py --gpus 0,1                        # server, GPUs 0 and 1
 
-Transcript (2 x H200 box: 32-core Xeon, one NUMA node, CUDA-enabled libfabric
-2.1.0, shm with CUDA IPC; buffers on GPUs 0 and 1 on both sides, each GPU
-writing to the other's; 2 virtual NICs per GPU; 1 MiB pages; commit f6fe2b2):
+Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory,
+2 groups x 2 virtual NICs, 4 KiB pages; commit 51c3160, other programs beside it, load
+average 3.2): 2.35 us of CPU per WRITE against chapter 12's 2.38 in the same minute, no
+difference a busy 2-core machine can tell:
 
-    $ .venv/bin/python chapters/13_shard.py -p shm --clients 1 --gpus 0,1
-    provider: shm (asked for), domain shm
-    server address: 66695f73686d3a2f2f343231313a303a3000
-    run the client: .venv/bin/python chapters/13_shard.py -p shm 66695f73686d3a2f2f343231313a303a3000
+    $ .venv/bin/python chapters/13_shard.py -p shm --clients 1
+    provider: shm (asked for), fabric shm, domain shm
+    server address: 66695f73686d3a2f2f32323833383a303a3000
+    run the client: .venv/bin/python chapters/13_shard.py -p shm 66695f73686d3a2f2f32323833383a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    warmup: first WRITE per NIC 6.413 ms on average, 7.807 ms at most (4 NICs)
-    2 native worker threads, one per GPU, pinned to cores 8 24, a counter each
-    wrote from 2 x GPU 0 memory (cuda) / GPU 1 memory (cuda); WRITEs per NIC: 100000 100000 100000 100000, each NIC's last with immediate data; -FI_EAGAIN 12127426 times
-    400000 WRITEs of 1048576 bytes in 1.295 s: 2591.988 Gbps, 0.309 Mpps (78.7% of 3295.574 Gbps, cudaMemcpyPeer both ways here (results/baselines/h200x2-shm-cuda.json))
-    first contact vs steady state: 7.807 ms vs 12.9 us per WRITE per NIC (603x)
+    warmup: first WRITE per NIC 14.578 ms on average, 50.029 ms at most (4 NICs)
+    2 native worker threads, one per GPU, pinned to cores 0 1, a counter each
+    wrote from 2 x host memory; WRITEs per NIC: 25000 25000 25000 25000, each NIC's last with immediate data; -FI_EAGAIN 1545309 times
+    100000 WRITEs of 4096 bytes in 0.491 s: 6.677 Gbps, 0.204 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
+    CPU time: 2.35 us per WRITE (this process, all threads)
+    first contact vs a warm WRITE: 14.578 ms vs 8.5 us on average, each a WRITE alone on its NIC (1718x); unwarmed, the slowest first contact would have added 10% to this run
 
-    $ .venv/bin/python chapters/13_shard.py -p shm 66695f73686d3a2f2f343231313a303a3000 --gpus 1,0 --nics-per-gpu 2 --page-size 1M --buffer-size 64M --pages 0-63 --iters 400000
-    provider: shm (asked for), domain shm
+    $ .venv/bin/python chapters/13_shard.py -p shm 66695f73686d3a2f2f32323833383a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    provider: shm (asked for), fabric shm, domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    memory: 2 x 2 x 67108864 bytes of GPU 0 memory (cuda) / GPU 1 memory (cuda)
-    immediate data from 4 NICs, one each: 100000 100000 100000 100000
-    verified 2 x 64 pages (134217728 bytes): 0 wrong bytes
+    memory: 2 x 2 x 1048576 bytes of host memory
+    immediate data from 4 NICs, one each: 25000 25000 25000 25000
+    verified 2 x 64 pages (524288 bytes): 0 wrong bytes
 
-Chapter 12 in the same session: 2589 Gbps; the GPUs' copies bind (chapter 12
-says more). Host memory, 4 KiB pages, same box: 1.076 Mpps against chapter
-12's 1.045 (medians of 3). With two workers the shared line had one other
-core to bounce to, once per CQ read (up to 64 completions), not per WRITE;
-the series had eight threads on two sockets.
+On 2 x H200 at f6fe2b2 (shm with CUDA IPC, libfabric 2.1.0, each GPU writing to the
+other's through 2 virtual NICs, 1 MiB pages): 2592 Gbps, 78.7% of cudaMemcpyPeer both
+ways, chapter 12 2589 in the same session; the GPUs' copies bind (chapter 12 says more).
+Host memory, 4 KiB pages, same box at 1f179a6 (libfabric 2.1.0, medians of 3,
+results/progression/h200x2-shm-host.json): 1.076 Mpps against chapter 12's 1.045. With
+two workers the shared line had one other core to bounce to, once per CQ read (up to 64
+completions), not per WRITE; the series had eight threads on two sockets.
 """
 # What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
 # and says whether it showed on your machine; the server prints its run as the client command.
