@@ -22,7 +22,8 @@ of chapter 11 made its point and is gone.
 Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory,
 2 groups x 2 virtual NICs, 4 KiB pages; commit 51c3160, other programs beside it, load
 average 3.2). Here pinning wins nothing: 2.38 us of CPU per WRITE against chapter 11's
-1.97 in the same minute (LESSON says why a machine this small has nothing to give):
+1.97 in the same minute, and scripts/tour.py, run three times at the same commit, never
+found it 1.2x lower (LESSON says why a machine this small has nothing to give):
 
     $ .venv/bin/python chapters/12_pin.py -p shm --clients 1
     provider: shm (asked for), fabric shm, domain shm

@@ -20,7 +20,8 @@ Starting the workers moves to common/shards.py, which 14 and 15 reuse.
 Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory,
 2 groups x 2 virtual NICs, 4 KiB pages; commit 51c3160, other programs beside it, load
 average 3.2): 2.35 us of CPU per WRITE against chapter 12's 2.38 in the same minute, no
-difference a busy 2-core machine can tell:
+difference a busy 2-core machine can tell (nor could scripts/tour.py, three runs at the
+same commit):
 
     $ .venv/bin/python chapters/13_shard.py -p shm --clients 1
     provider: shm (asked for), fabric shm, domain shm

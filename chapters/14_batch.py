@@ -19,7 +19,8 @@ Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host m
 2 groups x 2 virtual NICs, 4 KiB pages; commit 51c3160, other programs beside it, load
 average 3.35): 1.92 us of CPU per WRITE against chapter 13's 2.35 a minute before, but
 two more runs of each, at load 6.5, gave 2.08 and 2.06 against 3.00 and 2.14: on a busy
-2-core machine that is noise, not batching:
+2-core machine that is noise, not batching (scripts/tour.py, three runs at the same
+commit, never found it 1.2x lower):
 
     $ .venv/bin/python chapters/14_batch.py -p shm --clients 1
     provider: shm (asked for), fabric shm, domain shm

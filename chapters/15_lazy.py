@@ -24,7 +24,8 @@ Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host m
 2 groups x 2 virtual NICs, 4 KiB pages; commit 51c3160, other programs beside it, load
 average 3.35). Here lazy posts are refused as often as chapter 14's eager ones, as LESSON
 says: 173,049 times for 100,000 WRITEs against chapter 14's 145,154 a minute before (two
-more runs of each at load 6.5: 111,366 and 3,707,690 against 276,013 and 414,792):
+more runs of each at load 6.5: 111,366 and 3,707,690 against 276,013 and 414,792; 0 to
+1.2 million against 8,000 to 1.5 million in scripts/tour.py, three runs at the same commit):
 
     $ .venv/bin/python chapters/15_lazy.py -p shm --clients 1
     provider: shm (asked for), fabric shm, domain shm
