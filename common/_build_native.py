@@ -4,7 +4,9 @@ A chapter's .c file begins with a comment `/* cdef ... */` holding what Python
 sees of it (its structs and functions, compiled ahead of the rest), and may
 include common/lane.h (the lane its worker drives, whose struct Python fills
 in). It is compiled against the same libfabric as common._fabric and shares
-its types, so an endpoint or a message built there can be passed here.
+its types, so an endpoint or a message built there can be passed here. Both are
+compiled with common/rules.h, so with FABRIC_RULES=efa|verbs a worker's calls are
+checked like Python's.
 setup.py builds them all (module common._nativeNN); `python common/_build_native.py`
 builds them in place.
 """

@@ -42,7 +42,8 @@ enum { RULES_OFF, RULES_EFA, RULES_VERBS };
 #define RULES_BROKEN (-0x4000)
 enum { RULE_DESC = 1, RULE_DESC_RANGE, RULE_DESC_CLOSED, RULE_KEY, RULE_MTU, RULE_IMM,
        RULE_RMA_IOV, RULE_CQ_FULL, RULE_WAIT, RULE_TWIN };
-#define RULES_EFA_MTU 8928
+#define RULES_EFA_MTU 8928  /* an EFA device's largest SEND, as issue 15 gives it (fi_info's
+                               link mtu: ibv_port_attr.max_msg_sz, efa_prov_info.c) */
 #define RULES_KEY_TAG 0x5EC0000000000000ULL  /* in the top 16 bits: shm/tcp keys are small */
 #define RULES_KEY_MASK 0xFFFF000000000000ULL
 #define RULES_TWIN "-twin"                    /* ends a twin's fabric name */
