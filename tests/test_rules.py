@@ -86,14 +86,19 @@ def test_chapter_keeps_the_rules(rules, chapter, server_args, client_args, findi
         assert "memory registration: no mode bits" in out, out
 
 
-@until_fixed(CONNECT, CQ)
+@until_fixed(CONNECT)
 def test_p5_layout_connect_fits_the_mtu():
     """09 with the p5's 8 GPUs x 4 NICs and the default 1000 pages per buffer: a CONNECT
-    of about 10.7 KB."""
+    of about 10.7 KB. Only the CONNECT is this test's: with 32 lanes of 500 WRITEs the
+    CQ rule (the other tests') may or may not be hit."""
     pair = run_pair(9, "shm", ["--clients", "1"],
                     [["--groups", "8", "--nics-per-gpu", "4", "--page-size", "4K",
-                      "--buffer-size", "4M", "--iters", "3200"]], env=env("efa"))
-    check(pair, (CONNECT, CQ))
+                      "--buffer-size", "4M", "--iters", "16000"]], env=env("efa"))
+    said = pair.server.err + pair.clients[0].err
+    if CONNECT[0] in said:
+        raise RuleBroken(CONNECT[0])
+    assert "8 x 4 virtual NICs" in pair.server.out, pair  # the server took the CONNECT
+    assert pair.ok or CQ[0] in said, pair
 
 
 @pytest.mark.parametrize("rules", RULES)
