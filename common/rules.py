@@ -1,15 +1,17 @@
-"""FABRIC_RULES=efa|verbs: run the chapters on shm or tcp as an EFA device or a verbs NIC
-would let them (tests/test_rules.py does, for chapters 04-16).
+"""FABRIC_RULES=efa|verbs: the chapters on shm or tcp, held to what an EFA device or a
+verbs NIC accepts (tests/test_rules.py runs chapters 04-16 so).
 
-The checks themselves are in C (common/rules.h), compiled into every module of the
-binding, so that the C workers' calls are checked like Python's. Here is what
-reaches them from common/fabric.py: the hints leave out FI_MR_VIRT_ADDR (efa and
-verbs have it, but code must also work with offsets, as tcp here wants them), every
-fi_info entry gets a twin of another fabric and address format for the same domain
-name, as efa and efa-direct share one (prov/efa/src/efa_domain.h; verbs lists IPv4 and
-IPv6), and a broken rule's return code is said in words.
+Each call is checked in C (common/rules.h), compiled into every module of the binding,
+so the C workers are checked like Python. This module does the rest, for
+common/fabric.py: it leaves FI_MR_VIRT_ADDR out of the hints (efa and verbs have it,
+but the path with offsets must hold too: tcp here takes offsets, and so does shm
+without the bit), follows every fi_info entry with a twin of another fabric and
+address format for the same domain name (efa and efa-direct share one,
+prov/efa/src/efa_domain.h; verbs has one per IP address of the NIC, verbs_info.c
+vrb_getifaddrs), and says a broken rule's return code in words.
 
-    FABRIC_RULES=efa python scripts/pair.py 07 -p shm -- --iters 3000 --pages 0-63
+    FABRIC_RULES=efa .venv/bin/python scripts/pair.py 06 -p shm
+    .venv/bin/python -m pytest tests/test_rules.py     # 04-16 under both, each rule broken
 """
 import os
 import sys
