@@ -51,7 +51,7 @@ enum { RULE_DESC = 1, RULE_DESC_RANGE, RULE_DESC_CLOSED, RULE_KEY, RULE_MTU, RUL
 enum { RULES_CQ = 0x52437121, RULES_EP = 0x52457021, RULES_MR = 0x524d7221,
        RULES_MR_CLOSED = 0x524d7230 };
 
-static const char *tut_rules_text(long rc)
+static inline const char *tut_rules_text(long rc)
 {
     switch (RULES_BROKEN - rc) {
     case RULE_DESC: return "FI_MR_LOCAL: a buffer without a descriptor from fi_mr_desc";
@@ -72,7 +72,7 @@ static const char *tut_rules_text(long rc)
 }
 
 /* efa, verbs or off: FABRIC_RULES, read once (common/rules.py has refused other values). */
-static int tut_rules(void)
+static inline int tut_rules(void)
 {
     static int mode = -1;
     if (mode < 0) {
@@ -89,20 +89,21 @@ struct rules_cq { uint32_t magic; size_t size, in_flight; enum fi_cq_format form
 struct rules_ep { uint32_t magic; struct rules_cq *tx, *rx; };
 struct rules_mr { uint32_t magic; void *desc; uintptr_t base; size_t len; };
 
-static void *rules_of(struct fid *fid, uint32_t magic)
+static inline void *rules_of(struct fid *fid, uint32_t magic)
 {
     uint32_t *r = fid->context;
     return r && *r == magic ? r : NULL;
 }
 
-static int rules_twin(const struct fi_fabric_attr *attr)
+static inline int rules_twin(const struct fi_fabric_attr *attr)
 {
     size_t n = attr->name ? strlen(attr->name) : 0, t = strlen(RULES_TWIN);
     return n > t && !strcmp(attr->name + n - t, RULES_TWIN);
 }
 
 /* The provider's descriptors for `count` buffers, from the ones fi_mr_desc gave us. */
-static int rules_descs(const struct iovec *iov, void **desc, size_t count, void **real)
+static inline int rules_descs(const struct iovec *iov, void **desc, size_t count,
+                              void **real)
 {
     if (count > RULES_MAX_IOV)
         return -FI_EINVAL;
@@ -121,7 +122,7 @@ static int rules_descs(const struct iovec *iov, void **desc, size_t count, void 
 }
 
 /* efa: room on the endpoint's CQ for the completion of one more operation. */
-static int rules_cq_room(struct fid_ep *ep, int tx)
+static inline int rules_cq_room(struct fid_ep *ep, int tx)
 {
     struct rules_ep *e = rules_of(&ep->fid, RULES_EP);
     struct rules_cq *cq = e ? (tx ? e->tx : e->rx) : NULL;
@@ -132,7 +133,7 @@ static int rules_cq_room(struct fid_ep *ep, int tx)
 }
 
 /* An operation went (rc 0): its completion will take an entry of the CQ. */
-static ssize_t rules_count(struct fid_ep *ep, int tx, ssize_t rc)
+static inline ssize_t rules_count(struct fid_ep *ep, int tx, ssize_t rc)
 {
     struct rules_ep *e = rules_of(&ep->fid, RULES_EP);
     struct rules_cq *cq = e ? (tx ? e->tx : e->rx) : NULL;
@@ -141,7 +142,7 @@ static ssize_t rules_count(struct fid_ep *ep, int tx, ssize_t rc)
     return rc;
 }
 
-static void rules_reaped(struct rules_cq *cq, size_t n)
+static inline void rules_reaped(struct rules_cq *cq, size_t n)
 {
     size_t now = __atomic_load_n(&cq->in_flight, __ATOMIC_RELAXED);
     __atomic_sub_fetch(&cq->in_flight, n < now ? n : now, __ATOMIC_RELAXED);
@@ -151,8 +152,9 @@ enum { RULES_SEND, RULES_RECV, RULES_WRITE };
 
 /* The rules every operation keeps (a WRITE's key and rma_iov aside); fills `real` with
    the provider's descriptors of its buffers. */
-static int rules_operation(struct fid_ep *ep, int op, const struct iovec *iov, void **desc,
-                           size_t count, uint64_t flags, uint64_t data, void **real)
+static inline int rules_operation(struct fid_ep *ep, int op, const struct iovec *iov,
+                                  void **desc, size_t count, uint64_t flags, uint64_t data,
+                                  void **real)
 {
     size_t len = 0;
     for (size_t i = 0; i < count; i++)
@@ -166,8 +168,9 @@ static int rules_operation(struct fid_ep *ep, int op, const struct iovec *iov, v
 }
 
 /* A SEND or a receive: checked, then posted with the provider's descriptors. */
-static ssize_t rules_msg(struct fid_ep *ep, const struct fi_msg *msg, uint64_t flags, int op,
-                         ssize_t (*post)(struct fid_ep *, const struct fi_msg *, uint64_t))
+typedef ssize_t rules_post_msg(struct fid_ep *, const struct fi_msg *, uint64_t);
+static inline ssize_t rules_msg(struct fid_ep *ep, const struct fi_msg *msg, uint64_t flags,
+                                int op, rules_post_msg *post)
 {
     void *desc[RULES_MAX_IOV];
     struct fi_msg copy = *msg;
@@ -179,19 +182,20 @@ static ssize_t rules_msg(struct fid_ep *ep, const struct fi_msg *msg, uint64_t f
     return rules_count(ep, op == RULES_SEND, post(ep, &copy, flags));
 }
 
-static ssize_t tut_sendmsg(struct fid_ep *ep, const struct fi_msg *msg, uint64_t flags)
+static inline ssize_t tut_sendmsg(struct fid_ep *ep, const struct fi_msg *msg, uint64_t flags)
 {
     return tut_rules() ? rules_msg(ep, msg, flags, RULES_SEND, fi_sendmsg)
                        : fi_sendmsg(ep, msg, flags);
 }
 
-static ssize_t tut_recvmsg(struct fid_ep *ep, const struct fi_msg *msg, uint64_t flags)
+static inline ssize_t tut_recvmsg(struct fid_ep *ep, const struct fi_msg *msg, uint64_t flags)
 {
     return tut_rules() ? rules_msg(ep, msg, flags, RULES_RECV, fi_recvmsg)
                        : fi_recvmsg(ep, msg, flags);
 }
 
-static ssize_t tut_writemsg(struct fid_ep *ep, const struct fi_msg_rma *msg, uint64_t flags)
+static inline ssize_t tut_writemsg(struct fid_ep *ep, const struct fi_msg_rma *msg,
+                                   uint64_t flags)
 {
     if (!tut_rules())
         return fi_writemsg(ep, msg, flags);
@@ -213,7 +217,7 @@ static ssize_t tut_writemsg(struct fid_ep *ep, const struct fi_msg_rma *msg, uin
     return rules_count(ep, 1, fi_writemsg(ep, &copy, flags));
 }
 
-static ssize_t tut_inject(struct fid_ep *ep, const void *buf, size_t len, fi_addr_t dest)
+static inline ssize_t tut_inject(struct fid_ep *ep, const void *buf, size_t len, fi_addr_t dest)
 {
     if (tut_rules() == RULES_EFA && len > RULES_EFA_MTU)  /* no descriptor, no completion */
         return RULES_BROKEN - RULE_MTU;
@@ -221,7 +225,7 @@ static ssize_t tut_inject(struct fid_ep *ep, const void *buf, size_t len, fi_add
 }
 
 /* Entries read that were our operations' (not a peer's immediate) leave the CQ. */
-static ssize_t tut_cq_read(struct fid_cq *cq, void *buf, size_t count)
+static inline ssize_t tut_cq_read(struct fid_cq *cq, void *buf, size_t count)
 {
     ssize_t n = fi_cq_read(cq, buf, count);
     struct rules_cq *r = n > 0 && tut_rules() ? rules_of(&cq->fid, RULES_CQ) : NULL;
@@ -239,7 +243,8 @@ static ssize_t tut_cq_read(struct fid_cq *cq, void *buf, size_t count)
     return n;
 }
 
-static ssize_t tut_cq_readerr(struct fid_cq *cq, struct fi_cq_err_entry *buf, uint64_t flags)
+static inline ssize_t tut_cq_readerr(struct fid_cq *cq, struct fi_cq_err_entry *buf,
+                                     uint64_t flags)
 {
     ssize_t n = fi_cq_readerr(cq, buf, flags);
     struct rules_cq *r = n > 0 && tut_rules() ? rules_of(&cq->fid, RULES_CQ) : NULL;
@@ -248,8 +253,8 @@ static ssize_t tut_cq_readerr(struct fid_cq *cq, struct fi_cq_err_entry *buf, ui
     return n;
 }
 
-static int tut_cq_open(struct fid_domain *domain, struct fi_cq_attr *attr, struct fid_cq **cq,
-                       void *context)
+static inline int tut_cq_open(struct fid_domain *domain, struct fi_cq_attr *attr,
+                              struct fid_cq **cq, void *context)
 {
     if (!tut_rules())
         return fi_cq_open(domain, attr, cq, context);
@@ -265,8 +270,8 @@ static int tut_cq_open(struct fid_domain *domain, struct fi_cq_attr *attr, struc
     return rc;
 }
 
-static int tut_endpoint(struct fid_domain *domain, struct fi_info *info, struct fid_ep **ep,
-                        void *context)
+static inline int tut_endpoint(struct fid_domain *domain, struct fi_info *info,
+                               struct fid_ep **ep, void *context)
 {
     if (!tut_rules())
         return fi_endpoint(domain, info, ep, context);
@@ -282,7 +287,7 @@ static int tut_endpoint(struct fid_domain *domain, struct fi_info *info, struct 
     return rc;
 }
 
-static int tut_ep_bind(struct fid_ep *ep, struct fid *bfid, uint64_t flags)
+static inline int tut_ep_bind(struct fid_ep *ep, struct fid *bfid, uint64_t flags)
 {
     struct rules_ep *e = tut_rules() ? rules_of(&ep->fid, RULES_EP) : NULL;
     struct rules_cq *cq = e && bfid->fclass == FI_CLASS_CQ ? rules_of(bfid, RULES_CQ) : NULL;
@@ -296,23 +301,28 @@ static int tut_ep_bind(struct fid_ep *ep, struct fid *bfid, uint64_t flags)
     return rc;
 }
 
-static int tut_fabric(struct fi_fabric_attr *attr, struct fid_fabric **fabric, void *context)
+static inline int tut_fabric(struct fi_fabric_attr *attr, struct fid_fabric **fabric,
+                             void *context)
 {
     if (tut_rules() && rules_twin(attr))
         return RULES_BROKEN - RULE_TWIN;
     return fi_fabric(attr, fabric, context);
 }
 
-static int tut_domain(struct fid_fabric *fabric, struct fi_info *info,
-                      struct fid_domain **domain, void *context)
+/* What a registration covers: its iovec, or its dmabuf (the same union in fi_mr_attr). */
+static inline struct iovec rules_range(const struct fi_mr_attr *attr, uint64_t flags)
 {
-    if (tut_rules() && rules_twin(info->fabric_attr))
-        return RULES_BROKEN - RULE_TWIN;
-    return fi_domain(fabric, info, domain, context);
+#ifdef FI_MR_DMABUF
+    if (flags & FI_MR_DMABUF)
+        return (struct iovec){(char *)attr->dmabuf->base_addr + attr->dmabuf->offset,
+                              attr->dmabuf->len};
+#endif
+    (void)flags;
+    return attr->mr_iov[0];
 }
 
-static int tut_mr_regattr(struct fid_domain *domain, const struct fi_mr_attr *attr,
-                          uint64_t flags, struct fid_mr **mr)
+static inline int tut_mr_regattr(struct fid_domain *domain, const struct fi_mr_attr *attr,
+                                 uint64_t flags, struct fid_mr **mr)
 {
     if (!tut_rules())
         return fi_mr_regattr(domain, attr, flags, mr);
@@ -326,24 +336,18 @@ static int tut_mr_regattr(struct fid_domain *domain, const struct fi_mr_attr *at
         free(r);
         return rc;
     }
-    *r = (struct rules_mr){RULES_MR, fi_mr_desc(*mr), (uintptr_t)attr->mr_iov[0].iov_base,
-                           attr->mr_iov[0].iov_len};
-#ifdef FI_MR_DMABUF
-    if (flags & FI_MR_DMABUF) {  /* the same union: a dmabuf names its address itself */
-        r->base = (uintptr_t)attr->dmabuf->base_addr + attr->dmabuf->offset;
-        r->len = attr->dmabuf->len;
-    }
-#endif
+    struct iovec range = rules_range(attr, flags);
+    *r = (struct rules_mr){RULES_MR, fi_mr_desc(*mr), (uintptr_t)range.iov_base, range.iov_len};
     return 0;
 }
 
-static void *tut_mr_desc(struct fid_mr *mr)
+static inline void *tut_mr_desc(struct fid_mr *mr)
 {
     struct rules_mr *r = tut_rules() ? rules_of(&mr->fid, RULES_MR) : NULL;
     return r ? (void *)r : fi_mr_desc(mr);
 }
 
-static uint64_t tut_mr_key(struct fid_mr *mr)
+static inline uint64_t tut_mr_key(struct fid_mr *mr)
 {
     uint64_t key = fi_mr_key(mr);
     return tut_rules() && !(key & RULES_KEY_MASK) ? key | RULES_KEY_TAG : key;
@@ -351,7 +355,7 @@ static uint64_t tut_mr_key(struct fid_mr *mr)
 
 /* A closed registration's record stays, marked: a descriptor used after it says so.
    An endpoint's and a CQ's go with them. */
-static int tut_close(struct fid *fid)
+static inline int tut_close(struct fid *fid)
 {
     size_t fclass = fid->fclass;  /* read before the object is gone */
     void *r = !tut_rules() ? NULL : fclass == FI_CLASS_MR ? rules_of(fid, RULES_MR)
@@ -377,7 +381,6 @@ static int tut_close(struct fid *fid)
 #define fi_endpoint tut_endpoint
 #define fi_ep_bind tut_ep_bind
 #define fi_fabric tut_fabric
-#define fi_domain tut_domain
 #define fi_mr_regattr tut_mr_regattr
 #define fi_mr_desc tut_mr_desc
 #define fi_mr_key tut_mr_key
