@@ -198,7 +198,9 @@ size_t tut_nic_mtu(const struct fi_info *info);
 int tut_nic_pci(const struct fi_info *info, char *buf, size_t len);
 int tut_wait_data(struct fid_cq **cqs, size_t n, uint64_t *data, uint8_t *got, int *stop,
                   size_t *failed);
+const char *tut_rules_text(long rc);  /* common/rules.h: the rule a call broke, or NULL */
 char *strdup(const char *s);
+void free(void *ptr);
 """
 
 SOURCE = r"""
@@ -212,6 +214,7 @@ SOURCE = r"""
 #include <rdma/fi_cm.h>
 #include <rdma/fi_rma.h>
 #include <rdma/fi_errno.h>
+#include "rules.h"  /* FABRIC_RULES=efa|verbs: every call checked as those NICs would */
 
 /* fi_mr_attr grew unions and fields in 2.x; filling it in C keeps one
    Python code path for 1.17 and 2.x. With dmabuf_fd >= 0 the memory is given
@@ -367,7 +370,10 @@ def _flags():
 
 ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
-ffibuilder.set_source("common._fabric", SOURCE, **_flags())
+HERE = os.path.dirname(os.path.abspath(__file__))
+_fabric_flags = _flags()
+_fabric_flags["include_dirs"] = _fabric_flags.get("include_dirs", []) + [HERE]  # rules.h
+ffibuilder.set_source("common._fabric", SOURCE, **_fabric_flags)
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)

@@ -4,7 +4,9 @@ A chapter's .c file begins with a comment `/* cdef ... */` holding what Python
 sees of it (its structs and functions, compiled ahead of the rest), and may
 include common/lane.h (the lane its worker drives, whose struct Python fills
 in). It is compiled against the same libfabric as common._fabric and shares
-its types, so an endpoint or a message built there can be passed here.
+its types, so an endpoint or a message built there can be passed here. Both are
+compiled with common/rules.h, so with FABRIC_RULES=efa|verbs a worker's calls are
+checked like Python's.
 setup.py builds them all (module common._nativeNN); `.venv/bin/python common/_build_native.py`
 builds them in place.
 """
@@ -39,8 +41,9 @@ def builder(path):
     flags = _flags()
     flags["include_dirs"] = flags.get("include_dirs", []) + [HERE]
     # The declarations are C too: compiled ahead of the file, they are written once.
+    # rules.h first: with FABRIC_RULES the workers' calls are checked like Python's.
     ffi.set_source(f"common._native{os.path.basename(path)[:2]}",
-                   "#include <rdma/fi_rma.h>\n" + lane + mine + open(path).read(), **flags)
+                   '#include "rules.h"\n' + lane + mine + open(path).read(), **flags)
     return ffi
 
 

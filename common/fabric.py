@@ -21,6 +21,7 @@ try:
     from common._fabric import ffi, lib
 except ImportError as e:  # not built, or libfabric.so gone since
     sys.exit(f"libfabric binding unavailable ({e}): run 'bash scripts/setup.sh'")
+from common import rules  # FABRIC_RULES=efa|verbs: every call checked as those NICs would
 
 # The API version our headers describe; libfabric 2.x still serves 1.x callers.
 API_VERSION = (lib.FI_MAJOR_VERSION << 16) | lib.FI_MINOR_VERSION
@@ -58,7 +59,7 @@ class CompletionError(FabricError):
 
 
 def strerror(rc):
-    return ffi.string(lib.fi_strerror(abs(rc))).decode()
+    return rules.text(rc) or ffi.string(lib.fi_strerror(abs(rc))).decode()
 
 
 def check(call, rc):
@@ -118,10 +119,11 @@ def hints(provider=None, ep_type=lib.FI_EP_RDM, caps=lib.FI_MSG, mr_mode=MR_MODE
 def getinfo(hint, flags=0):
     """fi_getinfo: the list of (provider, domain) pairs that satisfy the hints."""
     out = ffi.new("struct fi_info **")
+    rules.restrict(hint)
     rc = lib.fi_getinfo(API_VERSION, ffi.NULL, ffi.NULL, flags, hint, out)
     _take_back_signals()
     check("fi_getinfo", rc)
-    return ffi.gc(out[0], lib.fi_freeinfo)
+    return ffi.gc(rules.with_twins(out[0]), lib.fi_freeinfo)
 
 
 _interrupting = True  # False once the process is saying its last words (cli.run)

@@ -1,0 +1,387 @@
+/* Checks as EFA and verbs would check: FABRIC_RULES=efa or verbs, on shm and tcp.
+ *
+ * shm and tcp accept calls that an EFA device or a verbs NIC refuses, so code
+ * that only ever ran on them may be wrong for the NICs that matter. This header
+ * is included after libfabric's own in every module of our binding (common/_fabric
+ * and each chapter's common/_nativeNN), and the macros at its end route the calls
+ * that post, register and poll through the checks below, from Python and from the
+ * C workers alike. Without FABRIC_RULES each check is one test of a cached flag,
+ * then libfabric's own call. A broken rule returns RULES_BROKEN - rule (the call
+ * does not happen); tut_rules_text() names it (common/rules.py, common/fabric.py).
+ *
+ * What each rule stands for, in libfabric 2.1.0's sources:
+ *   descriptors  FI_MR_LOCAL: the device reads every buffer through its registration
+ *                (efa-direct: prov/efa/src/efa_prov_info.c sets it; verbs_info.c too).
+ *   keys         FI_MR_PROV_KEY: the key is the device's (OFI_MR_BASIC_MAP in both).
+ *                shm and tcp hand back the requested key, so fi_mr_key here returns
+ *                it tagged; a WRITE whose key lacks the tag used one we asked for.
+ *   SEND size    efa: at most the device MTU (efa_msg.c only asserts it); verbs;rxm
+ *                splits large messages itself.
+ *   immediates   4 bytes (efa_cq.h EFA_CQ_DATA_SIZE; verbs: ibv_send_wr's imm_data).
+ *   rma_iov      one per WRITE (rma_iov_limit 1: efa_prov_info.c, verbs_info.c).
+ *   CQ size      efa: the device CQ has exactly attr->size entries (efa_cq.h), so no
+ *                more operations may be in flight than that; rxm's CQs overflow into
+ *                a list (prov/util/src/util_cq.c).
+ *   wait objects efa: FI_WAIT_NONE only (efa_cq.c, rdm/efa_rdm_cq.c: -FI_ENOSYS).
+ *   fabrics      an fi_info entry's twin of another fabric and address format for the
+ *                same domain name (common/rules.py adds them) must not be opened.
+ * Offsets instead of addresses (no FI_MR_VIRT_ADDR) need no check here: common/rules.py
+ * leaves the bit out of the hints, and shm and tcp then really take offsets.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_eq.h>
+#include <rdma/fi_rma.h>
+
+enum { RULES_OFF, RULES_EFA, RULES_VERBS };
+#define RULES_BROKEN (-0x4000)
+enum { RULE_DESC = 1, RULE_DESC_RANGE, RULE_DESC_CLOSED, RULE_KEY, RULE_MTU, RULE_IMM,
+       RULE_RMA_IOV, RULE_CQ_FULL, RULE_WAIT, RULE_TWIN };
+#define RULES_EFA_MTU 8928  /* an EFA device's largest SEND, as issue 15 gives it (fi_info's
+                               link mtu: ibv_port_attr.max_msg_sz, efa_prov_info.c) */
+#define RULES_KEY_TAG 0x5EC0000000000000ULL  /* in the top 16 bits: shm/tcp keys are small */
+#define RULES_KEY_MASK 0xFFFF000000000000ULL
+#define RULES_TWIN "-twin"                    /* ends a twin's fabric name */
+#define RULES_MAX_IOV 4
+enum { RULES_CQ = 0x52437121, RULES_EP = 0x52457021, RULES_MR = 0x524d7221,
+       RULES_MR_CLOSED = 0x524d7230 };
+
+static inline const char *tut_rules_text(long rc)
+{
+    switch (RULES_BROKEN - rc) {
+    case RULE_DESC: return "FI_MR_LOCAL: a buffer without a descriptor from fi_mr_desc";
+    case RULE_DESC_RANGE: return "FI_MR_LOCAL: a buffer outside the registration of its "
+                                 "descriptor";
+    case RULE_DESC_CLOSED: return "FI_MR_LOCAL: the descriptor of a closed registration";
+    case RULE_KEY: return "FI_MR_PROV_KEY: a WRITE with a key fi_mr_key did not return "
+                          "(the requested one?)";
+    case RULE_MTU: return "a SEND larger than the 8928-byte EFA MTU";
+    case RULE_IMM: return "immediate data above 32 bits (cq_data_size 4)";
+    case RULE_RMA_IOV: return "more than one rma_iov in a WRITE (rma_iov_limit 1)";
+    case RULE_CQ_FULL: return "more operations in flight than the CQ has entries";
+    case RULE_WAIT: return "a CQ with a wait object (EFA CQs: FI_WAIT_NONE only)";
+    case RULE_TWIN: return "an fi_info entry of another fabric or address format for the "
+                           "same domain (take the entry of the endpoint it goes with)";
+    }
+    return NULL;
+}
+
+/* efa, verbs or off: FABRIC_RULES, read once (common/rules.py has refused other values). */
+static inline int tut_rules(void)
+{
+    static int mode = -1;
+    if (mode < 0) {
+        const char *env = getenv("FABRIC_RULES");
+        mode = !env ? RULES_OFF : !strcmp(env, "efa") ? RULES_EFA
+               : !strcmp(env, "verbs") ? RULES_VERBS : RULES_OFF;
+    }
+    return mode;
+}
+
+/* What the checks remember, hung on each object's fid.context (ours is always NULL):
+   every module of the binding finds them there, whoever opened the object. */
+struct rules_cq { uint32_t magic; size_t size, in_flight; enum fi_cq_format format; };
+struct rules_ep { uint32_t magic; struct rules_cq *tx, *rx; };
+struct rules_mr { uint32_t magic; void *desc; uintptr_t base; size_t len; };
+
+static inline void *rules_of(struct fid *fid, uint32_t magic)
+{
+    uint32_t *r = fid->context;
+    return r && *r == magic ? r : NULL;
+}
+
+static inline int rules_twin(const struct fi_fabric_attr *attr)
+{
+    size_t n = attr->name ? strlen(attr->name) : 0, t = strlen(RULES_TWIN);
+    return n > t && !strcmp(attr->name + n - t, RULES_TWIN);
+}
+
+/* The provider's descriptors for `count` buffers, from the ones fi_mr_desc gave us. */
+static inline int rules_descs(const struct iovec *iov, void **desc, size_t count,
+                              void **real)
+{
+    if (count > RULES_MAX_IOV)
+        return -FI_EINVAL;
+    for (size_t i = 0; i < count; i++) {
+        struct rules_mr *mr = desc ? desc[i] : NULL;
+        if (mr && mr->magic == RULES_MR_CLOSED)
+            return RULES_BROKEN - RULE_DESC_CLOSED;
+        if (!mr || mr->magic != RULES_MR)
+            return RULES_BROKEN - RULE_DESC;
+        uintptr_t at = (uintptr_t)iov[i].iov_base;
+        if (at < mr->base || at + iov[i].iov_len > mr->base + mr->len)
+            return RULES_BROKEN - RULE_DESC_RANGE;
+        real[i] = mr->desc;
+    }
+    return 0;
+}
+
+/* efa: room on the endpoint's CQ for the completion of one more operation. */
+static inline int rules_cq_room(struct fid_ep *ep, int tx)
+{
+    struct rules_ep *e = rules_of(&ep->fid, RULES_EP);
+    struct rules_cq *cq = e ? (tx ? e->tx : e->rx) : NULL;
+    if (tut_rules() == RULES_EFA && cq && cq->size &&
+        __atomic_load_n(&cq->in_flight, __ATOMIC_RELAXED) >= cq->size)
+        return RULES_BROKEN - RULE_CQ_FULL;
+    return 0;
+}
+
+/* An operation went (rc 0): its completion will take an entry of the CQ. */
+static inline ssize_t rules_count(struct fid_ep *ep, int tx, ssize_t rc)
+{
+    struct rules_ep *e = rules_of(&ep->fid, RULES_EP);
+    struct rules_cq *cq = e ? (tx ? e->tx : e->rx) : NULL;
+    if (cq && rc == 0)
+        __atomic_add_fetch(&cq->in_flight, 1, __ATOMIC_RELAXED);
+    return rc;
+}
+
+static inline void rules_reaped(struct rules_cq *cq, size_t n)
+{
+    size_t now = __atomic_load_n(&cq->in_flight, __ATOMIC_RELAXED);
+    __atomic_sub_fetch(&cq->in_flight, n < now ? n : now, __ATOMIC_RELAXED);
+}
+
+enum { RULES_SEND, RULES_RECV, RULES_WRITE };
+
+/* The rules every operation keeps (a WRITE's key and rma_iov aside); fills `real` with
+   the provider's descriptors of its buffers. */
+static inline int rules_operation(struct fid_ep *ep, int op, const struct iovec *iov,
+                                  void **desc, size_t count, uint64_t flags, uint64_t data,
+                                  void **real)
+{
+    size_t len = 0;
+    for (size_t i = 0; i < count; i++)
+        len += iov[i].iov_len;
+    if (op == RULES_SEND && tut_rules() == RULES_EFA && len > RULES_EFA_MTU)
+        return RULES_BROKEN - RULE_MTU;
+    if (op != RULES_RECV && flags & FI_REMOTE_CQ_DATA && data >> 32)
+        return RULES_BROKEN - RULE_IMM;
+    int rc = rules_descs(iov, desc, count, real);
+    return rc ? rc : rules_cq_room(ep, op != RULES_RECV);
+}
+
+/* A SEND or a receive: checked, then posted with the provider's descriptors. */
+typedef ssize_t rules_post_msg(struct fid_ep *, const struct fi_msg *, uint64_t);
+static inline ssize_t rules_msg(struct fid_ep *ep, const struct fi_msg *msg, uint64_t flags,
+                                int op, rules_post_msg *post)
+{
+    void *desc[RULES_MAX_IOV];
+    struct fi_msg copy = *msg;
+    int rc = rules_operation(ep, op, msg->msg_iov, msg->desc, msg->iov_count, flags, msg->data,
+                             desc);
+    if (rc)
+        return rc;
+    copy.desc = desc;
+    return rules_count(ep, op == RULES_SEND, post(ep, &copy, flags));
+}
+
+static inline ssize_t tut_sendmsg(struct fid_ep *ep, const struct fi_msg *msg, uint64_t flags)
+{
+    return tut_rules() ? rules_msg(ep, msg, flags, RULES_SEND, fi_sendmsg)
+                       : fi_sendmsg(ep, msg, flags);
+}
+
+static inline ssize_t tut_recvmsg(struct fid_ep *ep, const struct fi_msg *msg, uint64_t flags)
+{
+    return tut_rules() ? rules_msg(ep, msg, flags, RULES_RECV, fi_recvmsg)
+                       : fi_recvmsg(ep, msg, flags);
+}
+
+static inline ssize_t tut_writemsg(struct fid_ep *ep, const struct fi_msg_rma *msg,
+                                   uint64_t flags)
+{
+    if (!tut_rules())
+        return fi_writemsg(ep, msg, flags);
+    void *desc[RULES_MAX_IOV];
+    struct fi_msg_rma copy = *msg;
+    struct fi_rma_iov rma;
+    if (msg->rma_iov_count != 1)
+        return RULES_BROKEN - RULE_RMA_IOV;
+    if ((msg->rma_iov[0].key & RULES_KEY_MASK) != RULES_KEY_TAG)
+        return RULES_BROKEN - RULE_KEY;
+    int rc = rules_operation(ep, RULES_WRITE, msg->msg_iov, msg->desc, msg->iov_count, flags,
+                             msg->data, desc);
+    if (rc)
+        return rc;
+    rma = msg->rma_iov[0];
+    rma.key &= ~RULES_KEY_MASK;  /* the provider's own key again */
+    copy.desc = desc;
+    copy.rma_iov = &rma;
+    return rules_count(ep, 1, fi_writemsg(ep, &copy, flags));
+}
+
+static inline ssize_t tut_inject(struct fid_ep *ep, const void *buf, size_t len, fi_addr_t dest)
+{
+    if (tut_rules() == RULES_EFA && len > RULES_EFA_MTU)  /* no descriptor, no completion */
+        return RULES_BROKEN - RULE_MTU;
+    return fi_inject(ep, buf, len, dest);
+}
+
+/* Entries read that were our operations' (not a peer's immediate) leave the CQ. */
+static inline ssize_t tut_cq_read(struct fid_cq *cq, void *buf, size_t count)
+{
+    ssize_t n = fi_cq_read(cq, buf, count);
+    struct rules_cq *r = n > 0 && tut_rules() ? rules_of(&cq->fid, RULES_CQ) : NULL;
+    if (!r)
+        return n;
+    size_t stride = r->format == FI_CQ_FORMAT_DATA ? sizeof(struct fi_cq_data_entry)
+                  : r->format == FI_CQ_FORMAT_TAGGED ? sizeof(struct fi_cq_tagged_entry)
+                  : r->format == FI_CQ_FORMAT_MSG ? sizeof(struct fi_cq_msg_entry) : 0;
+    size_t ours = 0;
+    for (ssize_t i = 0; i < n; i++) {
+        uint64_t f = stride ? ((struct fi_cq_msg_entry *)((char *)buf + i * stride))->flags : 0;
+        ours += !(f & FI_REMOTE_CQ_DATA) || (f & FI_RECV);
+    }
+    rules_reaped(r, ours);
+    return n;
+}
+
+static inline ssize_t tut_cq_readerr(struct fid_cq *cq, struct fi_cq_err_entry *buf,
+                                     uint64_t flags)
+{
+    ssize_t n = fi_cq_readerr(cq, buf, flags);
+    struct rules_cq *r = n > 0 && tut_rules() ? rules_of(&cq->fid, RULES_CQ) : NULL;
+    if (r)
+        rules_reaped(r, 1);
+    return n;
+}
+
+static inline int tut_cq_open(struct fid_domain *domain, struct fi_cq_attr *attr,
+                              struct fid_cq **cq, void *context)
+{
+    if (!tut_rules())
+        return fi_cq_open(domain, attr, cq, context);
+    if (tut_rules() == RULES_EFA && attr->wait_obj != FI_WAIT_NONE)
+        return RULES_BROKEN - RULE_WAIT;
+    struct rules_cq *r = calloc(1, sizeof *r);
+    if (!r)
+        return -FI_ENOMEM;
+    *r = (struct rules_cq){RULES_CQ, attr->size, 0, attr->format};
+    int rc = fi_cq_open(domain, attr, cq, r);
+    if (rc)
+        free(r);
+    return rc;
+}
+
+static inline int tut_endpoint(struct fid_domain *domain, struct fi_info *info,
+                               struct fid_ep **ep, void *context)
+{
+    if (!tut_rules())
+        return fi_endpoint(domain, info, ep, context);
+    if (rules_twin(info->fabric_attr))
+        return RULES_BROKEN - RULE_TWIN;
+    struct rules_ep *r = calloc(1, sizeof *r);
+    if (!r)
+        return -FI_ENOMEM;
+    r->magic = RULES_EP;
+    int rc = fi_endpoint(domain, info, ep, r);
+    if (rc)
+        free(r);
+    return rc;
+}
+
+static inline int tut_ep_bind(struct fid_ep *ep, struct fid *bfid, uint64_t flags)
+{
+    struct rules_ep *e = tut_rules() ? rules_of(&ep->fid, RULES_EP) : NULL;
+    struct rules_cq *cq = e && bfid->fclass == FI_CLASS_CQ ? rules_of(bfid, RULES_CQ) : NULL;
+    int rc = fi_ep_bind(ep, bfid, flags);
+    if (cq && !rc) {
+        if (flags & FI_TRANSMIT)
+            e->tx = cq;
+        if (flags & FI_RECV)
+            e->rx = cq;
+    }
+    return rc;
+}
+
+static inline int tut_fabric(struct fi_fabric_attr *attr, struct fid_fabric **fabric,
+                             void *context)
+{
+    if (tut_rules() && rules_twin(attr))
+        return RULES_BROKEN - RULE_TWIN;
+    return fi_fabric(attr, fabric, context);
+}
+
+/* What a registration covers: its iovec, or its dmabuf (the same union in fi_mr_attr). */
+static inline struct iovec rules_range(const struct fi_mr_attr *attr, uint64_t flags)
+{
+#ifdef FI_MR_DMABUF
+    if (flags & FI_MR_DMABUF)
+        return (struct iovec){(char *)attr->dmabuf->base_addr + attr->dmabuf->offset,
+                              attr->dmabuf->len};
+#endif
+    (void)flags;
+    return attr->mr_iov[0];
+}
+
+static inline int tut_mr_regattr(struct fid_domain *domain, const struct fi_mr_attr *attr,
+                                 uint64_t flags, struct fid_mr **mr)
+{
+    if (!tut_rules())
+        return fi_mr_regattr(domain, attr, flags, mr);
+    struct rules_mr *r = calloc(1, sizeof *r);
+    if (!r)
+        return -FI_ENOMEM;
+    struct fi_mr_attr copy = *attr;
+    copy.context = r;
+    int rc = fi_mr_regattr(domain, &copy, flags, mr);
+    if (rc) {
+        free(r);
+        return rc;
+    }
+    struct iovec range = rules_range(attr, flags);
+    *r = (struct rules_mr){RULES_MR, fi_mr_desc(*mr), (uintptr_t)range.iov_base, range.iov_len};
+    return 0;
+}
+
+static inline void *tut_mr_desc(struct fid_mr *mr)
+{
+    struct rules_mr *r = tut_rules() ? rules_of(&mr->fid, RULES_MR) : NULL;
+    return r ? (void *)r : fi_mr_desc(mr);
+}
+
+static inline uint64_t tut_mr_key(struct fid_mr *mr)
+{
+    uint64_t key = fi_mr_key(mr);
+    return tut_rules() && !(key & RULES_KEY_MASK) ? key | RULES_KEY_TAG : key;
+}
+
+/* A closed registration's record stays, marked: a descriptor used after it says so.
+   An endpoint's and a CQ's go with them. */
+static inline int tut_close(struct fid *fid)
+{
+    size_t fclass = fid->fclass;  /* read before the object is gone */
+    void *r = !tut_rules() ? NULL : fclass == FI_CLASS_MR ? rules_of(fid, RULES_MR)
+            : fclass == FI_CLASS_CQ ? rules_of(fid, RULES_CQ)
+            : fclass == FI_CLASS_EP ? rules_of(fid, RULES_EP) : NULL;
+    int rc = fi_close(fid);
+    if (r && !rc) {
+        if (fclass == FI_CLASS_MR)
+            ((struct rules_mr *)r)->magic = RULES_MR_CLOSED;
+        else
+            free(r);
+    }
+    return rc;
+}
+
+#define fi_sendmsg tut_sendmsg
+#define fi_recvmsg tut_recvmsg
+#define fi_writemsg tut_writemsg
+#define fi_inject tut_inject
+#define fi_cq_read tut_cq_read
+#define fi_cq_readerr tut_cq_readerr
+#define fi_cq_open tut_cq_open
+#define fi_endpoint tut_endpoint
+#define fi_ep_bind tut_ep_bind
+#define fi_fabric tut_fabric
+#define fi_mr_regattr tut_mr_regattr
+#define fi_mr_desc tut_mr_desc
+#define fi_mr_key tut_mr_key
+#define fi_close tut_close

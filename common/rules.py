@@ -1,0 +1,57 @@
+"""FABRIC_RULES=efa|verbs: the chapters on shm or tcp, held to what an EFA device or a
+verbs NIC accepts (tests/test_rules.py runs chapters 04-16 so).
+
+Each call is checked in C (common/rules.h), compiled into every module of the binding,
+so the C workers are checked like Python. This module does the rest, for
+common/fabric.py: it leaves FI_MR_VIRT_ADDR out of the hints (efa and verbs have it,
+but the path with offsets must hold too: tcp here takes offsets, and so does shm
+without the bit), follows every fi_info entry with a twin of another fabric and
+address format for the same domain name (efa and efa-direct share one,
+prov/efa/src/efa_domain.h; verbs has one per IP address of the NIC, verbs_info.c
+vrb_getifaddrs), and says a broken rule's return code in words.
+
+    FABRIC_RULES=efa .venv/bin/python scripts/pair.py 06 -p shm
+    .venv/bin/python -m pytest tests/test_rules.py     # 04-16 under both, each rule broken
+"""
+import os
+import sys
+
+from common._fabric import ffi, lib
+
+MODES = ("efa", "verbs")
+MODE = os.environ.get("FABRIC_RULES") or None
+if MODE not in (None, *MODES):
+    sys.exit(f"FABRIC_RULES={MODE}: expected one of {', '.join(MODES)}")
+TWIN = "-twin"  # ends a twin's fabric name (RULES_TWIN in common/rules.h)
+
+
+def restrict(hint):
+    """Hints as the rules have them: without FI_MR_VIRT_ADDR, so that shm too takes offsets."""
+    if MODE:
+        hint.domain_attr.mr_mode &= ~lib.FI_MR_VIRT_ADDR
+
+
+def text(rc):
+    """The rule that a return code says was broken, or None."""
+    said = lib.tut_rules_text(rc)
+    return f"rules of {MODE}: {ffi.string(said).decode()}" if said != ffi.NULL else None
+
+
+def with_twins(head):
+    """`head`, each entry followed by its twin (only with FABRIC_RULES): the same domain,
+    another fabric name and address format. Opening a twin breaks a rule."""
+    if not MODE:
+        return head
+    info = head
+    while info != ffi.NULL:
+        twin = lib.fi_dupinfo(info)
+        if twin == ffi.NULL:
+            raise MemoryError("fi_dupinfo")
+        name = ffi.string(info.fabric_attr.name).decode() if info.fabric_attr.name else ""
+        lib.free(twin.fabric_attr.name)
+        twin.fabric_attr.name = lib.strdup((name + TWIN).encode())  # freed by fi_freeinfo
+        twin.addr_format = (lib.FI_SOCKADDR_IN6 if info.addr_format != lib.FI_SOCKADDR_IN6
+                            else lib.FI_SOCKADDR_IN)
+        twin.next, info.next = info.next, twin
+        info = twin.next
+    return head
