@@ -17,7 +17,7 @@ fi_writemsg, immediate data, a check of every byte that arrived.
     .venv/bin/python chapters/06_write.py                                   # server
     .venv/bin/python chapters/06_write.py ADDRESS --pages 0,3,5-9           # client
     .venv/bin/python chapters/06_write.py --gpu 0                           # server, pages on GPU 0
-    .venv/bin/python chapters/06_write.py ADDRESS --gpu 1 --page-size 1M    # into GPU 1
+    .venv/bin/python chapters/06_write.py ADDRESS --gpu 1 --page-size 1M --buffer-size 16M   # into GPU 1
 
 Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory,
 commit 51c3160, load average 4.7; the client is the command the server printed, pasted,
