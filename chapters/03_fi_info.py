@@ -10,7 +10,8 @@ and where the NIC sits on the PCIe bus - the facts chapters 06-15 build on.
     .venv/bin/python chapters/03_fi_info.py -p shm -v           # one provider, in detail
     .venv/bin/python chapters/03_fi_info.py --ep-type rdm --caps FI_RMA,FI_HMEM
 
-Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, commit 6c0faa9):
+Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, commit 51c3160,
+load average 2.7):
 
     $ .venv/bin/python chapters/03_fi_info.py -p shm -v --caps FI_RMA,FI_HMEM
     libfabric 1.17 (API 1.17)

@@ -17,19 +17,21 @@ fi_writemsg, immediate data, a check of every byte that arrived.
     .venv/bin/python chapters/06_write.py                                   # server
     .venv/bin/python chapters/06_write.py ADDRESS --pages 0,3,5-9           # client
     .venv/bin/python chapters/06_write.py --gpu 0                           # server, pages on GPU 0
-    .venv/bin/python chapters/06_write.py ADDRESS --gpu 1 --page-size 1M    # into GPU 1
+    .venv/bin/python chapters/06_write.py ADDRESS --gpu 1 --page-size 1M --buffer-size 16M   # into GPU 1
 
-Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory):
+Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory,
+commit 51c3160, load average 4.7; the client is the command the server printed, pasted,
+with --pages added):
 
     $ .venv/bin/python chapters/06_write.py -p shm
-    provider: shm (asked for), domain shm
+    provider: shm (asked for), fabric shm, domain shm
     memory registration: FI_MR_VIRT_ADDR
-    server address: 66695f73686d3a2f2f373935323a303a3000
-    run the client: .venv/bin/python chapters/06_write.py -p shm 66695f73686d3a2f2f373935323a303a3000
+    server address: 66695f73686d3a2f2f32333531323a303a3000
+    run the client: .venv/bin/python chapters/06_write.py -p shm 66695f73686d3a2f2f32333531323a303a3000
     wrote 8 pages of 65536 bytes from host memory, the last with immediate data 8
 
-    $ .venv/bin/python chapters/06_write.py -p shm 66695f73686d3a2f2f373935323a303a3000 --pages 0,3,5-9,31
-    provider: shm (asked for), domain shm
+    $ .venv/bin/python chapters/06_write.py -p shm 66695f73686d3a2f2f32333531323a303a3000 --pages 0,3,5-9,31
+    provider: shm (asked for), fabric shm, domain shm
     memory registration: FI_MR_VIRT_ADDR
     memory: 2 x 1048576 bytes of host memory
     remote write completion: FI_REMOTE_CQ_DATA, immediate data 8
@@ -58,13 +60,16 @@ takes the command (ofi_mr_map_verify in prov/shm/src/smr_progress.c), drops
 the WRITE with a warning (FI_LOG_LEVEL=warn) and answers nothing, so the
 server waits for a completion that never comes. tcp checks it on arrival
 (xnet_handle_write, prov/tcp/src/xnet_progress.c) and closes the connection,
-after the writer's WRITEs have completed. EFA's device fails the WRITE on the
-writer's CQ: "Remote key (RKEY) not registered or does not match remote IOVA"
-(prov/efa/src/efa_errno.h). On the 2-core VM with Debian's libfabric 1.17:
-shm, the server gives up with "no last WRITE completion within 3 s"; tcp,
-the server says it wrote 16 pages; both clients: "no WRITE with immediate
-data from the server within 3 s". A silent target is why the client checks
-every byte and the immediate instead of trusting the absence of an error.
+mostly after the writer's WRITEs have completed. EFA's device fails the
+WRITE on the writer's CQ: "Remote key (RKEY) not registered or does not match
+remote IOVA" (prov/efa/src/efa_errno.h). On the 2-core VM with Debian's
+libfabric 1.17 (commit 51c3160, --timeout 3 on both sides): shm, the server
+gives up with "no last WRITE completion within 3 s"; tcp, the server said it
+wrote 16 pages in 2 runs of 3, and in the other "client 1: gone: fi_cq_read:
+Broken pipe (ret -107)", the connection closed before its last WRITE
+completed; both clients: "no WRITE with immediate data from the server within 3 s". A
+silent target is why the client checks every byte and the immediate instead
+of trusting the absence of an error.
 """
 # What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
 # and says whether it showed on your machine.

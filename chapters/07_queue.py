@@ -27,20 +27,29 @@ compared with a limit: the NIC's link speed, or fi_rma_bw on this machine
     .venv/bin/python chapters/07_queue.py --gpu 0 --json                   # server, pages on GPU 0
 
 Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host
-memory; the series' run: 2 x 1 GiB, 2 x 1000 pages, 1,000,000 WRITEs of 64 KiB;
-commit 2be957c, with other programs keeping the load average near 15):
+memory, commit 51c3160, load average 5.1; first the client the server printed,
+pasted, then the series' run: 2 x 1 GiB, 2 x 1000 pages, 1,000,000 WRITEs of 64 KiB):
 
-    $ .venv/bin/python chapters/07_queue.py -p shm --clients 1
-    provider: shm (asked for), domain shm
+    $ .venv/bin/python chapters/07_queue.py -p shm --clients 2
+    provider: shm (asked for), fabric shm, domain shm
     memory registration: FI_MR_VIRT_ADDR
-    server address: 66695f73686d3a2f2f32333235353a303a3000
-    run the client: .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f32333235353a303a3000 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    server address: 66695f73686d3a2f2f32353839393a303a3000
+    run the client: .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f32353839393a303a3000 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    wrote 64 pages from host memory, the last WRITE with immediate data 100000
+    completions: 100000, one per WRITE; -FI_EAGAIN 20009 times
+    100000 WRITEs of 4096 bytes in 0.843 s: 3.888 Gbps, 0.119 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
     wrote 2000 pages from host memory, the last WRITE with immediate data 1000000
-    completions: 1000000, one per WRITE; -FI_EAGAIN 509936 times
-    1000000 WRITEs of 65536 bytes in 36.836 s: 14.233 Gbps, 0.027 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: .venv/bin/python scripts/baseline.py -p shm --sizes 65536)
+    completions: 1000000, one per WRITE; -FI_EAGAIN 50742 times
+    1000000 WRITEs of 65536 bytes in 12.293 s: 42.650 Gbps, 0.081 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: .venv/bin/python scripts/baseline.py -p shm --sizes 65536)
 
-    $ .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f32333235353a303a3000
-    provider: shm (asked for), domain shm
+    $ .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f32353839393a303a3000 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    provider: shm (asked for), fabric shm, domain shm
+    memory registration: FI_MR_VIRT_ADDR
+    memory: 2 x 1048576 bytes of host memory
+    remote write completion: FI_REMOTE_CQ_DATA, immediate data 100000
+    verified 64 pages (262144 bytes): 0 wrong bytes
+    $ .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f32353839393a303a3000
+    provider: shm (asked for), fabric shm, domain shm
     memory registration: FI_MR_VIRT_ADDR
     memory: 2 x 1073741824 bytes of host memory
     remote write completion: FI_REMOTE_CQ_DATA, immediate data 1000000
@@ -49,20 +58,10 @@ commit 2be957c, with other programs keeping the load average near 15):
 (fi_rma_bw, and scripts/bench.py, cycle over 64 pages; the series' 2000 pages,
 128 MiB, no longer fit in the CPU caches, so shm's copies go at DRAM speed.)
 
-On two NVIDIA H200s joined by NVLink (libfabric 2.1.0 from scripts/build_libfabric.sh,
-shm with CUDA IPC; source pages on GPU 0, client buffers on GPU 1; lines as printed by
-scripts/pair.py; cudaMemcpyPeer's ceiling there is about 3170 Gbps):
-
-    $ .venv/bin/python chapters/07_queue.py -p shm --clients 1 --gpu 0
-    server address: 66695f73686d3a2f2f313135343a303a3000
-    wrote 64 pages from GPU 0 memory (cuda), the last WRITE with immediate data 20000
-    completions: 20000, one per WRITE; -FI_EAGAIN 231004 times
-    20000 WRITEs of 16777216 bytes in 0.940 s: 2856.834 Gbps, 0.021 Mpps (no link speed and no baseline here: run scripts/baseline.py)
-
-    $ .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f313135343a303a3000 --gpu 1 --page-size 16M --buffer-size 1G --pages 0-63 --iters 20000
-    memory: 2 x 1073741824 bytes of GPU 1 memory (cuda)
-    remote write completion: FI_REMOTE_CQ_DATA, immediate data 20000
-    verified 64 pages (1073741824 bytes): 0 wrong bytes
+On 2 x H200 joined by NVLink at c425ffc (shm with CUDA IPC, libfabric 2.1.0 from
+scripts/build_libfabric.sh, source pages on GPU 0, client buffers on GPU 1, 20000
+WRITEs of 16 MiB): 2856.834 Gbps, -FI_EAGAIN 231004 times, 0 wrong bytes, where
+cudaMemcpyPeer's ceiling is about 3170 Gbps.
 """
 # What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
 # and says whether it showed on your machine; the server prints its run as the client command.

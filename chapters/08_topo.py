@@ -17,7 +17,8 @@ discovery lives in common/topo.py, for chapters 09 on.
     .venv/bin/python chapters/08_topo.py -p efa
     .venv/bin/python chapters/08_topo.py --sysfs DIR --machine FILE   # a described machine (tests)
 
-Transcript (2-core x86_64 VM, no GPU, no NIC, Debian's libfabric 1.17):
+Transcript (2-core x86_64 VM, no GPU, no NIC, Debian's libfabric 1.17, commit 51c3160,
+load average 2.8):
 
     $ .venv/bin/python chapters/08_topo.py
     GPUs: 0 (no cupy, so no CUDA); NICs: 0 (shm); NUMA nodes: 1; physical cores: 2
@@ -27,7 +28,7 @@ Transcript (2-core x86_64 VM, no GPU, no NIC, Debian's libfabric 1.17):
     total link bandwidth: unknown (no NIC reports a link speed)
 
 A 2 x H200 box (32 cores, one NUMA node; its GPUs report no NUMA node; CUDA-enabled
-libfabric 2.1.0, whose shm has no NIC address):
+libfabric 2.1.0, whose shm has no NIC address; recorded with commit 43a50b5):
 
     $ .venv/bin/python chapters/08_topo.py
     GPUs: 2 (CUDA); NICs: 0 (shm); NUMA nodes: 1; physical cores: 32
@@ -39,7 +40,7 @@ libfabric 2.1.0, whose shm has no NIC address):
 
 The series' p5, rebuilt as a fake sysfs tree by `.venv/bin/python tests/fake_sysfs.py /tmp/p5`
 (8 H100s, each behind its own PCIe switch with 4 EFA NICs; 2 NUMA nodes; 96 cores,
-2 threads each):
+2 threads each; the same VM and commit):
 
     $ .venv/bin/python chapters/08_topo.py --sysfs /tmp/p5 --machine /tmp/p5/machine.json
     GPUs: 8 (described in /tmp/p5/machine.json); NICs: 32 (described); NUMA nodes: 2; physical cores: 96
