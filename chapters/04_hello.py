@@ -116,7 +116,7 @@ def main():
     p = cli.parser(__doc__)
     cli.add_peer(p)
     p.add_argument("message", nargs="?", default="Hello, libfabric!",
-                   help="client: what to send (default: %(default)s)")
+                   help="client: what to send (default: 'Hello, libfabric!')")
     args = p.parse_args()
     message = args.message.encode()
     if len(message) > MAX_MESSAGE:

@@ -90,3 +90,12 @@ def test_server_hint_is_the_run_that_shows_the_lesson(chapter, flags):
     stop(proc)
     assert re.search(rf"-p shm [0-9a-f]+ {flags}", hint), hint
     assert os.path.exists(ROOT / hint.split()[0])
+
+
+@pytest.mark.parametrize("chapter", range(3, 17))
+def test_help_is_help(chapter):
+    """--help prints the usage and exits 0 in every chapter (a positional's %(default)s
+    once broke it under parse_intermixed_args)."""
+    done, _ = run(chapter, "--help")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert done.stdout.startswith("usage:")
