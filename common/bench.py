@@ -10,10 +10,12 @@ of anything else is no limit here, so then the run prints the command that
 measures one.
 """
 import json
+import os
 import statistics
 import sys
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 import common.fabric as fi
 from common import cli
@@ -96,10 +98,18 @@ def limit(infos, provider, memory, size, here, tool="fi_rma_bw"):
 
 
 def measure_command(tool, provider, memory, size):
-    """The command that measures the baseline `limit` looks for."""
+    """The command that measures the baseline `limit` looks for. Where the scripts find no
+    fi_rma_bw (Debian packages no fabtests), it first builds libfabric 2.1.0 with them and
+    puts the chapters on it, so that the baseline is of the libfabric the chapters run."""
     script = "baseline.py" if tool == "fi_rma_bw" else "progression.py"
-    return cli.command("-p", provider, "--sizes", size, *(["--gpus", "0,1"] * (memory == "cuda")),
-                       program=ROOT / "scripts" / script)
+    run = cli.command("-p", provider, "--sizes", size, *(["--gpus", "0,1"] * (memory == "cuda")),
+                      program=ROOT / "scripts" / script)
+    tools = Path(os.environ.get("LIBFABRIC_PREFIX") or ROOT / ".deps" / "libfabric")
+    if memory == "cuda" or (tools / "bin" / "fi_rma_bw").exists():
+        return run
+    built = cli.shown(ROOT / ".deps" / "libfabric")
+    return (f"bash {cli.shown(ROOT / 'scripts' / 'build_libfabric.sh')} && LIBFABRIC_PREFIX={built} "
+            f"bash {cli.shown(ROOT / 'scripts' / 'setup.sh')} && {run}")
 
 
 def summary(f, lim):
