@@ -125,15 +125,15 @@ def server(info, args):
                 print(f"ignored a {len(message)}-byte message: neither a CONNECT nor a text "
                       "after one", file=sys.stderr)
                 continue
-            served += 1
             try:
                 outbox.send(ep, poller, client, reply, args.timeout)
                 if why:
-                    connect.report(served, connect.Refused(why))
+                    connect.report(served + 1, connect.Refused(why))
                 else:
-                    print(f"client {served}: {text!r} -> {text[::-1]!r}", flush=True)
+                    print(f"client {served + 1}: {text!r} -> {text[::-1]!r}", flush=True)
             except (fi.FabricError, TimeoutError) as e:  # that client is gone; serve the next
-                connect.report(served, e)
+                connect.report(served + 1, e)
+            served += not why  # another chapter's client, told so: not one of --clients
             fi.av_remove(av, client)
             client = None
 

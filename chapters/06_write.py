@@ -120,12 +120,14 @@ def server(info, args):
             request = inbox.take(length)
             if connect.stray(request):
                 continue
-            served += 1
             try:
                 with fi.Closer() as client_own:  # what one client needs, released after it
                     serve(client_own, domain, ep, av, poller, request, args)
             except (fi.FabricError, TimeoutError, ValueError) as e:  # serve the next one
-                connect.report(served, e)
+                connect.report(served + 1, e)
+                if isinstance(e, connect.Refused):
+                    continue  # another chapter's client, told so: not one of --clients
+            served += 1
 
 
 def serve(own, domain, ep, av, poller, request, args):

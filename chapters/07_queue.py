@@ -122,13 +122,15 @@ def server(info, args):
             request = backlog.pop(0)
             if connect.stray(request):
                 continue
-            served += 1
             try:
                 with fi.Closer() as client_own:  # what one client needs, released after it
                     serve(client_own, info, domain, ep, av, cq, poller, inbox, backlog, request,
                           args)
             except (fi.FabricError, TimeoutError, ValueError) as e:  # serve the next one
-                connect.report(served, e)
+                connect.report(served + 1, e)
+                if isinstance(e, connect.Refused):
+                    continue  # another chapter's client, told so: not one of --clients
+            served += 1
 
 
 def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):

@@ -112,13 +112,15 @@ def server(info, args, warmup=None, engine=None):
             request = backlog.pop(0)
             if connect.stray(request):
                 continue
-            served += 1
             try:
                 with fi.Closer() as client_own:
                     serve(client_own, info, control, inbox, backlog, request, args, warmup,
                           engine or write_all)
             except (fi.FabricError, TimeoutError, ValueError) as e:
-                connect.report(served, e)
+                connect.report(served + 1, e)
+                if isinstance(e, connect.Refused):
+                    continue  # another chapter's client, told so: not one of --clients
+            served += 1
 
 
 def swap_gpus(args):
