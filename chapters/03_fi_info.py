@@ -22,7 +22,7 @@ load average 2.7):
         mr_mode:  FI_MR_VIRT_ADDR, FI_MR_HMEM
         address:  FI_ADDR_STR
         max msg:  18446744073709551615, inject: 0, rma iov: 4, cq data: 8 bytes
-    1 entries: 1 providers, 1 (provider, domain) pairs
+    1 entry: 1 provider, 1 (provider, domain) pair
     $ .venv/bin/python chapters/03_fi_info.py --ep-type rdm
     libfabric 1.17 (API 1.17)
     provider       fabric           domain       endpoint       Gbps nic bus
@@ -121,8 +121,13 @@ def main():
     for info in infos:
         print(describe(info, args.verbose))
     pairs = {(fi.provider_of(i), fi.string(i.domain_attr.name)) for i in infos}
-    print(f"{len(infos)} entries: {len({p for p, _ in pairs})} providers, "
-          f"{len(pairs)} (provider, domain) pairs")
+    providers = len({p for p, _ in pairs})
+    print(f"{plural(len(infos), 'entry', 'entries')}: {plural(providers, 'provider')}, "
+          f"{plural(len(pairs), '(provider, domain) pair')}")
+
+
+def plural(n, one, many=None):
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 if __name__ == "__main__":
