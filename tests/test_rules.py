@@ -2,9 +2,8 @@
 checked as an EFA device or a verbs NIC would check them; and each rule, broken on
 purpose, caught (where shm alone lets the same call through).
 
-Runs that stop on a rule a finding of issue 15 is about are xfail(strict=True), raising
-RuleBroken only: any other failure fails the test. When the fix is in, they pass, and
-strict makes that show: remove the mark then.
+The runs of the chapters once broke efa's rules on two findings of issue 15: CQs of 64
+entries with up to 4 x tx_size WRITEs in flight (1b) and CONNECTs above the MTU (2).
 """
 import re
 import subprocess
@@ -21,68 +20,38 @@ SMALL = ["--buffer-size", "4M", "--pages", "0-63", "--iters", "3001"]
 # Enough WRITEs for 09-14 that their overrun of a 64-entry CQ shows in every run here
 # (with 3001, a run of chapter 10 missed it about once in ten)
 MANY = ["--buffer-size", "4M", "--pages", "0-63", "--iters", "12001"]
-# What chapters on main do that efa's rules catch (verbs' have neither rule): the rule's
-# words, and the finding of issue 15 that it is.
-CQ = ("more operations in flight than the CQ has entries",
-      "issue 15 finding 1b: a CQ of 64 entries while the op queue lets up to 4 x tx_size "
-      "WRITEs be in flight (nic engineer)")
-CONNECT = ("a SEND larger than the 8928-byte EFA MTU",
-           "issue 15 finding 2: CONNECT larger than the MTU (connect engineer)")
-
-
-class RuleBroken(Exception):
-    """A chapter run stopped on one of the rules its xfail mark names."""
+CQ = "more operations in flight than the CQ has entries"  # words of two of efa's rules
+CONNECT = "a SEND larger than the 8928-byte EFA MTU"
 
 
 def env(rules):
     return {"FABRIC_RULES": rules}
 
 
-def until_fixed(*findings):
-    return pytest.mark.xfail(strict=True, raises=RuleBroken,
-                             reason="; ".join(why for _, why in findings))
-
-
-def check(pair, findings=()):
-    """The pair ran and verified; or it stopped on one of `findings`' rules: RuleBroken."""
-    said = pair.server.err + "".join(c.err for c in pair.clients)
-    hit = [rule for rule, _ in findings if rule in said]
-    if hit and not pair.ok:
-        raise RuleBroken(hit[0])
-    assert pair.ok and not pair.stopped, pair
-
-
-# (id, chapter, server args, each client's args, findings it runs into under efa)
+# (id, chapter, server args, each client's args)
 PAIRS = [
-    ("04", 4, [], [["hello"]], ()),
-    ("05", 5, ["--clients", "2"], [["hello"], ["libfabric"]], ()),
-    ("06", 6, ["--clients", "1"], [["--pages", "0,3,5-9"]], ()),
-    ("07", 7, ["--clients", "1"], [SMALL], (CQ,)),
-    # 3 buffers of 1000 pages: a CONNECT of about 12 KB
+    ("04", 4, [], [["hello"]]),
+    ("05", 5, ["--clients", "2"], [["hello"], ["libfabric"]]),
+    ("06", 6, ["--clients", "1"], [["--pages", "0,3,5-9"]]),
+    ("07", 7, ["--clients", "1"], [SMALL]),
+    # 3 buffers of 1000 pages: a CONNECT of about 12 KB in the old format
     ("07-3-buffers", 7, ["--clients", "1"],
-     [["--buffers", "3", "--page-size", "4K", "--buffer-size", "4M", "--iters", "3000"]],
-     (CONNECT, CQ)),
+     [["--buffers", "3", "--page-size", "4K", "--buffer-size", "4M", "--iters", "3000"]]),
 ] + [
     (name, chapter, ["--clients", "1", *server],
-     [["--groups", "2", "--nics-per-gpu", "2", *(SMALL if chapter == 15 else MANY)]],
-     () if chapter == 15 else (CQ,))
+     [["--groups", "2", "--nics-per-gpu", "2", *(SMALL if chapter == 15 else MANY)]])
     for name, chapter, server in [("09", 9, []), ("10", 10, []),
                                   ("11c", 11, ["--engine", "native"]),
                                   ("11py", 11, ["--engine", "python"]), ("12", 12, []),
                                   ("13", 13, []), ("14", 14, []), ("15", 15, [])]]
 
 
-def pair_case(rules, name, chapter, server, clients, findings):
-    findings = findings if rules == "efa" else ()
-    return pytest.param(rules, chapter, server, clients, findings, id=f"{rules}-{name}",
-                        marks=[until_fixed(*findings)] if findings else [])
-
-
-@pytest.mark.parametrize("rules,chapter,server_args,client_args,findings",
-                         [pair_case(rules, *case) for rules in RULES for case in PAIRS])
-def test_chapter_keeps_the_rules(rules, chapter, server_args, client_args, findings, provider):
+@pytest.mark.parametrize("rules,chapter,server_args,client_args",
+                         [pytest.param(rules, *case[1:], id=f"{rules}-{case[0]}")
+                          for rules in RULES for case in PAIRS])
+def test_chapter_keeps_the_rules(rules, chapter, server_args, client_args, provider):
     pair = run_pair(chapter, provider, server_args, client_args, env=env(rules))
-    check(pair, findings)
+    assert pair.ok and not pair.stopped, pair
     out = "".join(c.out for c in pair.clients)
     if chapter >= 6:
         assert re.search(r"verified .*: 0 wrong bytes", out), pair
@@ -90,19 +59,14 @@ def test_chapter_keeps_the_rules(rules, chapter, server_args, client_args, findi
         assert "memory registration: no mode bits" in out, out
 
 
-@until_fixed(CONNECT)
 def test_p5_layout_connect_fits_the_mtu():
     """09 with the p5's 8 GPUs x 4 NICs and the default 1000 pages per buffer: a CONNECT
-    of about 10.7 KB. Only the CONNECT is this test's: with 32 lanes of 500 WRITEs the
-    CQ rule (the other tests') may or may not be hit."""
+    of about 10.7 KB in the old format, within efa's MTU now."""
     pair = run_pair(9, "shm", ["--clients", "1"],
                     [["--groups", "8", "--nics-per-gpu", "4", "--page-size", "4K",
                       "--buffer-size", "4M", "--iters", "16000"]], env=env("efa"))
-    said = pair.server.err + pair.clients[0].err
-    if CONNECT[0] in said:
-        raise RuleBroken(CONNECT[0])
     assert "8 x 4 virtual NICs" in pair.server.out, pair  # the server took the CONNECT
-    assert pair.ok or CQ[0] in said, pair
+    assert pair.ok and not pair.stopped, pair
 
 
 @pytest.mark.parametrize("rules", RULES)
@@ -164,7 +128,7 @@ BROKEN = {  # rule: (what breaks it, the error line's words, rule sets that have
     "9000-byte SEND": (
         "assert fi.recvmsg(ep, dst.ptr, 9000, fi.mr_desc(dst_mr), lib.FI_ADDR_UNSPEC, ctx + 1)\n"
         "poller.until_posted(lambda: fi.sendmsg(ep, src.ptr, 9000, desc, me, ctx), 10, "
-        "'the SEND')", CONNECT[0], ["efa"]),
+        "'the SEND')", CONNECT, ["efa"]),
     "immediate above 32 bits": ("write(data=1 << 32)", "immediate data above 32 bits", RULES),
     "two rma_iovs": (
         "iov = ffi.new('struct iovec *', {'iov_base': ffi.cast('void *', src.ptr), "
@@ -178,7 +142,7 @@ BROKEN = {  # rule: (what breaks it, the error line's words, rule sets that have
         "more than one rma_iov", RULES),
     "too small a CQ": ("for i in range(9):\n"
                        "    assert fi.recvmsg(ep, dst.ptr, 64, fi.mr_desc(dst_mr), "
-                       "lib.FI_ADDR_UNSPEC, ctx + i % 8)", CQ[0], ["efa"]),
+                       "lib.FI_ADDR_UNSPEC, ctx + i % 8)", CQ, ["efa"]),
     "wait object": (
         "attr = ffi.new('struct fi_cq_attr *', {'size': 8, 'format': lib.FI_CQ_FORMAT_DATA, "
         "'wait_obj': lib.FI_WAIT_UNSPEC})\n"
