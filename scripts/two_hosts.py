@@ -262,6 +262,13 @@ def settings(args):
                                           "gpus", "nics_per_gpu", "groups", "no_baseline")}
 
 
+def stop_both(group, why):
+    """Both hosts found `why`: they leave the rendezvous saying goodbye, so that neither
+    takes the other's exit for a crash (rank 0's would close it under rank 1), then say it."""
+    group.close()
+    raise ValueError(why)
+
+
 def introduce(group, args, mine):
     """Both hosts' `here()`, in rank order; both stop, in one line, on a mismatch."""
     hosts = [json.loads(b) for b in group.allgather(
@@ -269,12 +276,11 @@ def introduce(group, args, mine):
     a, b = (h["arguments"] for h in hosts)
     differ = [f"{k} {a[k]} (rank 0) / {b[k]} (rank 1)" for k in a if a[k] != b[k]]
     if differ:
-        raise ValueError("the two hosts were started with different arguments: "
-                         + "; ".join(differ))
+        stop_both(group, "the two hosts were started with different arguments: "
+                  + "; ".join(differ))
     if len(hosts[0]["lanes"]) != len(hosts[1]["lanes"]):
-        raise ValueError(f"rank 0 has {len(hosts[0]['lanes'])} NICs for 09-15, rank 1 "
-                         f"{len(hosts[1]['lanes'])}: the chapters and fi_rma_bw pair them "
-                         "one to one")
+        stop_both(group, f"rank 0 has {len(hosts[0]['lanes'])} NICs for 09-15, rank 1 "
+                  f"{len(hosts[1]['lanes'])}: the chapters and fi_rma_bw pair them one to one")
     for h in hosts:
         del h["arguments"]  # the same on both: the report says them once
     return hosts, a
