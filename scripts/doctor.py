@@ -224,11 +224,14 @@ def gpu_memory_lines(fi, providers):
                 fabric = own(fi.fabric_open(granted))
                 domain = own(fi.domain_open(fabric, granted))
                 buf = memory.Buffer(1 << 16, gpu=0)
-                memory.register(own, domain, buf, fi.lib.FI_REMOTE_WRITE, key=1)
+                mr, how = memory.register_device(domain, buf.ptr, buf.size, memory.WRITE_TARGET,
+                                                 1, buf.iface, buf.device)
+                own(mr)
         except (ValueError, fi.FabricError) as e:
             lines.append((FIX, "GPU memory", f"{provider}: {e}"))
             continue
-        lines.append((OK, "GPU memory", f"{provider} registers GPU 0 memory (FI_HMEM)"))
+        lines.append((OK, "GPU memory", f"{provider} registers GPU 0 memory (FI_HMEM): "
+                      + how.removeprefix("GPU memory registered ")))
     return lines
 
 
