@@ -37,19 +37,21 @@ with --pages added):
     remote write completion: FI_REMOTE_CQ_DATA, immediate data 8
     verified 8 pages (524288 bytes): 0 wrong bytes
 
-On one NVIDIA H200 (libfabric 2.1.0 built by scripts/build_libfabric.sh, shm, pages
-and client buffers in GPU 0 memory; lines as printed by scripts/pair.py):
+On one NVIDIA H200 (16 cores; libfabric 2.1.0 with CUDA, efa and verbs, built from the
+vendored source; shm, pages and client buffers in GPU 0 memory; commit 7bf55eb):
 
     $ .venv/bin/python chapters/06_write.py -p shm --clients 1 --gpu 0
-    provider: shm (asked for), domain shm
+    provider: shm (asked for), fabric shm, domain shm
     memory registration: FI_MR_VIRT_ADDR, FI_MR_HMEM
-    server address: 66695f73686d3a2f2f3433353a303a3000
-    run the client: .venv/bin/python chapters/06_write.py -p shm 66695f73686d3a2f2f3433353a303a3000
+    server address: 66695f73686d3a2f2f3539353a303a3000
+    run the client: .venv/bin/python chapters/06_write.py -p shm 66695f73686d3a2f2f3539353a303a3000
+    GPU memory registered by dmabuf
     wrote 16 pages of 1048576 bytes from GPU 0 memory (cuda), the last with immediate data 16
 
-    $ .venv/bin/python chapters/06_write.py -p shm 66695f73686d3a2f2f3433353a303a3000 --gpu 0 --page-size 1M --buffer-size 16M --pages 0-15
-    provider: shm (asked for), domain shm
+    $ .venv/bin/python chapters/06_write.py -p shm 66695f73686d3a2f2f3539353a303a3000 --gpu 0 --page-size 1M --buffer-size 16M --pages 0-15
+    provider: shm (asked for), fabric shm, domain shm
     memory registration: FI_MR_VIRT_ADDR, FI_MR_HMEM
+    GPU memory registered by dmabuf
     memory: 2 x 16777216 bytes of GPU 0 memory (cuda)
     remote write completion: FI_REMOTE_CQ_DATA, immediate data 16
     verified 16 pages (16777216 bytes): 0 wrong bytes

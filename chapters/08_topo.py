@@ -27,15 +27,14 @@ load average 2.8):
       NUMA 0: cores 0-1; NICs: -
     total link bandwidth: unknown (no NIC reports a link speed)
 
-A 2 x H200 box (32 cores, one NUMA node; its GPUs report no NUMA node; CUDA-enabled
-libfabric 2.1.0, whose shm has no NIC address; recorded with commit 43a50b5):
+One H200 machine (16 cores, one NUMA node; its GPU reports no NUMA node; libfabric 2.1.0
+with CUDA, whose shm has no NIC address; commit 7bf55eb):
 
     $ .venv/bin/python chapters/08_topo.py
-    GPUs: 2 (CUDA); NICs: 0 (shm); NUMA nodes: 1; physical cores: 32
+    GPUs: 1 (CUDA); NICs: 0 (shm); NUMA nodes: 1; physical cores: 16
     no NIC with a PCI address from shm: chapters 09+ open several domains of it instead, as virtual NICs
     GPU     bus           NUMA  cores        pinned  NICs
     cuda:0  0000:00:06.0  -     0-15         8       -
-    cuda:1  0000:00:07.0  -     16-31        24      -
     total link bandwidth: unknown (no NIC reports a link speed)
 
 The series' p5, rebuilt as a fake sysfs tree by `.venv/bin/python tests/fake_sysfs.py /tmp/p5`
