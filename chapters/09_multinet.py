@@ -27,29 +27,30 @@ beside this page (scripts/diff.sh 09 shows it too).
     .venv/bin/python chapters/09_multinet.py --gpus 0,1                         # server, GPUs 0 and 1
 
 Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory,
-commit 51c3160, load average 2.3; first the client the server printed, pasted (2 groups
-x 2 virtual NICs, 4 KiB), then 1 x 4 virtual NICs, 64 KiB):
+commit b8a72b4, load average 2.4 with another test suite running beside it; first the
+client the server printed, pasted (2 groups x 2 virtual NICs, 4 KiB), then 1 x 4 virtual
+NICs, 64 KiB):
 
     $ .venv/bin/python chapters/09_multinet.py -p shm --clients 2
     provider: shm (asked for), fabric shm, domain shm
-    server address: 66695f73686d3a2f2f32363435343a303a3000
-    run the client: .venv/bin/python chapters/09_multinet.py -p shm 66695f73686d3a2f2f32363435343a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    server address: 66695f73686d3a2f2f31373934313a303a3000
+    run the client: .venv/bin/python chapters/09_multinet.py -p shm 66695f73686d3a2f2f31373934313a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    wrote from 2 x host memory; WRITEs per NIC: 25000 25000 25000 25000, each NIC's last with immediate data; -FI_EAGAIN 646 times
-    100000 WRITEs of 4096 bytes in 1.005 s: 3.262 Gbps, 0.100 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
-    CPU time: 5.40 us per WRITE (this process, all threads)
+    wrote from 2 x host memory; WRITEs per NIC: 25000 25000 25000 25000, each NIC's last with immediate data; -FI_EAGAIN 110 times
+    100000 WRITEs of 4096 bytes in 0.761 s: 4.303 Gbps, 0.131 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: bash scripts/build_libfabric.sh && LIBFABRIC_PREFIX=.deps/libfabric bash scripts/setup.sh && .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
+    CPU time: 5.33 us per WRITE (this process, all threads)
     1 x 4 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    wrote from 1 x host memory; WRITEs per NIC: 25000 25000 25000 25000, each NIC's last with immediate data; -FI_EAGAIN 152528 times
-    100000 WRITEs of 65536 bytes in 1.277 s: 41.051 Gbps, 0.078 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: .venv/bin/python scripts/baseline.py -p shm --sizes 65536)
-    CPU time: 11.60 us per WRITE (this process, all threads)
+    wrote from 1 x host memory; WRITEs per NIC: 25000 25000 25000 25000, each NIC's last with immediate data; -FI_EAGAIN 8 times
+    100000 WRITEs of 65536 bytes in 1.055 s: 49.683 Gbps, 0.095 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: bash scripts/build_libfabric.sh && LIBFABRIC_PREFIX=.deps/libfabric bash scripts/setup.sh && .venv/bin/python scripts/baseline.py -p shm --sizes 65536)
+    CPU time: 8.26 us per WRITE (this process, all threads)
 
-    $ .venv/bin/python chapters/09_multinet.py -p shm 66695f73686d3a2f2f32363435343a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    $ .venv/bin/python chapters/09_multinet.py -p shm 66695f73686d3a2f2f31373934313a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
     provider: shm (asked for), fabric shm, domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 1048576 bytes of host memory
     immediate data from 4 NICs, one each: 25000 25000 25000 25000
     verified 2 x 64 pages (524288 bytes): 0 wrong bytes
-    $ .venv/bin/python chapters/09_multinet.py -p shm 66695f73686d3a2f2f32363435343a303a3000 --nics-per-gpu 4 --iters 100000 --buffer-size 64M --pages 0-63
+    $ .venv/bin/python chapters/09_multinet.py -p shm 66695f73686d3a2f2f31373934313a303a3000 --nics-per-gpu 4 --iters 100000 --buffer-size 64M --pages 0-63
     provider: shm (asked for), fabric shm, domain shm
     1 x 4 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 1 x 2 x 67108864 bytes of host memory
