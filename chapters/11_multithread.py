@@ -22,24 +22,24 @@ atomic counter; --engine python|native. Python's side of the workers
     .venv/bin/python chapters/11_multithread.py --engine python                  # server, GIL-bound
 
 Transcripts (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory,
-2 groups x 2 virtual NICs, 4 KiB pages so that the cost per WRITE shows; commit 51c3160,
-other programs beside it, load average 3.2). Python threads, which take turns on
-the GIL, spend 6.09 us of CPU per WRITE; the loop in C below, 1.97 (the figure
+2 groups x 2 virtual NICs, 4 KiB pages so that the cost per WRITE shows; commit b8a72b4,
+another test suite running beside it, load average 3.4). Python threads, which take turns
+on the GIL, spend 6.36 us of CPU per WRITE; the loop in C below, 2.09 (the figure
 scripts/tour.py compares, since the Gbps of a busy 2-core machine is noise):
 
     $ .venv/bin/python chapters/11_multithread.py -p shm --clients 1 --engine python
     provider: shm (asked for), fabric shm, domain shm
-    server address: 66695f73686d3a2f2f32323434323a303a3000
-    run the client: .venv/bin/python chapters/11_multithread.py -p shm 66695f73686d3a2f2f32323434323a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    server address: 66695f73686d3a2f2f31383730373a303a3000
+    run the client: .venv/bin/python chapters/11_multithread.py -p shm 66695f73686d3a2f2f31383730373a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    warmup: first WRITE per NIC 3.587 ms on average, 7.939 ms at most (4 NICs)
+    warmup: first WRITE per NIC 1.631 ms on average, 3.668 ms at most (4 NICs)
     2 python worker threads, one per GPU
-    wrote from 2 x host memory; WRITEs per NIC: 25000 25000 25000 25000, each NIC's last with immediate data; -FI_EAGAIN 20202 times
-    100000 WRITEs of 4096 bytes in 1.228 s: 2.668 Gbps, 0.081 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
-    CPU time: 6.09 us per WRITE (this process, all threads)
-    first contact vs a warm WRITE: 3.587 ms vs 10.0 us on average, each a WRITE alone on its NIC (358x); unwarmed, the slowest first contact would have added 1% to this run
+    wrote from 2 x host memory; WRITEs per NIC: 25000 25000 25000 25000, each NIC's last with immediate data; -FI_EAGAIN 1306 times
+    100000 WRITEs of 4096 bytes in 0.715 s: 4.586 Gbps, 0.140 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: bash scripts/build_libfabric.sh && LIBFABRIC_PREFIX=.deps/libfabric bash scripts/setup.sh && .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
+    CPU time: 6.36 us per WRITE (this process, all threads)
+    first contact vs a warm WRITE: 1.631 ms vs 10.1 us on average, each a WRITE alone on its NIC (161x); unwarmed, the slowest first contact would have added 1% to this run
 
-    $ .venv/bin/python chapters/11_multithread.py -p shm 66695f73686d3a2f2f32323434323a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    $ .venv/bin/python chapters/11_multithread.py -p shm 66695f73686d3a2f2f31383730373a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
     provider: shm (asked for), fabric shm, domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 1048576 bytes of host memory
@@ -50,17 +50,17 @@ The same with the worker loop in C, the GIL released:
 
     $ .venv/bin/python chapters/11_multithread.py -p shm --clients 1
     provider: shm (asked for), fabric shm, domain shm
-    server address: 66695f73686d3a2f2f32323439333a303a3000
-    run the client: .venv/bin/python chapters/11_multithread.py -p shm 66695f73686d3a2f2f32323439333a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    server address: 66695f73686d3a2f2f31383735393a303a3000
+    run the client: .venv/bin/python chapters/11_multithread.py -p shm 66695f73686d3a2f2f31383735393a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    warmup: first WRITE per NIC 2.495 ms on average, 5.651 ms at most (4 NICs)
+    warmup: first WRITE per NIC 1.272 ms on average, 2.144 ms at most (4 NICs)
     2 native worker threads, one per GPU
-    wrote from 2 x host memory; WRITEs per NIC: 25000 25000 25000 25000, each NIC's last with immediate data; -FI_EAGAIN 163641 times
-    100000 WRITEs of 4096 bytes in 0.501 s: 6.541 Gbps, 0.200 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
-    CPU time: 1.97 us per WRITE (this process, all threads)
-    first contact vs a warm WRITE: 2.495 ms vs 7.3 us on average, each a WRITE alone on its NIC (343x); unwarmed, the slowest first contact would have added 1% to this run
+    wrote from 2 x host memory; WRITEs per NIC: 25000 25000 25000 25000, each NIC's last with immediate data; -FI_EAGAIN 16183 times
+    100000 WRITEs of 4096 bytes in 0.296 s: 11.078 Gbps, 0.338 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: bash scripts/build_libfabric.sh && LIBFABRIC_PREFIX=.deps/libfabric bash scripts/setup.sh && .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
+    CPU time: 2.09 us per WRITE (this process, all threads)
+    first contact vs a warm WRITE: 1.272 ms vs 7.7 us on average, each a WRITE alone on its NIC (164x); unwarmed, the slowest first contact would have added 1% to this run
 
-    $ .venv/bin/python chapters/11_multithread.py -p shm 66695f73686d3a2f2f32323439333a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    $ .venv/bin/python chapters/11_multithread.py -p shm 66695f73686d3a2f2f31383735393a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
     provider: shm (asked for), fabric shm, domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 1048576 bytes of host memory
