@@ -20,24 +20,24 @@ of chapter 11 made its point and is gone.
     .venv/bin/python chapters/12_pin.py --gpus 0,1                          # server, GPUs 0 and 1
 
 Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory,
-2 groups x 2 virtual NICs, 4 KiB pages; commit 51c3160, other programs beside it, load
-average 3.2). Here pinning wins nothing: 2.38 us of CPU per WRITE against chapter 11's
-1.97 in the same minute, and scripts/tour.py, run three times at the same commit, never
-found it 1.2x lower (LESSON says why a machine this small has nothing to give):
+2 groups x 2 virtual NICs, 4 KiB pages; commit b8a72b4, another test suite running
+beside it, load average 3.3). Here pinning wins nothing: 2.30 us of CPU per WRITE against
+chapter 11's 2.09 in the same minute, and scripts/tour.py, run three times at 51c3160,
+never found it 1.2x lower (LESSON says why a machine this small has nothing to give):
 
     $ .venv/bin/python chapters/12_pin.py -p shm --clients 1
     provider: shm (asked for), fabric shm, domain shm
-    server address: 66695f73686d3a2f2f32323830313a303a3000
-    run the client: .venv/bin/python chapters/12_pin.py -p shm 66695f73686d3a2f2f32323830313a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    server address: 66695f73686d3a2f2f31393038363a303a3000
+    run the client: .venv/bin/python chapters/12_pin.py -p shm 66695f73686d3a2f2f31393038363a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    warmup: first WRITE per NIC 1.081 ms on average, 1.094 ms at most (4 NICs)
+    warmup: first WRITE per NIC 1.660 ms on average, 2.413 ms at most (4 NICs)
     2 native worker threads, one per GPU, pinned to cores 0 1
-    wrote from 2 x host memory; WRITEs per NIC: 25000 25000 25000 25000, each NIC's last with immediate data; -FI_EAGAIN 1085390 times
-    100000 WRITEs of 4096 bytes in 0.845 s: 3.877 Gbps, 0.118 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
-    CPU time: 2.38 us per WRITE (this process, all threads)
-    first contact vs a warm WRITE: 1.081 ms vs 7.0 us on average, each a WRITE alone on its NIC (155x); unwarmed, the slowest first contact would have added 0% to this run
+    wrote from 2 x host memory; WRITEs per NIC: 25000 25000 25000 25000, each NIC's last with immediate data; -FI_EAGAIN 34387 times
+    100000 WRITEs of 4096 bytes in 0.702 s: 4.670 Gbps, 0.143 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: bash scripts/build_libfabric.sh && LIBFABRIC_PREFIX=.deps/libfabric bash scripts/setup.sh && .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
+    CPU time: 2.30 us per WRITE (this process, all threads)
+    first contact vs a warm WRITE: 1.660 ms vs 9.5 us on average, each a WRITE alone on its NIC (174x); unwarmed, the slowest first contact would have added 0% to this run
 
-    $ .venv/bin/python chapters/12_pin.py -p shm 66695f73686d3a2f2f32323830313a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    $ .venv/bin/python chapters/12_pin.py -p shm 66695f73686d3a2f2f31393038363a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
     provider: shm (asked for), fabric shm, domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 1048576 bytes of host memory
