@@ -16,25 +16,25 @@ New since chapter 13: worker() takes `batch`, and a visit submits up to
     .venv/bin/python chapters/14_batch.py --batch 4                         # server, 4 per visit
 
 Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory,
-2 groups x 2 virtual NICs, 4 KiB pages; commit 51c3160, other programs beside it, load
-average 3.35): 1.92 us of CPU per WRITE against chapter 13's 2.35 a minute before, but
-two more runs of each, at load 6.5, gave 2.08 and 2.06 against 3.00 and 2.14: on a busy
-2-core machine that is noise, not batching (scripts/tour.py, three runs at the same
-commit, never found it 1.2x lower):
+2 groups x 2 virtual NICs, 4 KiB pages; commit b8a72b4, another test suite running
+beside it, load average 3.3): 3.63 us of CPU per WRITE against chapter 13's 2.25 a minute
+before, and two more runs of each, at load 2.7 to 3.3, gave 3.93 and 2.23 against 2.10 and
+2.18: on a busy 2-core machine batching wins nothing (scripts/tour.py, three runs at
+51c3160, never found it 1.2x lower):
 
     $ .venv/bin/python chapters/14_batch.py -p shm --clients 1
     provider: shm (asked for), fabric shm, domain shm
-    server address: 66695f73686d3a2f2f32323837303a303a3000
-    run the client: .venv/bin/python chapters/14_batch.py -p shm 66695f73686d3a2f2f32323837303a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    server address: 66695f73686d3a2f2f31393133303a303a3000
+    run the client: .venv/bin/python chapters/14_batch.py -p shm 66695f73686d3a2f2f31393133303a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    warmup: first WRITE per NIC 1.947 ms on average, 2.998 ms at most (4 NICs)
+    warmup: first WRITE per NIC 28.323 ms on average, 111.495 ms at most (4 NICs)
     2 native worker threads, one per GPU, pinned to cores 0 1, a counter each, up to 16 WRITEs per visit
-    wrote from 2 x host memory; WRITEs per NIC: 25000 25000 25000 25000, each NIC's last with immediate data; -FI_EAGAIN 145154 times
-    100000 WRITEs of 4096 bytes in 0.856 s: 3.830 Gbps, 0.117 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
-    CPU time: 1.92 us per WRITE (this process, all threads)
-    first contact vs a warm WRITE: 1.947 ms vs 8.4 us on average, each a WRITE alone on its NIC (232x); unwarmed, the slowest first contact would have added 0% to this run
+    wrote from 2 x host memory; WRITEs per NIC: 25000 25000 25000 25000, each NIC's last with immediate data; -FI_EAGAIN 4892547 times
+    100000 WRITEs of 4096 bytes in 0.333 s: 9.832 Gbps, 0.300 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: bash scripts/build_libfabric.sh && LIBFABRIC_PREFIX=.deps/libfabric bash scripts/setup.sh && .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
+    CPU time: 3.63 us per WRITE (this process, all threads)
+    first contact vs a warm WRITE: 28.323 ms vs 8.5 us on average, each a WRITE alone on its NIC (3341x); unwarmed, the slowest first contact would have added 33% to this run
 
-    $ .venv/bin/python chapters/14_batch.py -p shm 66695f73686d3a2f2f32323837303a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    $ .venv/bin/python chapters/14_batch.py -p shm 66695f73686d3a2f2f31393133303a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
     provider: shm (asked for), fabric shm, domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 1048576 bytes of host memory
@@ -47,7 +47,7 @@ ways, chapter 13 2592 in the same session (the GPUs' copies bind). Host memory, 
 pages, same box at 1f179a6 (libfabric 2.1.0, medians of 3,
 results/progression/h200x2-shm-host.json): 1.067 Mpps against chapter 13's 1.076, within
 the spread of repeats. Look at -FI_EAGAIN instead: 12.7 million refusals for 400,000
-WRITEs in that GPU run (here 145,154 for 100,000, 0.1 to 3 million in the repeats). The
+WRITEs in that GPU run (here 4,892,547 for 100,000, 6.2 and 0.4 million in the repeats). The
 provider is full almost every time a visit comes, so there is rarely room for more than
 one WRITE, let alone 16; posting into room that is not there is what chapter 15 stops.
 """
