@@ -21,25 +21,26 @@ nothing in flight: until the provider is full).
     .venv/bin/python chapters/15_lazy.py --batch 4                          # server, 4 per visit
 
 Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory,
-2 groups x 2 virtual NICs, 4 KiB pages; commit 51c3160, other programs beside it, load
-average 3.35). Here lazy posts are refused as often as chapter 14's eager ones, as LESSON
-says: 173,049 times for 100,000 WRITEs against chapter 14's 145,154 a minute before (two
-more runs of each at load 6.5: 111,366 and 3,707,690 against 276,013 and 414,792; 0 to
-1.2 million against 8,000 to 1.5 million in scripts/tour.py, three runs at the same commit):
+2 groups x 2 virtual NICs, 4 KiB pages; commit b8a72b4, another test suite running
+beside it, load average 3.3). Here lazy posts are refused too, as LESSON says, if less
+often than chapter 14's eager ones this time: 149,011 times for 100,000 WRITEs against
+chapter 14's 4,892,547 a minute before (two more runs of each at load 2.7 to 3.3: 100,517
+and 242,972 against 6,225,273 and 418,109; 0 to 1.2 million against 8,000 to 1.5 million
+in scripts/tour.py, three runs at 51c3160):
 
     $ .venv/bin/python chapters/15_lazy.py -p shm --clients 1
     provider: shm (asked for), fabric shm, domain shm
-    server address: 66695f73686d3a2f2f32323839313a303a3000
-    run the client: .venv/bin/python chapters/15_lazy.py -p shm 66695f73686d3a2f2f32323839313a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    server address: 66695f73686d3a2f2f31393137383a303a3000
+    run the client: .venv/bin/python chapters/15_lazy.py -p shm 66695f73686d3a2f2f31393137383a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    warmup: first WRITE per NIC 2.570 ms on average, 3.184 ms at most (4 NICs)
+    warmup: first WRITE per NIC 0.636 ms on average, 1.037 ms at most (4 NICs)
     2 native worker threads, one per GPU, pinned to cores 0 1, a counter each, up to 16 WRITEs per visit, posted lazily
-    wrote from 2 x host memory; WRITEs per NIC: 25000 25000 25000 25000, each NIC's last with immediate data; -FI_EAGAIN 173049 times
-    100000 WRITEs of 4096 bytes in 0.634 s: 5.166 Gbps, 0.158 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
-    CPU time: 1.93 us per WRITE (this process, all threads)
-    first contact vs a warm WRITE: 2.570 ms vs 7.6 us on average, each a WRITE alone on its NIC (336x); unwarmed, the slowest first contact would have added 1% to this run
+    wrote from 2 x host memory; WRITEs per NIC: 25000 25000 25000 25000, each NIC's last with immediate data; -FI_EAGAIN 149011 times
+    100000 WRITEs of 4096 bytes in 0.533 s: 6.145 Gbps, 0.188 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: bash scripts/build_libfabric.sh && LIBFABRIC_PREFIX=.deps/libfabric bash scripts/setup.sh && .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
+    CPU time: 2.18 us per WRITE (this process, all threads)
+    first contact vs a warm WRITE: 0.636 ms vs 9.0 us on average, each a WRITE alone on its NIC (70x); unwarmed, the slowest first contact would have added 0% to this run
 
-    $ .venv/bin/python chapters/15_lazy.py -p shm 66695f73686d3a2f2f32323839313a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    $ .venv/bin/python chapters/15_lazy.py -p shm 66695f73686d3a2f2f31393137383a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
     provider: shm (asked for), fabric shm, domain shm
     2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
     memory: 2 x 2 x 1048576 bytes of host memory
