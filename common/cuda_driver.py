@@ -17,12 +17,14 @@ int cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
                    unsigned bz, unsigned shared, void *stream, void **params, void **extra);
 int cuMemGetHandleForAddressRange(void *handle, unsigned long long dptr, size_t size,
                                   int handle_type, unsigned long long flags);
+int cuInit(unsigned flags);
 int cuDeviceGetAttribute(int *value, int attribute, int device);
 int cuFlushGPUDirectRDMAWrites(int target, int scope);
 int cuGetErrorName(int error, const char **name);
 """)
 DMA_BUF_FD = 1                 # CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
 WRITES_ORDERING = 118          # CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING
+DMA_BUF_SUPPORTED = 124        # CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED
 FLUSH_OPTIONS = 117            # CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS
 FLUSH_OPTION_HOST = 1          # CU_FLUSH_GPU_DIRECT_RDMA_WRITES_OPTION_HOST: the call works
 TARGET_CURRENT_CTX = 0         # CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX
@@ -78,6 +80,7 @@ def dmabuf(ptr, size):
 
 
 def attribute(which, device):
+    check("cuInit", function("cuInit")(0))  # a no-op once cupy (or anyone) has done it
     value = ffi.new("int *")
     check("cuDeviceGetAttribute", function("cuDeviceGetAttribute")(value, which, device))
     return value[0]

@@ -49,7 +49,6 @@ What it looks at, and why:
     .venv/bin/python scripts/doctor.py --sysfs DIR --dev DIR   # a described machine (tests)
 """
 import argparse
-import ctypes
 import ctypes.util
 import os
 import re
@@ -58,7 +57,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import topo  # noqa: E402
+from common import cuda_driver, topo  # noqa: E402
 
 read = topo._read  # a file's text, stripped, or `default` where there is none
 
@@ -66,8 +65,6 @@ OK, ABSENT, FIX = "ok", "--", "FIX"
 AMAZON, MELLANOX, NVIDIA = "0x1d0f", "0x15b3", "0x10de"
 EFA_INSTALLER = Path("/opt/amazon/efa")
 CAP_IPC_LOCK = 14
-CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING = 118
-CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 124
 REAL_NICS = {"efa": "EFA", "verbs": "RDMA (ConnectX)"}
 
 
@@ -235,28 +232,24 @@ def gpu_memory_lines(fi, providers):
     return lines
 
 
-def cuda_attribute(attribute, gpu=0):
-    """A CUDA driver device attribute (cuDeviceGetAttribute), or None where it cannot be read."""
+def cuda_attribute(which, gpu=0):
+    """A CUDA driver device attribute (common/cuda_driver.py), or None where it cannot be read."""
     try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
+        return cuda_driver.attribute(which, gpu)
+    except ValueError:
         return None
-    device, value = ctypes.c_int(), ctypes.c_int()
-    if (cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(device), gpu)
-            or cuda.cuDeviceGetAttribute(ctypes.byref(value), attribute, device)):
-        return None
-    return value.value
 
 
 def nic_to_gpu_line(fi, machine, real_nic):
     """How a NIC reaches GPU memory: dmabuf (needs CUDA's support and libfabric >= 1.20)
     or nvidia-peermem; and whether its writes need a flush before a kernel reads them."""
-    dmabuf = cuda_attribute(CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED) == 1
+    dmabuf = cuda_attribute(cuda_driver.DMA_BUF_SUPPORTED) == 1
     peermem = (machine.sysfs / "module" / "nvidia_peermem").is_dir()
     api = fi.version() >= (1, 20)
-    order = {0: "must be flushed (none)", 100: "ordered for the GPU (owner)",
-             200: "ordered for all GPUs"}.get(
-        cuda_attribute(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING), "unknown")
+    order = {cuda_driver.NONE: "must be flushed (none)",
+             cuda_driver.OWNER: "ordered for the GPU (owner)",
+             cuda_driver.ALL_DEVICES: "ordered for all GPUs"}.get(
+        cuda_attribute(cuda_driver.WRITES_ORDERING), "unknown")
     text = (f"dmabuf: CUDA {'supports' if dmabuf else 'does not support'} it, libfabric "
             f"{'%d.%d' % fi.version()} {'has' if api else 'lacks'} FI_MR_DMABUF (>= 1.20); "
             f"nvidia_peermem {'loaded' if peermem else 'not loaded'}; NIC writes into GPU "
@@ -396,4 +389,7 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # piped into `head`: the reader has what it wanted
+        os._exit(0)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import common.fabric as fi
-from common import topo
+from common import cuda_driver, topo
 from scripts import doctor
 from scripts.doctor import ABSENT, FIX, OK, Machine
 from scripts.pair import ROOT, local_env
@@ -134,8 +134,8 @@ def test_a_nic_reaches_gpu_memory_by_dmabuf_or_peermem(tmp_path, monkeypatch, dm
                                                         real_nic, status):
     if peermem:
         (tmp_path / "module" / "nvidia_peermem").mkdir(parents=True)
-    attributes = {doctor.CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED: dmabuf,
-                  doctor.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING: 100}
+    attributes = {cuda_driver.DMA_BUF_SUPPORTED: dmabuf,
+                  cuda_driver.WRITES_ORDERING: 100}
     monkeypatch.setattr(doctor, "cuda_attribute", attributes.get)
     line = doctor.nic_to_gpu_line(fi, Machine(tmp_path), real_nic)
     assert line[0] == (status if dmabuf == 0 or fi.version() >= (1, 20) else FIX)
