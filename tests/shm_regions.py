@@ -14,6 +14,7 @@ foreign process that made a region and died within that instant.
 import ctypes
 import os
 import re
+import select
 import struct
 import threading
 import uuid
@@ -41,13 +42,19 @@ class Watcher:
         value = uuid.uuid4().hex
         os.environ[variable] = value
         self.token = f"{variable}={value}".encode()
-        self.foreign = set()  # names of regions whose creator was seen without the token
+        self.seen = set()     # names of the regions whose creator was looked at
+        self.foreign = set()  # those whose creator was seen without the token
         self.before = files()
         libc = ctypes.CDLL(None, use_errno=True)
-        self.fd = libc.inotify_init1(os.O_CLOEXEC)
-        if self.fd >= 0 and libc.inotify_add_watch(self.fd, bytes(SHM), IN_CREATE | IN_MOVED_TO) >= 0:
-            threading.Thread(target=self._watch, daemon=True).start()
-        # else (no inotify, e.g. in some sandboxes): only creators still alive are told apart
+        self.thread, fd = None, libc.inotify_init1(os.O_CLOEXEC)
+        if fd >= 0 and libc.inotify_add_watch(fd, bytes(SHM), IN_CREATE | IN_MOVED_TO) >= 0:
+            # Its own pipe stops the thread: closing the inotify fd under a blocked read would
+            # let the read take bytes from whatever file reuses the number (a chapter's stdout)
+            self.fd, (self.stop, self.stopping) = fd, os.pipe()
+            self.thread = threading.Thread(target=self._watch, daemon=True)
+            self.thread.start()
+        elif fd >= 0:  # no inotify on /dev/shm (some sandboxes): only creators still alive
+            os.close(fd)  # are told apart
 
     def ours(self, pid):
         try:
@@ -57,22 +64,31 @@ class Watcher:
 
     def _watch(self):
         while True:
-            try:
-                data = os.read(self.fd, 64 * 1024)
-            except OSError:
-                return  # closed: the session is over
-            at = 0
-            while at < len(data):
-                _, _, _, size = EVENT.unpack_from(data, at)
-                name = data[at + EVENT.size:at + EVENT.size + size].rstrip(b"\0")
-                at += EVENT.size + size
-                match = NAME.match(name)
-                if match and self.ours(int(match[1])) is False:
-                    self.foreign.add(name.decode())
+            ready, _, _ = select.select([self.fd, self.stop], [], [])
+            if self.fd in ready:
+                self._read(os.read(self.fd, 64 * 1024))
+            if self.stop in ready:
+                return
+
+    def _read(self, data):
+        at = 0
+        while at < len(data):
+            _, _, _, size = EVENT.unpack_from(data, at)
+            name = data[at + EVENT.size:at + EVENT.size + size].rstrip(b"\0")
+            at += EVENT.size + size
+            match = NAME.match(name)
+            if match and self.ours(int(match[1])) is False:
+                self.foreign.add(name.decode())
+            if match:
+                self.seen.add(name.decode())
 
     def left(self):
         """Regions made since the start by our processes (or by creators gone unseen)."""
-        if self.fd >= 0:
-            os.close(self.fd)
+        if self.thread is not None:
+            os.write(self.stopping, b".")
+            self.thread.join()
+            for fd in (self.fd, self.stop, self.stopping):
+                os.close(fd)
+            self.thread = None
         return {name for name in files() - self.before - self.foreign
                 if self.ours(int(NAME.match(name.encode())[1])) is not False}
