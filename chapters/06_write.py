@@ -91,7 +91,6 @@ LESSON = {"figure": "wrong bytes", "visible": {"at_most": 0}}
 
 # %%
 import struct
-import sys
 
 from common import cli, connect, memory
 from common.fabric import ffi, lib

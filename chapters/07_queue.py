@@ -86,7 +86,6 @@ LESSON = {"figure": "refused", "visible": {"at_least": 1},
 
 # %%
 import struct
-import sys
 import time
 
 from common import bench, cli, connect, memory

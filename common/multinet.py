@@ -7,7 +7,6 @@ every lane. Where a host has no NIC, a lane is one more domain of shm or tcp
 (a "virtual NIC"). Chapter 10 passes `warmup`, run before the clock starts.
 """
 import struct
-import sys
 import threading
 import time
 

@@ -3,7 +3,6 @@ and a server refuses another chapter's client by name, then serves the next; an 
 server leaves the CPU to others."""
 import argparse
 import importlib.util
-import os
 import signal
 import struct
 import subprocess
