@@ -97,6 +97,12 @@ def limit(infos, provider, memory, size, here, tool="fi_rma_bw"):
         f"{'%d.%d' % fi.version()}; measure one: {measure_command(tool, provider, memory, size)}")
 
 
+def tools_prefix():
+    """Where the scripts take fabtests from: LIBFABRIC_PREFIX, else what
+    scripts/build_libfabric.sh builds (.deps/libfabric)."""
+    return Path(os.environ.get("LIBFABRIC_PREFIX") or ROOT / ".deps" / "libfabric")
+
+
 def measure_command(tool, provider, memory, size):
     """The command that measures the baseline `limit` looks for. Where the scripts find no
     fi_rma_bw (Debian packages no fabtests), it first builds libfabric 2.1.0 with them and
@@ -104,8 +110,7 @@ def measure_command(tool, provider, memory, size):
     script = "baseline.py" if tool == "fi_rma_bw" else "progression.py"
     run = cli.command("-p", provider, "--sizes", size, *(["--gpus", "0,1"] * (memory == "cuda")),
                       program=ROOT / "scripts" / script)
-    tools = Path(os.environ.get("LIBFABRIC_PREFIX") or ROOT / ".deps" / "libfabric")
-    if memory == "cuda" or (tools / "bin" / "fi_rma_bw").exists():
+    if memory == "cuda" or (tools_prefix() / "bin" / "fi_rma_bw").exists():
         return run
     built = cli.shown(ROOT / ".deps" / "libfabric")
     return (f"bash {cli.shown(ROOT / 'scripts' / 'build_libfabric.sh')} && LIBFABRIC_PREFIX={built} "

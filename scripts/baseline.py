@@ -36,7 +36,7 @@ import common.fabric as fi  # noqa: E402
 
 
 def prefix():
-    return Path(os.environ.get("LIBFABRIC_PREFIX") or ROOT / ".deps" / "libfabric")
+    return bench.tools_prefix()
 
 
 def tool_env(extra_libs=()):
