@@ -4,7 +4,7 @@ What you will learn: on an RDM endpoint nothing tells the server who sent a
 message, so the client's first SEND is a CONNECT carrying its own address;
 the server inserts it into its address vector and can then SEND back. Each
 side keeps a receive posted before the peer can send to it. CONNECT opens
-with a magic and the client's chapter (common/connect.py, the same in every
+with a magic and the client's chapter (common/fabric/connect.py, the same in every
 later chapter), so a server refuses another chapter's client by name; and no
 message is larger than one SEND the NIC carries whole (fabric.max_send).
 
@@ -52,12 +52,13 @@ LESSON = {"figure": "check", "shows": "two clients answered, each by its address
 # %%
 import sys
 
-from common import cli, connect
+from common import cli
+from common.fabric import connect
 from common.fabric import ffi, lib
 import common.fabric as fi
 
 CHAPTER = 5
-TEXT = b"T"  # the first byte of a text; a CONNECT starts with common.connect.MAGIC
+TEXT = b"T"  # the first byte of a text; a CONNECT starts with common.fabric.connect.MAGIC
 
 
 class Buffer:

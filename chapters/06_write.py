@@ -92,7 +92,8 @@ LESSON = {"figure": "wrong bytes", "visible": {"at_most": 0}}
 # %%
 import struct
 
-from common import cli, connect, memory
+from common import cli
+from common.fabric import connect, memory
 from common.fabric import ffi, lib
 import common.fabric as fi
 

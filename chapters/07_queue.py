@@ -88,8 +88,9 @@ LESSON = {"figure": "refused", "visible": {"at_least": 1},
 import struct
 import time
 
-from common import bench, cli, connect, memory
-from common.opqueue import HEARTBEAT, Heartbeat, OpQueue, write_messages
+from common import bench, cli
+from common.fabric import connect, memory
+from common.engine.opqueue import HEARTBEAT, Heartbeat, OpQueue, write_messages
 from common.fabric import lib
 import common.fabric as fi
 

@@ -11,7 +11,7 @@ tree and the NUMA nodes from sysfs, and the hyperthread siblings, which are
 left out so that each pinned thread gets a core of its own.
 
 New since chapter 07: a standalone program, no endpoint at all. The
-discovery lives in common/topo.py, for chapters 09 on.
+discovery lives in common/engine/topo.py, for chapters 09 on.
 
     .venv/bin/python chapters/08_topo.py                  # this machine, default provider
     .venv/bin/python chapters/08_topo.py -p efa
@@ -69,7 +69,8 @@ LESSON = {"figure": "check", "shows": "which NICs and cores go with which GPU"}
 import json
 from pathlib import Path
 
-from common import cli, topo
+from common import cli
+from common.engine import topo
 import common.fabric as fi
 
 

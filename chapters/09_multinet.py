@@ -14,11 +14,11 @@ local provider as "virtual NICs", so the program has the shape it has on a
 p5, and it says so. Without --gpus, --groups G stands in for G GPUs with
 host memory.
 
-New since chapter 07: the NICs from common/topo.py; a control endpoint
+New since chapter 07: the NICs from common/engine/topo.py; a control endpoint
 (CONNECT, heartbeats, LANDED) beside G x N data endpoints ("lanes") on each
-side; one OpQueue per lane (the queue of chapter 07, now common/opqueue.py);
+side; one OpQueue per lane (the queue of chapter 07, now common/engine/opqueue.py);
 keys per (buffer, NIC); WRITEs round robin; an immediate per NIC. The code
-is common/multinet.py, which the chapters after this one build on: read it
+is common/engine/multinet.py, which the chapters after this one build on: read it
 beside this page (scripts/diff.sh 09 shows it too).
 
     .venv/bin/python chapters/09_multinet.py                                    # server
@@ -78,7 +78,8 @@ LESSON = {"figure": "check", "shows": "every NIC carries its share, with its own
 #     check every page of every group
 
 # %%
-from common import cli, multinet
+from common import cli
+from common.engine import multinet
 
 if __name__ == "__main__":
     cli.run(lambda: multinet.run(__doc__, "09_multinet", lesson=LESSON))

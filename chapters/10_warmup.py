@@ -9,8 +9,8 @@ and wait for it; then the clock measures the steady state only. A second lone
 WRITE per NIC, also waited for, is what first contact is compared with: a
 latency with a latency, printed after the run.
 
-New since chapter 09: warm_up() (common/warmup.py, shown by scripts/diff.sh 10),
-run by the engine of chapter 09 (common/multinet.py) between building the WRITE
+New since chapter 09: warm_up() (common/engine/warmup.py, shown by scripts/diff.sh 10),
+run by the engine of chapter 09 (common/engine/multinet.py) between building the WRITE
 messages and starting the clock; the comparison printed after the run.
 
     .venv/bin/python chapters/10_warmup.py                                  # server
@@ -65,8 +65,9 @@ LESSON = {"figure": "first WRITE", "visible": {"at_least": 2},
 #     print: first WRITE per NIC vs a WRITE in steady state
 
 # %%
-from common import cli, multinet
-from common.warmup import warm_up
+from common import cli
+from common.engine import multinet
+from common.engine.warmup import warm_up
 
 if __name__ == "__main__":
     cli.run(lambda: multinet.run(__doc__, "10_warmup", warm_up, lesson=LESSON))

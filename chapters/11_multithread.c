@@ -5,13 +5,13 @@ int worker(struct lane *lanes, size_t nlanes, uint64_t *total, int *stop, int *f
  *
  * Python starts one thread per GPU and calls worker() in it; cffi releases
  * the GIL for the call, so the threads really run at the same time. A visit
- * to a lane is the one of common/multinet.py: submit one new WRITE (a refused
+ * to a lane is the one of common/engine/multinet.py: submit one new WRITE (a refused
  * one waits in the lane's pending ring, in order), read the CQ, retry what
  * waits. The moves themselves (post, submit, drain, reap) are in
- * common/lane.h, which chapters 12-15 share. The count of completed WRITEs is
+ * common/engine/lane.h, which chapters 12-15 share. The count of completed WRITEs is
  * shared by all threads: an atomic add.
  */
-#include "lane.h"
+#include "engine/lane.h"
 
 static ssize_t visit(struct lane *l, void *total)
 {

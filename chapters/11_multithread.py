@@ -11,11 +11,11 @@ the GIL during the call): then each thread is a real, parallel worker, and
 Python only starts them, watches the shared counter and sends heartbeats.
 
 New since chapter 10 (whose warmup it keeps): the engine. One thread per
-group (GPU) of lanes; the loop of common/multinet.py rewritten in C: a visit
+group (GPU) of lanes; the loop of common/engine/multinet.py rewritten in C: a visit
 to a lane in chapters/11_multithread.c, the moves it makes (submit, pending
-ring, reap, immediate on each NIC's last WRITE) in common/lane.h; a shared
+ring, reap, immediate on each NIC's last WRITE) in common/engine/lane.h; a shared
 atomic counter; --engine python|native. Python's side of the workers
-(start, watch, stop) is common/workers.py. Chapters 12-15 share both.
+(start, watch, stop) is common/engine/workers.py. Chapters 12-15 share both.
 
     .venv/bin/python chapters/11_multithread.py                                  # server
     .venv/bin/python chapters/11_multithread.py ADDRESS --groups 2 --nics-per-gpu 2
@@ -82,9 +82,11 @@ LESSON = {"figure": "CPU per WRITE", "visible": {"than": "11 --engine python", "
 # %%
 import threading
 
-from common import cli, memory, multinet, workers
+from common import cli
+from common.engine import multinet, workers
+from common.fabric import memory
 import common._native11 as native
-from common.warmup import warm_up
+from common.engine.warmup import warm_up
 
 
 # %% [markdown]
@@ -99,7 +101,7 @@ def threaded(args, lanes, control, beat, page_size, timeout):
         halt = stop.set
 
         def work(k, mine):  # the loop of chapter 09 over this group's lanes
-            memory.current(mine[0].gpu)  # the thread's GPU, once (common/memory.py says why)
+            memory.current(mine[0].gpu)  # the thread's GPU, once (common/fabric/memory.py says why)
             busy = list(mine)
             while busy and not stop.is_set():
                 for lane in busy:

@@ -9,7 +9,7 @@ int worker(struct lane *lanes, size_t nlanes, uint64_t *total, int *stop, int *f
  * and placed, on that core's NUMA node (chapters/12_pin.py). The scheduler
  * no longer moves the thread, and its caches stay warm.
  */
-#include "lane.h"
+#include "engine/lane.h"
 
 static ssize_t visit(struct lane *l, void *total)
 {

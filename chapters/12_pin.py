@@ -73,9 +73,11 @@ LESSON = {"figure": "CPU per WRITE", "visible": {"than": "11", "by": 1.2},
 # %%
 import os
 
-from common import cli, memory, multinet, topo, workers
+from common import cli
+from common.engine import multinet, topo, workers
+from common.fabric import memory
 import common._native12 as native
-from common.warmup import warm_up
+from common.engine.warmup import warm_up
 
 
 # %% [markdown]

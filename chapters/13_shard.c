@@ -15,7 +15,7 @@ int worker(struct lane *lanes, size_t nlanes, struct counter *done, int *stop,
  * own counter, on a cache line of its own; the main thread adds them up when
  * it wants a total. Nothing a worker writes is written by another thread.
  */
-#include "lane.h"
+#include "engine/lane.h"
 
 static ssize_t visit(struct lane *l, void *counter)
 {

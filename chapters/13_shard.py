@@ -11,7 +11,7 @@ variable shares its cache line; the main thread adds them up.
 New since chapter 12: struct counter in chapters/13_shard.c, one per
 worker, allocated by the pinned worker; a visit stores into it instead of
 an atomic add on a shared total; the progress and stall check sum them.
-Starting the workers moves to common/shards.py, which 14 and 15 reuse.
+Starting the workers moves to common/engine/shards.py, which 14 and 15 reuse.
 
     .venv/bin/python chapters/13_shard.py                                   # server
     .venv/bin/python chapters/13_shard.py ADDRESS --groups 2 --nics-per-gpu 2
@@ -66,9 +66,10 @@ LESSON = {"figure": "CPU per WRITE", "visible": {"than": "12", "by": 1.2},
 #                 main thread: sum(counter)              (reads only)
 
 # %%
-from common import cli, multinet, shards
+from common import cli
+from common.engine import multinet, shards
 import common._native13 as native
-from common.warmup import warm_up
+from common.engine.warmup import warm_up
 
 
 # %% [markdown]
@@ -76,7 +77,7 @@ from common.warmup import warm_up
 
 # %%
 def threaded(args, lanes, control, beat, page_size, timeout):
-    """Chapter 12's pinned workers, each with a counter of its own (common/shards.py)."""
+    """Chapter 12's pinned workers, each with a counter of its own (common/engine/shards.py)."""
     return shards.run(native, args.gpus, lanes, control, beat, page_size, timeout)
 
 

@@ -15,7 +15,7 @@ int worker(struct lane *lanes, size_t nlanes, unsigned batch, struct counter *do
  * cost is shared by many WRITEs, and each NIC gets work in bursts it can
  * pipeline.
  */
-#include "lane.h"
+#include "engine/lane.h"
 
 struct visit_args {
     unsigned batch;

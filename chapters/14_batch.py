@@ -65,9 +65,10 @@ LESSON = {"figure": "CPU per WRITE", "visible": {"than": "13", "by": 1.2},
 #     chapter 14, per visit: post up to B WRITEs (B = 16), read the CQ
 
 # %%
-from common import cli, multinet, shards
+from common import cli
+from common.engine import multinet, shards
 import common._native14 as native
-from common.warmup import warm_up
+from common.engine.warmup import warm_up
 
 
 # %% [markdown]
@@ -75,7 +76,7 @@ from common.warmup import warm_up
 
 # %%
 def threaded(args, lanes, control, beat, page_size, timeout):
-    """Chapter 13's workers (common/shards.py), posting up to args.batch per visit."""
+    """Chapter 13's workers (common/engine/shards.py), posting up to args.batch per visit."""
     return shards.run(native, args.gpus, lanes, control, beat, page_size, timeout, args.batch,
                       say=f", up to {args.batch} WRITEs per visit")
 

@@ -25,7 +25,7 @@ int worker(struct lane *lanes, size_t nlanes, unsigned batch, struct counter *do
  * chapter 14's refusals there, 8,000 to 1.5 million (scripts/tour.py, three runs
  * of 3 repeats at commit 51c3160).
  */
-#include "lane.h"
+#include "engine/lane.h"
 
 /* Up to `batch` new WRITEs into the pending ring, not posted: drain() does that. */
 static int enqueue(struct lane *l, unsigned batch)

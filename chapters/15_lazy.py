@@ -75,9 +75,10 @@ LESSON = {"figure": "refused", "visible": {"than": "14", "by": 2},
 #                            completions made room
 
 # %%
-from common import cli, multinet, shards
+from common import cli
+from common.engine import multinet, shards
 import common._native15 as native
-from common.warmup import warm_up
+from common.engine.warmup import warm_up
 
 
 # %% [markdown]

@@ -4,7 +4,7 @@
 // m16_quantize_fp8: one block of 128 threads per (token, block of 128 values). The
 // block's largest magnitude sets its scale (amax / 448, or 1 when all are zero); each
 // value becomes an e4m3 code, rounded to nearest even and saturated at +-448, exactly
-// as common/moe_reference.py does in numpy (the checks compare bytes). The row is
+// as common/moe/reference.py does in numpy (the checks compare bytes). The row is
 // [hidden codes | hidden / 128 float32 scales].
 
 __device__ unsigned char m16_e4m3(float v)
@@ -52,7 +52,7 @@ extern "C" __global__ void m16_quantize_fp8(const float *x, unsigned char *rows,
 }
 
 // ---------------------------------------------------------------------------------------
-// The GPU-driven all-to-all (common/moe_nvlink.py): no host in the loop.
+// The GPU-driven all-to-all (common/moe/nvlink.py): no host in the loop.
 // Every rank's region (cudaMalloc, mapped by the node's ranks through CUDA IPC) holds
 //   flags      uint32 [2][world]: the round each peer last finished (counts, combine)
 //   slots      [world][header | private rows]: a sender's counts and its first rows

@@ -32,12 +32,12 @@ if the device does not order them for its own kernels (cuFlushGPUDirectRDMAWrite
 
 New since chapter 07 (08's topology aside): ranks and a rendezvous
 (common/launch.py, scripts/launch.py, or torchrun / Slurm variables); fp8
-e4m3 with block scales and bf16 (common/moe_reference.py, also the reference
+e4m3 with block scales and bf16 (common/moe/reference.py, also the reference
 every run is checked against); the proxy; --device cpu, where numpy stands in
 for the kernels and host memory for GPU memory.
 
 --device cuda keeps the data in GPU memory, and the GPU drives it all
-(common/moe_nvlink.py and the kernels of chapters/16_moe.cu): kernels count, push each row
+(common/moe/nvlink.py and the kernels of chapters/16_moe.cu): kernels count, push each row
 over NVLink into its receiver's memory and raise a flag; rows for another node go into an
 outbox laid out as they will land, and the kernels queue the WRITEs in the proxy's ring
 themselves and poll the stamps the peer's proxy leaves; the receiver's kernels wait and
@@ -123,14 +123,16 @@ import time
 
 import numpy as np
 
-from common import bench, cli, cuda_driver, launch, memory, multinet, topo
-from common import moe_reference as ref
+from common import bench, cli, launch
+from common.engine import multinet, topo
+from common.fabric import cuda_driver, memory
+from common.moe import reference as ref
 from common._native16 import ffi, lib as native
-from common.moe import Shape, Stages, Wire, aligned, check_shape, check_tokens, \
+from common.moe.bookkeeping import Shape, Stages, Wire, aligned, check_shape, check_tokens, \
     receive_plan, send_plan, weighted_sum
-from common.moe_memory import DEVICES, Region
-from common.moe_nccl import NcclAllToAll
-from common.moe_nvlink import NvlinkAllToAll
+from common.moe.memory import DEVICES, Region
+from common.moe.nccl import NcclAllToAll
+from common.moe.nvlink import NvlinkAllToAll
 from common.fabric import lib
 import common.fabric as fi
 
@@ -171,7 +173,7 @@ class Proxy:
 
     def __init__(self, own, group, mem, stamps_ptr, provider, timeout, largest,
                  kernels_wait=False, nics=None):
-        """kernels_wait: GPU kernels, not this host, wait on the stamps (moe_nvlink).
+        """kernels_wait: GPU kernels, not this host, wait on the stamps (common/moe/nvlink.py).
         nics: how many of its NICs to use (None: all; virtual ones: 1)."""
         self.timeout = timeout
         info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA, hmem=mem.gpu is not None)
@@ -556,7 +558,7 @@ def check_case(a2a, case, seed):
     """One round of dispatch and combine for `case`: (ok, what this rank saw). Everything
     the GPU needs is on it before the round and everything is read back after it: with
     counts on the device, the host makes no blocking CUDA call in between (see
-    common/moe_nvlink.py)."""
+    common/moe/nvlink.py)."""
     L, g, xp, host, dtype = a2a.L, a2a.group, a2a.xp, a2a.mem.host, a2a.wire.dtype
     routing = [ref.routing(case, seed, r, L.world, L.max_tokens, L.experts, L.topk)
                for r in range(L.world)]
@@ -746,12 +748,12 @@ def main():
                    help="tokens per sender that travel with the counts (default 8)")
     p.add_argument("--drive", choices=["gpu", "host"], help="--device cuda: gpu (the "
                    "default), the kernels push over NVLink and feed the proxy "
-                   "(common/moe_nvlink.py); host, this file's protocol driven from Python, "
+                   "(common/moe/nvlink.py); host, this file's protocol driven from Python, "
                    "as --device cpu runs it")
     p.add_argument("--counts", choices=["host", "device"], default="host",
                    help="--drive gpu: where dispatch-recv leaves the per-expert counts: host "
                    "(it waits for the GPU; the default) or device (it returns at once, as "
-                   "the published kernels do; see common/moe_nvlink.py)")
+                   "the published kernels do; see common/moe/nvlink.py)")
     p.add_argument("--baseline", choices=["nccl"], help="also check and time the NCCL "
                    "all-to-all (--device cuda)")
     p.add_argument("--check", default="all", help="cases to check: all, none, or some of "

@@ -2,27 +2,32 @@
 
 A chapter's .c file begins with a comment `/* cdef ... */` holding what Python
 sees of it (its structs and functions, compiled ahead of the rest), and may
-include common/lane.h (the lane its worker drives, whose struct Python fills
+include common/engine/lane.h (the lane its worker drives, whose struct Python fills
 in). It is compiled against the same libfabric as common._fabric and shares
 its types, so an endpoint or a message built there can be passed here. Both are
-compiled with common/rules.h, so with FABRIC_RULES=efa|verbs a worker's calls are
+compiled with common/fabric/rules.h, so with FABRIC_RULES=efa|verbs a worker's calls are
 checked like Python's.
 setup.py builds them all (module common._nativeNN); `.venv/bin/python common/_build_native.py`
 builds them in place.
 """
 import glob
+import importlib.util
 import os
 import re
 import sys
 
 from cffi import FFI
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _build_fabric import _flags, ffibuilder as fabric  # noqa: E402
-
 HERE = os.path.dirname(os.path.abspath(__file__))
+# common/fabric/_build.py, loaded from its file: importing common.fabric needs the binding built
+_spec = importlib.util.spec_from_file_location("fabric_build",
+                                               os.path.join(HERE, "fabric", "_build.py"))
+_fabric_build = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_fabric_build)
+_flags, fabric = _fabric_build._flags, _fabric_build.ffibuilder
+
 CHAPTERS = os.path.join(os.path.dirname(HERE), "chapters")
-LANE = os.path.join(HERE, "lane.h")  # the lane of chapters 11-15, shared by their C files
+LANE = os.path.join(HERE, "engine", "lane.h")  # the lane of chapters 11-15, shared by their C files
 
 
 def cdef_of(path):
@@ -39,11 +44,11 @@ def builder(path):
     ffi.include(fabric)
     ffi.cdef(re.sub(r"//.*", "", lane + mine))
     flags = _flags()
-    flags["include_dirs"] = flags.get("include_dirs", []) + [HERE]
+    flags["include_dirs"] = flags.get("include_dirs", []) + [HERE]  # engine/, fabric/
     # The declarations are C too: compiled ahead of the file, they are written once.
     # rules.h first: with FABRIC_RULES the workers' calls are checked like Python's.
     ffi.set_source(f"common._native{os.path.basename(path)[:2]}",
-                   '#include "rules.h"\n' + lane + mine + open(path).read(), **flags)
+                   '#include "fabric/rules.h"\n' + lane + mine + open(path).read(), **flags)
     return ffi
 
 

@@ -25,7 +25,7 @@ def machine(gpu=None):
         pass
     gpu_name = None
     if gpu is not None:
-        from common.memory import cupy
+        from common.fabric.memory import cupy
         gpu_name = cupy().cuda.runtime.getDeviceProperties(gpu)["name"]
         gpu_name = gpu_name.decode() if isinstance(gpu_name, bytes) else gpu_name
     return {"host": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu_name}

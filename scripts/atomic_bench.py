@@ -13,7 +13,7 @@ atomic fetch-add (`lock xadd` on x86), three ways:
   that every update takes the line from another core. This is the model's
   chapter 12, where each thread adds once per WRITE, microseconds apart, and
   finds the line wherever the last update left it: its ns per update is what
-  common/calibration.py takes for atomic_us.
+  common/model/calibration.py takes for atomic_us.
 The threads start once all are pinned and stop when the first of them has
 done --updates, so that all T run for all of the time measured (from the
 first start to the last stop). ns per update: time / all updates for the

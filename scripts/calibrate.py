@@ -2,13 +2,14 @@
 
     .venv/bin/python scripts/calibrate.py                 # writes results/model/calibration.json
     .venv/bin/python scripts/calibrate.py --results DIR   # reads DIR/blog_p5.json and the measurements
-                                                # common/calibration.py names; writes DIR/model/
+                                                # common/model/calibration.py names;
+                                                # writes DIR/model/
     .venv/bin/python scripts/calibrate.py --fit-crowd     # the other choice, crowd fitted on 13: printed only
     .venv/bin/python scripts/calibrate.py --ladder        # the measured costs fitted instead, one chapter
                                                 # more each time: what the aim would take
 
 Three CPU costs are measured on our machines, two parameters are fitted on a
-chapter each, the other six chapters are predicted (common/calibration.py
+chapter each, the other six chapters are predicted (common/model/calibration.py
 says which and why).
 """
 import argparse
@@ -19,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from common import calibration  # noqa: E402
+from common.model import calibration  # noqa: E402
 
 
 @contextmanager

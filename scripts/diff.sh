@@ -11,16 +11,17 @@
 # chapter's own (short) file follows. NEW lists the common/ modules that hold a
 # chapter's lesson, shown as new files after its own; the helpers around them are
 # not (for 16: its launcher, reference, NCCL baseline, and the GPU-driven path of
-# common/moe_nvlink.py, whose kernels are in chapters/16_moe.cu). Where the lesson
+# common/moe/nvlink.py, whose kernels are in chapters/16_moe.cu). Where the lesson
 # is a loop in C, the C comes first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 declare -A PARENT=([03]=- [04]=- [08]=- [09]=07 [16]=07 [17]=16 [18]=15 [19]=15)
-declare -A LESSON=([09]=common/multinet.py)
-declare -A NEW=([07]=common/opqueue.py [08]=common/topo.py [10]=common/warmup.py
-                [11]="common/lane.h common/workers.py" [13]=common/shards.py
-                [16]=common/moe.py)
+declare -A LESSON=([09]=common/engine/multinet.py)
+declare -A NEW=([07]=common/engine/opqueue.py [08]=common/engine/topo.py
+                [10]=common/engine/warmup.py
+                [11]="common/engine/lane.h common/engine/workers.py"
+                [13]=common/engine/shards.py [16]=common/moe/bookkeeping.py)
 C_FIRST=" 11 12 13 14 15 "
 
 die() { echo "diff: $*" >&2; exit 2; }

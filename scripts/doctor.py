@@ -34,7 +34,7 @@ What it looks at, and why:
   (/sys/module/nvidia_peermem). Where GPUDirect RDMA writes are not ordered for
   the GPU (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING), a NIC's
   writes must be flushed before a kernel reads them.
-- GPU-NIC-NUMA map: chapter 08's layout (common/topo.py): how many NICs each
+- GPU-NIC-NUMA map: chapter 08's layout (common/engine/topo.py): how many NICs each
   GPU gets and whether any sits on another NUMA node than its GPU.
 - locked memory: efa and verbs pin every registered buffer, which counts
   against `ulimit -l` unless the process has CAP_IPC_LOCK; chapter 07
@@ -57,7 +57,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import cuda_driver, topo  # noqa: E402
+from common.engine import topo  # noqa: E402
+from common.fabric import cuda_driver  # noqa: E402
 
 read = topo._read  # a file's text, stripped, or `default` where there is none
 
@@ -206,7 +207,7 @@ def gpu_line(machine):
 
 def gpu_memory_lines(fi, providers):
     """A real registration of GPU 0 memory with each of `providers` (one line each)."""
-    from common import memory
+    from common.fabric import memory
     lines = []
     for provider in providers:
         granted = offered(fi, provider, fi.lib.FI_MSG | fi.lib.FI_RMA | fi.lib.FI_HMEM)
@@ -233,7 +234,8 @@ def gpu_memory_lines(fi, providers):
 
 
 def cuda_attribute(which, gpu=0):
-    """A CUDA driver device attribute (common/cuda_driver.py), or None where it cannot be read."""
+    """A CUDA driver device attribute (common/fabric/cuda_driver.py), or None where it cannot
+    be read."""
     try:
         return cuda_driver.attribute(which, gpu)
     except ValueError:

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent))
 from calibrate import load  # noqa: E402
-from common import calibration, journey  # noqa: E402
+from common.model import calibration, journey  # noqa: E402
 
 
 def main():

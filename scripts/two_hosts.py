@@ -69,9 +69,11 @@ from baseline import ROOT, chapter_list, measure, prefix, rma_bw_command, rma_bw
     rma_bw_tool, tool_env, tools_libfabric  # noqa: E402
 from bench import chapter_args  # noqa: E402
 from pair import ADDRESS, chapter_path, stop  # noqa: E402
-from common import bench, cli, memory, multinet, topo  # noqa: E402
+from common import bench, cli  # noqa: E402
+from common.engine import multinet, topo  # noqa: E402
+from common.fabric import memory  # noqa: E402
 from common.fabric import lib  # noqa: E402
-from common.journey import blog_percent  # noqa: E402
+from common.model.journey import blog_percent  # noqa: E402
 from common.launch import Group, PeerGone, Place, place_from_environment  # noqa: E402
 import common.fabric as fi  # noqa: E402
 

@@ -18,7 +18,7 @@ def why_not():
     except cupy.cuda.runtime.CUDARuntimeError:
         return "needs a GPU (CUDA runtime found none)"
     import common.fabric as fi
-    from common import memory
+    from common.fabric import memory
     try:  # the real question: can this libfabric register CUDA memory?
         info, _ = fi.pick("shm", fi.lib.FI_MSG | fi.lib.FI_RMA, hmem=True)
         with fi.Closer() as own:

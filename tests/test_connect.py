@@ -1,4 +1,4 @@
-"""CONNECT (common/connect.py): it fits one SEND of the NIC, it says whose client sent it,
+"""CONNECT (common/fabric/connect.py): it fits one SEND of the NIC, it says whose client sent it,
 and a server refuses another chapter's client by name, then serves the next; an idle
 server leaves the CPU to others."""
 import argparse
@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from common import cli, connect, multinet
+from common import cli
+from common.engine import multinet
+from common.fabric import connect
 import common.fabric as fi
 from scripts.pair import ADDRESS, chapter_path, local_env, run_pair
 from tests.test_queue import start

@@ -20,10 +20,11 @@ def files(out):
 
 @pytest.mark.parametrize("chapter,expected", [
     ("05", [("chapters/04_hello.py", "chapters/05_reverse.py")]),
-    ("08", [(None, "chapters/08_topo.py"), (None, "common/topo.py")]),
-    ("09", [("chapters/07_queue.py", "common/multinet.py"), (None, "chapters/09_multinet.py")]),
+    ("08", [(None, "chapters/08_topo.py"), (None, "common/engine/topo.py")]),
+    ("09", [("chapters/07_queue.py", "common/engine/multinet.py"),
+            (None, "chapters/09_multinet.py")]),
     ("13", [("chapters/12_pin.c", "chapters/13_shard.c"),
-            ("chapters/12_pin.py", "chapters/13_shard.py"), (None, "common/shards.py")]),
+            ("chapters/12_pin.py", "chapters/13_shard.py"), (None, "common/engine/shards.py")]),
 ])
 def test_each_chapter_against_its_parent(chapter, expected):
     done = diff(chapter)
@@ -40,7 +41,7 @@ def test_sixteen_builds_on_seven_and_its_c_follows_its_python():
 def test_where_the_lesson_is_c_the_c_comes_first():
     shown = files(diff("11").stdout)
     assert shown[0] == (None, "chapters/11_multithread.c")
-    assert shown.index((None, "common/lane.h")) < shown.index(
+    assert shown.index((None, "common/engine/lane.h")) < shown.index(
         ("chapters/10_warmup.py", "chapters/11_multithread.py"))
 
 

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 import common.fabric as fi
-from common import cuda_driver, topo
+from common.engine import topo
+from common.fabric import cuda_driver
 from scripts import doctor
 from scripts.doctor import ABSENT, FIX, OK, Machine
 from scripts.pair import ROOT, local_env

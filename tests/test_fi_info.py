@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from common import cli, memory, multinet
+from common import cli
+from common.engine import multinet
+from common.fabric import memory
 import common.fabric as fi
 from common.fabric import lib
 from tests.fake_info import Entry, infos
@@ -162,7 +164,7 @@ def test_write_targets_allow_the_read_of_an_emulated_write():
     FI_SEND/FI_RECV/FI_REMOTE_READ/FI_REMOTE_WRITE. Every target registers WRITE_TARGET."""
     assert memory.WRITE_TARGET == lib.FI_REMOTE_WRITE | lib.FI_READ
     bare = re.compile(r"register\([^)]*lib\.FI_REMOTE_WRITE\s*,")
-    sources = sorted((ROOT / "chapters").glob("*.py")) + sorted((ROOT / "common").glob("*.py"))
+    sources = sorted((ROOT / "chapters").glob("*.py")) + sorted((ROOT / "common").rglob("*.py"))
     assert [p.name for p in sources if bare.search(p.read_text())] == []
     uses = [p.name for p in sources if "memory.WRITE_TARGET" in p.read_text()]
     assert uses == ["06_write.py", "07_queue.py", "16_moe.py", "multinet.py"]

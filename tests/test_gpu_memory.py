@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from common import cuda_driver, memory
+from common.fabric import cuda_driver, memory
 import common.fabric as fi
 from common.fabric import ffi, lib
 from tests.gpu import needs_gpu

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from common import calibration, journey
-from common.model import Costs, Layout, Machine, throughput, wire_us
+from common.model import calibration, journey
+from common.model.p5 import Costs, Layout, Machine, throughput, wire_us
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = 64 << 10

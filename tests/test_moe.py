@@ -14,7 +14,7 @@ import pytest
 
 import common.fabric as fi
 from common import launch
-from common import moe_reference as ref
+from common.moe import reference as ref
 from common.patience import patience
 from scripts.pair import ROOT, chapter_path, local_env
 from tests.gpu import needs_gpu
@@ -243,7 +243,7 @@ def test_bad_shapes_are_refused(shape, pattern):
 
 def test_kernel_arguments_take_the_bits_the_driver_reads():
     # cuLaunchKernel reads 4 bytes of an int's slot, 8 of a pointer's (little-endian)
-    from common.kernel_call import _word
+    from common.moe.kernel_call import _word
 
     class Device:  # what a cupy array offers: .data.ptr
         class data:
@@ -257,7 +257,7 @@ def test_kernel_arguments_take_the_bits_the_driver_reads():
 def test_no_cuda_driver_is_one_line():
     # a ValueError, which cli.run says in one line, not an OSError's traceback
     import ctypes
-    from common.kernel_call import KernelCall
+    from common.moe.kernel_call import KernelCall
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:

@@ -12,7 +12,9 @@ from collections import Counter
 import pytest
 
 import common.fabric as fi
-from common import cuda_driver, launch, topo
+from common import launch
+from common.engine import topo
+from common.fabric import cuda_driver
 from scripts.pair import ROOT, local_env
 from tests import fake_sysfs
 from tests.gpu import needs_gpu
@@ -215,7 +217,7 @@ def test_a_failed_flush_stops_the_stamp_and_says_so(moe, monkeypatch):
 def test_gpu_the_flush_runs_from_a_thread_with_the_gpu_current(moe):
     """cuFlushGPUDirectRDMAWrites through m16_settle, as the proxy thread calls it: a no-op
     where the device orders the writes ("owner" on the H200s), but it must succeed."""
-    from common import memory
+    from common.fabric import memory
     assert cuda_driver.attribute(cuda_driver.WRITES_ORDERING, 0) in cuda_driver.SCOPES
     p = moe.ffi.new("struct m16_proxy *")
     p.flush = moe.ffi.cast("int (*)(int, int)", cuda_driver.flush_address())

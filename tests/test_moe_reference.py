@@ -3,7 +3,7 @@ worked by hand, and the routing of each checked case."""
 import numpy as np
 import pytest
 
-from common import moe_reference as ref
+from common.moe import reference as ref
 
 
 @pytest.mark.parametrize("value,code", [

@@ -5,7 +5,8 @@ import threading
 
 import pytest
 
-from common import connect, multinet, topo
+from common.engine import multinet, topo
+from common.fabric import connect
 import common.fabric as fi
 from scripts.pair import run_pair
 from tests.gpu import has_gpu, needs_gpus

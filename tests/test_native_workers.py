@@ -18,8 +18,8 @@ import pytest
 from cffi import FFI
 
 import common.fabric as fi
-from common import workers
-from common._build_fabric import _flags
+from common.engine import workers
+from common.fabric._build import _flags
 
 # What Python sees of the fake; compiled ahead of its C too, so it is written once.
 DECLS = r"""
@@ -218,7 +218,7 @@ class Lane:
             setattr(f, name, value)
 
     def stand_in(self, native):
-        """What workers.lane_array reads of a common.multinet Lane."""
+        """What workers.lane_array reads of a common.engine.multinet Lane."""
         return SimpleNamespace(
             info=SimpleNamespace(tx_attr=SimpleNamespace(size=TX_SIZE)), iters=self.iters,
             ep=native.ffi.cast("struct fid_ep *", address(self.fake.ep)),

@@ -8,7 +8,7 @@ import nbclient
 import nbformat
 import pytest
 
-from common import journey
+from common.model import journey
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import common.fabric as fi
-import common.opqueue as queue_module
+import common.engine.opqueue as queue_module
 from scripts.pair import ADDRESS, chapter_path, local_env, run_pair
 from tests.gpu import has_gpu, needs_gpu
 from tests.test_bad_input import SHM_DEAD, assert_one_line_error, run

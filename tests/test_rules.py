@@ -1,5 +1,5 @@
-"""FABRIC_RULES=efa|verbs (common/rules.py, common/rules.h): chapters 04-16 on shm and tcp,
-checked as an EFA device or a verbs NIC would check them; and each rule, broken on
+"""FABRIC_RULES=efa|verbs (common/fabric/rules.py, common/fabric/rules.h): chapters 04-16 on
+shm and tcp, checked as an EFA device or a verbs NIC would check them; and each rule, broken on
 purpose, caught (where shm alone lets the same call through).
 
 The runs of the chapters once broke efa's rules on two findings of issue 15: CQs of 64
@@ -91,9 +91,11 @@ def test_16_across_two_nodes_keeps_the_rules(rules, provider):
 
 # An endpoint on shm that talks to itself, a source and a target registered; then `broken`.
 PROGRAM = """\
-from common import cli, memory, multinet, workers
+from common import cli
+from common.engine import multinet, workers
+from common.fabric import memory
 from common.fabric import ffi, lib
-from common.opqueue import write_messages
+from common.engine.opqueue import write_messages
 import common.fabric as fi
 
 def main():

@@ -1,4 +1,4 @@
-"""Chapter 08 and common.topo against fake machines: the series' p5, a one-GPU box,
+"""Chapter 08 and common.engine.topo against fake machines: the series' p5, a one-GPU box,
 NICs on the wrong NUMA node, no NUMA information at all, a ConnectX-7 box (verbs)."""
 import functools
 import subprocess
@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from common import multinet, topo
+from common.engine import multinet, topo
 from common.fabric import lib
 import common.fabric as fi
 from scripts.pair import chapter_path, local_env

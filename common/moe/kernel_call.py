@@ -9,8 +9,8 @@ hands the driver the slots' addresses.
 """
 import numpy as np
 
-from common import cuda_driver
-from common.cuda_driver import ffi
+from common.fabric import cuda_driver
+from common.fabric.cuda_driver import ffi
 
 
 def _word(value):

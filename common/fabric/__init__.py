@@ -21,7 +21,7 @@ try:
     from common._fabric import ffi, lib
 except ImportError as e:  # not built, or libfabric.so gone since
     sys.exit(f"libfabric binding unavailable ({e}): run 'bash scripts/setup.sh'")
-from common import rules  # FABRIC_RULES=efa|verbs: every call checked as those NICs would
+from common.fabric import rules  # FABRIC_RULES=efa|verbs: every call checked as those NICs would
 
 # The API version our headers describe; libfabric 2.x still serves 1.x callers.
 API_VERSION = (lib.FI_MAJOR_VERSION << 16) | lib.FI_MINOR_VERSION
@@ -326,7 +326,7 @@ CONTEXTS = 4096
 
 
 def in_flight(info):
-    """How many operations our queues (OpQueue, common/lane.h) let one endpoint of `info`
+    """How many operations our queues (OpQueue, common/engine/lane.h) let one endpoint of `info`
     have in flight: four times its transmit queue, as providers take more than
     tx_attr.size before -FI_EAGAIN, and at least CONTEXTS."""
     return max(4 * info.tx_attr.size, CONTEXTS)

@@ -1,8 +1,8 @@
 """The few CUDA driver calls we make ourselves, loaded at run time (no CUDA toolkit to build).
 
 libcuda.so.1 comes with the NVIDIA driver, so it is there wherever a GPU is, and loaded
-already where cupy runs. The calls: cuLaunchKernel (common/kernel_call.py), a dmabuf fd
-for a range of GPU memory (registration by dmabuf, common/memory.py), and what chapter
+already where cupy runs. The calls: cuLaunchKernel (common/moe/kernel_call.py), a dmabuf fd
+for a range of GPU memory (registration by dmabuf, common/fabric/memory.py), and what chapter
 16's proxy needs to know before it tells a kernel that a NIC's WRITE has landed in GPU
 memory (the device's GPUDirect RDMA write ordering, and the flush where it falls short).
 Numbers are cuda.h's.

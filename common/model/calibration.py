@@ -1,4 +1,4 @@
-"""The model (common/model.py) calibrated on the series' p5 run.
+"""The model (common/model/p5.py) calibrated on the series' p5 run.
 
 Each parameter says where its value comes from:
 - "blog": a p5 fact the series reports that is not a chapter's headline figure
@@ -21,9 +21,9 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from common.model import Costs, Layout, Machine, throughput
+from common.model.p5 import Costs, Layout, Machine, throughput
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "results"
 TOLERANCE = 10  # percent: the aim for a predicted chapter's distance from the blog's figure
 
 ONE_THREAD_PER_GPU = Layout(threads_per_gpu=1)

@@ -1,12 +1,12 @@
 """The bookkeeping of an expert-parallel all-to-all, whatever moves the bytes: the layer's
 shape and the checks of its inputs, the wire format, where each (token, expert) selection
 goes and where it lands, the weighted sum of combine, and the order of the four halves.
-Chapter 16's all-to-all and its NCCL baseline (common/moe_nccl.py) share it; it runs on
+Chapter 16's all-to-all and its NCCL baseline (common/moe/nccl.py) share it; it runs on
 numpy or cupy arrays (`xp`).
 """
 import numpy as np
 
-from common import moe_reference as ref
+from common.moe import reference as ref
 
 
 ALIGN = 64  # bytes: each section of a region starts on a cache line (16-byte copies fit)

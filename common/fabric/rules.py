@@ -1,9 +1,9 @@
 """FABRIC_RULES=efa|verbs: the chapters on shm or tcp, held to what an EFA device or a
 verbs NIC accepts (tests/test_rules.py runs chapters 04-16 so).
 
-Each call is checked in C (common/rules.h), compiled into every module of the binding,
+Each call is checked in C (common/fabric/rules.h), compiled into every module of the binding,
 so the C workers are checked like Python. This module does the rest, for
-common/fabric.py: it leaves FI_MR_VIRT_ADDR out of the hints (efa and verbs have it,
+common/fabric/__init__.py: it leaves FI_MR_VIRT_ADDR out of the hints (efa and verbs have it,
 but the path with offsets must hold too: tcp here takes offsets, and so does shm
 without the bit), follows every fi_info entry with a twin of another fabric and
 address format for the same domain name (efa and efa-direct share one,
@@ -22,7 +22,7 @@ MODES = ("efa", "verbs")
 MODE = os.environ.get("FABRIC_RULES") or None
 if MODE not in (None, *MODES):
     sys.exit(f"FABRIC_RULES={MODE}: expected one of {', '.join(MODES)}")
-TWIN = "-twin"  # ends a twin's fabric name (RULES_TWIN in common/rules.h)
+TWIN = "-twin"  # ends a twin's fabric name (RULES_TWIN in common/fabric/rules.h)
 
 
 def restrict(hint):

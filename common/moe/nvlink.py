@@ -25,10 +25,11 @@ import time
 
 import numpy as np
 
-from common.moe import Shape, Stages, Wire, aligned, check_shape, check_tokens, index_error
-from common.kernel_call import KernelCall
-from common.moe_memory import CudaMemory
-from common.moe_reference import FP8_BLOCK
+from common.moe.bookkeeping import (Shape, Stages, Wire, aligned, check_shape, check_tokens,
+                                    index_error)
+from common.moe.kernel_call import KernelCall
+from common.moe.memory import CudaMemory
+from common.moe.reference import FP8_BLOCK
 
 THREADS = 256
 BLOCKS = 4096  # at most, for kernels that stride over rows the host may not know the count of

@@ -10,9 +10,11 @@ import struct
 import threading
 import time
 
-from common import bench, cli, connect, memory, topo
+from common import bench, cli
+from common.engine import topo
+from common.fabric import connect, memory
 from common.fabric import ffi, lib
-from common.opqueue import HEARTBEAT, Heartbeat, OpQueue, write_messages
+from common.engine.opqueue import HEARTBEAT, Heartbeat, OpQueue, write_messages
 import common.fabric as fi
 
 CAPS = lib.FI_MSG | lib.FI_RMA

@@ -7,7 +7,7 @@
  * that post, register and poll through the checks below, from Python and from the
  * C workers alike. Without FABRIC_RULES each check is one test of a cached flag,
  * then libfabric's own call. A broken rule returns RULES_BROKEN - rule (the call
- * does not happen); tut_rules_text() names it (common/rules.py, common/fabric.py).
+ * does not happen); tut_rules_text() names it (common/fabric/rules.py, common/fabric/__init__.py).
  *
  * What each rule stands for, in libfabric 2.1.0's sources:
  *   descriptors  FI_MR_LOCAL: the device reads every buffer through its registration
@@ -24,8 +24,8 @@
  *                a list (prov/util/src/util_cq.c).
  *   wait objects efa: FI_WAIT_NONE only (efa_cq.c, rdm/efa_rdm_cq.c: -FI_ENOSYS).
  *   fabrics      an fi_info entry's twin of another fabric and address format for the
- *                same domain name (common/rules.py adds them) must not be opened.
- * Offsets instead of addresses (no FI_MR_VIRT_ADDR) need no check here: common/rules.py
+ *                same domain name (common/fabric/rules.py adds them) must not be opened.
+ * Offsets instead of addresses (no FI_MR_VIRT_ADDR) need no check here: common/fabric/rules.py
  * leaves the bit out of the hints, and shm and tcp then really take offsets.
  */
 #include <stdint.h>
@@ -71,7 +71,7 @@ static inline const char *tut_rules_text(long rc)
     return NULL;
 }
 
-/* efa, verbs or off: FABRIC_RULES, read once (common/rules.py has refused other values). */
+/* efa, verbs or off: FABRIC_RULES, read once (common/fabric/rules.py has refused other values). */
 static inline int tut_rules(void)
 {
     static int mode = -1;

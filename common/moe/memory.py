@@ -14,8 +14,9 @@ import time
 
 import numpy as np
 
-from common import launch, memory
-from common import moe_reference as ref
+from common import launch
+from common.fabric import memory
+from common.moe import reference as ref
 from common.fabric import lib
 
 SHM = "/dev/shm"

@@ -198,7 +198,7 @@ size_t tut_nic_mtu(const struct fi_info *info);
 int tut_nic_pci(const struct fi_info *info, char *buf, size_t len);
 int tut_wait_data(struct fid_cq **cqs, size_t n, uint64_t *data, uint8_t *got, int *stop,
                   size_t *failed);
-const char *tut_rules_text(long rc);  /* common/rules.h: the rule a call broke, or NULL */
+const char *tut_rules_text(long rc);  /* common/fabric/rules.h: the rule a call broke, or NULL */
 char *strdup(const char *s);
 void free(void *ptr);
 """

@@ -8,7 +8,7 @@ NIC, once the first is done.
 """
 import time
 
-from common import memory
+from common.fabric import memory
 
 
 def warm_up(lanes, control, timeout):

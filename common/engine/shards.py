@@ -8,7 +8,8 @@ counters, and adds them up for the heartbeats and the stall check.
 """
 import os
 
-from common import memory, topo, workers
+from common.engine import topo, workers
+from common.fabric import memory
 
 
 def run(native, gpus, lanes, control, beat, page_size, timeout, *before, say=""):

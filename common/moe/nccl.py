@@ -2,10 +2,10 @@
 
 import numpy as np
 
-from common import moe_reference as ref
-from common.moe import (Shape, Stages, Wire, check_shape, check_tokens, receive_plan,
-                        send_plan, weighted_sum)
-from common.moe_memory import CudaMemory
+from common.moe import reference as ref
+from common.moe.bookkeeping import (Shape, Stages, Wire, check_shape, check_tokens,
+                                    receive_plan, send_plan, weighted_sum)
+from common.moe.memory import CudaMemory
 
 
 class NcclAllToAll(Stages):
