@@ -1,98 +1,84 @@
-"""Chapter 16 - moe: the expert-parallel all-to-all (dispatch / combine) with a host proxy.
+"""Chapter 16 - moe: the expert-parallel all-to-all (dispatch / combine) across nodes.
 
-What you will learn: how a MoE layer's tokens travel. Each rank holds some
-tokens, each routed to `topk` of `experts` experts, and hosts experts / world
-of the experts. dispatch sends every token to the ranks hosting its experts,
-which receive them expert by expert, contiguous, ready for a grouped GEMM;
-combine sends each expert's output back to the token's rank, which adds them
-up, weighted by the router. Both are split into a send half and a receive
-half, so other work (shared experts) can run in between.
+What you will learn: how a MoE layer's tokens travel, and the protocol Perplexity built
+on libfabric for EFA. Each rank holds some tokens, each routed to `topk` of `experts`
+experts, and hosts experts / world of them. dispatch sends every token to the ranks
+hosting its experts, which receive them expert by expert, contiguous, ready for a grouped
+GEMM; combine sends each expert's output back to the token's rank, which adds them up,
+weighted by the router. Each is split into a send and a receive half, so that other work
+(shared experts) can run in between.
 
-The protocol is the one Perplexity built on libfabric for EFA: a receiver
-cannot know where to put a sender's tokens before it knows how many come from
-everyone, so each sender first ships its per-expert counts, and with them its
-first tokens, into a small private slot that each receiver keeps per sender.
-Once every rank has every count, each knows all offsets, and the rest go with
-one WRITE per peer into one contiguous region. combine needs no counts (the
-offsets are known by then): one WRITE per peer, summed on the receiver. Its
-signal from every peer is also the barrier that keeps the next dispatch from
-overwriting a slot before it was read.
+A receiver cannot know where to put a sender's tokens before it knows how many come from
+everyone. So each sender first ships its per-expert counts, and with them its first
+tokens, into a small private slot that each receiver keeps per sender (COUNTS). Once
+every rank has every count, each knows all offsets, and the rest go with one WRITE per
+peer into one region (OVERFLOW). combine needs no counts (the offsets are known by then):
+one WRITE per peer (COMBINE), summed on the receiver; its signal from every peer is also
+the barrier that keeps the next dispatch from overwriting a slot before it was read.
 
-Peers on the same (emulated) node are written directly, through shared memory
-(CUDA IPC over NVLink on GPUs); peers on other nodes through libfabric WRITEs
-with immediate data, posted by a host proxy thread in C (chapters/16_moe.c,
-GIL released) that the device side feeds through a ring in host memory. Data
-that arrived is one thing to wait for, whichever way it came: a stamp in an
-arrival table, written by the node peer, or by the proxy from an immediate.
-A proxy drives every NIC of its rank's GPU (chapter 08's topology: 4 on a p5)
-and shards the peers over them, each pair of ranks on one NIC index at both
-ends; without NICs, --nics N virtual ones (domains of shm or tcp). Where a NIC
-writes into GPU memory itself, the proxy flushes those writes before it stamps
-if the device does not order them for its own kernels (cuFlushGPUDirectRDMAWrites).
+Peers on the same (emulated) node are written directly, through shared memory; peers on
+other nodes through libfabric WRITEs with immediate data, posted by a host proxy thread in
+C (chapters/16_moe.c, GIL released) that this file feeds through a ring in host memory
+(common/moe/proxy.py opens its NICs: its GPU's, chapter 08's topology, or --nics N
+virtual ones). Data that arrived is one thing to wait for, whichever way it came: a stamp
+in an arrival table, written by the node peer, or by the proxy from an immediate.
 
-New since chapter 07 (08's topology aside): ranks and a rendezvous
-(common/launch.py, scripts/launch.py, or torchrun / Slurm variables); fp8
-e4m3 with block scales and bf16 (common/moe/reference.py, also the reference
-every run is checked against); the proxy; --device cpu, where numpy stands in
-for the kernels and host memory for GPU memory.
-
---device cuda keeps the data in GPU memory, and the GPU drives it all
-(common/moe/nvlink.py and the kernels of chapters/16_moe.cu): kernels count, push each row
-over NVLink into its receiver's memory and raise a flag; rows for another node go into an
-outbox laid out as they will land, and the kernels queue the WRITEs in the proxy's ring
-themselves and poll the stamps the peer's proxy leaves; the receiver's kernels wait and
-gather; the host only launches and waits once per receive half. That changes one thing in
-the protocol: each sender owns a stripe of the receiver's region, so nobody waits for the
-counts before sending the rest. --drive host runs this file's host-driven protocol on GPUs
-too (cupy packs, the host copies, stamps and waits). --counts device leaves the counts on
-the GPU: dispatch-recv returns at once, with the whole receive buffers, as the published
-kernels do, so the host never waits in dispatch. --baseline nccl checks and times NCCL
-doing the whole job. On 2 x H200 (CUDA-enabled libfabric 2.1.0, 2 ranks) at the decode
-shape (128 tokens), dispatch / combine: one node 100 / 77 us (78 / 68 with --counts device),
-two over libfabric shm 154 / 125 us (97 / 103), NCCL 1272 / 643 us (these at 09ab98f),
-host-driven 1602 / 756 us (at f6fe2b2; notebooks/README.md has the table).
-
-    .venv/bin/python scripts/launch.py -n 4 chapters/16_moe.py                       # one node
     .venv/bin/python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm
-    .venv/bin/python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm --nics 2
+    .venv/bin/python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p tcp --nics 2
     .venv/bin/python scripts/launch.py -n 8 --ranks-per-node 4 chapters/16_moe.py -p tcp \\
         --max-tokens 16 --hidden 256 --experts 32 --topk 4 --iters 0       # checks only
+    .venv/bin/python scripts/launch.py -n 4 chapters/16_moe.py                       # one node
     .venv/bin/python scripts/launch.py -n 2 chapters/16_moe.py --check none --tokens 1,8,32,128 --json
-    .venv/bin/python scripts/launch.py -n 2 --gpus 0,1 chapters/16_moe.py --device cuda --baseline nccl
-    .venv/bin/python scripts/launch.py -n 2 --gpus 0,1 chapters/16_moe.py --device cuda --counts device
+    .venv/bin/python scripts/launch.py -n 2 --ranks-per-node 1 --gpus 0,1 chapters/16_moe.py \\
+        --device cuda -p shm                                # GPU memory, cupy, still host-driven
     torchrun --nproc-per-node 8 chapters/16_moe.py ...                     # a cluster
 
+New since chapter 07 (08's topology aside): ranks and a rendezvous (common/launch.py,
+scripts/launch.py, or torchrun / Slurm variables); fp8 e4m3 with block scales and bf16
+(common/moe/reference.py, also the reference every run is checked against, with the
+checks and the benchmark in common/moe/harness.py); the proxy; --device cpu (the
+default), where numpy stands in for the kernels and host memory for GPU memory. Chapter
+17 hands all of it to the GPU.
+
 Transcript (2-core x86_64 VM, no GPU, no NIC, Debian's libfabric 1.17; 4 ranks as 2
-emulated nodes of 2, so each rank has one peer through shared memory and two through shm
-WRITEs; the decode shape; 4 ranks and their proxies share the 2 cores with other programs
-(load average 3.0 before the run, 7.3 after), so latency varies by 2x and more from run to
-run; four of the bf16 check lines left out; commit 51c3160):
+emulated nodes of 2, so each rank has one peer through shared memory and two through
+libfabric WRITEs; the decode shape; the 4 ranks and their proxies share the 2 cores (load
+average 0.0 before the first run, 4.7 after the second); commit cb802e9). On shm, four
+of the bf16 check lines left out; then tcp, its checks and halves left out:
 
     $ .venv/bin/python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm
-    launch: 4 ranks, 2 per node (2 nodes); pids 23351 23354 23357 23360
+    launch: 4 ranks, 2 per node (2 nodes); pids 1605 1608 1611 1614
     [0] 4 ranks (scripts/launch.py), 2 emulated nodes of 2; device cpu: numpy, host memory; same node: shared memory; other nodes: libfabric WRITEs through the proxy
-    [0] check fp8 overflow     private 1: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.20e-02)
-    [0] check fp8 random       private 8: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.20e-02)
-    [0] check fp8 empty-expert private 8: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.29e-02)
-    [0] check fp8 silent-rank  private 8: 3072 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.20e-02)
-    [0] check fp8 one-expert   private 8: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 1.99e-02)
-    [0] check fp8 fewer        private 8: 1640 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.19e-02)
-    [0] check bf16 overflow     private 1: 4096 (token, expert) rows received, counts exact and each row once on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.20e-02)
-    [0] check bf16 fewer        private 8: 1640 (token, expert) rows received, counts exact and each row once on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.19e-02)
-    [0] all checks passed (seed 2827431768)
+    [0] check fp8 overflow     private 1: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.22e-02)
+    [0] check fp8 random       private 8: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.22e-02)
+    [0] check fp8 empty-expert private 8: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.24e-02)
+    [0] check fp8 silent-rank  private 8: 3072 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.22e-02)
+    [0] check fp8 one-expert   private 8: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 2.03e-02)
+    [0] check fp8 fewer        private 8: 1264 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.24e-02)
+    [0] check bf16 overflow     private 1: 4096 (token, expert) rows received, counts exact and each row once on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.22e-02)
+    [0] check bf16 fewer        private 8: 1264 (token, expert) rows received, counts exact and each row once on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.24e-02)
+    [0] all checks passed (seed 868026059)
     [0] provider: shm; proxy of rank 0: 1 virtual NIC, each a domain of shm (no NIC with a PCI address here)
     [0] benchmark ours: 128 tokens per rank, hidden 7168, top-8 of 256 experts, fp8 dispatch (7392 B per row) / bf16 combine (14336 B); 20 iterations after 3
-    [0] proxy of rank 0: 138 WRITEs, -FI_EAGAIN 0 times
+    [0] proxy of rank 0: 138 WRITEs, -FI_EAGAIN 4 times
     [0] latency, the median of each rank, then across ranks:
-    [0]   dispatch send  p50  289650.6 us   max  305036.3 us
-    [0]   dispatch recv  p50   11665.2 us   max   16001.0 us
-    [0]   dispatch       p50  307902.8 us   max  322442.2 us   0.025 GB/s (1024 rows x 7392 B / p50)
-    [0]   combine send   p50  157546.2 us   max  163114.5 us
-    [0]   combine recv   p50  167989.5 us   max  187375.8 us
-    [0]   combine        p50  345467.8 us   max  379450.7 us   0.042 GB/s (1024 rows x 14336 B / p50)
+    [0]   dispatch send  p50  124277.1 us   max  125856.9 us
+    [0]   dispatch recv  p50    5980.3 us   max   10089.2 us
+    [0]   dispatch       p50  129809.7 us   max  135224.8 us   0.058 GB/s (1024 rows x 7392 B / p50)
+    [0]   combine send   p50   64014.1 us   max   68292.3 us
+    [0]   combine recv   p50   61011.6 us   max   68378.8 us
+    [0]   combine        p50  122904.9 us   max  125464.7 us   0.119 GB/s (1024 rows x 14336 B / p50)
+    $ .venv/bin/python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p tcp
+    [0] all checks passed (seed 2748111091)
+    [0] provider: tcp;ofi_rxm; proxy of rank 0: 1 virtual NIC, each a domain of tcp;ofi_rxm (no NIC with a PCI address here)
+    [0] proxy of rank 0: 138 WRITEs, -FI_EAGAIN 102 times
+    [0]   dispatch       p50  178394.4 us   max  196944.9 us   0.042 GB/s (1024 rows x 7392 B / p50)
+    [0]   combine        p50  157574.4 us   max  164888.0 us   0.093 GB/s (1024 rows x 14336 B / p50)
 
 On --device cpu the latencies are those of numpy on two shared cores (quantising, packing
-and copying megabytes per rank), not what the protocol costs on GPUs.
+and copying megabytes per rank), not what the protocol costs on GPUs: on 2 x H200 at 128
+tokens this host-driven path took 1602 / 756 us, the GPU-driven one of chapter 17 100 / 77
+(at f6fe2b2 and 09ab98f).
 """
 # What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
 # and says whether it showed on your machine.
@@ -114,33 +100,23 @@ LESSON = {"figure": "check", "shows": "dispatch and combine exact on 4 ranks / 2
 #                 the peer's proxy turns the immediate into the same stamp
 
 # %%
-import argparse
 import os
-import struct
-import sys
-import threading
 import time
 
 import numpy as np
 
-from common import bench, cli, launch
-from common.engine import multinet, topo
-from common.fabric import cuda_driver, memory
-from common.moe import reference as ref
+from common import cli, launch
 from common._native16 import ffi, lib as native
+from common.moe import harness
+from common.moe import reference as ref
 from common.moe.bookkeeping import Shape, Stages, Wire, aligned, check_shape, check_tokens, \
     receive_plan, send_plan, weighted_sum
 from common.moe.memory import DEVICES, Region
-from common.moe.nccl import NcclAllToAll
-from common.moe.nvlink import NvlinkAllToAll
-from common.fabric import lib
-import common.fabric as fi
+from common.moe.proxy import Proxy
 
 COUNTS, OVERFLOW, COMBINE = range(3)  # what a stamp says arrived (the immediate's kind)
 KINDS = 3
-RING = 256                 # commands the device side may queue for the proxy
-PEER = struct.Struct("<QQH")  # region base, MR key, address length (+ the address)
-KERNELS = os.path.splitext(os.path.abspath(__file__))[0] + ".cu"  # 16_moe.cu, for cuda
+LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "launch.py")
 
 
 # %% [markdown]
@@ -164,203 +140,6 @@ class Layout(Shape):
         self.lay_out(sections)
 
 
-class Proxy:
-    """The host proxy: chapters/16_moe.c's loop in a thread of its own (GIL released).
-
-    It drives each NIC of this rank (its GPU's, chapter 08's topology; a virtual NIC, one
-    more domain of shm or tcp, where there is none) and serves each peer through one of
-    them (peer_nic): a p5 GPU's 4 NICs each carry a quarter of its peers."""
-
-    def __init__(self, own, group, mem, stamps_ptr, provider, timeout, largest,
-                 kernels_wait=False, nics=None):
-        """kernels_wait: GPU kernels, not this host, wait on the stamps (common/moe/nvlink.py).
-        nics: how many of its NICs to use (None: all; virtual ones: 1)."""
-        self.timeout = timeout
-        info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA, hmem=mem.gpu is not None)
-        if largest > info.ep_attr.max_msg_size:  # one WRITE per peer, never split
-            raise ValueError(f"a WRITE of up to {largest} bytes, more than "
-                             f"{fi.provider_of(info)} takes ({info.ep_attr.max_msg_size})")
-        self.provider = fi.provider_of(info)
-        scope = flush_scope(self.provider, mem.gpu)
-        infos, self.nics = proxy_nics(info, group, mem.gpu, nics)
-        # at most RING WRITEs in flight per NIC; emulated nodes on one host reach each other by NIC
-        domains, self.cqs, avs, eps = zip(*[
-            fi.open_endpoint(own, i, cq_size=fi.cq_size_for(i, RING), av_count=group.world,
-                             shm=False) for i in infos])
-        mrs = [memory.register(own, domain, mem, lib.FI_WRITE | memory.WRITE_TARGET, key=1)
-               for domain in domains]
-        mine = [(fi.remote_base(i, mem.ptr), fi.mr_key(mr), fi.getname(ep))
-                for i, mr, ep in zip(infos, mrs, eps)]
-        peers = [unpack_nics(blob) for blob in group.allgather(pack_nics(mine))]
-        p = self.p = ffi.new("struct m16_proxy *")
-        # the ring and its head in host memory the device side can write (a GPU too)
-        self.shared = mem.host_shared(8 + RING * ffi.sizeof("struct m16_write"))
-        at = ffi.cast("char *", self.shared.ctypes.data)
-        p.head, p.ring = ffi.cast("uint64_t *", at), ffi.cast("struct m16_write *", at + 8)
-        n, world = len(infos), group.world
-        self.keep = [ffi.new("struct fid_ep *[]", eps), ffi.new("struct fid_cq *[]", self.cqs),
-                     ffi.new("void *[]", [fi.mr_desc(mr) for mr in mrs]),
-                     ffi.new("uint32_t[]", world), ffi.new("fi_addr_t[]", world),
-                     ffi.new("uint64_t[]", world), ffi.new("uint64_t[]", world),
-                     ffi.new("struct fi_context2[]", RING), ffi.new("uint8_t[]", RING)]
-        (p.eps, p.cqs, p.descs, p.nic, p.addr, p.remote_base, p.remote_key, p.contexts,
-         p.busy) = self.keep
-        far = [r for r in range(world) if r // group.ranks_per_node != group.node]
-        for r, (i, (base, key, name)) in routes(group.rank, n, peers, far).items():
-            p.nic[r], p.remote_base[r], p.remote_key[r] = i, base, key
-            p.addr[r] = fi.av_insert(avs[i], name)
-        p.nics, p.base = n, ffi.cast("char *", mem.ptr)
-        p.ring_size, p.world, p.kinds = RING, world, KINDS
-        p.arrived = ffi.cast("uint32_t *", stamps_ptr)
-        if kernels_wait and self.provider == "shm":  # its CUDA copies: see m16_settle
-            p.settle = ffi.cast("int (*)(void *)", mem.legacy_stream_sync())
-        if scope is not None:
-            p.flush = ffi.cast("int (*)(int, int)", cuda_driver.flush_address())
-            p.flush_scope = scope
-        self.rc, self.error, self.gpu = None, None, mem.gpu
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        own.callback(self.stop)  # before the endpoint closes (the Closer runs backwards)
-
-    def _run(self):
-        try:
-            if self.gpu is not None:  # libfabric's CUDA copies use this thread's GPU
-                memory.use_gpu(self.gpu)  # (left at GPU 0, shm stages via host memory)
-            self.rc = native.m16_proxy_run(self.p)
-        except Exception as e:  # said by the main thread, in one line, at its next check
-            self.error, self.rc = e, -lib.FI_EOTHER
-
-    def submit(self, group, local, remote, length, peer, imm):
-        """Queue one WRITE; waits (bounded) while the ring is full."""
-        deadline = time.monotonic() + self.timeout
-        while self.p.head[0] - native.m16_completed(self.p) >= RING:
-            self.check(group, deadline, "room in the proxy's ring")
-        native.m16_submit(self.p, local, remote, length, peer, imm)
-
-    def check(self, group, deadline, what):
-        """Between two looks at what we wait for: the proxy's health, the peers', the clock
-        (None: the caller watches it)."""
-        if self.rc is not None:
-            raise self.failure()
-        group.check()
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} within {self.timeout:g} s")
-        os.sched_yield()
-
-    def failure(self):
-        if self.error is not None:
-            return self.error
-        call = {1: "fi_writemsg", 2: "fi_cq_read", 3: "fi_cq_read"}.get(self.p.failed_call, "")
-        if self.rc == -lib.FI_EAVAIL:  # a failed WRITE: its entry and the provider's text
-            try:
-                fi.cq_read(self.cqs[self.p.failed_nic], fi.cq_entries(1))
-            except fi.FabricError as e:
-                return e
-        if self.p.failed_call == 3:
-            return ValueError("the proxy got a completion for no WRITE in flight")
-        if self.p.failed_call in (4, 5):
-            return ValueError(settle_failure(self.p))
-        return fi.FabricError(f"{call} (in the proxy)", self.rc)
-
-    def drain(self, group):
-        """Wait until every WRITE we queued has completed: its source may be reused."""
-        deadline = time.monotonic() + self.timeout
-        while native.m16_completed(self.p) < self.p.head[0]:
-            self.check(group, deadline, "completion of our WRITEs")
-
-    def stop(self):
-        self.p.stop = 1
-        self.thread.join()
-
-
-NICS = struct.Struct("<H")  # how many NICs a rank's proxy has; then a PEER for each
-
-
-def pack_nics(nics):
-    """[(region base, MR key, address)] of a rank's NICs, as bytes for the allgather."""
-    return NICS.pack(len(nics)) + b"".join(PEER.pack(base, key, len(name)) + name
-                                           for base, key, name in nics)
-
-
-def unpack_nics(blob):
-    (count,), at, nics = NICS.unpack_from(blob), NICS.size, []
-    for _ in range(count):
-        base, key, length = PEER.unpack_from(blob, at)
-        at += PEER.size
-        nics.append((base, key, blob[at:at + length]))
-        at += length
-    return nics
-
-
-def peer_nic(rank, peer, count):
-    """Which of `count` NICs `rank` reaches `peer` through, and (with the peer's count)
-    which of the peer's it writes to. Both ends of a pair pick the same index (a NIC and
-    its counterpart: one rail), each rank's peers spread evenly over its NICs, and so do
-    the senders that write to one rank (peer % count alone would put them all on one)."""
-    return (rank + peer) % count
-
-
-def routes(rank, count, peers, far):
-    """{peer: (which of our `count` NICs, (region base, MR key, address) of the peer's NIC
-    it writes to)} for the peers in `far`; `peers`: every rank's NICs (unpack_nics)."""
-    return {r: (peer_nic(rank, r, count), peers[r][peer_nic(rank, r, len(peers[r]))])
-            for r in far}
-
-
-def proxy_nics(head, group, gpu, count=None):
-    """The fi_info of each NIC this rank's proxy drives, and a line saying which: its GPU's
-    NICs (chapter 08's topology; for host memory an even share of the node's), the first
-    `count` of them; or `count` (default 1) virtual NICs where no NIC has a PCI address."""
-    nics = topo.nics_here(head)
-    provider = fi.provider_of(head)
-    if not nics:
-        count = count or 1
-        return [head] * count, (f"{count} virtual NIC{'s' * (count > 1)}, each a domain of "
-                                f"{provider} (no NIC with a PCI address here)")
-    gpu_buses = topo.gpus_here()[0] if gpu is not None else []
-    mine = topo.rank_nics(nics, gpu_buses, gpu, group.rank % group.ranks_per_node,
-                          group.ranks_per_node)
-    mine = topo.take([mine], count)[0]
-    entries = multinet.lane_entries(head)  # of each NIC, an entry of the head's kind
-    other = [n.name for n in mine if n.name not in entries]
-    if other:
-        raise ValueError(f"NIC {other[0]} is not in fabric {fi.string(head.fabric_attr.name)} "
-                         "with the first entry's address format")
-    whose = f"GPU {gpu}'s" if gpu is not None else "a share of the node's"
-    return ([entries[n.name] for n in mine],
-            f"{len(mine)} NIC{'s' * (len(mine) > 1)} ({whose}): {' '.join(n.name for n in mine)}")
-
-
-# Providers that copy the bytes themselves (the CPU, or CUDA calls: see m16_settle): no
-# NIC writes into GPU memory behind the GPU's back.
-COPYING = {"shm", "sm2", "tcp", "udp", "sockets", "net"}
-
-
-def flush_scope(provider, gpu, attribute=None):
-    """The scope the proxy flushes GPUDirect RDMA writes to before it stamps; None when
-    there is nothing to flush. Only a NIC writes into GPU memory by itself, and what reads
-    it next is the GPU that owns it (its kernels, or the copies the host asks of it):
-    covered where the device orders such writes for their owner at least
-    (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING; "owner" on the H200s). NCCL
-    asks the same. `attribute(which, gpu)`: cuda_driver.attribute, or a test's."""
-    if gpu is None or provider.split(";")[0] in COPYING:
-        return None
-    attribute = attribute or cuda_driver.attribute
-    if attribute(cuda_driver.WRITES_ORDERING, gpu) >= cuda_driver.OWNER:
-        return None
-    if not attribute(cuda_driver.FLUSH_OPTIONS, gpu) & cuda_driver.FLUSH_OPTION_HOST:
-        raise ValueError(f"GPU {gpu} neither orders GPUDirect RDMA writes nor can flush them "
-                         "(cuFlushGPUDirectRDMAWrites): a stamp could run ahead of its data")
-    return cuda_driver.OWNER
-
-
-def settle_failure(p):
-    """What m16_settle's failure (p.failed_call 4 or 5) means, in one line."""
-    if p.failed_call == 4:
-        return f"the proxy's cudaStreamSynchronize failed (CUDA error {p.settle_error})"
-    return (f"the proxy's cuFlushGPUDirectRDMAWrites failed: "
-            f"{cuda_driver.error_name(p.settle_error)}")
-
 
 class AllToAll(Stages):
     """dispatch and combine for one layer shape; each split into a send and a receive half."""
@@ -373,14 +152,14 @@ class AllToAll(Stages):
         self.group, self.timeout = group, timeout
         self.L = L = Layout(group.world, experts, max_tokens, topk, hidden, dispatch_dtype,
                             private_tokens)
-        self.mem = mem = DEVICES[device](own, group, L.size, KERNELS)
+        self.mem = mem = DEVICES[device](own, group, L.size)
         self.xp, self.wire = mem.xp, Wire(dispatch_dtype, hidden, mem)
         # the arrival table, [kind][source]: host memory, stamped by node peers and our proxy
         size = 4 * KINDS * group.world
         table = Region(group.job, f"{group.rank}-stamps", size)
         own.callback(table.unlink)
         largest = max(L.slot, L.per_peer * L.row, max_tokens * topk * L.out_row)
-        self.proxy = (Proxy(own, group, mem, table.ptr, provider, timeout, largest,
+        self.proxy = (Proxy(own, group, mem, table.ptr, KINDS, provider, timeout, largest,
                             nics=nics) if group.nodes > 1 else None)
         handles = group.allgather(mem.handle())  # every region exists: map the node's
         node = [r for r in range(group.world) if r // group.ranks_per_node == group.node]
@@ -548,314 +327,35 @@ class AllToAll(Stages):
         return [(g.rank + i) % g.world for i in range(g.world)]
 
 
-# %% [markdown]
-# ## Check
-# Every rank can compute every rank's input from the seed, so each checks what
-# it received against the reference alone; the verdicts are gathered on rank 0.
-
-# %%
-def check_case(a2a, case, seed):
-    """One round of dispatch and combine for `case`: (ok, what this rank saw). Everything
-    the GPU needs is on it before the round and everything is read back after it: with
-    counts on the device, the host makes no blocking CUDA call in between (see
-    common/moe/nvlink.py)."""
-    L, g, xp, host, dtype = a2a.L, a2a.group, a2a.xp, a2a.mem.host, a2a.wire.dtype
-    routing = [ref.routing(case, seed, r, L.world, L.max_tokens, L.experts, L.topk)
-               for r in range(L.world)]
-    inputs = [ref.tokens(seed, r, len(routing[r][0]), L.hidden) for r in range(L.world)]
-    indices, weights = routing[g.rank]
-    sent = [r[0] for r in routing]
-    expected, expected_counts = ref.dispatch(g.rank, L.world, L.experts, sent,
-                                             [ref.wire_rows(dtype, x) for x in inputs])
-    # the experts: x -> factor(e) * x, on what should arrive, one row more for every row
-    # a rank may be handed (the buffers, or wrong counts)
-    trips = [ref.round_trip(dtype, x) for x in inputs]  # what each rank's tokens become
-    values, _ = ref.dispatch(g.rank, L.world, L.experts, sent, trips)
-    first = g.rank * L.local
-    experts = np.repeat(np.arange(first, first + L.local), expected_counts)
-    answers = np.zeros((L.world * L.per_peer, L.hidden), np.float32)
-    answers[:len(values)] = ref.expert_factor(experts, L.experts).astype(np.float32)[:, None] \
-        * values
-    answers, x, chosen, weighed = (xp.asarray(a) for a in (answers, inputs[g.rank], indices,
-                                                          weights))
-    a2a.dispatch_send(x, chosen)
-    tokens, scales, counts = a2a.dispatch_recv()
-    a2a.combine_send(answers[:len(tokens)])
-    out = host(a2a.combine_recv(weighed))
-    counts = host(counts).astype(np.int64)
-    n = int(counts.sum())  # the rows received (the buffers may hold more)
-    got = host(tokens[:n]).view(np.uint8)
-    if scales is not None:
-        got = np.concatenate([got, host(scales[:n]).view(np.uint8)], axis=1)
-    counts_ok = np.array_equal(counts, expected_counts)
-    rows_ok = counts_ok and got.shape == expected.shape and np.array_equal(got, expected)
-    wanted = np.stack([ref.from_bf16(ref.to_bf16(ref.expert_factor(indices[:, j], L.experts)
-                                                 [:, None].astype(np.float32) * trips[g.rank]))
-                       for j in range(L.topk)], axis=1)
-    want = ref.combine(indices, weights, wanted)
-    error = float(np.abs(out - want).max()) if out.size else 0.0
-    tolerance = 2.0 ** -8 * max(1.0, float(np.abs(want).max()) if want.size else 1.0)
-    ok = counts_ok and rows_ok and error <= tolerance
-    return ok, {"received": n, "counts": counts_ok, "rows": rows_ok, "error": error,
-                "tolerance": tolerance}
-
-
-def run_checks(build, group, args, cases, name=""):
-    """Each case on fresh random inputs, for each dtype; rank 0 says what all saw."""
-    seed = int.from_bytes(group.allgather(struct.pack("<Q", args.seed))[0], "little")
-    # our overflow case shrinks the private slots (the baseline has none)
-    private_of = {c: 1 if c == "overflow" and not name else args.private_tokens for c in cases}
-    failed = 0
-    for dtype in args.dtypes:
-        for private in sorted(set(private_of.values())):
-            with fi.Closer() as own:
-                a2a = build(own, dtype, private)
-                for case in [c for c in cases if private_of[c] == private]:
-                    ok, seen = check_case(a2a, case, seed)
-                    verdicts = [struct.unpack("<?Qdd", v) for v in group.allgather(
-                        struct.pack("<?Qdd", ok, seen["received"], seen["error"],
-                                    seen["tolerance"]))]
-                    bad = [r for r, v in enumerate(verdicts) if not v[0]]
-                    failed += bool(bad)
-                    if group.rank == 0:
-                        received = sum(v[1] for v in verdicts)
-                        worst = max(v[2] for v in verdicts)
-                        print(f"check {name}{dtype} {case:<12} private {private}: "
-                              f"{received} (token, expert) rows received, counts exact and "
-                              f"each row once{' with its scales' if dtype == 'fp8' else ''} on "
-                              f"{group.world - len(bad)} of {group.world} ranks; combine "
-                              f"max |error| {worst:.2e} (bf16 tolerance "
-                              f"{max(v[3] for v in verdicts):.2e})"
-                              + (f"; FAILED on ranks {bad}" if bad else ""), flush=True)
-                    if not ok:
-                        print(f"rank {group.rank}: {case}: {seen}", flush=True)
-                group.barrier()  # every WRITE completed everywhere before endpoints close
-    if failed:
-        raise ValueError(f"{failed} checks failed (seed {seed}: --seed {seed} repeats them)")
-    if group.rank == 0:
-        print(f"all checks passed (seed {seed})", flush=True)
-
-
-# %% [markdown]
-# ## Benchmark
-# Latency of each half and of the whole, per rank (median over iterations), then
-# p50 and max across ranks. Bytes, as published figures count them: one row
-# per (token, expert) selection, dispatch (hidden + hidden / 128 * 4) bytes in
-# fp8 or 2 * hidden in bf16, combine 2 * hidden.
-
-# %%
-PHASES = ("dispatch send", "dispatch recv", "dispatch", "combine send", "combine recv",
-          "combine")
-
-
-def benchmark(a2a, group, args, tokens, name):
-    """Time `tokens` tokens per rank; rank 0 prints and returns a row of figures."""
-    L = a2a.L
-    indices, weights = ref.routing("random", args.seed, group.rank, L.world, tokens,
-                                   L.experts, L.topk)
-    xp, mem = a2a.xp, a2a.mem
-    x, indices, weights = (xp.asarray(a) for a in (
-        ref.tokens(args.seed, group.rank, tokens, L.hidden), indices, weights))
-    expert_out = xp.zeros((L.world * L.per_peer, L.hidden), xp.float32)
-    if group.rank == 0:
-        print(f"benchmark {name}: {tokens} tokens per rank, hidden {L.hidden}, top-{L.topk} of "
-              f"{L.experts} experts, {a2a.wire.dtype} dispatch ({L.row} B per row) / "
-              f"bf16 combine ({L.out_row} B); {args.iters} iterations after {args.warmup}",
-              flush=True)
-    times = []
-    mem.ready()
-    group.barrier()  # once: from then on each round's combine-recv, which waits for every
-    # peer, lines the ranks up for the next, as layer follows layer in a model (a host
-    # barrier per round let them start up to 90 us apart on 2 x H200: rank 0 hosts the
-    # rendezvous; the receive halves counted that as latency)
-    for i in range(args.warmup + args.iters):
-        t0 = mem.mark()  # the machine's clock, or CUDA events on the rank's stream
-        a2a.dispatch_send(x, indices)
-        t1 = mem.mark()
-        received, scales, counts = a2a.dispatch_recv()
-        t2 = mem.mark()
-        a2a.combine_send(expert_out[:len(received)])
-        t3 = mem.mark()
-        a2a.combine_recv(weights)
-        t4 = mem.mark()
-        if i >= args.warmup:
-            t = [mem.seconds(a, b) for a, b in ((t0, t1), (t1, t2), (t2, t3), (t3, t4))]
-            times.append((t[0], t[1], t[0] + t[1], t[2], t[3], t[2] + t[3]))
-    mine = struct.pack(f"<{len(PHASES)}d", *np.median(np.array(times), axis=0))
-    every = np.array([struct.unpack(f"<{len(PHASES)}d", b) for b in group.allgather(mine)])
-    if group.rank:
-        return None
-    if a2a.proxy:
-        print(f"proxy of rank 0: {a2a.proxy.p.posted} WRITEs, -FI_EAGAIN {a2a.proxy.p.eagain} "
-              "times")
-    print("latency, the median of each rank, then across ranks:")
-    rows = tokens * L.topk
-    sizes = {"dispatch": rows * L.row, "combine": rows * L.out_row}
-    figures = {"implementation": name, "tokens": tokens, "rows": rows,
-               "dispatch_bytes": sizes["dispatch"], "combine_bytes": sizes["combine"]}
-    for phase, col in zip(PHASES, every.T):
-        p50, worst = float(np.median(col)), float(col.max())
-        key = phase.replace(" ", "_")
-        figures[f"{key}_p50_us"], figures[f"{key}_max_us"] = 1e6 * p50, 1e6 * worst
-        line = f"  {phase:<14} p50 {1e6 * p50:9.1f} us   max {1e6 * worst:9.1f} us"
-        if phase in sizes:
-            figures[f"{key}_gb_per_s"] = sizes[phase] / p50 / 1e9
-            line += (f"   {sizes[phase] / p50 / 1e9:.3f} GB/s ({rows} rows x "
-                     f"{sizes[phase] // max(rows, 1)} B / p50)")
-        print(line, flush=True)
-    return figures
-
-
-def record(path, args, group, provider, rows):
-    """The benchmark as JSON: what ran, where, and a row per (implementation, tokens)."""
-    data = {"chapter": "16_moe", "args": sys.argv[1:], "device": args.device,
-            "drive": args.drive, "counts": args.counts, "world": group.world,
-            "ranks_per_node": group.ranks_per_node,
-            "provider": provider, "libfabric": "%d.%d" % fi.version(),
-            "machine": bench.machine(0 if args.device == "cuda" else None),
-            "git": bench.git_sha(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "shape": {"hidden": args.hidden, "experts": args.experts, "topk": args.topk,
-                      "dispatch": args.dispatch_dtype, "combine": args.combine_dtype,
-                      "private_tokens": args.private_tokens},
-            "runs": rows}
-    return bench.write_json(path, data)
-
-
-def token_list(text):
-    try:
-        return [int(t) for t in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--tokens takes numbers like 1,8,128, got '{text}'") \
-            from None
-
-
 def main():
     p = cli.parser(__doc__)
     p.add_argument("--device", choices=list(DEVICES), default="cpu",
-                   help="cpu: numpy and host memory (default); cuda: GPU memory, cupy and "
-                   "16_moe.cu (see --drive)")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens per rank, at most")
-    p.add_argument("--tokens", type=token_list, help="tokens per rank in the benchmark, "
-                   "one run each, e.g. 1,8,128 (default: the maximum)")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--dispatch-dtype", choices=["fp8", "bf16"], default="fp8",
-                   help="the benchmark's (the checks run both)")
-    p.add_argument("--combine-dtype", choices=["bf16"], default="bf16",
-                   help="what expert outputs travel back as (bf16, summed in float32)")
-    p.add_argument("--private-tokens", type=int, default=8,
-                   help="tokens per sender that travel with the counts (default 8)")
-    p.add_argument("--drive", choices=["gpu", "host"], help="--device cuda: gpu (the "
-                   "default), the kernels push over NVLink and feed the proxy "
-                   "(common/moe/nvlink.py); host, this file's protocol driven from Python, "
-                   "as --device cpu runs it")
-    p.add_argument("--counts", choices=["host", "device"], default="host",
-                   help="--drive gpu: where dispatch-recv leaves the per-expert counts: host "
-                   "(it waits for the GPU; the default) or device (it returns at once, as "
-                   "the published kernels do; see common/moe/nvlink.py)")
-    p.add_argument("--baseline", choices=["nccl"], help="also check and time the NCCL "
-                   "all-to-all (--device cuda)")
-    p.add_argument("--check", default="all", help="cases to check: all, none, or some of "
-                   + ", ".join(ref.CASES))
-    p.add_argument("--nics", type=int, help="NICs per rank for its proxy: the first that "
-                   "many of its GPU's (default: all, chapter 08's topology); where no NIC has "
-                   "a PCI address, that many virtual NICs (default 1)")
-    p.add_argument("--iters", type=int, default=20, help="benchmark iterations (0: none)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--seed", type=int, help="inputs of the checks (default: fresh ones)")
-    p.add_argument("--world", type=int, help="expect this many ranks (refuse otherwise)")
-    p.add_argument("--json", nargs="?", const="auto", help="rank 0 writes the benchmark "
-                   "as JSON to this file (default results/runs/16_moe-...json)")
+                   help="cpu: numpy and host memory (default); cuda: GPU memory and cupy, "
+                   "the host still driving (chapter 17 hands it to the GPU)")
+    harness.add_arguments(p)
     args = p.parse_args()
     place = launch.place_from_environment()
-    args.tokens = [args.max_tokens] if args.tokens is None else args.tokens
-    args.seed = int.from_bytes(os.urandom(4), "little") if args.seed is None else args.seed
-    cases = list(ref.CASES) if args.check == "all" else [] if args.check == "none" \
-        else args.check.split(",")
-    if set(cases) - set(ref.CASES):
-        raise cli.UsageError(f"--check: unknown case(s) {', '.join(set(cases) - set(ref.CASES))}"
-                             f" (cases: {', '.join(ref.CASES)})")
-    if args.world is not None and args.world != place.world:
-        raise cli.UsageError(f"--world {args.world}, but this job has {place.world} "
-                             f"rank{'s' if place.world > 1 else ''} ({place.source})")
-    for tokens in args.tokens:
-        if not 0 <= tokens <= args.max_tokens:
-            raise cli.UsageError(f"--tokens {tokens}: more than --max-tokens "
-                                 f"{args.max_tokens} (or negative)")
-    if args.nics is not None and not 1 <= args.nics <= 64:
-        raise cli.UsageError(f"--nics must be 1..64, not {args.nics}")
-    if args.drive == "gpu" and args.device != "cuda":
-        raise cli.UsageError("--drive gpu needs --device cuda")
-    args.drive = args.drive or ("gpu" if args.device == "cuda" else "host")
-    if args.counts == "device" and args.drive != "gpu":
-        raise cli.UsageError("--counts device needs --drive gpu (and --device cuda)")
-    if args.baseline and args.device != "cuda":
-        raise cli.UsageError("--baseline nccl needs --device cuda")
-    if args.provider:  # only the proxies use it (peers on other nodes); a wrong one is said anyway
-        try:
-            fi.pick(args.provider, lib.FI_MSG | lib.FI_RMA)
-        except ValueError as e:
-            raise cli.UsageError(str(e)) from None
-    try:
-        check_shape(place.world, args.max_tokens, args.experts, args.topk, args.hidden,
-                    args.dispatch_dtype, args.private_tokens, args.combine_dtype)
-    except ValueError as e:
-        raise cli.UsageError(str(e)) from None
-    if "empty-expert" in cases and args.topk >= args.experts:
-        raise cli.UsageError("the empty-expert check needs --topk < --experts")
-    args.dtypes = ["fp8", "bf16"]
+    harness.check_arguments(args, place)
 
     with launch.Group(place, args.timeout) as group:
         def ours(own, dtype, private):
-            if args.drive == "gpu":
-                def proxy(own, mem, stamps, largest):
-                    return Proxy(own, group, mem, stamps, args.provider, args.timeout, largest,
-                                 kernels_wait=True, nics=args.nics)
-                return NvlinkAllToAll(own, group, args.max_tokens, args.experts, args.topk,
-                                      args.hidden, dtype, private, args.timeout, KERNELS,
-                                      args.combine_dtype, proxy, args.counts)
             return AllToAll(own, group, args.max_tokens, args.experts, args.topk, args.hidden,
                             dtype, private, args.provider, args.timeout, args.device,
                             args.combine_dtype, args.nics)
-
-        def nccl(own, dtype, private):
-            return NcclAllToAll(own, group, args.max_tokens, args.experts, args.topk,
-                                args.hidden, dtype, KERNELS, args.combine_dtype)
-        builds = {"ours": ours, **({"nccl": nccl} if args.baseline else {})}
         if group.rank == 0:
             where = f"{group.nodes} emulated nodes of {group.ranks_per_node}" \
                 if group.nodes > 1 else "one node"
             how = {"cpu": "numpy, host memory; same node: shared memory",
-                   "cuda": "GPU memory; same node: CUDA IPC, "
-                   + ("kernels push over NVLink" if args.drive == "gpu"
-                      else "copies driven by the host")
-                   + ("; dispatch-recv leaves the counts on the GPU"
-                      if args.counts == "device" else "")}[args.device]
+                   "cuda": "GPU memory, cupy; same node: CUDA IPC copies"}[args.device]
             print(f"{group.world} ranks ({place.source}), {where}; device {args.device}: {how}"
                   + ("; other nodes: libfabric WRITEs through the proxy" if group.nodes > 1
                      else ""), flush=True)
-        if cases:
-            for name, build in builds.items():
-                run_checks(build, group, args, cases, "" if name == "ours" else name + " ")
-        rows, provider = [], None
-        for name, build in builds.items() if args.iters else ():
-            with fi.Closer() as own:
-                a2a = build(own, args.dispatch_dtype, args.private_tokens)
-                if a2a.proxy:
-                    provider = a2a.proxy.provider
-                    if group.rank == 0:
-                        print(f"provider: {provider}; proxy of rank 0: {a2a.proxy.nics}",
-                              flush=True)
-                        if provider == "efa":
-                            print(fi.SHM_OFF, flush=True)
-                for tokens in args.tokens:
-                    rows.append(benchmark(a2a, group, args, tokens, name))
-                group.barrier()
-        if args.json and group.rank == 0 and rows:
-            path = bench.run_path(args.json, "16_moe", args.device, f"{group.world}ranks",
-                                  f"{group.nodes}nodes")
-            print(f"result: {record(path, args, group, provider, rows)}", flush=True)
+            if group.nodes == 1:
+                again = cli.command("-n", "4", "--ranks-per-node", "2", cli.shown(__file__),
+                                    program=LAUNCHER)
+                print(f"one node: libfabric carries no token; across two: {again}", flush=True)
+        rows, provider = harness.run(group, args, {"ours": ours})
+        harness.write(group, args, "16_moe", rows, provider)
 
 
 if __name__ == "__main__":

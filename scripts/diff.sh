@@ -10,9 +10,9 @@
 # LESSON names that file: the parent's program is compared with it, then the
 # chapter's own (short) file follows. NEW lists the common/ modules that hold a
 # chapter's lesson, shown as new files after its own; the helpers around them are
-# not (for 16: its launcher, reference, NCCL baseline, and the GPU-driven path of
-# common/moe/nvlink.py, whose kernels are in chapters/16_moe.cu). Where the lesson
-# is a loop in C, the C comes first.
+# not (for 16 and 17: the launcher, the proxy's opening of NICs, the reference, the
+# checks and the benchmark, all in common/). Where the lesson is a loop in C or the
+# kernels of a GPU, the C or CUDA comes first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,8 +21,8 @@ declare -A LESSON=([09]=common/engine/multinet.py)
 declare -A NEW=([07]=common/engine/opqueue.py [08]=common/engine/topo.py
                 [10]=common/engine/warmup.py
                 [11]="common/engine/lane.h common/engine/workers.py"
-                [13]=common/engine/shards.py [16]=common/moe/bookkeeping.py)
-C_FIRST=" 11 12 13 14 15 "
+                [13]=common/engine/shards.py)
+C_FIRST=" 11 12 13 14 15 17 "
 
 die() { echo "diff: $*" >&2; exit 2; }
 keep=""

@@ -43,7 +43,7 @@ What it looks at, and why:
   some, from normal pages otherwise (prov/util/src/util_buf.c): a small cost.
 - GDRCopy (/dev/gdrdrv, libgdrapi): a libfabric built with it copies small
   messages to and from GPU memory through a CPU mapping instead of
-  cudaMemcpy. Chapter 16's proxy needs none: the stamps it polls live in
+  cudaMemcpy. The MoE chapters' proxy needs none: the stamps it polls live in
   pinned host memory.
 
     .venv/bin/python scripts/doctor.py --sysfs DIR --dev DIR   # a described machine (tests)
@@ -325,7 +325,7 @@ def gdrcopy_line(machine, buses):
                            if not have)
     why = "no GPU here" if not buses else "install gdrcopy for faster small copies to GPU " \
         "memory (in a container also --device /dev/gdrdrv)"
-    return (ABSENT, "GDRCopy", f"no {missing}: {why}; chapter 16's proxy needs none")
+    return (ABSENT, "GDRCopy", f"no {missing}: {why}; the MoE chapters' proxy needs none")
 
 
 # --- all of it -----------------------------------------------------------------

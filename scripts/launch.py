@@ -8,7 +8,7 @@ which rank, how, and exits non-zero.
 
     .venv/bin/python scripts/launch.py -n 4 chapters/16_moe.py --device cpu
     .venv/bin/python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p tcp
-    .venv/bin/python scripts/launch.py -n 2 --gpus 0,1 chapters/16_moe.py --device cuda
+    .venv/bin/python scripts/launch.py -n 2 --gpus 0,1 chapters/17_gpu_driven.py
 """
 import argparse
 import sys

@@ -33,9 +33,13 @@ def test_each_chapter_against_its_parent(chapter, expected):
 
 
 def test_sixteen_builds_on_seven_and_its_c_follows_its_python():
-    shown = files(diff("16").stdout)
-    assert shown[0] == ("chapters/07_queue.py", "chapters/16_moe.py")
-    assert (None, "chapters/16_moe.c") in shown
+    assert files(diff("16").stdout) == [("chapters/07_queue.py", "chapters/16_moe.py"),
+                                        (None, "chapters/16_moe.c")]
+
+
+def test_seventeen_shows_its_kernels_then_what_they_took_from_sixteen():
+    assert files(diff("17").stdout) == [(None, "chapters/17_gpu_driven.cu"),
+                                        ("chapters/16_moe.py", "chapters/17_gpu_driven.py")]
 
 
 def test_where_the_lesson_is_c_the_c_comes_first():

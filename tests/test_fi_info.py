@@ -167,4 +167,4 @@ def test_write_targets_allow_the_read_of_an_emulated_write():
     sources = sorted((ROOT / "chapters").glob("*.py")) + sorted((ROOT / "common").rglob("*.py"))
     assert [p.name for p in sources if bare.search(p.read_text())] == []
     uses = [p.name for p in sources if "memory.WRITE_TARGET" in p.read_text()]
-    assert uses == ["06_write.py", "07_queue.py", "16_moe.py", "multinet.py"]
+    assert uses == ["06_write.py", "07_queue.py", "multinet.py", "proxy.py"]

@@ -1,4 +1,4 @@
-"""Chapter 16's proxies on several NICs: which NICs a rank drives (its GPU's, chapter 08's
+"""The proxies of chapters 16 and 17 (common/moe/proxy.py) on several NICs: which NICs a rank drives (its GPU's, chapter 08's
 topology, on the series' p5 rebuilt in a fake sysfs), which of them serves each peer, the
 run on virtual NICs (shm, tcp) end to end; and the GPUDirect flush before a stamp: when
 it is needed (faked device attributes) and the C side that calls it."""
@@ -15,17 +15,18 @@ import common.fabric as fi
 from common import launch
 from common.engine import topo
 from common.fabric import cuda_driver
-from scripts.pair import ROOT, local_env
+from scripts.pair import ROOT, chapter_path, local_env
 from tests import fake_sysfs
 from tests.gpu import needs_gpu
 from tests.test_bad_input import assert_one_line_error, run
-from tests.test_moe import CHAPTER, LAUNCH, LIMIT, SMALL, check_lines, chapter_module, gpus
+from tests.test_moe import CHAPTER, LAUNCH, LIMIT, SMALL, check_lines, gpus
 from tests.test_topo import info_list
 
 
 @pytest.fixture(scope="module")
 def moe():
-    return chapter_module()
+    from common.moe import proxy
+    return proxy
 
 
 @pytest.fixture
@@ -94,7 +95,7 @@ def test_peers_are_sharded_over_a_ranks_nics_both_ways():
     """On two p5s every rank has 4 NICs and 8 peers on the other node: each NIC serves 2
     of its peers, a pair uses the same NIC index at both ends, and the 8 senders to one
     rank arrive spread over its 4 NICs too."""
-    moe = chapter_module()
+    from common.moe import proxy as moe
     for rank in range(16):
         far = [r for r in range(16) if r // 8 != rank // 8]
         peers = {r: [(0, 1000 * r + k, b"nic%d" % k) for k in range(4)] for r in far}
@@ -108,13 +109,13 @@ def test_peers_are_sharded_over_a_ranks_nics_both_ways():
 
 
 def test_routes_with_fewer_nics_on_the_peer():
-    moe = chapter_module()
+    from common.moe import proxy as moe
     routes = moe.routes(0, 4, {5: [(7, 70, b"only")]}, [5])
     assert routes == {5: (1, (7, 70, b"only"))}
 
 
 def test_nic_lists_survive_the_allgather():
-    moe = chapter_module()
+    from common.moe import proxy as moe
     nics = [(0x7F00, 17, b"fi_shm://1"), (0, 2**63, b"\x00\x01" * 40)]
     assert moe.unpack_nics(moe.pack_nics(nics)) == nics
     assert moe.unpack_nics(moe.pack_nics([])) == []
@@ -234,12 +235,13 @@ def test_gpu_the_flush_runs_from_a_thread_with_the_gpu_current(moe):
 
 
 @needs_gpu
-@pytest.mark.parametrize("drive", ["gpu", "host"])
-def test_gpu_proxies_on_two_virtual_nics_register_by_dmabuf(drive):
+@pytest.mark.parametrize("chapter,device", [(16, ["--device", "cuda"]), (17, [])],
+                         ids=["16-host-driven", "17-gpu-driven"])
+def test_gpu_proxies_on_two_virtual_nics_register_by_dmabuf(chapter, device):
     """GPU memory on 2 emulated nodes, each proxy on 2 shm domains: every check passes and
     each rank says how its region was registered (by dmabuf with libfabric >= 1.20)."""
     command = [sys.executable, LAUNCH, "-n", "2", "--ranks-per-node", "1", "--gpus", gpus(),
-               CHAPTER, "-p", "shm", "--device", "cuda", "--drive", drive, *SMALL, "--nics", "2",
+               str(chapter_path(chapter)), "-p", "shm", *device, *SMALL, "--nics", "2",
                "--check", "random,overflow", "--iters", "0"]
     done = subprocess.run(command, capture_output=True, text=True, env=local_env(),
                           timeout=LIMIT, cwd=ROOT)

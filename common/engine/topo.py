@@ -198,7 +198,7 @@ def split(nics, groups):
 
 
 def rank_nics(nics, gpu_buses, gpu, local_rank, ranks_per_node, sysfs=SYSFS):
-    """The NICs of one of a node's ranks (chapter 16's proxies): those of its GPU, as
+    """The NICs of one of a node's ranks (the MoE chapters' proxies): those of its GPU, as
     layout() gives them; for host memory (gpu None), or a GPU that got none, an even
     share of the node's, in order (one of them when there are fewer than ranks)."""
     if gpu is not None:

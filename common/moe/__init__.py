@@ -2,7 +2,10 @@
 
 bookkeeping: the layer's shape, the wire format and where each selection goes, whatever
 moves the bytes; reference: what dispatch and combine must produce (numpy) and the inputs
-to check them with; memory: where the ranks keep their bytes (host or GPU) and what does
-the kernels' work; kernel_call: CUDA kernel launches at the driver's cost; nvlink: the
-all-to-all driven by the GPU; nccl: the baseline, the same all-to-all moved by NCCL.
+to check them with; harness: the chapters' flags, checks, benchmark and records; proxy:
+what chapter 16's proxy loop drives (its NICs, their endpoints, the peers' addresses);
+memory: where the ranks keep their bytes (host or GPU) and what does the kernels' work;
+fp8.cuh: the fp8 wire format on the GPU; kernel_call: CUDA kernel launches at the driver's
+cost; nccl: the baseline, the same all-to-all moved by NCCL. The protocol itself is in
+chapters/16_moe.py, the GPU driving it in chapters/17_gpu_driven.py.
 """

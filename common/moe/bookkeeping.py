@@ -1,7 +1,7 @@
 """The bookkeeping of an expert-parallel all-to-all, whatever moves the bytes: the layer's
 shape and the checks of its inputs, the wire format, where each (token, expert) selection
 goes and where it lands, the weighted sum of combine, and the order of the four halves.
-Chapter 16's all-to-all and its NCCL baseline (common/moe/nccl.py) share it; it runs on
+Chapters 16 and 17 and the NCCL baseline (common/moe/nccl.py) share it; it runs on
 numpy or cupy arrays (`xp`).
 """
 import numpy as np

@@ -1,4 +1,4 @@
-"""Kernel launches at the CUDA driver's cost, for chapter 16's GPU-driven path.
+"""Kernel launches at the CUDA driver's cost, for chapter 17's kernels.
 
 cupy converts every argument on every launch: 10 us of host time for a kernel of 25
 arguments on the 2 x H200 box's Xeon, against 4.4 us for cuLaunchKernel called through

@@ -1,9 +1,8 @@
-"""Where chapter 16's all-to-all keeps its bytes, and what does its kernels' work.
+"""Where the MoE chapters' all-to-all keeps its bytes, and what does its kernels' work.
 
 HostMemory (--device cpu): host memory in /dev/shm files that the other ranks of the
 node map, numpy for the kernels. CudaMemory (--device cuda): GPU memory that the node's
-ranks map through CUDA IPC, cupy and chapters/16_moe.cu for the kernels. Both offer the
-same few operations: a region, a handle for node peers and the opening of theirs, a copy
+ranks map through CUDA IPC, cupy and CUDA kernels. Both offer the same few operations: a region, a handle for node peers and the opening of theirs, a copy
 into a peer's region, `ready` (queued work done) and `settle` (arrived data readable),
 the fp8 quantisation, a copy to the host, and a clock.
 """
@@ -20,6 +19,7 @@ from common.moe import reference as ref
 from common.fabric import lib
 
 SHM = "/dev/shm"
+HERE = os.path.dirname(os.path.abspath(__file__))  # fp8.cuh is beside this file
 
 
 class Region:
@@ -64,7 +64,7 @@ class HostMemory:
     ranks map (as CUDA IPC maps a peer GPU's memory); numpy does the kernels' work."""
     xp, gpu, iface, device = np, None, lib.FI_HMEM_SYSTEM, 0
 
-    def __init__(self, own, group, size, kernels=None):
+    def __init__(self, own, group, size):
         self.job, self.size = group.job, size
         self.region = Region(group.job, f"{group.rank}-data", size)
         own.callback(self.region.unlink)
@@ -110,14 +110,15 @@ class HostMemory:
 
 class CudaMemory:
     """--device cuda: the data region in GPU memory, straight from cudaMalloc (CUDA IPC
-    hands out whole allocations) so that the node's ranks can map it; cupy and the
-    kernels of chapters/16_moe.cu do the work. Run on 2 x H200 (see ready())."""
+    hands out whole allocations) so that the node's ranks can map it; cupy and kernels
+    (common/moe/fp8.cuh's, and a chapter's) do the work. Run on 2 x H200 (see ready())."""
     iface = lib.FI_HMEM_CUDA
 
-    def __init__(self, own, group, size, kernels, blocking=True):
+    def __init__(self, own, group, size, kernels=None, blocking=True):
         """size 0: no region, only the GPU, its stream and kernels (for the NCCL baseline).
-        `kernels`: the path of the CUDA source (chapters/16_moe.cu). blocking=False: a
-        stream that does not wait for CUDA's legacy one (see below)."""
+        `kernels`: the path of a chapter's CUDA source, which may #include "fp8.cuh"
+        (None: the fp8 kernel alone). blocking=False: a stream that does not wait for
+        CUDA's legacy one (see below)."""
         cp = self.xp = memory.cupy()
         self.size, self.rt = size, cp.cuda.runtime
         count = self.rt.getDeviceCount()
@@ -140,8 +141,9 @@ class CudaMemory:
         self.stream = cp.cuda.Stream(non_blocking=not blocking)
         self.stream.use()  # this rank's cupy work, kernels and copies all go here
         self.marks, self.marked = [cp.cuda.Event() for _ in range(8)], 0
-        self.module = cp.RawModule(code=open(kernels).read())
-        self.quantize = self.module.get_function("m16_quantize_fp8")
+        code = open(kernels).read() if kernels else '#include "fp8.cuh"\n'
+        self.module = cp.RawModule(code=code, options=("-I" + HERE,))
+        self.quantize = self.module.get_function("fp8_quantize")
 
     def handle(self):
         return bytes(self.rt.ipcGetMemHandle(self.ptr))

@@ -1,4 +1,4 @@
-"""The baseline for chapter 16: an all-to-all that NCCL moves (cupy.cuda.nccl)."""
+"""The baseline for chapter 17: an all-to-all that NCCL moves (cupy.cuda.nccl)."""
 
 import numpy as np
 
@@ -15,13 +15,13 @@ class NcclAllToAll(Stages):
     back for combine, then the weighted sum. GPU only, one GPU per rank (NCCL refuses two
     ranks on one GPU). Run on 2 x H200 (2 ranks)."""
 
-    def __init__(self, own, group, max_tokens, experts, topk, hidden, dispatch_dtype, kernels,
+    def __init__(self, own, group, max_tokens, experts, topk, hidden, dispatch_dtype,
                  combine_dtype="bf16"):
         check_shape(group.world, max_tokens, experts, topk, hidden, dispatch_dtype, 0,
                     combine_dtype)
         self.group = group
         self.L = Shape(group.world, experts, max_tokens, topk, hidden, dispatch_dtype)
-        self.mem = mem = CudaMemory(own, group, 0, kernels)
+        self.mem = mem = CudaMemory(own, group, 0)
         self.xp, self.wire, self.proxy = mem.xp, Wire(dispatch_dtype, hidden, mem), None
         from cupy.cuda import nccl  # cupy is needed here only
         self.nccl = nccl

@@ -1,59 +1,8 @@
-// Chapter 16's kernels for --device cuda (cupy RawModule). Run on 2 x H200: its fp8 rows
-// match the reference.
-//
-// m16_quantize_fp8: one block of 128 threads per (token, block of 128 values). The
-// block's largest magnitude sets its scale (amax / 448, or 1 when all are zero); each
-// value becomes an e4m3 code, rounded to nearest even and saturated at +-448, exactly
-// as common/moe/reference.py does in numpy (the checks compare bytes). The row is
-// [hidden codes | hidden / 128 float32 scales].
+// Chapter 17's kernels: the GPU drives the all-to-all (cupy RawModule, with the fp8
+// wire format of common/moe/fp8.cuh). Run on 2 x H200 and on one.
+#include "fp8.cuh"
 
-__device__ unsigned char m16_e4m3(float v)
-{
-    unsigned char sign = (__float_as_uint(v) >> 24) & 0x80;
-    float a = fminf(fabsf(v), 448.0f);
-    if (a < 0.015625f)  // below 2^-6: subnormal, a multiple of 2^-9 (code 8 is 2^-6)
-        return sign | (unsigned char)__float2int_rn(a * 512.0f);
-    unsigned int bits = __float_as_uint(a);
-    bits += 0x7FFFF + ((bits >> 20) & 1);  // keep 3 mantissa bits, ties to even
-    unsigned int exponent = (bits >> 23) - 127 + 7, mantissa = (bits >> 20) & 7;
-    return sign | (unsigned char)(exponent << 3 | mantissa);
-}
-
-// One (token, block of 128 values), by 128 threads of a block (i = 0..127), with 4 floats
-// of shared memory. Every thread of the block calls it (it synchronises them); `active`
-// is false for threads with no group to do.
-__device__ void m16_quantize_group(const float *x, unsigned char *rows, int hidden,
-                                   int row_bytes, int token, int block, int i, bool active,
-                                   float *warp_max)
-{
-    float v = active ? x[(long long)token * hidden + block * 128 + i] : 0.0f;
-    float a = fabsf(v);
-    for (int offset = 16; offset; offset >>= 1)
-        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
-    if ((i & 31) == 0)
-        warp_max[i >> 5] = a;
-    __syncthreads();
-    if (!active)
-        return;
-    float amax = fmaxf(fmaxf(warp_max[0], warp_max[1]), fmaxf(warp_max[2], warp_max[3]));
-    float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
-    unsigned char *row = rows + (long long)token * row_bytes;
-    row[block * 128 + i] = m16_e4m3(v / scale);
-    if (i == 0)
-        ((float *)(row + hidden))[block] = scale;
-}
-
-extern "C" __global__ void m16_quantize_fp8(const float *x, unsigned char *rows, int hidden,
-                                            int row_bytes)
-{
-    __shared__ float warp_max[4];
-    m16_quantize_group(x, rows, hidden, row_bytes, blockIdx.x, blockIdx.y, threadIdx.x, true,
-                       warp_max);
-}
-
-// ---------------------------------------------------------------------------------------
-// The GPU-driven all-to-all (common/moe/nvlink.py): no host in the loop.
-// Every rank's region (cudaMalloc, mapped by the node's ranks through CUDA IPC) holds
+// No host in the loop. Every rank's region (cudaMalloc, mapped by the node's ranks through CUDA IPC) holds
 //   flags      uint32 [2][world]: the round each peer last finished (counts, combine)
 //   slots      [world][header | private rows]: a sender's counts and its first rows
 //   overflow   [world][per_peer rows]: the rest, a stripe per sender
@@ -68,37 +17,37 @@ extern "C" __global__ void m16_quantize_fp8(const float *x, unsigned char *rows,
 // land, and the last block queues the WRITEs in the proxy's ring (host memory the GPU
 // writes); the proxy posts them with immediate data, and the peer's proxy stamps its
 // arrival table (host memory the peer's GPU reads). `far` holds what that takes, as
-// 64-bit numbers (see M16_FAR).
+// 64-bit numbers (see M17_FAR).
 
-#define M16_COUNTS 0   // the flags of node peers, [2][world] in the region
-#define M16_COMBINE 1
-#define M16_STAMP_COUNTS 0    // the proxy's arrival table, [3][world] (the immediate's kind)
-#define M16_STAMP_OVERFLOW 1
-#define M16_STAMP_COMBINE 2
+#define M17_COUNTS 0   // the flags of node peers, [2][world] in the region
+#define M17_COMBINE 1
+#define M17_STAMP_COUNTS 0    // the proxy's arrival table, [3][world] (the immediate's kind)
+#define M17_STAMP_OVERFLOW 1
+#define M17_STAMP_COMBINE 2
 // far[]: our node's first rank and size; offsets in our region of the outbox slots
 // [world][slot], outbox stripes [world][per_peer rows], combine's outbox [world][per_peer
 // bf16 rows], signal_in [world][8] and signal_out [8] (a WRITE of no rows still tells);
 // then addresses of host memory: the proxy's ring, its head, the ring's size, the table.
-enum M16_FAR { M16_NODE_FIRST, M16_NODE_SIZE, M16_OUT_SLOTS, M16_OUT_STRIPES,
-               M16_COMBINE_OUT, M16_SIGNAL_IN, M16_SIGNAL_OUT, M16_RING, M16_HEAD,
-               M16_RING_SIZE, M16_STAMPS };
+enum M17_FAR { M17_NODE_FIRST, M17_NODE_SIZE, M17_OUT_SLOTS, M17_OUT_STRIPES,
+               M17_COMBINE_OUT, M17_SIGNAL_IN, M17_SIGNAL_OUT, M17_RING, M17_HEAD,
+               M17_RING_SIZE, M17_STAMPS };
 
 struct m16_write {  // as chapters/16_moe.c declares it
     unsigned long long local, remote, len;
     unsigned int peer, imm;
 };
 
-__device__ bool m16_near(const long long *far, int rank)
+__device__ bool m17_near(const long long *far, int rank)
 {
-    return rank >= far[M16_NODE_FIRST] && rank < far[M16_NODE_FIRST] + far[M16_NODE_SIZE];
+    return rank >= far[M17_NODE_FIRST] && rank < far[M17_NODE_FIRST] + far[M17_NODE_SIZE];
 }
 
-__device__ unsigned int m16_stamp(unsigned int round)  // 14 bits, never 0
+__device__ unsigned int m17_stamp(unsigned int round)  // 14 bits, never 0
 {
     return round % 0x3FFF + 1;
 }
 
-__device__ unsigned long long m16_now()
+__device__ unsigned long long m17_now()
 {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -108,18 +57,18 @@ __device__ unsigned long long m16_now()
 // One thread: wait until every source has finished `round`: a node peer's flag (this
 // kind's row) has reached it, another node's stamps of kinds a and b say it. Returns the
 // first source that did not within timeout_ns, or -1.
-__device__ int m16_wait(const long long *far, const volatile unsigned int *flags, int world,
+__device__ int m17_wait(const long long *far, const volatile unsigned int *flags, int world,
                         unsigned int round, int a, int b, unsigned long long timeout_ns)
 {
-    const volatile unsigned int *stamps = (const volatile unsigned int *)far[M16_STAMPS];
-    unsigned int stamp = m16_stamp(round);
-    unsigned long long start = m16_now();
+    const volatile unsigned int *stamps = (const volatile unsigned int *)far[M17_STAMPS];
+    unsigned int stamp = m17_stamp(round);
+    unsigned long long start = m17_now();
     for (int s = 0; s < world;) {
-        bool in = m16_near(far, s) ? (int)(flags[s] - round) >= 0
+        bool in = m17_near(far, s) ? (int)(flags[s] - round) >= 0
                                    : stamps[a * world + s] == stamp && stamps[b * world + s] == stamp;
         if (in) {
             s++;
-        } else if (m16_now() - start > timeout_ns) {
+        } else if (m17_now() - start > timeout_ns) {
             return s;
         } else {
             __nanosleep(64);
@@ -132,7 +81,7 @@ __device__ int m16_wait(const long long *far, const volatile unsigned int *flags
 // Called by every thread of every block at its end: true in thread 0 of the last block
 // to finish, once every block's stores are visible everywhere; it then stores `round`
 // into flag word `flag_at` of each node peer's region, and tells the other nodes itself.
-__device__ bool m16_last_block(unsigned int *done, const unsigned long long *peers,
+__device__ bool m17_last_block(unsigned int *done, const unsigned long long *peers,
                                const long long *far, long long flag_at, unsigned int round)
 {
     __syncthreads();  // this block's stores are issued...
@@ -142,7 +91,7 @@ __device__ bool m16_last_block(unsigned int *done, const unsigned long long *pee
     if (atomicAdd(done, 1u) != gridDim.x - 1)
         return false;
     __threadfence_system();  // the last: every block's stores are visible, then the flags
-    for (int peer = far[M16_NODE_FIRST]; peer < far[M16_NODE_FIRST] + far[M16_NODE_SIZE];
+    for (int peer = far[M17_NODE_FIRST]; peer < far[M17_NODE_FIRST] + far[M17_NODE_SIZE];
          peer++)
         *(volatile unsigned int *)(peers[peer] + flag_at) = round;
     *done = 0;  // for the next launch (stream-ordered after this one)
@@ -150,41 +99,41 @@ __device__ bool m16_last_block(unsigned int *done, const unsigned long long *pee
 }
 
 // The last block's thread, one command into the proxy's ring (it is the only producer:
-// `at` is the head it read, moved on here and stored by m16_ring_go).
-__device__ void m16_queue(const long long *far, unsigned long long *at, long long local,
+// `at` is the head it read, moved on here and stored by m17_ring_go).
+__device__ void m17_queue(const long long *far, unsigned long long *at, long long local,
                           long long remote, long long len, int peer, unsigned int kind,
                           int rank, unsigned int round)
 {
-    struct m16_write *w = (struct m16_write *)far[M16_RING] +
-                          (*at & (far[M16_RING_SIZE] - 1));
+    struct m16_write *w = (struct m16_write *)far[M17_RING] +
+                          (*at & (far[M17_RING_SIZE] - 1));
     w->local = local;
     w->remote = remote;
     w->len = len;
     w->peer = peer;
-    w->imm = kind << 30 | (unsigned int)rank << 14 | m16_stamp(round);
+    w->imm = kind << 30 | (unsigned int)rank << 14 | m17_stamp(round);
     (*at)++;
 }
 
 // A WRITE of `len` bytes, or with none to send, of the 8-byte signal: either way the
 // peer's proxy stamps `kind` for us, and its kernels stop waiting.
-__device__ void m16_queue_rows(const long long *far, unsigned long long *at, long long local,
+__device__ void m17_queue_rows(const long long *far, unsigned long long *at, long long local,
                                long long remote, long long len, int peer, unsigned int kind,
                                int rank, unsigned int round)
 {
     if (len > 0)
-        m16_queue(far, at, local, remote, len, peer, kind, rank, round);
+        m17_queue(far, at, local, remote, len, peer, kind, rank, round);
     else
-        m16_queue(far, at, far[M16_SIGNAL_OUT], far[M16_SIGNAL_IN] + 8 * rank, 8, peer, kind,
+        m17_queue(far, at, far[M17_SIGNAL_OUT], far[M17_SIGNAL_IN] + 8 * rank, 8, peer, kind,
                   rank, round);
 }
 
-__device__ void m16_ring_go(const long long *far, unsigned long long at)
+__device__ void m17_ring_go(const long long *far, unsigned long long at)
 {
     __threadfence_system();  // the commands before the head that shows them
-    *(volatile unsigned long long *)far[M16_HEAD] = at;
+    *(volatile unsigned long long *)far[M17_HEAD] = at;
 }
 
-__device__ int m16_block_sum(int v)
+__device__ int m17_block_sum(int v)
 {
     __shared__ int warp_sum[32];
     for (int offset = 16; offset; offset >>= 1)
@@ -201,7 +150,7 @@ __device__ int m16_block_sum(int v)
 
 // A block copies one row; 16 bytes at a time when everything is 16-byte aligned. Loads
 // bypass L1 (__ldcg): the row may have just been stored by a peer.
-__device__ void m16_copy_row(unsigned char *to, const unsigned char *from, long long bytes)
+__device__ void m17_copy_row(unsigned char *to, const unsigned char *from, long long bytes)
 {
     if (((bytes | (long long)to | (long long)from) & 15) == 0) {
         for (long long i = threadIdx.x; i < bytes / 16; i += blockDim.x)
@@ -214,7 +163,7 @@ __device__ void m16_copy_row(unsigned char *to, const unsigned char *from, long 
 
 // Expert indices as the caller has them, int32 or int64 (index_bytes 4 or 8): a
 // conversion would cost a launch, and more host time than the kernel it feeds.
-__device__ long long m16_index(const void *indices, int index_bytes, long long i)
+__device__ long long m17_index(const void *indices, int index_bytes, long long i)
 {
     return index_bytes == 8 ? ((const long long *)indices)[i] : ((const int *)indices)[i];
 }
@@ -226,16 +175,19 @@ __device__ long long m16_index(const void *indices, int index_bytes, long long i
 // Blocks past the experts' quantise `tokens` tokens of x to fp8 rows meanwhile, two
 // groups of 128 values a block of 256 threads: one launch less on the host (tokens 0:
 // bf16, the host encoded them).
-extern "C" __global__ void m16_route(const void *indices, int index_bytes, int entries,
+extern "C" __global__ void m17_route(const void *indices, int index_bytes, int entries,
                                      int topk, int experts, int *counts, int *position,
                                      int *error, const float *x, unsigned char *rows,
-                                     int hidden, int row_bytes, int tokens)
+                                     int hidden, int row_bytes, int tokens,
+                                     unsigned int *round_at)
 {
+    if (blockIdx.x == 0 && threadIdx.x == 0)  // a new layer: on the GPU, so that a graph's
+        *round_at += 1;                        // replays advance it too
     if (blockIdx.x >= experts) {
         __shared__ float warp_max[8];
         int half = threadIdx.x >> 7, groups = hidden / 128;
         int g = 2 * (blockIdx.x - experts) + half;
-        m16_quantize_group(x, rows, hidden, row_bytes, g / groups, g % groups,
+        fp8_quantize_group(x, rows, hidden, row_bytes, g / groups, g % groups,
                            threadIdx.x & 127, g < tokens * groups, warp_max + 4 * half);
         return;
     }
@@ -244,12 +196,12 @@ extern "C" __global__ void m16_route(const void *indices, int index_bytes, int e
     int base = 0;
     for (int first = 0; first < entries; first += blockDim.x) {
         int i = first + threadIdx.x;
-        long long expert = i < entries ? m16_index(indices, index_bytes, i) : -1;
+        long long expert = i < entries ? m17_index(indices, index_bytes, i) : -1;
         bool mine = expert == e;
         if (e == 0 && i < entries && (expert < 0 || expert >= experts))
             atomicMax(error, 1);
         for (int other = mine ? i - i % topk : 0; mine && other < i; other++)
-            if (m16_index(indices, index_bytes, other) == e)
+            if (m17_index(indices, index_bytes, other) == e)
                 atomicMax(error, 2);
         unsigned int ballot = __ballot_sync(0xffffffffu, mine);
         if (lane == 0)
@@ -270,59 +222,60 @@ extern "C" __global__ void m16_route(const void *indices, int index_bytes, int e
 
 // dispatch, 2: a block per selection pushes its token's row to the expert's rank; one
 // block more per peer writes our counts into its slot for us. Then the counts flag.
-extern "C" __global__ void m16_dispatch_push(
+extern "C" __global__ void m17_dispatch_push(
     const unsigned char *rows, const void *indices, int index_bytes, const int *position,
     const int *counts, int entries, int topk, int experts, int local, long long row_bytes,
     int private_rows, long long per_peer, const unsigned long long *peers, long long slots,
     long long slot_bytes, long long header_bytes, long long overflow, long long flags,
-    int rank, int world, unsigned int round, int *stream_pos, const int *error,
+    int rank, int world, const unsigned int *round_at, int *stream_pos, const int *error,
     unsigned int *done, const long long *far)
 {
+    unsigned int round = *round_at;  // this layer's, advanced by m17_route
     if (*error)  // a bad batch: nothing leaves, no flag is raised
         return;
     int b = blockIdx.x;
     unsigned char *own = (unsigned char *)peers[rank];
     if (b < entries) {
-        int e = (int)m16_index(indices, index_bytes, b), d = e / local;
+        int e = (int)m17_index(indices, index_bytes, b), d = e / local;
         int start = 0;  // the rows of d's experts before e, in our stream to d
         for (int x = d * local + threadIdx.x; x < e; x += blockDim.x)
             start += counts[x];
-        int q = m16_block_sum(start) + position[b];
-        unsigned char *to = m16_near(far, d)
+        int q = m17_block_sum(start) + position[b];
+        unsigned char *to = m17_near(far, d)
             ? (unsigned char *)peers[d] + (q < private_rows
                 ? slots + rank * slot_bytes + header_bytes + q * row_bytes
                 : overflow + (rank * per_peer + q - private_rows) * row_bytes)
             : own + (q < private_rows  // the outbox, laid out as it will land
-                ? far[M16_OUT_SLOTS] + d * slot_bytes + header_bytes + q * row_bytes
-                : far[M16_OUT_STRIPES] + (d * per_peer + q - private_rows) * row_bytes);
-        m16_copy_row(to, rows + (long long)(b / topk) * row_bytes, row_bytes);
+                ? far[M17_OUT_SLOTS] + d * slot_bytes + header_bytes + q * row_bytes
+                : far[M17_OUT_STRIPES] + (d * per_peer + q - private_rows) * row_bytes);
+        m17_copy_row(to, rows + (long long)(b / topk) * row_bytes, row_bytes);
         if (threadIdx.x == 0)
             stream_pos[b] = q;
     } else {
         int d = b - entries;
-        int *to = (int *)(m16_near(far, d) ? (unsigned char *)peers[d] + slots + rank * slot_bytes
-                                           : own + far[M16_OUT_SLOTS] + d * slot_bytes);
+        int *to = (int *)(m17_near(far, d) ? (unsigned char *)peers[d] + slots + rank * slot_bytes
+                                           : own + far[M17_OUT_SLOTS] + d * slot_bytes);
         for (int x = threadIdx.x; x < experts; x += blockDim.x)
             to[x] = counts[x];
     }
-    if (!m16_last_block(done, peers, far, flags + 4 * (M16_COUNTS * world + rank), round) ||
-        far[M16_NODE_SIZE] == world)
+    if (!m17_last_block(done, peers, far, flags + 4 * (M17_COUNTS * world + rank), round) ||
+        far[M17_NODE_SIZE] == world)
         return;
-    unsigned long long at = *(volatile unsigned long long *)far[M16_HEAD];
+    unsigned long long at = *(volatile unsigned long long *)far[M17_HEAD];
     for (int d = 0; d < world; d++) {  // other nodes: the slot, then the rest (or a signal)
-        if (m16_near(far, d))
+        if (m17_near(far, d))
             continue;
         int n = 0;
         for (int x = d * local; x < (d + 1) * local; x++)
             n += counts[x];
-        m16_queue(far, &at, far[M16_OUT_SLOTS] + d * slot_bytes, slots + rank * slot_bytes,
-                  header_bytes + min(n, private_rows) * row_bytes, d, M16_STAMP_COUNTS, rank,
+        m17_queue(far, &at, far[M17_OUT_SLOTS] + d * slot_bytes, slots + rank * slot_bytes,
+                  header_bytes + min(n, private_rows) * row_bytes, d, M17_STAMP_COUNTS, rank,
                   round);
-        m16_queue_rows(far, &at, far[M16_OUT_STRIPES] + d * per_peer * row_bytes,
+        m17_queue_rows(far, &at, far[M17_OUT_STRIPES] + d * per_peer * row_bytes,
                        overflow + rank * per_peer * row_bytes, (n - private_rows) * row_bytes,
-                       d, M16_STAMP_OVERFLOW, rank, round);
+                       d, M17_STAMP_OVERFLOW, rank, round);
     }
-    m16_ring_go(far, at);
+    m17_ring_go(far, at);
 }
 
 // dispatch, 3 (one block, dynamic shared memory of 3 * experts ints): wait for every
@@ -333,11 +286,12 @@ extern "C" __global__ void m16_dispatch_push(
 // per local expert, the total, the source that was late (+1, or 0), [local + 2] the same
 // for combine, [local + 3] the route's verdict on the batch. received (GPU memory): the
 // rows per local expert again, for GPU work that follows without the host.
-extern "C" __global__ void m16_dispatch_plan(
+extern "C" __global__ void m17_dispatch_plan(
     const unsigned char *region, long long flags, long long slots, long long slot_bytes,
-    int rank, int world, int local, unsigned int round, unsigned long long timeout_ns,
+    int rank, int world, int local, const unsigned int *round_at, unsigned long long timeout_ns,
     int *plan, int *state, int *report, int *received, const long long *far)
 {
+    unsigned int round = *round_at;  // this layer's, advanced by m17_route
     extern __shared__ int table[];  // length, then stream start, then output start
     __shared__ int late, carry;
     int E = world * local;
@@ -355,9 +309,9 @@ extern "C" __global__ void m16_dispatch_plan(
         return;
     }
     if (threadIdx.x == 0) {
-        late = m16_wait(far, (const volatile unsigned int *)(region + flags) +
-                        M16_COUNTS * world, world, round, M16_STAMP_COUNTS,
-                        M16_STAMP_OVERFLOW, timeout_ns);
+        late = m17_wait(far, (const volatile unsigned int *)(region + flags) +
+                        M17_COUNTS * world, world, round, M17_STAMP_COUNTS,
+                        M17_STAMP_OVERFLOW, timeout_ns);
         report[local + 1] = late + 1;
     }
     __syncthreads();
@@ -419,7 +373,7 @@ extern "C" __global__ void m16_dispatch_plan(
 // in the plan, copies the row from the slot or the stripe, and notes where it came from
 // (source, row in the source's stream) for combine. A row's first `split` bytes go to
 // `out`, the rest (fp8's scales) to `tail`.
-extern "C" __global__ void m16_dispatch_gather(
+extern "C" __global__ void m17_dispatch_gather(
     const unsigned char *region, const int *plan, const int *state, int local, int world,
     long long row_bytes, long long split, int private_rows, long long per_peer,
     long long slots, long long slot_bytes, long long header_bytes, long long overflow,
@@ -439,9 +393,9 @@ extern "C" __global__ void m16_dispatch_gather(
         long long at = q < private_rows
             ? slots + s * slot_bytes + header_bytes + q * row_bytes
             : overflow + (s * per_peer + q - private_rows) * row_bytes;
-        m16_copy_row(out + j * split, region + at, split);
+        m17_copy_row(out + j * split, region + at, split);
         if (split < row_bytes)
-            m16_copy_row(tail + j * (row_bytes - split), region + at + split,
+            m17_copy_row(tail + j * (row_bytes - split), region + at + split,
                          row_bytes - split);
         if (threadIdx.x == 0) {
             row_source[j] = s;
@@ -450,7 +404,7 @@ extern "C" __global__ void m16_dispatch_gather(
     }
 }
 
-__device__ unsigned short m16_bf16(float v)  // round to nearest even, as the reference
+__device__ unsigned short m17_bf16(float v)  // round to nearest even, as the reference
 {
     unsigned int bits = __float_as_uint(v);
     if (v != v)
@@ -461,62 +415,64 @@ __device__ unsigned short m16_bf16(float v)  // round to nearest even, as the re
 // combine, 1: blocks stride over the received rows (state[1], the plan's total): each
 // sends its row's expert output, as bf16, back into the source's combine_in stripe for
 // us, at the row's place in the source's stream.
-extern "C" __global__ void m16_combine_push(
+extern "C" __global__ void m17_combine_push(
     const float *expert_out, const int *row_source, const int *row_stream, const int *state,
     int hidden, const unsigned long long *peers, long long combine_in, long long per_peer,
-    long long flags, int rank, int world, unsigned int round, unsigned int *done,
+    long long flags, int rank, int world, const unsigned int *round_at, unsigned int *done,
     const int *plan, int local, const long long *far)
 {
+    unsigned int round = *round_at;  // this layer's, advanced by m17_route
     for (int j = blockIdx.x, rows = state[1]; j < rows; j += gridDim.x) {
         int s = row_source[j];
-        unsigned short *to = m16_near(far, s)
+        unsigned short *to = m17_near(far, s)
             ? (unsigned short *)((unsigned char *)peers[s] + combine_in) +
               (rank * per_peer + row_stream[j]) * hidden
-            : (unsigned short *)((unsigned char *)peers[rank] + far[M16_COMBINE_OUT]) +
+            : (unsigned short *)((unsigned char *)peers[rank] + far[M17_COMBINE_OUT]) +
               (s * per_peer + row_stream[j]) * hidden;
         const float *from = expert_out + (long long)j * hidden;
         if (hidden % 8 == 0) {  // 16-byte stores over NVLink: 8 values a thread
             for (int h = 8 * threadIdx.x; h < hidden; h += 8 * blockDim.x) {
                 float4 a = *(const float4 *)(from + h), b = *(const float4 *)(from + h + 4);
-                uint4 v = {m16_bf16(a.x) | (unsigned int)m16_bf16(a.y) << 16,
-                           m16_bf16(a.z) | (unsigned int)m16_bf16(a.w) << 16,
-                           m16_bf16(b.x) | (unsigned int)m16_bf16(b.y) << 16,
-                           m16_bf16(b.z) | (unsigned int)m16_bf16(b.w) << 16};
+                uint4 v = {m17_bf16(a.x) | (unsigned int)m17_bf16(a.y) << 16,
+                           m17_bf16(a.z) | (unsigned int)m17_bf16(a.w) << 16,
+                           m17_bf16(b.x) | (unsigned int)m17_bf16(b.y) << 16,
+                           m17_bf16(b.z) | (unsigned int)m17_bf16(b.w) << 16};
                 *(uint4 *)(to + h) = v;
             }
         } else {
             for (int h = threadIdx.x; h < hidden; h += blockDim.x)
-                to[h] = m16_bf16(from[h]);
+                to[h] = m17_bf16(from[h]);
         }
     }
-    if (!m16_last_block(done, peers, far, flags + 4 * (M16_COMBINE * world + rank), round) ||
-        far[M16_NODE_SIZE] == world)
+    if (!m17_last_block(done, peers, far, flags + 4 * (M17_COMBINE * world + rank), round) ||
+        far[M17_NODE_SIZE] == world)
         return;
-    unsigned long long at = *(volatile unsigned long long *)far[M16_HEAD];
+    unsigned long long at = *(volatile unsigned long long *)far[M17_HEAD];
     long long bytes = 2LL * hidden, E = (long long)world * local;
     for (int s = 0; s < world; s++) {  // other nodes: their rows back, one WRITE each
-        if (m16_near(far, s))
+        if (m17_near(far, s))
             continue;
         int n = 0;  // the rows that came from s: the plan's lengths of its entries
         for (int e = 0; e < local; e++)
             n += plan[2 * E + e * world + s];
-        m16_queue_rows(far, &at, far[M16_COMBINE_OUT] + s * per_peer * bytes,
-                       combine_in + rank * per_peer * bytes, n * bytes, s, M16_STAMP_COMBINE,
+        m17_queue_rows(far, &at, far[M17_COMBINE_OUT] + s * per_peer * bytes,
+                       combine_in + rank * per_peer * bytes, n * bytes, s, M17_STAMP_COMBINE,
                        rank, round);
     }
-    m16_ring_go(far, at);
+    m17_ring_go(far, at);
 }
 
 // combine, 2: a block per token waits for every peer's outputs (the barrier before the
 // next dispatch too), then sums its topk rows, weighted. report[local + 2]: the late
 // source + 1 (the plan set it to 0).
-extern "C" __global__ void m16_combine_sum(
+extern "C" __global__ void m17_combine_sum(
     const unsigned char *region, long long flags, long long combine_in, const void *indices,
     int index_bytes, const int *stream_pos, const float *weights, int tokens, int topk,
-    int hidden, int local, long long per_peer, int world, unsigned int round,
+    int hidden, int local, long long per_peer, int world, const unsigned int *round_at,
     unsigned long long timeout_ns, float *out, int *report, const long long *far,
     unsigned int *gate)
 {
+    unsigned int round = *round_at;  // this layer's, advanced by m17_route
     __shared__ int late;
     // One block waits on the peers and tells the others through `gate` ([round, late
     // source + 1], device memory). With a poller per block on the stamps in host memory,
@@ -524,9 +480,9 @@ extern "C" __global__ void m16_combine_sum(
     // 17d06f1; 128 tokens: 1074 us p50, one poller 215 us; why, not pinned down). Block 0 is resident first: it cannot starve.
     volatile unsigned int *g = gate;
     if (threadIdx.x == 0 && blockIdx.x == 0) {
-        late = m16_wait(far, (const volatile unsigned int *)(region + flags) +
-                        M16_COMBINE * world, world, round, M16_STAMP_COMBINE,
-                        M16_STAMP_COMBINE, timeout_ns);
+        late = m17_wait(far, (const volatile unsigned int *)(region + flags) +
+                        M17_COMBINE * world, world, round, M17_STAMP_COMBINE,
+                        M17_STAMP_COMBINE, timeout_ns);
         g[1] = late + 1;
         __threadfence();
         g[0] = round;
@@ -552,7 +508,7 @@ extern "C" __global__ void m16_combine_sum(
     float *weight = (float *)(source + topk);
     for (int k = threadIdx.x; k < topk; k += blockDim.x) {
         int i = t * topk + k;
-        long long d = m16_index(indices, index_bytes, i) / local;
+        long long d = m17_index(indices, index_bytes, i) / local;
         source[k] = (d * per_peer + stream_pos[i]) * hidden;
         weight[k] = weights[i];
     }

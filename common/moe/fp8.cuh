@@ -1,0 +1,53 @@
+#pragma once
+// The fp8 wire format on the GPU, for every MoE chapter (cupy RawModule; chapter 17's
+// kernels include it). Run on 2 x H200: its fp8 rows match the reference.
+//
+// fp8_quantize: one block of 128 threads per (token, block of 128 values). The
+// block's largest magnitude sets its scale (amax / 448, or 1 when all are zero); each
+// value becomes an e4m3 code, rounded to nearest even and saturated at +-448, exactly
+// as common/moe/reference.py does in numpy (the checks compare bytes). The row is
+// [hidden codes | hidden / 128 float32 scales].
+
+__device__ unsigned char fp8_e4m3(float v)
+{
+    unsigned char sign = (__float_as_uint(v) >> 24) & 0x80;
+    float a = fminf(fabsf(v), 448.0f);
+    if (a < 0.015625f)  // below 2^-6: subnormal, a multiple of 2^-9 (code 8 is 2^-6)
+        return sign | (unsigned char)__float2int_rn(a * 512.0f);
+    unsigned int bits = __float_as_uint(a);
+    bits += 0x7FFFF + ((bits >> 20) & 1);  // keep 3 mantissa bits, ties to even
+    unsigned int exponent = (bits >> 23) - 127 + 7, mantissa = (bits >> 20) & 7;
+    return sign | (unsigned char)(exponent << 3 | mantissa);
+}
+
+// One (token, block of 128 values), by 128 threads of a block (i = 0..127), with 4 floats
+// of shared memory. Every thread of the block calls it (it synchronises them); `active`
+// is false for threads with no group to do.
+__device__ void fp8_quantize_group(const float *x, unsigned char *rows, int hidden,
+                                   int row_bytes, int token, int block, int i, bool active,
+                                   float *warp_max)
+{
+    float v = active ? x[(long long)token * hidden + block * 128 + i] : 0.0f;
+    float a = fabsf(v);
+    for (int offset = 16; offset; offset >>= 1)
+        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
+    if ((i & 31) == 0)
+        warp_max[i >> 5] = a;
+    __syncthreads();
+    if (!active)
+        return;
+    float amax = fmaxf(fmaxf(warp_max[0], warp_max[1]), fmaxf(warp_max[2], warp_max[3]));
+    float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
+    unsigned char *row = rows + (long long)token * row_bytes;
+    row[block * 128 + i] = fp8_e4m3(v / scale);
+    if (i == 0)
+        ((float *)(row + hidden))[block] = scale;
+}
+
+extern "C" __global__ void fp8_quantize(const float *x, unsigned char *rows, int hidden,
+                                            int row_bytes)
+{
+    __shared__ float warp_max[4];
+    fp8_quantize_group(x, rows, hidden, row_bytes, blockIdx.x, blockIdx.y, threadIdx.x, true,
+                       warp_max);
+}
