@@ -12,7 +12,7 @@ from common.model import journey
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-READ_RUNS = ["07_queue", "07_to_11", "journey", "16_moe"]  # what_if: the model alone
+READ_RUNS = ["07_queue", "07_to_11", "journey", "16_17_moe"]  # what_if: the model alone
 
 
 def execute(path, monkeypatch):
