@@ -49,10 +49,10 @@ host-driven path 1602 / 756; notebooks/README.md has the table).
     torchrun --nproc-per-node 8 chapters/17_gpu_driven.py ...            # a cluster
 
 Transcript (one H200 of a 16-core Xeon VM, only one GPU could be lent; CUDA-enabled
-libfabric 2.1.0, unused with one node; cupy 14.2, torch 2.11; commit 53b38c7). Two ranks
-sharing the GPU, for correctness only (their CUDA contexts time-slice it), ten check lines
-left out; then one rank, decode latency eager and in graphs (run with --json FILE too, the
-line naming the file left out):
+libfabric 2.1.0, unused with one node; cupy 14.2, torch 2.11; the code of 9917301, run
+before its docstrings were written). Two ranks sharing the GPU, for correctness only
+(their CUDA contexts time-slice it), ten check lines left out; then one rank, decode
+latency eager and in graphs (run with --json FILE too, the line naming the file left out):
 
     $ .venv/bin/python scripts/launch.py -n 2 --gpus 0 chapters/17_gpu_driven.py --counts device --graph --iters 0
     launch: 2 ranks, 2 per node (1 node); pids 6540 6543
