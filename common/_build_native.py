@@ -8,7 +8,8 @@ its types, so an endpoint or a message built there can be passed here. Both are
 compiled with common/fabric/rules.h, so with FABRIC_RULES=efa|verbs a worker's calls are
 checked like Python's.
 setup.py builds them all (module common._nativeNN); `.venv/bin/python common/_build_native.py`
-builds them in place.
+builds them in place. The transfer engine's worker (common/transfer/worker.c, the engine
+under chapters 18-19) is built the same way, as common._transfer.
 """
 import glob
 import importlib.util
@@ -38,8 +39,10 @@ def cdef_of(path):
     return cdef[1]
 
 
-def builder(path):
-    lane, mine = cdef_of(LANE), cdef_of(path)  # struct lane: every chapter's C uses it
+def builder(path, module=None, with_lane=True):
+    """The cffi builder of one C file: module common._nativeNN for chapters/NN_*.c, or
+    `module`. `with_lane`: compile common/engine/lane.h's struct lane ahead of it."""
+    lane, mine = cdef_of(LANE) if with_lane else "", cdef_of(path)  # chapters 11-17 use it
     ffi = FFI()
     ffi.include(fabric)
     ffi.cdef(re.sub(r"//.*", "", lane + mine))
@@ -47,7 +50,7 @@ def builder(path):
     flags["include_dirs"] = flags.get("include_dirs", []) + [HERE]  # engine/, fabric/
     # The declarations are C too: compiled ahead of the file, they are written once.
     # rules.h first: with FABRIC_RULES the workers' calls are checked like Python's.
-    ffi.set_source(f"common._native{os.path.basename(path)[:2]}",
+    ffi.set_source(module or f"common._native{os.path.basename(path)[:2]}",
                    '#include "fabric/rules.h"\n' + lane + mine + open(path).read(), **flags)
     return ffi
 
@@ -55,7 +58,10 @@ def builder(path):
 SOURCES = sorted(glob.glob(os.path.join(CHAPTERS, "[0-9][0-9]_*.c")))
 for _path in SOURCES:  # ch11, ch12, ...: the names setup.py's cffi_modules point at
     globals()["ch" + os.path.basename(_path)[:2]] = builder(_path)
+WORKER = os.path.join(HERE, "transfer", "worker.c")
+transfer = builder(WORKER, "common._transfer", with_lane=False)  # setup.py: ...:transfer
 
 if __name__ == "__main__":
     for _path in SOURCES:
         globals()["ch" + os.path.basename(_path)[:2]].compile(verbose=True)
+    transfer.compile(verbose=True)

@@ -1,0 +1,599 @@
+"""The transfer engine: what chapters 09-15 taught, as a library for chapters 18 and 19.
+
+One Engine per GPU (or per process, for host memory): a domain, a data endpoint, a CQ and
+an AV on each of the GPU's NICs (chapter 08's topology; virtual NICs, more domains of shm
+or tcp, where no NIC has a PCI address), one C worker thread that owns their data path
+(common/transfer/worker.c, built as common._transfer: lazy batched posting as in chapter
+15, every NIC's CQ reaped, immediates counted), pinned near the GPU (chapter 12), and a
+control endpoint for SEND/RECV that Python drives.
+
+    with fi.Closer() as own:
+        eng = Engine(own, provider="shm")
+        peer = eng.connect(their_address)            # bytes from eng.address() over there
+        region = eng.register(array)                 # numpy, cupy or torch, no copy
+        remote = eng.remote(their_descriptor)        # bytes from region.descriptor()
+        eng.write_pages(peer, region, [0, 1], remote, [7, 3], 4096, imm=5).wait()
+        # over there: eng.expect(5, 2, timeout)       # the 2 WRITEs with immediate 5 came
+
+Python never touches a WRITE: it hands the worker a whole command (numpy arrays of
+offsets) and waits with short sleeps; the worker writes back each command's progress and
+the count of each immediate value that arrived, whatever the order and the NIC.
+"""
+import os
+import secrets
+import struct
+import threading
+import time
+import zlib
+
+import numpy as np
+
+import common.fabric as fi
+from common.fabric import lib, memory
+
+try:
+    from common._transfer import ffi as _ffi, lib as native
+except ImportError as e:  # not built, or built before worker.c existed
+    raise ImportError(f"the transfer engine's worker is not built ({e}): run "
+                      "'.venv/bin/python common/_build_native.py'") from None
+
+RING = 1024            # commands queued at once (a power of two)
+IMM_TABLE = 1 << 14    # distinct immediate values the arrival table holds (a power of two)
+RECVS = 16             # control receives kept posted
+SIGNAL = 8             # bytes of the signal region a barrier writes into
+NAP_US = 20            # the worker's sleep when idle a while (it yields before that)
+SPREADS = ("round-robin", "per-peer")
+MAGIC_ADDRESS, MAGIC_REGION = b"TXA1", b"TXR1"
+ADDRESS = struct.Struct("<4sIHH")   # magic, engine id, NIC count, control address length
+NAME = struct.Struct("<H")          # a data NIC's address length (+ the address)
+REGION = struct.Struct("<4sQQH")    # magic, address, size, NIC count
+NIC_KEY = struct.Struct("<QQ")      # per NIC: remote base, key
+
+
+class TransferError(RuntimeError):
+    """A WRITE failed; the text is the provider's (fi_cq_strerror) or the call's."""
+
+
+class Peer:
+    """Another engine, connected: its address in each of our NICs' AVs."""
+
+    def __init__(self, index, ident, addrs, signal, control):
+        self.index, self.id = index, ident
+        self.addr = addrs        # fi_addr_t[nics]: its NIC i in our NIC i's AV
+        self.signal = signal     # its signal region (a RemoteRegion)
+        self.control = control   # its control endpoint in our control AV
+
+    def __repr__(self):
+        return f"Peer({self.index})"
+
+
+class Region:
+    """Memory registered on every NIC's domain, as a WRITE's source and target."""
+
+    def __init__(self, engine, ptr, size, descs, bases, keys, keep):
+        self.engine, self.ptr, self.size = engine, ptr, size
+        self.descs = _ffi.new("void *[]", descs)
+        self.bases, self.keys = bases, keys
+        self._keep = keep  # the array: registered memory must outlive its registrations
+
+    def descriptor(self):
+        """Everything a peer needs to WRITE into this region: address, size, per NIC
+        (remote base, key). Send it (a control message, an allgather)."""
+        return (REGION.pack(MAGIC_REGION, self.ptr, self.size, len(self.keys))
+                + b"".join(NIC_KEY.pack(b, k) for b, k in zip(self.bases, self.keys)))
+
+
+class RemoteRegion:
+    """A peer's region, from its descriptor."""
+
+    def __init__(self, ptr, size, bases, keys):
+        self.ptr, self.size = ptr, size
+        self.bases = _ffi.new("uint64_t[]", bases)
+        self.keys = _ffi.new("uint64_t[]", keys)
+
+
+class Transfer:
+    """One command's WRITEs: done when every one completed; wait() raises on failure."""
+
+    def __init__(self, engine, command, keep):
+        self.engine, self.command, self._keep = engine, command, keep
+        self.count = command.count
+
+    @property
+    def done(self):
+        return native.tx_done(self.command) >= self.count
+
+    def wait(self, timeout=None):
+        """Wait until every WRITE completed; TransferError (the provider's text) if one
+        failed, TimeoutError after `timeout` s (default: the engine's)."""
+        timeout = self.engine.timeout if timeout is None else timeout
+        self.engine._until(lambda: self.done, timeout, lambda: (
+            f"{self.count} WRITEs not completed within {timeout:g} s "
+            f"({native.tx_done(self.command)} completed, {self.command.posted} posted)"))
+        self.raise_failure()
+        return self
+
+    def raise_failure(self):
+        c = self.command
+        if native.tx_status(c):
+            raise TransferError(f"WRITE on NIC {c.failed_nic} failed: "
+                                f"{_ffi.string(c.error).decode(errors='replace')} "
+                                f"(ret {c.status}; {c.skipped} of {c.count} not posted)")
+
+
+class Group:
+    """Engines that scatter and meet at barriers: `peers`, member i being peers[i]."""
+
+    def __init__(self, engine, peers):
+        self.engine, self.members = engine, list(peers)
+
+    def scatter(self, src, dsts, length, imm=None):
+        """Slice i of `src` (bytes [i*length, (i+1)*length)) to member i's region dsts[i]
+        (at its start), each WRITE with `imm`. One Transfer for all of them."""
+        if len(dsts) != len(self.members):
+            raise ValueError(f"{len(dsts)} destinations for {len(self.members)} members")
+        parts = [self.engine._command(p, src, np.array([i * length], np.uint64), d,
+                                      np.zeros(1, np.uint64), length, imm)
+                 for i, (p, d) in enumerate(zip(self.members, dsts))]
+        return _Several([self.engine._submit(*part) for part in parts])
+
+    def barrier(self, imm, timeout=None):
+        """An 8-byte WRITE with `imm` to each member's signal region, then wait for one
+        from each member (expect(imm, len(members)))."""
+        timeout = self.engine.timeout if timeout is None else timeout
+        eng = self.engine
+        sent = [eng.write(p, eng._signal, 0, p.signal, 0, SIGNAL, imm) for p in self.members]
+        eng.expect(imm, len(self.members), timeout)
+        for t in sent:
+            t.wait(timeout)
+
+
+class _Several:
+    """Transfers that are done together (a scatter's, one per member)."""
+
+    def __init__(self, transfers):
+        self.transfers = transfers
+        self.count = sum(t.count for t in transfers)
+
+    @property
+    def done(self):
+        return all(t.done for t in self.transfers)
+
+    def wait(self, timeout=None):
+        for t in self.transfers:
+            t.wait(timeout)
+        return self
+
+
+class Engine:
+    """One GPU's (or process's) transfer engine; see the module's docstring."""
+
+    def __init__(self, own, provider=None, gpu=None, nics=None, spread="round-robin",
+                 timeout=30.0):
+        if spread not in SPREADS:
+            raise ValueError(f"spread must be one of {', '.join(SPREADS)}, not {spread!r}")
+        if nics is not None and nics < 1:
+            raise ValueError(f"nics must be at least 1, not {nics}")
+        self.timeout, self.gpu, self.spread = timeout, gpu, spread
+        info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA, hmem=gpu is not None)
+        self.provider = fi.provider_of(info)
+        self.infos, self.nics = engine_nics(info, gpu, nics)
+        self.cq_data_size = min(i.domain_attr.cq_data_size for i in self.infos)
+        self.max_write = min(i.ep_attr.max_msg_size for i in self.infos)
+        self.max_send = fi.max_send(info)
+        self.id = secrets.randbits(32)
+        self._keys = iter(range(1, 1 << 30))  # requested MR keys (tcp takes ours: unique)
+        self._watch, self._peers, self._taken = [], {}, {}
+        self._inflight = []  # Transfers the worker may still touch
+        # tx_free runs last: after the endpoints closed, no WRITE owns a context any more
+        w = self._w = _ffi.new("struct tx_worker *")
+        own.callback(native.tx_free, w)
+        slots = fi.in_flight(info)
+        opened = [fi.open_endpoint(own, i, cq_size=fi.cq_size_for(i, slots), av_count=256,
+                                   shm=False) for i in self.infos]
+        self.domains, self.cqs, self.avs, self.eps = (list(x) for x in zip(*opened))
+        self._open_control(own, info)
+        n = len(self.infos)
+        self._arrays = [_ffi.new("struct fid_ep *[]", self.eps),
+                        _ffi.new("struct fid_cq *[]", self.cqs),
+                        _ffi.new("struct tx_command *[]", RING),
+                        _ffi.new("uint64_t[]", IMM_TABLE), _ffi.new("uint64_t[]", IMM_TABLE),
+                        _ffi.new("uint8_t[]", IMM_TABLE)]
+        (w.eps, w.cqs, w.ring, w.imm_keys, w.imm_counts, w.imm_used) = self._arrays
+        w.nics, w.slots, w.ring_size, w.imm_size, w.nap_us = n, slots, RING, IMM_TABLE, NAP_US
+        self._regions = fi.Closer()  # the regions' registrations: closed once the worker stops
+        self._signal = self.register(np.zeros(SIGNAL, np.uint8))
+        self.rc, self.error = None, None
+        self._thread = threading.Thread(target=self._run, args=(worker_cores(gpu),),
+                                        daemon=True, name="transfer worker")
+        self._thread.start()
+        own.callback(self._stop)  # runs first: before the registrations and endpoints close
+
+    # --- setting up -------------------------------------------------------------------
+
+    def _open_control(self, own, info):
+        """The control endpoint: its own CQ and AV on NIC 0's domain, RECVS receives."""
+        domain = self.domains[0]
+        self._ccq = own(fi.cq_open(domain, size=fi.cq_size_for(info, 64)))
+        self._cav = own(fi.av_open(domain, 256))
+        self._cep = own(fi.endpoint_open(domain, info))
+        fi.ep_bind(self._cep, self._ccq, lib.FI_SEND | lib.FI_RECV)
+        fi.ep_bind(self._cep, self._cav)
+        fi.enable(self._cep)
+        size = self.max_send
+        self._inboxes = _ffi.new("char[]", size * RECVS)
+        mr = own(fi.mr_reg(domain, self._inboxes, size * RECVS, lib.FI_RECV, next(self._keys)))
+        self._inbox_desc = fi.mr_desc(mr)
+        self._recv_ctx = _ffi.new("struct fi_context2[]", RECVS)
+        for i in range(RECVS):
+            self._post_recv(i)
+        self._outbox = _ffi.new("char[]", size)
+        mr = own(fi.mr_reg(domain, self._outbox, size, lib.FI_SEND, next(self._keys)))
+        self._outbox_desc, self._send_ctx = fi.mr_desc(mr), _ffi.new("struct fi_context2 *")
+        self._sent, self._messages = False, []
+        self._centries = fi.cq_entries(16)
+
+    def _post_recv(self, i):
+        at = self._inboxes + i * self.max_send
+        if not fi.recvmsg(self._cep, at, self.max_send, self._inbox_desc, lib.FI_ADDR_UNSPEC,
+                          self._recv_ctx + i):
+            raise fi.FabricError("fi_recvmsg", -lib.FI_EAGAIN)
+
+    def _run(self, cores):
+        try:
+            if cores:  # chapter 12: this thread, near its GPU; best effort
+                try:
+                    os.sched_setaffinity(0, cores)
+                except OSError:
+                    pass
+            if self.gpu is not None:  # libfabric's CUDA copies use this thread's GPU
+                memory.use_gpu(self.gpu)
+            self.rc = native.tx_run(self._w)  # the GIL is released for the call
+        except Exception as e:  # raised by the next wait, in one line
+            self.error, self.rc = e, -lib.FI_EOTHER
+
+    def _stop(self):
+        self._w.stop = 1
+        self._thread.join()
+        self._regions.close()
+
+    # --- addresses and regions ---------------------------------------------------------
+
+    def address(self):
+        """All a peer needs to connect: our id, control address, NIC count, each data
+        NIC's address and our signal region's descriptor."""
+        control = fi.getname(self._cep)
+        names = [fi.getname(ep) for ep in self.eps]
+        return (ADDRESS.pack(MAGIC_ADDRESS, self.id, len(names), len(control)) + control
+                + b"".join(NAME.pack(len(n)) + n for n in names) + self._signal.descriptor())
+
+    def connect(self, address):
+        """The Peer at `address` (another engine's address()): inserted in every AV."""
+        ident, control, names, signal = self._parse_address(address)
+        if len(names) != len(self.eps):
+            raise ValueError(f"that engine has {len(names)} NICs and this one "
+                             f"{len(self.eps)}: NIC i writes to NIC i, so counts must match")
+        if ident in self._peers:
+            return self._peers[ident]
+        addrs = _ffi.new("fi_addr_t[]", [fi.av_insert(av, n) for av, n in zip(self.avs, names)])
+        peer = Peer(len(self._peers), ident, addrs, self.remote(signal),
+                    fi.av_insert(self._cav, control))
+        peer.nic = per_peer_nic(self.id, ident, len(self.eps))
+        self._peers[ident] = peer
+        return peer
+
+    @staticmethod
+    def _parse_address(address):
+        try:
+            magic, ident, count, length = ADDRESS.unpack_from(address)
+            if magic != MAGIC_ADDRESS:
+                raise ValueError
+            at = ADDRESS.size
+            control, at = address[at:at + length], at + length
+            names = []
+            for _ in range(count):
+                (size,), at = NAME.unpack_from(address, at), at + NAME.size
+                names.append(address[at:at + size])
+                at += size
+            signal = address[at:]
+            if len(control) != length or any(not n for n in names) or not count:
+                raise ValueError
+        except (struct.error, ValueError, TypeError):
+            raise ValueError(f"not an engine's address ({len(address)} bytes): "
+                             "use Engine.address()") from None
+        return ident, control, names, signal
+
+    def register(self, array):
+        """Register `array` (numpy, cupy or torch; contiguous; not copied) on every NIC's
+        domain, for WRITEs from it and into it. Keep the array alive while in use."""
+        ptr, size, gpu = buffer_of(array)
+        if size == 0:
+            raise ValueError("cannot register an empty array")
+        if gpu is not None and self.gpu is None:
+            raise ValueError(f"GPU {gpu} memory, but this engine was made for host memory "
+                             "(Engine(..., gpu=N) registers GPU memory)")
+        access = lib.FI_WRITE | memory.WRITE_TARGET
+        descs, bases, keys = [], [], []
+        for info, domain in zip(self.infos, self.domains):
+            key = next(self._keys)
+            if gpu is None:
+                mr = self._regions(fi.mr_reg(domain, ptr, size, access, key))
+            else:
+                mr, how = memory.register_device(domain, ptr, size, access, key,
+                                                 lib.FI_HMEM_CUDA, gpu)
+                self._regions(mr)
+            descs.append(fi.mr_desc(mr))
+            bases.append(fi.remote_base(info, ptr))
+            keys.append(fi.mr_key(mr))
+        return Region(self, ptr, size, descs, bases, keys, array)
+
+    def remote(self, descriptor):
+        """A peer's region from its descriptor (Region.descriptor() over there)."""
+        try:
+            magic, ptr, size, count = REGION.unpack_from(descriptor)
+            if magic != MAGIC_REGION or len(descriptor) != REGION.size + count * NIC_KEY.size:
+                raise ValueError
+        except (struct.error, ValueError, TypeError):
+            raise ValueError(f"not a region descriptor ({len(descriptor)} bytes): use "
+                             "Region.descriptor()") from None
+        if count != len(self.eps):
+            raise ValueError(f"that region is registered on {count} NICs, this engine has "
+                             f"{len(self.eps)}: NIC counts must match")
+        pairs = [NIC_KEY.unpack_from(descriptor, REGION.size + i * NIC_KEY.size)
+                 for i in range(count)]
+        return RemoteRegion(ptr, size, [b for b, _ in pairs], [k for _, k in pairs])
+
+    # --- WRITEs --------------------------------------------------------------------
+
+    def write(self, peer, src, src_offset, dst, dst_offset, length, imm=None):
+        """One WRITE of `length` bytes from src[src_offset:] to dst[dst_offset:]."""
+        for name, value in (("src_offset", src_offset), ("dst_offset", dst_offset)):
+            if not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
+        return self._submit(*self._command(peer, src, np.array([src_offset], np.uint64), dst,
+                                           np.array([dst_offset], np.uint64), length, imm))
+
+    def write_pages(self, peer, src, src_pages, dst, dst_pages, page_size, imm=None):
+        """Page src_pages[i] of `src` to page dst_pages[i] of `dst` (page p: bytes
+        [p*page_size, (p+1)*page_size)), one WRITE each, all posted by the worker."""
+        self._check_ends(peer, src, dst)
+        if not isinstance(page_size, (int, np.integer)) or page_size <= 0:
+            raise ValueError(f"page_size must be a positive integer, not {page_size!r}")
+        src_pages, dst_pages = pages_of(src_pages, "src_pages"), pages_of(dst_pages, "dst_pages")
+        if len(src_pages) != len(dst_pages):
+            raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} "
+                             "destination pages")
+        for pages, region, name in ((src_pages, src, "source"), (dst_pages, dst, "destination")):
+            last = region.size // page_size
+            if len(pages) and pages.max() >= last:
+                raise ValueError(f"{name} page {int(pages.max())} is out of range: the region "
+                                 f"holds {last} pages of {page_size} bytes")
+        return self._submit(*self._command(peer, src, src_pages * np.uint64(page_size), dst,
+                                           dst_pages * np.uint64(page_size), page_size, imm))
+
+    def _check_ends(self, peer, src, dst):
+        if not isinstance(peer, Peer) or self._peers.get(peer.id) is not peer:
+            raise ValueError("that peer is not one of this engine's (use Engine.connect)")
+        if not isinstance(src, Region) or src.engine is not self:
+            raise ValueError("the source must be a region registered by this engine "
+                             "(Engine.register)")
+        if not isinstance(dst, RemoteRegion):
+            raise ValueError("the destination must be a RemoteRegion (Engine.remote)")
+
+    def _command(self, peer, src, src_offsets, dst, dst_offsets, length, imm):
+        """A command for the worker, every argument checked: ValueError, nothing posted."""
+        self._check_ends(peer, src, dst)
+        if not isinstance(length, (int, np.integer)) or not 0 < length <= self.max_write:
+            raise ValueError(f"a WRITE's length must be 1 to {self.max_write} bytes "
+                             f"({self.provider}'s largest), not {length!r}")
+        for offsets, region, name in ((src_offsets, src, "source"),
+                                      (dst_offsets, dst, "destination")):
+            if len(offsets) and int(offsets.max()) + length > region.size:
+                raise ValueError(f"{name} bytes {int(offsets.max())}..{int(offsets.max()) + length}"
+                                 f" are out of range: the region has {region.size}")
+        if imm is not None:
+            bits = 8 * self.cq_data_size
+            if not isinstance(imm, (int, np.integer)) or not 0 <= imm < 1 << bits:
+                raise ValueError(f"imm {imm!r} does not fit the {self.cq_data_size} bytes of "
+                                 f"immediate data {self.provider} carries (0 to {(1 << bits) - 1})")
+        c = _ffi.new("struct tx_command *")
+        src_offsets = np.ascontiguousarray(src_offsets, np.uint64)
+        dst_offsets = np.ascontiguousarray(dst_offsets, np.uint64)
+        c.count, c.length = len(src_offsets), length
+        c.src = _ffi.cast("uint64_t *", src_offsets.ctypes.data)
+        c.dst = _ffi.cast("uint64_t *", dst_offsets.ctypes.data)
+        c.local_base = _ffi.cast("char *", src.ptr)
+        c.local_descs, c.remote_base, c.remote_key = src.descs, dst.bases, dst.keys
+        c.addr = peer.addr
+        c.round_robin = self.spread == "round-robin"
+        c.nic = peer.nic
+        c.has_imm, c.imm = imm is not None, imm or 0
+        return c, (src_offsets, dst_offsets, src, dst, peer)
+
+    def _submit(self, command, keep):
+        self._check()
+        w = self._w
+        if w.head - native.tx_tail(w) >= RING:
+            self._until(lambda: w.head - native.tx_tail(w) < RING, self.timeout,
+                        lambda: f"room in the worker's ring of {RING} commands")
+        t = Transfer(self, command, keep)
+        self._inflight = [x for x in self._inflight if not x.done] + [t]
+        native.tx_submit(w, command)
+        return t
+
+    # --- arrivals ------------------------------------------------------------------
+
+    def expect(self, imm, n, timeout=None):
+        """Wait until `n` WRITEs with immediate `imm` have arrived (from any peer, NIC,
+        in any order), then take them: a later expect(imm, ...) needs new ones."""
+        timeout = self.timeout if timeout is None else timeout
+        taken = self._taken.get(imm, 0)
+        arrived = lambda: native.tx_arrived(self._w, imm) - taken  # noqa: E731
+
+        def why():
+            lost = self._w.imm_lost
+            full = (f"; the arrival table ({IMM_TABLE} values) is full, {lost} arrivals of "
+                    "new values were lost" if lost else "")
+            bad = (f"; {self._w.remote_errors} arrivals failed here: "
+                   f"{_ffi.string(self._w.remote_error).decode(errors='replace')}"
+                   if self._w.remote_errors else "")
+            return (f"{arrived()} of {n} WRITEs with immediate {imm} arrived within "
+                    f"{timeout:g} s{full}{bad}")
+        self._until(lambda: arrived() >= n, timeout, why)
+        self._taken[imm] = taken + n
+
+    # --- control messages ------------------------------------------------------------
+
+    def send(self, peer, data):
+        """SEND `data` (at most fi.max_send bytes) to `peer`'s control endpoint; returns
+        once it completed. It carries our engine id as immediate data."""
+        data = bytes(data)
+        if len(data) > self.max_send:
+            raise ValueError(f"a control message of {len(data)} bytes; at most "
+                             f"{self.max_send} (fabric.max_send)")
+        if not isinstance(peer, Peer) or self._peers.get(peer.id) is not peer:
+            raise ValueError("that peer is not one of this engine's (use Engine.connect)")
+        _ffi.memmove(self._outbox, data, len(data))
+        msg, _keep = fi._msg(self._outbox, len(data), self._outbox_desc, peer.control,
+                             self._send_ctx, self.id & ((1 << 8 * min(4, self.cq_data_size)) - 1))
+        self._sent = False
+        self._until(lambda: fi.posted("fi_sendmsg", lib.fi_sendmsg(
+            self._cep, msg, lib.FI_COMPLETION | lib.FI_REMOTE_CQ_DATA)), self.timeout,
+            lambda: f"control message to peer {peer.index} accepted within {self.timeout:g} s")
+        self._until(lambda: self._sent, self.timeout,
+                    lambda: f"control message to peer {peer.index} completed within "
+                            f"{self.timeout:g} s")
+
+    def recv(self, timeout=None):
+        """(the Peer that sent it, or None if not connected yet, the bytes) of the next
+        control message."""
+        timeout = self.timeout if timeout is None else timeout
+        self._until(lambda: self._messages, timeout,
+                    lambda: f"no control message within {timeout:g} s")
+        ident, data = self._messages.pop(0)
+        mask = (1 << 8 * min(4, self.cq_data_size)) - 1
+        peer = next((p for p in self._peers.values() if p.id & mask == ident), None)
+        return peer, data
+
+    def _pump(self):
+        """Read the control CQ: our SEND's completion, messages that came."""
+        n = fi.cq_read(self._ccq, self._centries)
+        for e in self._centries[0:n]:
+            if fi.key(e.op_context) == fi.key(self._send_ctx):
+                self._sent = True
+                continue
+            i = fi.key(e.op_context) - fi.key(self._recv_ctx)
+            i //= _ffi.sizeof("struct fi_context2")
+            at = self._inboxes + i * self.max_send
+            self._messages.append((e.data if e.flags & lib.FI_REMOTE_CQ_DATA else None,
+                                   _ffi.buffer(at, e.len)[:]))
+            self._post_recv(i)
+        return n
+
+    # --- groups, watching, stats -------------------------------------------------------
+
+    def group(self, peers):
+        return Group(self, peers)
+
+    def watch(self, check):
+        """Call `check()` from every wait (e.g. launch.Group.check: raises when another
+        rank is gone), so a peer that dies is seen at once, not at the timeout."""
+        self._watch.append(check)
+
+    def stats(self):
+        w = self._w
+        return {"posted": w.posted, "completed": w.completed, "eagain": w.eagain,
+                "arrived": w.arrived, "nics": len(self.eps)}
+
+    def _check(self):
+        if self.rc is not None:
+            raise self._failure()
+
+    def _failure(self):
+        if self.error is not None:
+            return self.error
+        w = self._w
+        what = {1: "fi_cq_read", 2: "fi_cq_readerr", 3: "a completion for no WRITE in flight",
+                4: "out of memory"}.get(w.failed_call, "the worker")
+        return TransferError(f"the transfer worker stopped on NIC {w.failed_nic}: {what}: "
+                             f"{fi.strerror(self.rc)} (ret {self.rc})")
+
+    def _until(self, ready, timeout, why):
+        """Wait for `ready()`, reading the control CQ and looking at the worker and the
+        watchers meanwhile; sched_yield first, then sleeps that grow to 1 ms."""
+        deadline = time.monotonic() + timeout
+        spins, nap = 0, 0.0
+        while not ready():
+            self._check()
+            for check in self._watch:
+                check()
+            if self._pump():
+                continue
+            if time.monotonic() > deadline:
+                raise TimeoutError(why())
+            spins += 1
+            if spins < 200:
+                os.sched_yield()
+            else:
+                nap = min(max(2 * nap, 20e-6), 1e-3)
+                time.sleep(nap)
+
+
+def pages_of(pages, name):
+    array = np.asarray(pages)
+    if array.ndim != 1 or (len(array) and not np.issubdtype(array.dtype, np.integer)):
+        raise ValueError(f"{name} must be a sequence of page numbers")
+    if len(array) and array.min() < 0:
+        raise ValueError(f"{name} has a negative page ({int(array.min())})")
+    return array.astype(np.uint64)
+
+
+def buffer_of(array):
+    """(address, bytes, GPU or None) of a numpy, cupy or torch array, which must be
+    contiguous (a registration is one range)."""
+    if isinstance(array, np.ndarray):
+        if not array.flags.c_contiguous:
+            raise ValueError("the array must be contiguous")
+        return array.ctypes.data, array.nbytes, None
+    if hasattr(array, "data_ptr") and hasattr(array, "is_contiguous"):  # torch
+        if not array.is_contiguous():
+            raise ValueError("the tensor must be contiguous")
+        gpu = array.device.index if array.is_cuda else None
+        return array.data_ptr(), array.numel() * array.element_size(), gpu
+    if hasattr(array, "data") and hasattr(array, "device") and hasattr(array.data, "ptr"):
+        if not array.flags.c_contiguous:  # cupy
+            raise ValueError("the array must be contiguous")
+        return array.data.ptr, array.nbytes, array.device.id
+    raise ValueError(f"cannot register a {type(array).__name__}: numpy, cupy or torch arrays")
+
+
+def per_peer_nic(a, b, count):
+    """The NIC both ends of a pair use with spread='per-peer' (one rail per pair): a hash
+    of the two ids, the same from either end, spreading a node's peers over its NICs."""
+    low, high = sorted((a, b))
+    return zlib.crc32(struct.pack("<II", low, high)) % count
+
+
+def engine_nics(head, gpu, count):
+    """(fi_info per NIC, a line saying which): the GPU's NICs by chapter 08's topology
+    (as common/moe/proxy.py's proxy_nics picks them, this process's place from the
+    launcher's variables), or `count` (default 1) virtual NICs where none has a PCI
+    address."""
+    from common import launch
+    from common.moe.proxy import proxy_nics
+    place = launch.place_from_environment()
+    return proxy_nics(head, place, gpu, count)
+
+
+def worker_cores(gpu):
+    """The cores of the GPU's NUMA node (chapter 12), or None: best effort."""
+    if gpu is None:
+        return None
+    try:
+        from common.engine import topo
+        buses, _ = topo.gpus_here()
+        gpus = topo.layout(buses, [])
+        cores = set(gpus[gpu].cores) & os.sched_getaffinity(0)
+        return cores or None
+    except Exception:  # no topology here: the scheduler decides
+        return None

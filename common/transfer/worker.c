@@ -1,0 +1,345 @@
+/* cdef
+struct tx_command {             // one transfer: `count` WRITEs of `length` bytes to one peer
+    uint64_t count, length;
+    uint64_t *src, *dst;            // byte offsets into the local and the remote region
+    char *local_base;               // the local region (its virtual address) ...
+    void **local_descs;             // ... and its descriptor on each NIC
+    uint64_t *remote_base, *remote_key;  // the remote region on each of the peer's NICs
+    fi_addr_t *addr;                // the peer's NIC i in our NIC i's AV
+    uint32_t nic;                   // the NIC of every WRITE (per-peer spread) ...
+    uint32_t round_robin;           // ... or 1: each WRITE to the next NIC
+    uint64_t imm;                   // immediate data of every WRITE, when has_imm
+    uint32_t has_imm;
+    // progress, written by the worker
+    uint64_t posted, completed, skipped; // skipped: not posted after the command failed
+    int32_t status;                 // 0, or the first failure (a negative fi_errno) ...
+    uint32_t failed_nic;
+    char error[200];                // ... and its text (the provider's, fi_cq_strerror)
+};
+struct tx_worker {
+    uint32_t nics;
+    struct fid_ep **eps;            // per NIC: the data endpoint ...
+    struct fid_cq **cqs;            // ... and its CQ
+    uint32_t slots;                 // WRITEs one NIC may have in flight (a CQ entry each)
+    struct tx_command **ring;       // commands Python queued, a power of two of them
+    uint64_t ring_size;
+    uint64_t head;                  // commands queued (Python, through tx_submit)
+    uint64_t tail;                  // commands whose WRITEs have all been posted (worker)
+    uint64_t posted, completed, eagain, arrived;  // totals, for stats()
+    uint64_t *imm_keys;             // the arrival table: immediate value ...
+    uint64_t *imm_counts;           // ... how many WRITEs carried it ...
+    uint8_t *imm_used;              // ... and whether the slot holds one (open addressing)
+    uint32_t imm_size;              // a power of two
+    uint64_t imm_lost;              // arrivals of a new value while the table was full
+    uint64_t remote_errors;         // error entries for no WRITE of ours (a peer's failed one)
+    char remote_error[200];
+    uint32_t nap_us;                // sleep this long when idle a while (0: only yield)
+    int stop;                       // set by Python to end the loop
+    int failed_call;                // 1: fi_cq_read, 2: fi_cq_readerr, 3: a stray completion,
+    uint32_t failed_nic;            // 4: out of memory
+    int rc;
+    void *state;                    // what tx_run allocates (after pinning), tx_free frees
+};
+int tx_run(struct tx_worker *w);
+void tx_free(struct tx_worker *w);
+void tx_submit(struct tx_worker *w, struct tx_command *c);
+uint64_t tx_tail(struct tx_worker *w);
+uint64_t tx_done(struct tx_command *c);
+int32_t tx_status(struct tx_command *c);
+uint64_t tx_arrived(struct tx_worker *w, uint64_t imm);
+uint64_t tx_hash(uint64_t imm, uint32_t size);
+*/
+/* The transfer engine's worker: one thread per GPU that owns its NICs' data path.
+ *
+ * What chapters 09-15 taught, in one loop. Python queues commands in a ring
+ * (tx_submit): "these WRITEs, offsets in two arrays, to that peer, each with
+ * this immediate"; the worker posts them lazily (chapter 15): first it reaps
+ * every NIC's CQ, then it posts a batch, and after the provider said
+ * -FI_EAGAIN only as many as completed, so refused posts do not pile up;
+ * each WRITE goes to the next NIC (round-robin) or the peer's one (per-peer).
+ * A local completion advances its command; an arrival with immediate data
+ * (FI_REMOTE_CQ_DATA) adds one to that value's count in the arrival table,
+ * which Python reads (tx_arrived): whoever waits for n WRITEs counts them,
+ * in any order, from any NIC. A failed WRITE's error entry (fi_cq_readerr)
+ * is kept in its command, in the provider's words, for Python to raise.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <sched.h>
+#include <time.h>
+#include <rdma/fi_rma.h>
+
+#define TX_BATCH 64     /* CQ entries read at once; WRITEs posted per visit while not refused */
+#define TX_IDLE 1024    /* idle visits before the worker naps instead of only yielding */
+
+struct tx_slot {
+    struct fi_context2 context;     /* first: the completion's op_context points here */
+    struct tx_command *command;
+};
+
+struct tx_state {
+    struct tx_slot *slots;          /* [nics][slots] */
+    uint32_t *free_slots;           /* [nics][slots]: free slot indices of each NIC */
+    uint32_t *nfree;                /* [nics] */
+    uint64_t op;                    /* next WRITE of the command at tail */
+    uint32_t next_nic;              /* round-robin */
+    int refused;                    /* the provider said -FI_EAGAIN since the last completion */
+};
+
+uint64_t tx_hash(uint64_t imm, uint32_t size)
+{
+    return (imm * 0x9E3779B97F4A7C15ull >> 32) & (size - 1);
+}
+
+/* One more WRITE with immediate `imm` arrived. The worker is the table's only writer:
+   the key is written before the slot is marked used (release), the count after. */
+static void tx_note(struct tx_worker *w, uint64_t imm)
+{
+    w->arrived++;
+    uint64_t at = tx_hash(imm, w->imm_size);
+    for (uint32_t probe = 0; probe < w->imm_size; probe++, at = (at + 1) & (w->imm_size - 1)) {
+        if (!w->imm_used[at]) {
+            w->imm_keys[at] = imm;
+            __atomic_store_n(&w->imm_used[at], 1, __ATOMIC_RELEASE);
+        } else if (w->imm_keys[at] != imm) {
+            continue;
+        }
+        __atomic_add_fetch(&w->imm_counts[at], 1, __ATOMIC_RELEASE);
+        return;
+    }
+    __atomic_add_fetch(&w->imm_lost, 1, __ATOMIC_RELEASE);  /* full: Python says so */
+}
+
+/* How many WRITEs with immediate `imm` have arrived so far (Python's side). */
+uint64_t tx_arrived(struct tx_worker *w, uint64_t imm)
+{
+    uint64_t at = tx_hash(imm, w->imm_size);
+    for (uint32_t probe = 0; probe < w->imm_size; probe++, at = (at + 1) & (w->imm_size - 1)) {
+        if (!__atomic_load_n(&w->imm_used[at], __ATOMIC_ACQUIRE))
+            return 0;
+        if (w->imm_keys[at] == imm)
+            return __atomic_load_n(&w->imm_counts[at], __ATOMIC_ACQUIRE);
+    }
+    return 0;
+}
+
+static void tx_fail(struct tx_command *c, uint32_t nic, int rc, const char *text)
+{
+    if (c->status)
+        return;  /* the first failure is the one reported */
+    strncpy(c->error, text, sizeof c->error - 1);
+    c->failed_nic = nic;
+    __atomic_store_n(&c->status, rc ? rc : -FI_EOTHER, __ATOMIC_RELEASE);
+}
+
+static void tx_complete(struct tx_worker *w, struct tx_command *c)
+{
+    __atomic_add_fetch(&c->completed, 1, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&w->completed, 1, __ATOMIC_RELEASE);
+}
+
+/* Read one NIC's CQ. Returns our WRITEs completed (room for as many), or < 0. */
+static ssize_t tx_reap(struct tx_worker *w, struct tx_state *s, uint32_t nic)
+{
+    struct fi_cq_data_entry entries[TX_BATCH];
+    ssize_t n = fi_cq_read(w->cqs[nic], entries, TX_BATCH);
+    if (n == -FI_EAGAIN)
+        return 0;
+    if (n == -FI_EAVAIL) {  /* a failed operation: its entry, in the provider's words */
+        struct fi_cq_err_entry err;
+        memset(&err, 0, sizeof err);
+        ssize_t rc = fi_cq_readerr(w->cqs[nic], &err, 0);
+        if (rc == -FI_EAGAIN)
+            return 0;
+        if (rc < 0) {
+            w->failed_call = 2;
+            return rc;
+        }
+        char text[200];
+        const char *said = fi_cq_strerror(w->cqs[nic], err.prov_errno, err.err_data,
+                                          text, sizeof text);
+        if (!said || !*said)
+            said = fi_strerror(err.err);
+        struct tx_slot *slot = err.op_context;
+        struct tx_slot *first = &s->slots[(size_t)nic * w->slots];
+        if (slot < first || slot >= first + w->slots || !slot->command) {
+            /* no WRITE of ours: a peer's WRITE that failed here (it sees its own error) */
+            strncpy(w->remote_error, said, sizeof w->remote_error - 1);
+            __atomic_add_fetch(&w->remote_errors, 1, __ATOMIC_RELEASE);
+            return 0;
+        }
+        struct tx_command *c = slot->command;
+        tx_fail(c, nic, -(int)err.err, said);
+        slot->command = NULL;
+        s->free_slots[(size_t)nic * w->slots + s->nfree[nic]++] = (uint32_t)(slot - first);
+        tx_complete(w, c);
+        return 1;
+    }
+    if (n < 0) {
+        w->failed_call = 1;
+        return n;
+    }
+    ssize_t ours = 0;
+    struct tx_slot *first = &s->slots[(size_t)nic * w->slots];
+    for (ssize_t i = 0; i < n; i++) {
+        if (entries[i].flags & FI_REMOTE_CQ_DATA) {
+            tx_note(w, entries[i].data);
+            continue;
+        }
+        struct tx_slot *slot = entries[i].op_context;
+        if (slot < first || slot >= first + w->slots || !slot->command) {
+            w->failed_call = 3;
+            return -FI_EOTHER;
+        }
+        struct tx_command *c = slot->command;
+        slot->command = NULL;
+        s->free_slots[(size_t)nic * w->slots + s->nfree[nic]++] = (uint32_t)(slot - first);
+        tx_complete(w, c);
+        ours++;
+    }
+    return ours;
+}
+
+/* Post up to `budget` WRITEs of the queued commands, in order. Stops at the first
+   -FI_EAGAIN (counted, and remembered: then only as many as complete are posted) or
+   when the NIC a WRITE needs has every slot in flight. Returns how many were posted. */
+static uint64_t tx_post(struct tx_worker *w, struct tx_state *s, uint64_t budget)
+{
+    uint64_t done = 0;
+    uint64_t head = __atomic_load_n(&w->head, __ATOMIC_ACQUIRE);
+    while (done < budget && w->tail < head) {
+        struct tx_command *c = w->ring[w->tail & (w->ring_size - 1)];
+        if (c->status || s->op >= c->count) {  /* finished posting it (or it failed) */
+            if (s->op < c->count)
+                __atomic_store_n(&c->skipped, c->count - s->op, __ATOMIC_RELEASE);
+            s->op = 0;
+            __atomic_store_n(&w->tail, w->tail + 1, __ATOMIC_RELEASE);
+            continue;
+        }
+        uint32_t nic = c->round_robin ? s->next_nic : c->nic;
+        if (!s->nfree[nic])
+            break;  /* that NIC is full: its completions make room */
+        uint32_t index = s->free_slots[(size_t)nic * w->slots + s->nfree[nic] - 1];
+        struct tx_slot *slot = &s->slots[(size_t)nic * w->slots + index];
+        uint64_t op = s->op;
+        struct iovec iov = { c->local_base + c->src[op], c->length };
+        struct fi_rma_iov rma = { c->remote_base[nic] + c->dst[op], c->length,
+                                  c->remote_key[nic] };
+        struct fi_msg_rma msg = { &iov, &c->local_descs[nic], 1, c->addr[nic], &rma, 1,
+                                  &slot->context, c->imm };
+        uint64_t flags = FI_COMPLETION | (c->has_imm ? FI_REMOTE_CQ_DATA : 0);
+        ssize_t rc = fi_writemsg(w->eps[nic], &msg, flags);
+        if (rc == -FI_EAGAIN) {
+            w->eagain++;
+            s->refused = 1;
+            break;
+        }
+        if (rc) {
+            tx_fail(c, nic, (int)rc, fi_strerror((int)-rc));
+            continue;  /* the rest of it is skipped above */
+        }
+        slot->command = c;
+        s->nfree[nic]--;
+        s->op++;
+        __atomic_store_n(&c->posted, c->posted + 1, __ATOMIC_RELEASE);
+        w->posted++;
+        done++;
+        if (c->round_robin)
+            s->next_nic = (s->next_nic + 1) % w->nics;
+    }
+    return done;
+}
+
+static struct tx_state *tx_alloc(struct tx_worker *w)
+{
+    struct tx_state *s = calloc(1, sizeof *s);
+    size_t all = (size_t)w->nics * w->slots;
+    if (!s || !(s->slots = calloc(all, sizeof *s->slots))
+        || !(s->free_slots = calloc(all, sizeof *s->free_slots))
+        || !(s->nfree = calloc(w->nics, sizeof *s->nfree)))
+        return s;
+    for (uint32_t nic = 0; nic < w->nics; nic++) {
+        for (uint32_t i = 0; i < w->slots; i++)
+            s->free_slots[(size_t)nic * w->slots + i] = w->slots - 1 - i;
+        s->nfree[nic] = w->slots;
+    }
+    return s;
+}
+
+/* The loop, until Python sets stop or a call fails. Its memory is allocated here, by
+   the (pinned) thread that uses it (chapter 12), and freed by tx_free once the
+   endpoints are closed: a WRITE still in flight owns its context until then. */
+int tx_run(struct tx_worker *w)
+{
+    struct tx_state *s = w->state = tx_alloc(w);
+    if (!s || !s->nfree) {
+        w->failed_call = 4;
+        return w->rc = -FI_ENOMEM;
+    }
+    unsigned idle = 0;
+    while (!__atomic_load_n(&w->stop, __ATOMIC_ACQUIRE)) {
+        ssize_t room = 0;
+        for (uint32_t nic = 0; nic < w->nics; nic++) {
+            uint64_t arrived = w->arrived;
+            ssize_t n = tx_reap(w, s, nic);
+            if (n < 0) {
+                w->failed_nic = nic;
+                return w->rc = (int)n;
+            }
+            room += n;
+            idle = (n || w->arrived != arrived) ? 0 : idle;
+        }
+        if (room || w->posted == w->completed)
+            s->refused = 0;  /* completions: room again (chapter 15); or nothing in flight
+                                that could make room (a connection still being set up) */
+        uint64_t posted = tx_post(w, s, s->refused ? (uint64_t)room : TX_BATCH);
+        if (posted || room) {
+            idle = 0;
+            continue;
+        }
+        if (++idle < TX_IDLE || !w->nap_us) {
+            sched_yield();  /* nothing to do: let the other threads of a busy host run */
+        } else {
+            struct timespec nap = { 0, (long)w->nap_us * 1000 };
+            nanosleep(&nap, NULL);
+        }
+    }
+    return 0;
+}
+
+void tx_free(struct tx_worker *w)
+{
+    struct tx_state *s = w->state;
+    if (s) {
+        free(s->slots);
+        free(s->free_slots);
+        free(s->nfree);
+        free(s);
+    }
+    w->state = NULL;
+}
+
+/* Python's half: queue one command. The caller checked there is room
+   (head - tx_tail() < ring_size). */
+void tx_submit(struct tx_worker *w, struct tx_command *c)
+{
+    w->ring[w->head & (w->ring_size - 1)] = c;
+    __atomic_store_n(&w->head, w->head + 1, __ATOMIC_RELEASE);
+}
+
+uint64_t tx_tail(struct tx_worker *w)
+{
+    return __atomic_load_n(&w->tail, __ATOMIC_ACQUIRE);
+}
+
+/* WRITEs of the command that are over: completed (well or not) or never posted. */
+uint64_t tx_done(struct tx_command *c)
+{
+    return __atomic_load_n(&c->completed, __ATOMIC_ACQUIRE)
+           + __atomic_load_n(&c->skipped, __ATOMIC_ACQUIRE);
+}
+
+int32_t tx_status(struct tx_command *c)
+{
+    return __atomic_load_n(&c->status, __ATOMIC_ACQUIRE);
+}
