@@ -175,6 +175,7 @@ class Engine:
         if nics is not None and nics < 1:
             raise ValueError(f"nics must be at least 1, not {nics}")
         self.timeout, self.gpu, self.spread = timeout, gpu, spread
+        memory.use_gpu(gpu)  # no cupy, no such GPU: one line, before anything is opened
         info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA, hmem=gpu is not None)
         self.provider = fi.provider_of(info)
         self.infos, self.nics = engine_nics(info, gpu, nics)

@@ -1,0 +1,181 @@
+"""The transfer engine (common/transfer) on shm and tcp: WRITEs checked byte for byte
+between two ranks with one and two virtual NICs and both spreads, immediates counted in
+any order, scatter and barrier on 2, 4 and 8 ranks, refusals in one line before anything
+is posted, and a peer killed mid-transfer seen by the survivor."""
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import common.fabric as fi
+from common.patience import patience
+from scripts.pair import ROOT, local_env
+
+transfer = pytest.importorskip("common.transfer")  # skipped only if the worker is not built
+from common.transfer import Engine, TransferError  # noqa: E402
+
+LAUNCH = str(ROOT / "scripts" / "launch.py")
+RANKS = str(ROOT / "tests" / "transfer_ranks.py")
+LIMIT = patience(180)  # seconds for a whole launch, 8 tcp ranks on 2 busy cores included
+
+
+def launched(ranks, *args, grace=10):
+    return subprocess.run([sys.executable, LAUNCH, "-n", str(ranks), "--grace", str(grace),
+                           RANKS, *args], capture_output=True, text=True, env=local_env(),
+                          timeout=LIMIT, cwd=ROOT)
+
+
+@pytest.mark.parametrize("provider,nics,spread", [
+    ("shm", 1, "round-robin"), ("shm", 2, "round-robin"), ("shm", 2, "per-peer"),
+    ("tcp", 2, "round-robin"), ("tcp", 2, "per-peer")])
+def test_writes_arrive_byte_for_byte_and_immediates_in_any_order(provider, nics, spread):
+    done = launched(2, "pair", "-p", provider, "--nics", str(nics), "--spread", spread)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert f"{nics} virtual NIC" in out
+    assert "[1] single WRITE: wrong bytes: 0" in out
+    assert "[1] paged WRITEs: 256 pages: wrong bytes: 0" in out
+    # expected in another order than written (10, 11, 12, 10, 13, 11), two batches each for 10, 11
+    found = re.findall(r"^\[1\] expected (\d+) WRITEs with immediate (\d+)$", out, re.M)
+    assert found == [("3", "12"), ("44", "11"), ("200", "13"), ("9", "10")]
+    assert "[1] again: 0 of 1 WRITEs with immediate 10 arrived within 0.2 s" in out
+    assert "[0] wrote 257 WRITEs; stats {'posted': 257, 'completed': 257" in out
+    assert "[0] control: rank 1 saw 0 wrong bytes; unknown sender -> None" in out
+    assert "[1] control reply: bye" in out
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_scatter_and_barriers_on_groups(ranks, provider):
+    done = launched(ranks, "group", "-p", provider)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    for r in range(ranks):
+        assert f"[{r}] scatter of 3000 bytes from {ranks} ranks: wrong bytes: 0" in out, out
+        # a scatter to every rank and 3 barriers: 4 WRITEs out and 4 in per member
+        assert re.search(rf"^\[{r}\] barriers: 3 passed; stats \{{'posted': {4 * ranks}, "
+                         rf"'completed': {4 * ranks}, 'eagain': \d+, 'arrived': {4 * ranks}",
+                         out, re.M), out
+
+
+@pytest.mark.parametrize("watch", [False, True], ids=["alone", "watching-the-group"])
+def test_a_peer_killed_mid_transfer_is_seen(provider, watch):
+    """Without watching the group, the survivor sees it by itself: tcp fails the WRITEs,
+    shm's never complete (a timeout); watching, at once (PeerGone). A grace longer than
+    the timeout: the launcher's SIGTERM would end the survivor before it says so."""
+    done = launched(2, "kill", "-p", provider, "--timeout", "2", *(["--watch"] * watch),
+                    grace=patience(60))
+    assert done.returncode != 0
+    assert "[1] got the first round; dying" in done.stdout, done.stdout + done.stderr
+    line = re.search(r"^\[0\] survivor: .*$", done.stdout, re.M)
+    assert line, done.stdout + done.stderr
+    if watch:
+        assert "PeerGone: stopping: rank 1 is gone" in line[0] or "TransferError" in line[0]
+    else:
+        assert ("TransferError: WRITE on NIC 0 failed" in line[0]
+                or "TimeoutError: 2048 WRITEs not completed" in line[0]), line[0]
+    assert "rank 1 was killed by SIGKILL" in done.stderr
+
+
+# --- one process: refusals, the arrival table ---------------------------------------------
+
+@pytest.fixture
+def engine():
+    with fi.Closer() as own:
+        eng = Engine(own, provider="shm", nics=2, timeout=patience(10))
+        yield own, eng
+
+
+def one_line(excinfo, pattern):
+    text = str(excinfo.value)
+    assert "\n" not in text and pattern in text, text
+
+
+def test_bad_input_is_refused_in_one_line_and_nothing_is_posted(engine):
+    own, eng = engine
+    me = eng.connect(eng.address())
+    src = eng.register(np.zeros(8 * 4096, np.uint8))
+    dst = eng.remote(eng.register(np.zeros(4 * 4096, np.uint8)).descriptor())
+    other = Engine(own, provider="shm", nics=2, timeout=5)
+    foreign = other.register(np.zeros(4096, np.uint8))
+    one_nic = Engine(own, provider="shm", nics=1, timeout=5)
+    cases = [
+        (lambda: eng.remote(b"\x00" * 10), "not a region descriptor (10 bytes)"),
+        (lambda: eng.remote(src.descriptor()[:-3]), "not a region descriptor"),
+        (lambda: eng.remote(one_nic.register(np.zeros(64, np.uint8)).descriptor()),
+         "registered on 1 NICs, this engine has 2"),
+        (lambda: eng.connect(b"junk"), "not an engine's address (4 bytes)"),
+        (lambda: eng.connect(one_nic.address()), "that engine has 1 NICs and this one 2"),
+        (lambda: eng.write_pages(me, src, [0, 8], dst, [0, 1], 4096), "source page 8 is out of range"),
+        (lambda: eng.write_pages(me, src, [0, 1], dst, [3, 4], 4096),
+         "destination page 4 is out of range"),
+        (lambda: eng.write_pages(me, src, [0], dst, [0, 1], 4096), "1 source pages but 2"),
+        (lambda: eng.write_pages(me, src, [-1], dst, [0], 4096), "negative page"),
+        (lambda: eng.write_pages(me, src, [0], dst, [0], 0), "page_size must be a positive"),
+        (lambda: eng.write(me, src, 0, dst, 0, 1, imm=1 << 64), "does not fit the 8 bytes"),
+        (lambda: eng.write(me, src, 0, dst, 0, 1, imm=-1), "does not fit"),
+        (lambda: eng.write(me, src, 0, dst, 0, 0), "length must be 1 to"),
+        (lambda: eng.write(me, src, 0, dst, 1, 4 * 4096), "destination bytes 1..16385 are out"),
+        (lambda: eng.write(me, src, 8 * 4096, dst, 0, 1), "source bytes 32768..32769"),
+        (lambda: eng.write(me, foreign, 0, dst, 0, 1), "a region registered by this engine"),
+        (lambda: eng.write(me, src, 0, src, 0, 1), "must be a RemoteRegion"),
+        (lambda: other.write(me, foreign, 0, dst, 0, 1), "not one of this engine's"),
+        (lambda: eng.send(me, b"x" * (fi.FALLBACK_MTU + 1)), "at most"),
+        (lambda: eng.register([1, 2, 3]), "cannot register a list"),
+        (lambda: eng.register(np.zeros((4, 4), np.uint8)[:, 1]), "must be contiguous"),
+    ]
+    for call, pattern in cases:
+        with pytest.raises(ValueError) as excinfo:
+            call()
+        one_line(excinfo, pattern)
+    assert eng.stats()["posted"] == 0
+
+
+def test_bad_engine_arguments_are_refused_before_anything_opens():
+    with fi.Closer() as own:
+        for kwargs, pattern in [({"spread": "sideways"}, "spread must be one of"),
+                                ({"nics": 0}, "nics must be at least 1"),
+                                ({"provider": "nope"}, "unknown provider 'nope'"),
+                                ({"gpu": 99}, "")]:
+            with pytest.raises(ValueError) as excinfo:
+                Engine(own, provider=kwargs.pop("provider", "shm"), **kwargs)
+            one_line(excinfo, pattern)
+
+
+def test_writes_to_itself_and_the_arrival_table_when_full(monkeypatch):
+    """A full table says so (the values that did not fit are lost, not miscounted)."""
+    monkeypatch.setattr(transfer, "IMM_TABLE", 4)
+    with fi.Closer() as own:
+        eng = Engine(own, provider="shm", timeout=patience(10))
+        me = eng.connect(eng.address())
+        data = np.random.default_rng(3).integers(0, 256, 6 * 512, dtype=np.uint8)
+        src, out = eng.register(data), np.zeros(6 * 512, np.uint8)
+        dst = eng.remote(eng.register(out).descriptor())
+        for imm in range(6):
+            eng.write_pages(me, src, [imm], dst, [5 - imm], 512, imm=100 + imm).wait()
+        assert int(np.count_nonzero(out.reshape(6, 512)[::-1] != data.reshape(6, 512))) == 0
+        for imm in range(4):
+            eng.expect(100 + imm, 1, patience(5))
+        with pytest.raises(TimeoutError) as excinfo:
+            eng.expect(104, 1, 0.2)
+        one_line(excinfo, "0 of 1 WRITEs with immediate 104 arrived within 0.2 s; the arrival "
+                          "table (4 values) is full, 2 arrivals of new values were lost")
+        assert eng.stats()["arrived"] == 6
+
+
+def test_a_failed_write_raises_the_providers_text():
+    """A WRITE to a region whose key the peer never had: tcp closes the connection (its
+    WRITEs fail with the provider's text) or the target drops it (shm): a TransferError or
+    the timeout, never a success."""
+    with fi.Closer() as own:
+        eng = Engine(own, provider="tcp", timeout=patience(5))
+        me = eng.connect(eng.address())
+        src = eng.register(np.zeros(4096, np.uint8))
+        good = eng.register(np.zeros(4096, np.uint8)).descriptor()
+        bad = bytearray(good)
+        bad[-8:] = (12345).to_bytes(8, "little")  # a key no registration has
+        t = eng.write(me, src, 0, eng.remote(bytes(bad)), 0, 4096, imm=9)
+        with pytest.raises((TransferError, TimeoutError)):
+            t.wait(patience(3))
+            eng.expect(9, 1, patience(3))

@@ -1,0 +1,154 @@
+"""A rank of the transfer engine's tests (tests/test_transfer.py), started by scripts/launch.py.
+
+    .venv/bin/python scripts/launch.py -n 2 tests/transfer_ranks.py pair -p shm --nics 2
+    .venv/bin/python scripts/launch.py -n 4 tests/transfer_ranks.py group -p tcp
+    .venv/bin/python scripts/launch.py -n 2 tests/transfer_ranks.py kill -p shm [--watch]
+
+Addresses and region descriptors travel through launch.Group.allgather. Every check
+prints a line the test reads ("wrong bytes: N", "expected ...", "survivor: ...").
+"""
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np  # noqa: E402
+
+import common.fabric as fi  # noqa: E402
+from common import launch  # noqa: E402
+from common.patience import patience  # noqa: E402
+from common.transfer import Engine  # noqa: E402
+
+PAGE = 4096
+
+
+def seeded(seed, size):
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def pair(eng, group, args):
+    """Rank 0 writes into rank 1: one WRITE, paged WRITEs, immediates interleaved."""
+    me, other = group.rank, 1 - group.rank
+    addresses = group.allgather(eng.address())
+    peer = eng.connect(addresses[other])
+    pages = 256
+    src = seeded([1, me], pages * PAGE)
+    dst, single = np.zeros(pages * PAGE, np.uint8), np.zeros(20000, np.uint8)
+    regions = [eng.register(src), eng.register(dst), eng.register(single)]
+    theirs = [eng.remote(d) for d in group.allgather(regions[1].descriptor())]
+    singles = [eng.remote(d) for d in group.allgather(regions[2].descriptor())]
+    timeout = patience(args.timeout)
+    rng = np.random.default_rng(7)
+    order = rng.permutation(pages)  # where page i of src lands: page order[i] of dst
+    batches = [(10, range(0, 5)), (11, range(5, 12)), (12, range(12, 15)), (10, range(15, 19)),
+               (13, range(19, 219)), (11, range(219, 256))]
+    if me == 0:
+        eng.write(peer, regions[0], 100, singles[other], 12345, 5000, imm=1).wait(timeout)
+        transfers = [eng.write_pages(peer, regions[0], list(p), theirs[other], order[list(p)],
+                                     PAGE, imm=imm) for imm, p in batches]
+        for t in transfers:
+            t.wait(timeout)
+        print(f"wrote {sum(t.count for t in transfers) + 1} WRITEs; stats {eng.stats()}",
+              flush=True)
+        _, text = eng.recv(timeout)  # rank 1's verdict, as a control message
+        peer_of, _ = eng.recv(timeout)  # from an engine this one never connected
+        print(f"control: {text.decode()}; unknown sender -> {peer_of}", flush=True)
+        eng.send(peer, b"bye")
+    else:
+        eng.expect(1, 1, timeout)
+        wrong = int(np.count_nonzero(single[12345:12345 + 5000] != seeded([1, 0], pages * PAGE)[100:5100]))
+        wrong += int(np.count_nonzero(single[:12345])) + int(np.count_nonzero(single[17345:]))
+        print(f"single WRITE: wrong bytes: {wrong}", flush=True)
+        # other order than they were written: 12, then 11 (two batches), 13, 10 (two)
+        for imm, n in ((12, 3), (11, 7 + 37), (13, 200), (10, 5 + 4)):
+            eng.expect(imm, n, timeout)
+            print(f"expected {n} WRITEs with immediate {imm}", flush=True)
+        try:
+            eng.expect(10, 1, 0.2)
+        except TimeoutError as e:
+            print(f"again: {e}", flush=True)
+        source = seeded([1, 0], pages * PAGE).reshape(pages, PAGE)
+        wrong = int(np.count_nonzero(dst.reshape(pages, PAGE)[order] != source))
+        print(f"paged WRITEs: {pages} pages: wrong bytes: {wrong}", flush=True)
+        eng.send(peer, f"rank 1 saw {wrong} wrong bytes".encode())
+        with fi.Closer() as own:  # an engine rank 0 has not connected to
+            stranger = Engine(own, provider=args.provider, nics=args.nics, timeout=timeout)
+            stranger.send(stranger.connect(addresses[0]), b"hi")
+        print(f"control reply: {eng.recv(timeout)[1].decode()}", flush=True)
+
+
+def groups(eng, group, args):
+    """Every rank scatters a slice to every rank (itself too), then barriers."""
+    world, me = group.world, group.rank
+    peers = [eng.connect(a) for a in group.allgather(eng.address())]
+    length = args.length
+    src = seeded([2, me], world * length)
+    inboxes = [np.zeros(length, np.uint8) for _ in range(world)]  # inboxes[r]: from rank r
+    regions = [eng.register(src)] + [eng.register(box) for box in inboxes]
+    descriptors = [launch._unpack_list(d) for d in
+                   group.allgather(launch._pack_list([r.descriptor() for r in regions[1:]]))]
+    # member i's inbox for what this rank sends
+    dsts = [eng.remote(descriptors[i][me]) for i in range(world)]
+    g = eng.group(peers)
+    timeout = patience(args.timeout)
+    t = g.scatter(regions[0], dsts, length, imm=20)
+    eng.expect(20, world, timeout)
+    t.wait(timeout)
+    wrong = sum(int(np.count_nonzero(inboxes[r] != seeded([2, r], world * length)
+                                     [me * length:(me + 1) * length])) for r in range(world))
+    print(f"scatter of {length} bytes from {world} ranks: wrong bytes: {wrong}", flush=True)
+    for round_ in range(3):
+        g.barrier(30 + round_, timeout)
+    print(f"barriers: 3 passed; stats {eng.stats()}", flush=True)
+    group.barrier()
+
+
+def kill(eng, group, args):
+    """Rank 1 dies (SIGKILL) while rank 0 writes pages into it; rank 0 must see it."""
+    me, other = group.rank, 1 - group.rank
+    peer = eng.connect(group.allgather(eng.address())[other])
+    pages = 2048
+    buf = np.zeros(pages * PAGE, np.uint8)
+    region = eng.register(buf)
+    theirs = eng.remote(group.allgather(region.descriptor())[other])
+    timeout = patience(args.timeout)
+    if args.watch:
+        eng.watch(group.check)
+    if me == 1:
+        eng.expect(5, pages, timeout)
+        print("got the first round; dying", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    try:
+        for round_ in range(10 ** 6):
+            eng.write_pages(peer, region, range(pages), theirs, range(pages), PAGE,
+                            imm=5).wait(timeout)
+    except Exception as e:  # what the survivor says: one line
+        print(f"survivor: after {time.monotonic() - started:.1f} s, round {round_}: "
+              f"{type(e).__name__}: {e}", flush=True)
+        sys.exit(1)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["pair", "group", "kill"])
+    p.add_argument("-p", "--provider", default="shm")
+    p.add_argument("--nics", type=int, default=1)
+    p.add_argument("--spread", default="round-robin")
+    p.add_argument("--length", type=int, default=3000)
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--watch", action="store_true")
+    args = p.parse_args()
+    with launch.Group(launch.place_from_environment(), timeout=patience(60)) as group, \
+            fi.Closer() as own:
+        eng = Engine(own, provider=args.provider, nics=args.nics, spread=args.spread,
+                     timeout=patience(args.timeout))
+        print(f"engine: {eng.provider}, {eng.nics}, {args.spread}", flush=True)
+        {"pair": pair, "group": groups, "kill": kill}[args.mode](eng, group, args)
+
+
+if __name__ == "__main__":
+    main()
