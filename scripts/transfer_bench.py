@@ -1,0 +1,182 @@
+"""The transfer engine's benchmark: rank 0 writes paged WRITEs into rank 1, which expects them.
+
+Two processes (this script starts them through common/launch.py, or run it under
+scripts/launch.py -n 2). For each page size and page count, rank 0 hands the engine's
+worker one write_pages of that many pages, every WRITE with the same immediate, and
+times it from the call to its last completion (the series counts on the writer); rank 1
+expects that many immediates, then says "ready" for the next repeat. The median of the
+repeats is reported as Gbps and Mpps, next to fabtests' `fi_rma_bw -o writedata` at each
+size on the same provider, measured in the same run where it is found (bench.tools_prefix).
+Each size's data is checked once (seeded pages, wrong bytes counted).
+
+    .venv/bin/python scripts/transfer_bench.py -p shm
+    .venv/bin/python scripts/transfer_bench.py -p tcp --page-sizes 4K,64K --pages 100 --repeats 5 --json
+    .venv/bin/python scripts/transfer_bench.py -p shm --nics 2 --spread per-peer
+"""
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import numpy as np  # noqa: E402
+
+from common import launch  # noqa: E402
+from common.patience import patience  # noqa: E402
+
+CAP = 1 << 26  # bytes of each side's buffer at most: 10,000 pages of 64 KiB wrap around in it
+
+
+def parse():
+    from common.cli import parse_size
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("-p", "--provider", default=None)
+    p.add_argument("--page-sizes", default="1K,4K,8K,16K,64K",
+                   help="comma-separated sizes (K/M/G)")
+    p.add_argument("--pages", default="100,10000", help="comma-separated page counts")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--nics", type=int, default=None, help="virtual NICs where there are none")
+    p.add_argument("--spread", default="round-robin", choices=["round-robin", "per-peer"])
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--no-fabtests", action="store_true", help="skip fi_rma_bw")
+    p.add_argument("--json", nargs="?", const="auto", help="write a record (results/runs/...)")
+    args = p.parse_args()
+    try:
+        args.sizes = [parse_size(s) for s in args.page_sizes.split(",")]
+        args.counts = [int(n) for n in args.pages.split(",")]
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        p.error(str(e))
+    if args.repeats < 1 or min(args.counts) < 1 or min(args.sizes) < 1:
+        p.error("--repeats, --pages and --page-sizes must be positive")
+    return args
+
+
+def seeded(seed, size):
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def rank_main(args):
+    import common.fabric as fi
+    from common.transfer import Engine
+    timeout = patience(args.timeout)
+    with launch.Group(launch.place_from_environment(), timeout=patience(60)) as group, \
+            fi.Closer() as own:
+        if group.world != 2:
+            raise SystemExit("transfer_bench.py: needs exactly 2 ranks")
+        eng = Engine(own, provider=args.provider, nics=args.nics, spread=args.spread,
+                     timeout=timeout)
+        eng.watch(group.check)
+        me, other = group.rank, 1 - group.rank
+        peer = eng.connect(group.allgather(eng.address())[other])
+        size = min(CAP, max(args.sizes) * max(args.counts))
+        buf = seeded([5, me], size)
+        region = eng.register(buf)
+        theirs = eng.remote(group.allgather(region.descriptor())[other])
+        if me == 0:
+            print(f"provider: {eng.provider}; {eng.nics}; spread {args.spread}", flush=True)
+        rows, imm = [], 0
+        for page in args.sizes:
+            slots = size // page
+            # checked once per size: seeded pages, in another order, no wrap
+            n = min(slots, 1000)
+            order = np.random.default_rng(page).permutation(n)
+            imm += 1
+            if me == 0:
+                eng.write_pages(peer, region, np.arange(n), theirs, order, page, imm=imm).wait()
+                _, said = eng.recv(timeout)
+                wrong = int(said.decode().split()[1])
+            else:
+                eng.expect(imm, n, timeout)
+                sent = seeded([5, 0], size)[:n * page].reshape(n, page)
+                wrong = int(np.count_nonzero(buf[:slots * page].reshape(slots, page)[order]
+                                             != sent))
+                eng.send(peer, f"wrong {wrong}".encode())
+            for count in args.counts:
+                imm += 1
+                src = np.arange(count) % slots
+                dst = np.random.default_rng(count).permutation(count) % slots
+                times = []
+                for _ in range(args.repeats):
+                    if me == 0:
+                        eng.recv(timeout)  # rank 1: ready
+                        before = eng.stats()["eagain"]
+                        started = time.perf_counter()
+                        eng.write_pages(peer, region, src, theirs, dst, page, imm=imm).wait()
+                        times.append(time.perf_counter() - started)
+                        refused = eng.stats()["eagain"] - before
+                    else:
+                        eng.send(peer, b"ready")
+                        eng.expect(imm, count, timeout)
+                if me == 0:
+                    elapsed = float(np.median(times))
+                    rows.append({"page_size": page, "pages": count, "repeats": args.repeats,
+                                 "elapsed_s": elapsed, "gbps": 8 * count * page / elapsed / 1e9,
+                                 "mpps": count / elapsed / 1e6, "wrong_bytes": wrong,
+                                 "eagain_last": refused})
+                    r = rows[-1]
+                    print(f"{page:>6} B x {count:>5} pages: {r['gbps']:8.3f} Gbps "
+                          f"{r['mpps']:7.3f} Mpps (median of {args.repeats}; {wrong} wrong "
+                          f"bytes; {refused} refusals in the last)", flush=True)
+        group.barrier()
+        if me == 0:
+            return rows, eng.provider
+    return None, None
+
+
+def fabtests(provider, sizes, timeout):
+    """{size: Gbps} of fi_rma_bw -o writedata, or None with one line saying how to get it."""
+    from scripts import baseline
+    try:
+        baseline.rma_bw_tool()
+    except FileNotFoundError as e:
+        print(f"fi_rma_bw: not measured: {e}", flush=True)
+        return None
+    out = {}
+    for size in sizes:
+        try:
+            gbps, command = baseline.fi_rma_bw(provider, "writedata", size,
+                                               baseline.iterations(size, 1 << 30), None, timeout)
+        except Exception as e:  # a failed baseline costs its figure, not the run
+            print(f"fi_rma_bw {size}: failed: {str(e).splitlines()[0]}", flush=True)
+            continue
+        out[size] = gbps
+        print(f"fi_rma_bw -o writedata {size:>6} B: {gbps:8.3f} Gbps ({command})", flush=True)
+    return out
+
+
+def main():
+    args = parse()
+    if "RANK" not in os.environ:  # start the two ranks, then measure the limit
+        rc = launch.spawn([__file__, *sys.argv[1:]], 2)
+        return rc
+    rows, provider = rank_main(args)
+    if rows is None:
+        return 0
+    limits = None if args.no_fabtests else fabtests(provider, args.sizes, patience(120))
+    for r in rows:
+        lim = (limits or {}).get(r["page_size"])
+        r["fi_rma_bw_gbps"] = lim
+        r["percent_of_fi_rma_bw"] = 100 * r["gbps"] / lim if lim else None
+    if limits:
+        for r in rows:
+            if r["fi_rma_bw_gbps"]:
+                print(f"{r['page_size']:>6} B x {r['pages']:>5}: {r['percent_of_fi_rma_bw']:.1f}% "
+                      f"of fi_rma_bw's {r['fi_rma_bw_gbps']:.3f} Gbps", flush=True)
+    if args.json:
+        from common import bench
+        import common.fabric as fi
+        from datetime import datetime, timezone
+        path = bench.run_path(args.json, "transfer", provider.split(";")[0])
+        data = {"chapter": "transfer", "args": sys.argv[1:], "provider": provider,
+                "libfabric": "%d.%d" % fi.version(), "machine": bench.machine(),
+                "git": bench.git_sha(),
+                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "nics": args.nics or 1, "spread": args.spread, "runs": rows}
+        print(f"wrote {bench.write_json(path, data)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
