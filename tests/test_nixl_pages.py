@@ -1,0 +1,66 @@
+"""scripts/nixl_pages.py: NIXL (UCX backend) moves a few pages between two processes here
+and the target finds every byte; without nixl the script says how to get it, in one line.
+
+The repo's .venv has no nixl: these tests run the script with the interpreter that has it,
+this one or NIXL_PYTHON (e.g. NIXL_PYTHON=/work/nixlenv/bin/python .venv/bin/pytest
+tests/test_nixl_pages.py)."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from common.records import ROOT
+
+SCRIPT = ROOT / "scripts" / "nixl_pages.py"
+MODULES = ("nixl", "nixl_cu13", "nixl_cu12")
+
+
+def has_nixl(python):
+    probe = "import importlib.util as u, sys; sys.exit(not any(u.find_spec(m) for m in %r))"
+    try:
+        return subprocess.run([python, "-c", probe % (MODULES,)], timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+HERE = any(importlib.util.find_spec(m) for m in MODULES)
+NIXL_PYTHON = sys.executable if HERE else os.environ.get("NIXL_PYTHON")
+WHY = None if NIXL_PYTHON and has_nixl(NIXL_PYTHON) else (
+    f"nixl is not importable by {sys.executable} and NIXL_PYTHON "
+    f"{'(' + NIXL_PYTHON + ') has none either' if NIXL_PYTHON else 'is not set'} "
+    "(pip install nixl-cu13 in a venv of its own)")
+
+
+@pytest.mark.skipif(WHY is not None, reason=WHY or "")
+def test_a_tiny_transfer_arrives_whole(tmp_path):
+    record = tmp_path / "nixl.json"
+    done = subprocess.run([NIXL_PYTHON, str(SCRIPT), "--page-size", "1K,4K", "--pages", "16",
+                           "--repeats", "2", "--warmup", "1", "--json", str(record)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(record.read_text())
+    assert data["implementation"] == "nixl (UCX)" and data["nixl"]
+    assert [(r["page_size"], r["pages"]) for r in data["runs"]] == [(1024, 16), (4096, 16)]
+    for row in data["runs"]:
+        assert row["wrong_bytes"] == 0 and row["backend"] == "UCX" and row["gbps"] > 0
+    assert "ucx: put:" in done.stdout  # UCX said which transport carried the WRITEs
+
+
+@pytest.mark.skipif(HERE, reason="nixl is importable here")
+def test_without_nixl_it_says_how_to_get_it():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--pages", "4"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    line, = done.stderr.strip().splitlines()
+    assert "nixl is not importable" in line and "pip install nixl-cu13" in line
+
+
+def test_bad_input_is_one_line_before_anything_starts():
+    done = subprocess.run([sys.executable, str(SCRIPT), "--page-size", "4Q"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    line, = done.stderr.strip().splitlines()
+    assert "not a size: '4Q'" in line
