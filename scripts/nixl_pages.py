@@ -78,10 +78,27 @@ the folder, run with PYTHONPATH=<folder>; the same cut of the cp311 wheel ran
 this script here. It needs from the host libcudart.so.13 (import torch first,
 if torch is a CUDA 13 build; else nixl-cu12), libnvidia-ml.so.1, libssl.so.3.
 
-Transcript (2-core AMD EPYC VM, no GPU, no NIC, load average 6 from other
-jobs; nixl-cu13 1.5.1, UCX 1.23.0):
+Transcript (2-core AMD EPYC VM, no GPU, no NIC, at 5101705, load average 3.5
+from other jobs; nixl-cu13 1.5.1, UCX 1.23.0). The machine's load moves these
+figures by 2-4x from run to run (64K x 10000 gave 42.3 Gbps in a run a minute
+before); libfabric shm's fi_rma_bw -o write here (results/baselines/
+vm-2core-shm-host.json): 14.8 Gbps at 4K, 38.7 at 16K, 56.7 at 64K:
 
-    TRANSCRIPT
+    $ /work/nixlenv/bin/python scripts/nixl_pages.py --json /tmp/nx/final.json
+    nixl 1.5.1 (nixl_cu13), UCX 1.23.0, UCX_TLS=(all), progress thread off, 3 repeats after 1 warmup, host memory
+      page  pages      Gbps     Mpps      min-max Gbps  notif us  prep ms  wrong
+        1K    100     1.237    0.151    0.147-3.076       5572.0     0.22      0
+        1K  10000     1.703    0.208    1.662-1.719      48568.6     1.42      0
+        4K    100    14.170    0.432   13.133-14.725       231.5     0.15      0
+        4K  10000    11.096    0.339   10.766-11.119     29845.1     1.62      0
+        8K    100    18.869    0.288   15.036-19.497       455.1     0.16      0
+        8K  10000    16.648    0.254   16.484-16.986     40018.3     1.22      0
+       16K    100    27.434    0.209   17.849-29.690       894.9     0.16      0
+       16K  10000    25.991    0.198   19.089-26.149     54247.3     1.33      0
+       64K    100    40.141    0.077   29.822-46.430      1293.5     0.15      0
+       64K  10000    12.679    0.024    9.737-13.074    413470.0     9.53      0
+    ucx: put: cma/memory; am: tcp/lo  (UCX_PROTO_INFO of the initiator)
+    wrote /tmp/nx/final.json
 """
 import argparse
 import importlib
