@@ -17,6 +17,7 @@ TOOLS = {            # by the start of a tool's name in results/
     "cudaMemcpyPeer both ways": "tab:pink",
     "cudaMemcpyPeer": "tab:gray",
     "nccl": "tab:olive",
+    "nixl": "tab:cyan",
 }
 SETUP_STYLES = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", "-"), ("P", "--")]
 

@@ -78,7 +78,7 @@ the folder, run with PYTHONPATH=<folder>; the same cut of the cp311 wheel ran
 this script here. It needs from the host libcudart.so.13 (import torch first,
 if torch is a CUDA 13 build; else nixl-cu12), libnvidia-ml.so.1, libssl.so.3.
 
-Transcript (2-core AMD EPYC VM, no GPU, no NIC, at 5101705, load average 3.5
+Transcript (2-core AMD EPYC VM, no GPU, no NIC, at dbacdfd, load average 3.5
 from other jobs; nixl-cu13 1.5.1, UCX 1.23.0). The machine's load moves these
 figures by 2-4x from run to run (64K x 10000 gave 42.3 Gbps in a run a minute
 before); libfabric shm's fi_rma_bw -o write here (results/baselines/
