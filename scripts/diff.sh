@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-declare -A PARENT=([03]=- [04]=- [08]=- [09]=07 [16]=07 [17]=16 [18]=15 [19]=15)
+declare -A PARENT=([03]=- [04]=- [08]=- [09]=07 [16]=07 [17]=16 [18]=- [19]=18)
 declare -A LESSON=([09]=common/engine/multinet.py)
 declare -A NEW=([07]=common/engine/opqueue.py [08]=common/engine/topo.py
                 [10]=common/engine/warmup.py

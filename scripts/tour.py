@@ -126,7 +126,18 @@ def ch17(provider, _):
     return True, "checks exact on the GPU, and 100 replays of a CUDA graph"
 
 
-CHECKS = {3: ch03, 4: ch04, 5: ch05, 6: ch06, 8: ch08, 9: ch09, 16: ch16, 17: ch17}
+def ch18(provider, _):
+    """A small prompt's KV cache from a prefiller to a decoder, every byte checked."""
+    small = ["--tokens", "512", "--layers", "8"]
+    pair = run_pair(18, provider, small, [small])
+    found = re.search(r"^checked (\d+) pages and the context: 0 wrong bytes$", pair.server.out,
+                      re.MULTILINE)
+    if not (pair.ok and found):
+        return False, failure(pair)
+    return True, f"{found[1]} KV pages and the context, 0 wrong bytes"
+
+
+CHECKS = {3: ch03, 4: ch04, 5: ch05, 6: ch06, 8: ch08, 9: ch09, 16: ch16, 17: ch17, 18: ch18}
 
 
 def last_line(text):

@@ -1,0 +1,524 @@
+"""Chapter 18 - kv_cache: a prefill process hands its KV cache to a decode process, layer by layer.
+
+What you will learn: how disaggregated serving moves a prompt's KV cache, and why it costs
+almost nothing when the transfer hides behind compute. The decoder (the server) keeps a
+paged KV cache: pages of --page-tokens tokens, each page of a layer's K or V one contiguous
+run of bytes (the shard's KV heads before the pages' tokens, so a shard's page is one
+WRITE). For a request it picks free pages and sends the prefiller (the client) its cache's
+descriptor and their indices. The prefiller runs the prompt layer by layer (real matrix
+products of one transformer layer's size, the shapes of a named model); after each layer
+the compute side bumps a counter, and a watcher thread that sees it issues that layer's
+paged WRITEs, every page carrying one immediate value that names the request and the
+layer. The decoder waits by count (expect: as many immediates of that value as the layer
+has pages, in any order, from any NIC), so it only ever uses a page set whose WRITEs all
+arrived; then the last token's hidden state comes as one WRITE, and the decoder checks
+every byte against what it computes from the same seeds.
+
+All of it rides common/transfer, the engine chapters 09-15 add up to: one C worker per
+GPU posting lazily in batches over its NICs, memory registered once as a descriptor a peer
+can use, paged WRITEs with immediates, completion by count, control messages.
+
+    .venv/bin/python chapters/18_kv_cache.py                  # the decoder: prints its address
+    .venv/bin/python chapters/18_kv_cache.py -p shm ADDRESS   # the prefiller, as it prints
+    .venv/bin/python scripts/pair.py 18                       # both, on this host
+    .venv/bin/python scripts/pair.py 18 --server-args="--tokens 2048" -- --tokens 2048
+    .venv/bin/python scripts/pair.py 18 --server-args="--cancel-after 3"   # cancelled mid-way
+    .venv/bin/python scripts/pair.py 18 --server-args="--gpu 0" -- --gpu 0  # GPU memory, cupy
+
+On a 2-core VM (host memory, shm) the layer is the same model's, scaled down; the lesson
+shows there too: every layer's transfer but the last ran while the next one computed.
+
+Transcript (2-core x86_64 VM, no GPU, Debian's libfabric 1.17, load average 1.5; the
+addresses shortened; commit COMMIT):
+
+    $ .venv/bin/python scripts/pair.py 18 -p shm
+    --- server: /work/main/chapters/18_kv_cache.py -p shm -> exit 0
+    provider: shm; 1 virtual NIC, each a domain of shm (no NIC with a PCI address here)
+    decoder: KV cache of 16 pages a (layer, K|V), 8 layers, 32768 B a page (8 MiB); model small (8 layers, hidden 512, 1 KV head(s) of 128, 1024 tokens, 128 a page)
+    server address: 5458...
+    run the client: .venv/bin/python chapters/18_kv_cache.py -p shm 5458...
+    decoder: request 1 asks for 8 pages a (layer, K|V), slots 0..7
+    per layer (median of 8): compute 22.55 ms, transfer 3.27 ms (16 pages of 32768 B, 1.28 Gbps); hidden behind the next layer: 100% (all but the last layer; the last one's 6.69 ms is not)
+    watcher, counter to first post: p50 71 us, p99 112 us
+    time to first token: 165.0 ms prefill alone, 188.0 ms with the transfer (1024 tokens, 8 layers)
+    checked 128 pages and the context: 0 wrong bytes
+    --- client 1: /work/main/chapters/18_kv_cache.py -p shm 5458... -> exit 0
+    provider: shm; 1 virtual NIC, each a domain of shm (no NIC with a PCI address here)
+    prefiller: 8 layers, hidden 512, 1 KV head(s) of 128, 1024 tokens, 128 a page
+    prefiller: 8 layers sent, 128 pages; {'posted': 129, 'completed': 129, 'eagain': 1, 'arrived': 0, 'nics': 1}; the decoder found 0 wrong bytes
+
+On one H200 (two processes sharing it; CUDA-enabled libfabric 2.1.0, shm moving GPU
+memory by CUDA IPC; Qwen3-235B-A22B at TP4, one rank's shard; float32 matrix products
+without tensor cores, so a layer computes 3.5x longer than the paper's 2.27 ms) the
+transfer hides behind compute for every layer but the last, and the prompt's first token
+comes 7.5% later than without it at 4K tokens (695.8 -> 748.3 ms), 3.7% at 16K (2799 ->
+2903 ms); the paper, on 2 x 200 Gbps EFA: 214 -> 260 and 929 -> 1042 ms. The decoder only
+waits in expect() on the host while the prefiller computes, so sharing the GPU costs the
+prefill little; its check afterwards recomputes every layer.
+
+Transcript (one H200 of a 16-core Xeon VM, the code of COMMIT run from a working copy;
+the addresses shortened):
+
+    $ .venv/bin/python scripts/pair.py 18 -p shm --server-args="--gpu 0 --tokens 4096" -- --gpu 0 --tokens 4096 --json FILE
+    --- server: /work/main/chapters/18_kv_cache.py -p shm --gpu 0 --tokens 4096 -> exit 0
+    provider: shm; 1 virtual NIC, each a domain of shm (no NIC with a PCI address here)
+    decoder: KV cache of 64 pages a (layer, K|V), 94 layers, 32768 B a page (376 MiB); model qwen3-235b-tp4 (94 layers, hidden 4096, 1 KV head(s) of 128, 4096 tokens, 128 a page)
+    server address: 5458...
+    run the client: .venv/bin/python chapters/18_kv_cache.py -p shm 5458... --gpu 0 --tokens 4096
+    decoder: request 1 asks for 32 pages a (layer, K|V), slots 0..31
+    per layer (median of 94): compute 7.90 ms, transfer 0.75 ms (64 pages of 32768 B, 22.22 Gbps); hidden behind the next layer: 100% (all but the last layer; the last one's 0.81 ms is not)
+    watcher, counter to first post: p50 18 us, p99 59 us
+    time to first token: 695.8 ms prefill alone, 748.3 ms with the transfer (4096 tokens, 94 layers)
+    checked 6016 pages and the context: 0 wrong bytes
+    --- client 1: /work/main/chapters/18_kv_cache.py -p shm 5458... --gpu 0 --tokens 4096 --json FILE -> exit 0
+    provider: shm; 1 virtual NIC, each a domain of shm (no NIC with a PCI address here)
+    prefiller: 94 layers, hidden 4096, 1 KV head(s) of 128, 4096 tokens, 128 a page
+    prefiller: 94 layers sent, 6016 pages; {'posted': 6017, 'completed': 6017, 'eagain': 35, 'arrived': 0, 'nics': 1}; the decoder found 0 wrong bytes
+"""
+# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it.
+LESSON = {"figure": "check", "shows": "a prompt's KV cache arrives whole and verified"}
+
+# %% [markdown]
+# ## Motivation
+#     decoder (server)                               prefiller (client)
+#     free pages for the request -- REQUEST ------>  (descriptor, page indices)
+#                                                    layer 0: compute K, V; bump counter
+#                                                      watcher: paged WRITEs, imm (req, 0)
+#     expect(imm (req, 0), pages) <------------------  ... while layer 1 computes ...
+#     ...                                            layer L-1, then the context: 1 WRITE
+#     expect(context); check every byte -- DONE --->  timings back to the decoder
+#     (or CANCEL -> the prefiller stops, waits for its WRITEs, CANCELLED -> pages freed)
+
+# %%
+import json
+import os
+import struct
+import sys
+import threading
+import time
+
+import numpy as np
+
+from common import bench, cli, records
+import common.fabric as fi
+from common.fabric import memory
+from common.transfer import Engine
+
+KERNELS = os.path.splitext(os.path.abspath(__file__))[0] + ".cu"  # the GPU's counter bump
+
+# Qwen3-235B-A22B at TP4, one rank's shard: 94 layers, hidden 4096, 64 query heads and 4 KV
+# heads of 128 (16 and 1 a rank), 8 of 128 experts of 1536 active (3072 a rank's worth).
+MODELS = {
+    "qwen3-235b-tp4": dict(layers=94, hidden=4096, q_dim=2048, kv_heads=1, head_dim=128,
+                           ffn=3072),
+    # the same layer, scaled down for a small machine's CPU (said in the output)
+    "small": dict(layers=8, hidden=512, q_dim=256, kv_heads=1, head_dim=128, ffn=768),
+}
+CONTEXT = 255  # the immediate's layer field for the last token's hidden state
+REQUEST, CANCEL, CANCELLED, DONE, CHECKED = b"REQ", b"CAN", b"CAD", b"DON", b"CHK"
+
+
+# %% [markdown]
+# ## Code
+
+# %%
+class Shape:
+    """A model's KV pages: each (layer, K or V, page) is page_tokens x kv_heads x head_dim
+    bf16, one contiguous page."""
+
+    def __init__(self, model, tokens, page_tokens):
+        self.__dict__.update(MODELS[model])
+        self.model, self.tokens, self.page_tokens = model, tokens, page_tokens
+        self.pages = -(-tokens // page_tokens)      # pages a request needs, per (layer, K|V)
+        self.page_bytes = page_tokens * self.kv_heads * self.head_dim * 2
+
+    def page_set(self, layer, first, count, slots):
+        """Page indices in a cache of `slots` pages per (layer, K|V): layer's K, then V."""
+        return [(2 * layer + kv) * slots + first + p for kv in (0, 1) for p in range(count)]
+
+
+def imm(request, layer):
+    """The immediate of a request's layer: 24 bits of request, 8 of layer (32 on EFA)."""
+    return (request & 0xFFFFFF) << 8 | layer
+
+
+class Layers:
+    """The prompt run layer by layer: seeded weights, real matrix products of the layer's
+    size (projections and MLP; attention's scores left out), each layer's K and V laid out
+    as KV pages. numpy on the host, cupy on a GPU; both sides compute the same bytes."""
+
+    def __init__(self, shape, seed, xp):
+        self.s, self.xp, self.seed = shape, xp, seed
+        rng = np.random.default_rng(seed)
+
+        def weight(n, m):  # one set of weights for every layer: memory, not bytes, matters
+            return xp.asarray((rng.standard_normal((n, m)) / np.sqrt(n)).astype(np.float32))
+        s = shape
+        self.wq, self.wo = weight(s.hidden, s.q_dim), weight(s.q_dim, s.hidden)
+        self.wk, self.wv = (weight(s.hidden, s.kv_heads * s.head_dim) for _ in range(2))
+        self.w1, self.w2 = weight(s.hidden, s.ffn), weight(s.ffn, s.hidden)
+        self.x = xp.asarray(rng.standard_normal((s.tokens, s.hidden)).astype(np.float32))
+
+    def step(self, layer, out):
+        """One layer: K and V (bf16) into out[2, pages, page bytes]; x moves on."""
+        xp, s, x = self.xp, self.s, self.x
+        pad = s.pages * s.page_tokens - s.tokens
+        for kv, w in enumerate((self.wk, self.wv)):
+            bits = (x @ w).astype(xp.float32).view(xp.uint32) >> 16  # bf16, truncated
+            rows = xp.pad(bits.astype(xp.uint16), ((0, pad), (0, 0)))
+            out[kv] = rows.reshape(s.pages, -1).view(xp.uint8)
+        attended = (x @ self.wq) @ self.wo
+        hidden = xp.maximum((x + attended) @ self.w1, 0) @ self.w2
+        self.x = (x + attended + hidden) / xp.float32(3.0)
+
+    def context(self):
+        """The last token's hidden state: what decoding starts from."""
+        return self.x[-1:]
+
+
+def now():
+    return time.perf_counter()
+
+
+# --- the decoder (server) -------------------------------------------------------------
+def decoder(args, s, xp):
+    with fi.Closer() as own:
+        eng = Engine(own, args.provider, gpu=args.gpu, nics=args.nics, timeout=args.timeout)
+        slots = args.cache_pages or 2 * s.pages     # per (layer, K|V): room for two requests
+        cache = xp.zeros((s.layers * 2 * slots, s.page_bytes), xp.uint8)
+        context = xp.zeros((1, s.hidden), xp.float32)
+        pages, ctx = eng.register(cache), eng.register(context)
+        print(f"provider: {eng.provider}; {eng.nics}")
+        print(f"decoder: KV cache of {slots} pages a (layer, K|V), {s.layers} layers, "
+              f"{s.page_bytes} B a page ({cache.nbytes / 2**20:.0f} MiB); "
+              f"model {s.model} ({describe(s)})", flush=True)
+        args.provider_used = eng.provider.split(";")[0]
+        print(f"server address: {eng.address().hex()}")
+        print(cli.client_hint(args, eng.address().hex(), extra=shape_flags(args)), flush=True)
+        peer, hello = eng.recv(args.timeout * 10)
+        if not hello.startswith(REQUEST):
+            raise ValueError("the first message was not a request")
+        peer = eng.connect(hello[len(REQUEST):])
+        request, first = 1, 0                          # its pages: slots first..first+pages
+        started = now()
+        eng.send(peer, REQUEST + json.dumps({
+            "request": request, "first": first, "slots": slots, "tokens": s.tokens,
+            "cache": pages.descriptor().hex(), "context": ctx.descriptor().hex()}).encode())
+        print(f"decoder: request {request} asks for {s.pages} pages a (layer, K|V), slots "
+              f"{first}..{first + s.pages - 1}", flush=True)
+        for layer in range(s.layers):
+            try:
+                eng.expect(imm(request, layer), 2 * s.pages, args.timeout)
+            except TimeoutError as e:
+                raise TimeoutError(f"layer {layer} of request {request}: {e} (is the "
+                                   "prefiller still there?)") from None
+            if args.cancel_after is not None and layer == args.cancel_after:
+                return cancel(eng, peer, request, layer, args)
+        eng.expect(imm(request, CONTEXT), 1, args.timeout)
+        ttft = now() - started
+        eng.send(peer, DONE + struct.pack("<d", ttft))
+        _, report = eng.recv(args.timeout)
+        wrong = check(s, args.seed, xp, cache, slots, first, context)
+        eng.send(peer, CHECKED + struct.pack("<Q", wrong))
+        say(s, json.loads(report), ttft, wrong)
+        return 1 if wrong else 0
+
+
+def cancel(eng, peer, request, layer, args):
+    """The decoder gives a request up: its pages are free once the prefiller says it will
+    write no more into them (its WRITEs in flight have completed)."""
+    eng.send(peer, CANCEL + struct.pack("<I", request))
+    _, answer = eng.recv(args.timeout)
+    if answer != CANCELLED + struct.pack("<I", request):
+        raise ValueError(f"the prefiller answered {answer[:3]!r} to the cancel")
+    print(f"request {request} cancelled after layer {layer}: the prefiller confirmed, its "
+          "pages are free again", flush=True)
+    return 0
+
+
+def check(s, seed, xp, cache, slots, first, context):
+    """Wrong bytes in the request's pages and context, against the same layers run here."""
+    layers, out = Layers(s, seed, xp), xp.empty((2, s.pages, s.page_bytes), xp.uint8)
+    wrong = 0
+    for layer in range(s.layers):
+        layers.step(layer, out)
+        got = cache[s.page_set(layer, first, s.pages, slots)]
+        wrong += int((got != out.reshape(2 * s.pages, -1)).sum())
+    return wrong + int((context.view(xp.uint8) != layers.context().view(xp.uint8)).sum())
+
+
+def summary(s, start, compute, posted, done, watch, alone):
+    """The prefiller's timings in a few numbers (a control message holds no more): per
+    layer the compute and the transfer, and how much of each layer's transfer ran while
+    the next layer computed (the last has nothing to hide behind)."""
+    compute, posted, done = np.array(compute), np.array(posted), np.array(done)
+    transfer = done - posted
+    hidden = np.clip(np.minimum(done[:-1], compute[1:]) - posted[:-1], 0, None) / \
+        np.maximum(transfer[:-1], 1e-9)
+    took = np.diff(np.concatenate([[start], compute]))
+    return {"compute": float(np.median(took)), "transfer": float(np.median(transfer)),
+            "hidden": float(np.median(hidden)) if len(hidden) else 0.0,
+            "last": float(transfer[-1]), "watch50": float(np.percentile(watch, 50)),
+            "watch99": float(np.percentile(watch, 99)), "alone": alone}
+
+
+def say(s, t, ttft, wrong):
+    print(f"per layer (median of {s.layers}): compute {1e3 * t['compute']:.2f} ms, "
+          f"transfer {1e3 * t['transfer']:.2f} ms ({2 * s.pages} pages of {s.page_bytes} B, "
+          f"{2 * s.pages * s.page_bytes * 8 / t['transfer'] / 1e9:.2f} Gbps); hidden behind "
+          f"the next layer: {100 * t['hidden']:.0f}% (all but the last layer; the last "
+          f"one's {1e3 * t['last']:.2f} ms is not)")
+    print(f"watcher, counter to first post: p50 {1e6 * t['watch50']:.0f} us, "
+          f"p99 {1e6 * t['watch99']:.0f} us")
+    print(f"time to first token: {1e3 * t['alone']:.1f} ms prefill alone, "
+          f"{1e3 * ttft:.1f} ms with the transfer ({s.tokens} tokens, {s.layers} layers)")
+    print(f"checked {s.layers * 2 * s.pages} pages and the context: {wrong} wrong bytes",
+          flush=True)
+
+
+def shape_flags(args):
+    """The flags the prefiller must be given as the decoder was (the same prompt, layers)."""
+    given = [(f"--{name.replace('_', '-')}", getattr(args, name))
+             for name in ("model", "layers", "tokens", "page_tokens", "gpu")]
+    return [str(v) for flag, value in given if value is not None for v in (flag, value)]
+
+
+def describe(s):
+    return (f"{s.layers} layers, hidden {s.hidden}, {s.kv_heads} KV head(s) of {s.head_dim}, "
+            f"{s.tokens} tokens, {s.page_tokens} a page")
+
+
+# --- the prefiller (client) -------------------------------------------------------------
+class Counter:
+    """How many layers are done, in host memory: bumped by the compute side (the GPU itself,
+    a one-thread kernel behind each layer, or the host after a layer on numpy), with the
+    time of each bump on the host's clock (the GPU's globaltimer, shifted by an offset
+    measured once)."""
+
+    def __init__(self, layers, xp):
+        self.xp = xp
+        if xp is np:
+            self.value, self.when = np.zeros(1, np.int64), np.zeros(layers + 1)
+            return
+        import cupyx  # pinned host memory, mapped: the kernel writes it at the same address
+        self.value = cupyx.zeros_pinned(1, np.int64)
+        self.ns = cupyx.zeros_pinned(layers + 1, np.uint64)
+        self.kernel = xp.RawModule(code=open(KERNELS).read()).get_function("kv_bump")
+        self._launch(layers + 1)  # calibration: the globaltimer against our clock
+        xp.cuda.get_current_stream().synchronize()
+        self.offset = now() - 1e-9 * float(self.ns[layers])
+        self.value[0] = 0
+
+    def _launch(self, value):
+        self.kernel((1,), (1,), (np.uintp(self.value.ctypes.data), np.int64(value),
+                                 np.uintp(self.ns.ctypes.data)))
+
+    def bump(self, layers_done):
+        if self.xp is np:
+            self.when[layers_done - 1] = now()
+            self.value[0] = layers_done  # one writer: this store is what the watcher reads
+        else:
+            self._launch(layers_done)  # queued behind the layer; the host goes on
+
+    def done(self):
+        return int(self.value[0])
+
+    def bumped(self, layer):
+        """When layer `layer` was done, on our clock."""
+        if self.xp is np:
+            return float(self.when[layer])
+        return self.offset + 1e-9 * float(self.ns[layer])
+
+
+class Watcher(threading.Thread):
+    """Sees the counter move and issues that layer's paged WRITEs, so that the compute never
+    waits for the network; stops issuing once the request is cancelled."""
+
+    def __init__(self, eng, peer, s, counter, stage, request, cache, slots, first):
+        super().__init__(daemon=True)
+        self.eng, self.peer, self.s, self.counter, self.stage = eng, peer, s, counter, stage
+        self.request, self.cache, self.slots, self.first = request, cache, slots, first
+        self.posted, self.done, self.watch = [], [], []
+        self.transfers, self.error, self.cancelled = [], None, False
+
+    def run(self):
+        try:
+            self._run()
+        except Exception as e:  # said by the main thread, in one line
+            self.error = e
+
+    def _run(self):
+        s, seen = self.s, 0
+        while seen < s.layers and not self.cancelled:
+            self._reap()
+            if self.counter.done() == seen:
+                time.sleep(20e-6)
+                continue
+            self.posted.append(now())
+            self.watch.append(self.posted[-1] - self.counter.bumped(seen))
+            self.transfers.append(self.eng.write_pages(
+                self.peer, self.stage, s.page_set(seen, 0, s.pages, s.pages), self.cache,
+                s.page_set(seen, self.first, s.pages, self.slots), s.page_bytes,
+                imm=imm(self.request, seen)))
+            seen += 1
+        while len(self.done) < len(self.transfers):
+            self._reap()
+            time.sleep(20e-6)
+
+    def _reap(self):
+        while len(self.done) < len(self.transfers) and self.transfers[len(self.done)].done:
+            self.transfers[len(self.done)].wait()  # raises what went wrong
+            self.done.append(now())
+
+
+def prefiller(args, s, xp, addr):
+    with fi.Closer() as own:
+        eng = Engine(own, args.provider, gpu=args.gpu, nics=args.nics, timeout=args.timeout)
+        print(f"provider: {eng.provider}; {eng.nics}")
+        print(f"prefiller: {describe(s)}", flush=True)
+        # all that a serving engine has ready before a request comes: weights, staging
+        # (registered once), and here the time the prompt takes without any transfer
+        layers, alone = Layers(s, args.seed, xp), prefill_alone(s, args.seed, xp)
+        stage = xp.zeros((s.layers, 2, s.pages, s.page_bytes), xp.uint8)
+        staged, counter = eng.register(stage), Counter(s.layers, xp)
+        server = eng.connect(addr)
+        eng.send(server, REQUEST + eng.address())
+        _, message = eng.recv(args.timeout)
+        ask = json.loads(message[len(REQUEST):])
+        if ask["tokens"] != s.tokens:
+            raise ValueError(f"the decoder runs {ask['tokens']} tokens, we {s.tokens}: give "
+                             "both the same --tokens")
+        request = ask["request"]
+        cache, context_at = (eng.remote(bytes.fromhex(ask[k])) for k in ("cache", "context"))
+        watcher = Watcher(eng, server, s, counter, staged, request, cache, ask["slots"],
+                          ask["first"])
+        watcher.start()
+        start = now()
+        for layer in range(s.layers):  # on a GPU this only queues: the kernels bump
+            layers.step(layer, stage[layer])
+            counter.bump(layer + 1)
+            if cancelled(eng, request):
+                return stop(eng, server, watcher, request, layer)
+        context = xp.ascontiguousarray(layers.context())
+        ctx = eng.register(context)
+        while watcher.is_alive():
+            if cancelled(eng, request):
+                return stop(eng, server, watcher, request, counter.done() - 1)
+            time.sleep(1e-4)
+        if watcher.error:
+            raise watcher.error
+        synchronize(xp)  # the context's last kernels
+        eng.write(server, ctx, 0, context_at, 0, context.nbytes,
+                  imm=imm(request, CONTEXT)).wait(args.timeout)
+        _, answer = eng.recv(args.timeout)
+        if not answer.startswith(DONE):
+            raise ValueError(f"the decoder answered {answer[:3]!r}")
+        compute = [counter.bumped(k) for k in range(s.layers)]
+        figures = summary(s, start, compute, watcher.posted, watcher.done, watcher.watch, alone)
+        eng.send(server, json.dumps(figures).encode())
+        _, verdict = eng.recv(args.timeout * 10)  # the decoder checks every byte
+        wrong = struct.unpack("<Q", verdict[len(CHECKED):])[0]
+        print(f"prefiller: {s.layers} layers sent, {2 * s.layers * s.pages} pages; "
+              f"{eng.stats()}; the decoder found {wrong} wrong bytes", flush=True)
+        if args.json:
+            took = np.diff(np.concatenate([[start], compute]))
+            layers_of = {"compute_s": took.tolist(),
+                         "transfer_s": (np.array(watcher.done) - watcher.posted).tolist(),
+                         "watch_s": watcher.watch}
+            path = bench.run_path(args.json, "18_kv_cache", s.model, f"{s.tokens}tokens")
+            print(f"result: {record(path, args, eng, s, figures, layers_of, answer, wrong)}")
+        return 0
+
+
+def record(path, args, eng, s, figures, layers_of, done, wrong):
+    """The run as JSON: what ran, where, the summary and each layer's times."""
+    return records.write_json(path, {
+        "chapter": "18_kv_cache", "args": sys.argv[1:], "provider": eng.provider,
+        "libfabric": "%d.%d" % fi.version(), "machine": records.machine(args.gpu),
+        "git": records.git_sha(), "memory": "cuda" if args.gpu is not None else "host",
+        "model": s.model, "shape": describe(s), "tokens": s.tokens, "layers": s.layers,
+        "page_bytes": s.page_bytes, "pages_per_layer": 2 * s.pages, **figures,
+        "ttft_s": struct.unpack("<d", done[len(DONE):])[0], "wrong_bytes": wrong,
+        "per_layer": layers_of})
+
+
+def cancelled(eng, request):
+    try:
+        _, message = eng.recv(0)
+    except TimeoutError:
+        return False
+    return message == CANCEL + struct.pack("<I", request)
+
+
+def stop(eng, server, watcher, request, layer):
+    watcher.cancelled = True
+    watcher.join()  # its WRITEs in flight completed: no more bytes land in those pages
+    if watcher.error:
+        raise watcher.error
+    eng.send(server, CANCELLED + struct.pack("<I", request))
+    print(f"prefiller: request {request} cancelled by the decoder (layer {layer} computed); "
+          "its WRITEs completed, staging freed", flush=True)
+    return 0
+
+
+def prefill_alone(s, seed, xp):
+    """The prompt's prefill without any transfer: time to first token, were it local (the
+    second of two runs: the first pays for warming up the libraries and the memory)."""
+    took = []
+    for _ in range(2):
+        layers, out = Layers(s, seed, xp), xp.empty((2, s.pages, s.page_bytes), xp.uint8)
+        start = now()
+        for layer in range(s.layers):
+            layers.step(layer, out)
+        synchronize(xp)
+        took.append(now() - start)
+    return took[-1]
+
+
+def synchronize(xp):
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+
+
+def main():
+    p = cli.parser(__doc__)
+    cli.add_peer(p)
+    p.add_argument("--gpu", type=int, help="GPU memory and cupy on this GPU (both sides)")
+    p.add_argument("--model", choices=list(MODELS), help="the layer's shapes (default: "
+                   "qwen3-235b-tp4 on a GPU, small on the host)")
+    p.add_argument("--layers", type=cli.count(1, 254), help="fewer layers than the model has")
+    p.add_argument("--tokens", type=cli.count(1, 1 << 20), default=None,
+                   help="prompt tokens (default 4096 on a GPU, 1024 on the host)")
+    p.add_argument("--page-tokens", type=cli.count(1, 4096), default=128)
+    p.add_argument("--cache-pages", type=cli.count(1, 1 << 20),
+                   help="decoder: pages a (layer, K|V) in its cache (default: two requests)")
+    p.add_argument("--nics", type=cli.count(1, 64), help="virtual NICs where none has a "
+                   "PCI address (default 1)")
+    p.add_argument("--seed", type=int, default=18)
+    cli.side("client", p.add_argument("--json", nargs="?", const="auto", help="write the run "
+                                      "as JSON to this file (default results/runs/...)"))
+    cli.side("server", p.add_argument("--cancel-after", type=int, help="cancel the request "
+                                      "once this layer has arrived"))
+    args = p.parse_args()
+    args.model = args.model or ("qwen3-235b-tp4" if args.gpu is not None else "small")
+    tokens = args.tokens or (4096 if args.gpu is not None else 1024)
+    s = Shape(args.model, tokens, args.page_tokens)
+    if args.layers:
+        s.layers = args.layers
+    if args.cache_pages is not None and args.cache_pages < s.pages:
+        raise cli.UsageError(f"--cache-pages {args.cache_pages}: a request of {tokens} "
+                             f"tokens needs {s.pages}")
+    if args.cancel_after is not None and not 0 <= args.cancel_after < s.layers - 1:
+        raise cli.UsageError(f"--cancel-after must be a layer 0..{s.layers - 2}")
+    addr = cli.parse_address(args.address) if args.address else None
+    xp = np
+    if args.gpu is not None:
+        xp = memory.cupy()
+        memory.use_gpu(args.gpu)
+    if addr is None:
+        return decoder(args, s, xp)
+    return prefiller(args, s, xp, addr)
+
+
+if __name__ == "__main__":
+    cli.run(main)

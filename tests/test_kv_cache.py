@@ -1,0 +1,83 @@
+"""Chapter 18 as a pair on this host: the KV cache arrives whole and verified on shm and tcp,
+a cancel is confirmed, a peer gone is said in one line, bad input refused."""
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from common.patience import patience
+from scripts.pair import ADDRESS, chapter_path, local_env, run_pair
+from tests import shm_regions
+from tests.test_bad_input import assert_one_line_error, run
+
+SMALL = ["--tokens", "300", "--layers", "4", "--page-tokens", "64"]
+
+
+@pytest.mark.parametrize("provider", ["shm", "tcp"])
+def test_the_kv_cache_arrives_whole_and_verified(provider):
+    pair = run_pair(18, provider, SMALL, [SMALL])
+    assert pair.ok, pair.failure()
+    out = pair.server.out
+    assert "checked 40 pages and the context: 0 wrong bytes" in out, out  # 4 x 2 x 5 pages
+    assert re.search(r"^per layer \(median of 4\): compute [\d.]+ ms, transfer [\d.]+ ms",
+                     out, re.MULTILINE), out
+    assert re.search(r"^time to first token: [\d.]+ ms prefill alone, [\d.]+ ms with the "
+                     r"transfer \(300 tokens, 4 layers\)$", out, re.MULTILINE), out
+    assert "prefiller: 4 layers sent, 40 pages" in pair.clients[0].out
+
+
+def test_a_cancelled_request_is_confirmed_before_its_pages_are_free():
+    pair = run_pair(18, "shm", [*SMALL, "--cancel-after", "1"], [SMALL])
+    assert pair.ok, pair.failure()
+    assert "request 1 cancelled after layer 1: the prefiller confirmed" in pair.server.out
+    assert "cancelled by the decoder" in pair.clients[0].out
+
+
+def start_decoder(*args):
+    server = subprocess.Popen([sys.executable, str(chapter_path(18)), "-p", "shm", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=local_env())
+    lines = []
+    for line in server.stdout:
+        lines.append(line)
+        found = ADDRESS.search(line)
+        if found:
+            return server, found[1]
+    raise AssertionError("".join(lines) + server.stderr.read())
+
+
+def test_a_prefiller_killed_mid_transfer_is_said_in_one_line():
+    long = ["--tokens", "1024", "--layers", "60", "--timeout", "5"]
+    server, address = start_decoder(*long)
+    client = subprocess.Popen([sys.executable, str(chapter_path(18)), "-p", "shm", *long,
+                               address], stdout=subprocess.DEVNULL, env=local_env())
+    try:
+        for line in server.stdout:  # killed once its request went out
+            if line.startswith("decoder: request 1"):
+                break
+        time.sleep(0.3)
+        client.send_signal(signal.SIGKILL)
+        client.wait()
+        _, err = server.communicate(timeout=patience(60))
+    finally:
+        for proc in (client, server):
+            proc.kill()
+            proc.wait()
+        for name in shm_regions.files(client.pid):  # what a killed process cannot remove
+            (shm_regions.SHM / name).unlink(missing_ok=True)
+    assert server.returncode == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "is the prefiller still there?" in lines[0], err
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["--cancel-after", "3", "--layers", "4"], "--cancel-after must be a layer 0..2"),
+    (["--cache-pages", "2", "--tokens", "1024"], "a request of 1024 tokens needs 8"),
+    (["--model", "huge"], "argument --model: invalid choice"),
+    (["--tokens", "0"], "expected a number 1.."),
+])
+def test_bad_input_is_one_line(args, pattern):
+    done, _ = run(18, *args)
+    assert_one_line_error(done, pattern)
