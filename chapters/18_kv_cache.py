@@ -29,7 +29,7 @@ On a 2-core VM (host memory, shm) the layer is the same model's, scaled down; th
 shows there too: every layer's transfer but the last ran while the next one computed.
 
 Transcript (2-core x86_64 VM, no GPU, Debian's libfabric 1.17, load average 1.5; the
-addresses shortened; commit COMMIT):
+addresses shortened; the code of 2898331):
 
     $ .venv/bin/python scripts/pair.py 18 -p shm
     --- server: /work/main/chapters/18_kv_cache.py -p shm -> exit 0
@@ -56,7 +56,7 @@ comes 7.5% later than without it at 4K tokens (695.8 -> 748.3 ms), 3.7% at 16K (
 waits in expect() on the host while the prefiller computes, so sharing the GPU costs the
 prefill little; its check afterwards recomputes every layer.
 
-Transcript (one H200 of a 16-core Xeon VM, the code of COMMIT run from a working copy;
+Transcript (one H200 of a 16-core Xeon VM, the code of 2898331 run from a working copy;
 the addresses shortened):
 
     $ .venv/bin/python scripts/pair.py 18 -p shm --server-args="--gpu 0 --tokens 4096" -- --gpu 0 --tokens 4096 --json FILE
