@@ -334,9 +334,10 @@ class Watcher(threading.Thread):
     """Sees the counter move and issues that layer's paged WRITEs, so that the compute never
     waits for the network; stops issuing once the request is cancelled."""
 
-    def __init__(self, eng, peer, s, counter, stage, request, cache, slots, first):
+    def __init__(self, eng, peer, s, counter, stage, request, cache, slots, first, timeout):
         super().__init__(daemon=True)
         self.eng, self.peer, self.s, self.counter, self.stage = eng, peer, s, counter, stage
+        self.timeout, self.progress = timeout, now()
         self.request, self.cache, self.slots, self.first = request, cache, slots, first
         self.posted, self.done, self.watch = [], [], []
         self.transfers, self.error, self.cancelled = [], None, False
@@ -354,6 +355,8 @@ class Watcher(threading.Thread):
             if self.counter.done() == seen:
                 time.sleep(20e-6)
                 continue
+            if len(self.done) == len(self.transfers):  # nothing in flight: the clock starts
+                self.progress = now()
             self.posted.append(now())
             self.watch.append(self.posted[-1] - self.counter.bumped(seen))
             self.transfers.append(self.eng.write_pages(
@@ -368,7 +371,11 @@ class Watcher(threading.Thread):
     def _reap(self):
         while len(self.done) < len(self.transfers) and self.transfers[len(self.done)].done:
             self.transfers[len(self.done)].wait()  # raises what went wrong
-            self.done.append(now())
+            self.progress = now()
+            self.done.append(self.progress)
+        if len(self.done) < len(self.transfers) and now() - self.progress > self.timeout:
+            raise TimeoutError(f"layer {len(self.done)}'s WRITEs did not complete within "
+                               f"{self.timeout:g} s: is the decoder still there?")
 
 
 def prefiller(args, s, xp, addr):
@@ -391,7 +398,7 @@ def prefiller(args, s, xp, addr):
         request = ask["request"]
         cache, context_at = (eng.remote(bytes.fromhex(ask[k])) for k in ("cache", "context"))
         watcher = Watcher(eng, server, s, counter, staged, request, cache, ask["slots"],
-                          ask["first"])
+                          ask["first"], args.timeout)
         watcher.start()
         start = now()
         for layer in range(s.layers):  # on a GPU this only queues: the kernels bump

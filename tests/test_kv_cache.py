@@ -48,28 +48,33 @@ def start_decoder(*args):
     raise AssertionError("".join(lines) + server.stderr.read())
 
 
-def test_a_prefiller_killed_mid_transfer_is_said_in_one_line():
+@pytest.mark.parametrize("victim,survivor_says", [
+    ("prefiller", "is the prefiller still there?"),
+    ("decoder", "is the decoder still there?")])
+def test_a_side_killed_mid_transfer_is_said_by_the_other_in_one_line(victim, survivor_says):
     long = ["--tokens", "1024", "--layers", "60", "--timeout", "5"]
     server, address = start_decoder(*long)
     client = subprocess.Popen([sys.executable, str(chapter_path(18)), "-p", "shm", *long,
-                               address], stdout=subprocess.DEVNULL, env=local_env())
+                               address], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, env=local_env())
+    killed, survivor = (client, server) if victim == "prefiller" else (server, client)
     try:
-        for line in server.stdout:  # killed once its request went out
+        for line in server.stdout:  # killed once the request went out
             if line.startswith("decoder: request 1"):
                 break
         time.sleep(0.3)
-        client.send_signal(signal.SIGKILL)
-        client.wait()
-        _, err = server.communicate(timeout=patience(60))
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        _, err = survivor.communicate(timeout=patience(60))
     finally:
         for proc in (client, server):
             proc.kill()
             proc.wait()
-        for name in shm_regions.files(client.pid):  # what a killed process cannot remove
+        for name in shm_regions.files(killed.pid):  # what a killed process cannot remove
             (shm_regions.SHM / name).unlink(missing_ok=True)
-    assert server.returncode == 1
+    assert survivor.returncode == 1
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and "is the prefiller still there?" in lines[0], err
+    assert len(lines) == 1 and survivor_says in lines[0], err
 
 
 @pytest.mark.parametrize("args,pattern", [
