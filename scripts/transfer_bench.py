@@ -13,6 +13,7 @@ Each size's data is checked once (seeded pages, wrong bytes counted).
     .venv/bin/python scripts/transfer_bench.py -p tcp --page-sizes 4K,64K --pages 100 --repeats 5 --json
     .venv/bin/python scripts/transfer_bench.py -p shm --nics 2 --spread per-peer
     .venv/bin/python scripts/transfer_bench.py -p shm --nixl /path/to/python-with-nixl --json
+    .venv/bin/python scripts/transfer_bench.py -p shm --gpu 0      # GPU memory (both ranks)
 
 --nixl runs scripts/nixl_pages.py with that interpreter on the same cases in the same run,
 and says each case's ratio to NIXL. Measured (host memory, shm, libfabric 2.1.0, 10,000
@@ -54,6 +55,8 @@ def parse():
     p.add_argument("--nixl", metavar="PYTHON", help="also move the same pages with NIXL "
                    "(scripts/nixl_pages.py run by this interpreter, one that has nixl), in "
                    "the same run")
+    p.add_argument("--gpu", type=int, help="both ranks' pages in this GPU's memory (cupy), "
+                   "fi_rma_bw with -D cuda on it too")
     p.add_argument("--json", nargs="?", const="auto", help="write a record (results/runs/...)")
     args = p.parse_args()
     try:
@@ -72,19 +75,21 @@ def seeded(seed, size):
 
 def rank_main(args):
     import common.fabric as fi
+    from common.fabric import memory
     from common.transfer import Engine
     timeout = patience(args.timeout)
     with launch.Group(launch.place_from_environment(), timeout=patience(60)) as group, \
             fi.Closer() as own:
         if group.world != 2:
             raise SystemExit("transfer_bench.py: needs exactly 2 ranks")
-        eng = Engine(own, provider=args.provider, nics=args.nics, spread=args.spread,
-                     timeout=timeout)
+        eng = Engine(own, provider=args.provider, gpu=args.gpu, nics=args.nics,
+                     spread=args.spread, timeout=timeout)
+        xp = np if args.gpu is None else memory.cupy()
         eng.watch(group.check)
         me, other = group.rank, 1 - group.rank
         peer = eng.connect(group.allgather(eng.address())[other])
         size = min(CAP, max(args.sizes) * max(args.counts))
-        buf = seeded([5, me], size)
+        buf = xp.asarray(seeded([5, me], size))
         region = eng.register(buf)
         theirs = eng.remote(group.allgather(region.descriptor())[other])
         if me == 0:
@@ -102,8 +107,8 @@ def rank_main(args):
                 wrong = int(said.decode().split()[1])
             else:
                 eng.expect(imm, n, timeout)
-                sent = seeded([5, 0], size)[:n * page].reshape(n, page)
-                wrong = int(np.count_nonzero(buf[:slots * page].reshape(slots, page)[order]
+                sent = xp.asarray(seeded([5, 0], size)[:n * page].reshape(n, page))
+                wrong = int(xp.count_nonzero(buf[:slots * page].reshape(slots, page)[order]
                                              != sent))
                 eng.send(peer, f"wrong {wrong}".encode())
             for count in args.counts:
@@ -138,7 +143,7 @@ def rank_main(args):
     return None, None
 
 
-def fabtests(provider, sizes, timeout):
+def fabtests(provider, sizes, timeout, gpu=None):
     """{size: Gbps} of fi_rma_bw -o writedata, or None with one line saying how to get it."""
     from scripts import baseline
     try:
@@ -150,7 +155,8 @@ def fabtests(provider, sizes, timeout):
     for size in sizes:
         try:
             gbps, command = baseline.fi_rma_bw(provider, "writedata", size,
-                                               baseline.iterations(size, 1 << 30), None, timeout)
+                                               baseline.iterations(size, 1 << 30),
+                                               None if gpu is None else (gpu, gpu), timeout)
         except Exception as e:  # a failed baseline costs its figure, not the run
             print(f"fi_rma_bw {size}: failed: {str(e).splitlines()[0]}", flush=True)
             continue
@@ -188,7 +194,7 @@ def main():
     rows, provider = rank_main(args)
     if rows is None:
         return 0
-    limits = None if args.no_fabtests else fabtests(provider, args.sizes, patience(120))
+    limits = None if args.no_fabtests else fabtests(provider, args.sizes, patience(120), args.gpu)
     for r in rows:
         lim = (limits or {}).get(r["page_size"])
         r["fi_rma_bw_gbps"] = lim
@@ -214,7 +220,8 @@ def main():
                 "libfabric": "%d.%d" % fi.version(), "machine": bench.machine(),
                 "git": bench.git_sha(),
                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "nics": args.nics or 1, "spread": args.spread, "runs": rows}
+                "nics": args.nics or 1, "spread": args.spread,
+                "memory": "host" if args.gpu is None else "cuda", "runs": rows}
         print(f"wrote {bench.write_json(path, data)}", flush=True)
     return 0
 
