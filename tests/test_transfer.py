@@ -2,6 +2,7 @@
 between two ranks with one and two virtual NICs and both spreads, immediates counted in
 any order, scatter and barrier on 2, 4 and 8 ranks, refusals in one line before anything
 is posted, and a peer killed mid-transfer seen by the survivor."""
+import json
 import re
 import subprocess
 import sys
@@ -179,3 +180,16 @@ def test_a_failed_write_raises_the_providers_text():
         with pytest.raises((TransferError, TimeoutError)):
             t.wait(patience(3))
             eng.expect(9, 1, patience(3))
+
+
+def test_the_benchmark_checks_its_pages_and_reports_each_case(tmp_path):
+    """scripts/transfer_bench.py end to end, tiny: its figures are not judged, its data is."""
+    path = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "transfer_bench.py"), "-p",
+                           "shm", "--page-sizes", "4K", "--pages", "10", "--repeats", "1",
+                           "--no-fabtests", "--json", str(path)], capture_output=True,
+                          text=True, env=local_env(), timeout=patience(120), cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"4096 B x +10 pages: .* Gbps .*0 wrong bytes", done.stdout), done.stdout
+    runs = json.loads(path.read_text())["runs"]
+    assert [(r["page_size"], r["pages"], r["wrong_bytes"]) for r in runs] == [(4096, 10, 0)]
