@@ -164,7 +164,7 @@ class Layers:
         xp, s, x = self.xp, self.s, self.x
         pad = s.pages * s.page_tokens - s.tokens
         for kv, w in enumerate((self.wk, self.wv)):
-            bits = (x @ w).astype(xp.float32).view(xp.uint32) >> 16  # bf16, truncated
+            bits = (x @ w).view(xp.uint32) >> 16  # bf16, truncated
             rows = xp.pad(bits.astype(xp.uint16), ((0, pad), (0, 0)))
             out[kv] = rows.reshape(s.pages, -1).view(xp.uint8)
         attended = (x @ self.wq) @ self.wo
