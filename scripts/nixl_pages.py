@@ -236,6 +236,14 @@ def quiet(folder, name):
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 
+def leave(conn):
+    """A side's last step, whatever happened: its pipe closed, its output flushed, then
+    os._exit(), not exit(): the wheel's libnl-route-3 crashes in its destructor."""
+    conn.close()
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def target(conn, module, args, region, folder):
     """Registers a zeroed region, hands out its metadata, then per case: zero, wait for each
     repeat's notification, count wrong bytes."""
@@ -275,9 +283,7 @@ def target(conn, module, args, region, folder):
         del agent
         conn.send(("closed",))
     finally:
-        conn.close()
-        sys.stdout.flush()
-        os._exit(0)  # not exit(): the wheel's libnl-route-3 crashes in its destructor
+        leave(conn)
 
 
 def initiator(conn, module, args, region, folder):
@@ -334,9 +340,7 @@ def initiator(conn, module, args, region, folder):
         del agent
         conn.send(("closed",))
     finally:
-        conn.close()
-        sys.stdout.flush()
-        os._exit(0)  # see target()
+        leave(conn)
 
 
 def ucx_protocols(text):
