@@ -385,7 +385,7 @@ def prefiller(args, s, xp, addr):
         print(f"prefiller: {describe(s)}", flush=True)
         # all that a serving engine has ready before a request comes: weights, staging
         # (registered once), and here the time the prompt takes without any transfer
-        layers, alone = Layers(s, args.seed, xp), prefill_alone(s, args.seed, xp)
+        layers, alone = Layers(s, args.seed, xp), prefill_alone(s, args.seed, xp, args.gpu)
         stage = xp.zeros((s.layers, 2, s.pages, s.page_bytes), xp.uint8)
         staged, counter = eng.register(stage), Counter(s.layers, xp)
         server = eng.connect(addr)
@@ -414,7 +414,7 @@ def prefiller(args, s, xp, addr):
             time.sleep(1e-4)
         if watcher.error:
             raise watcher.error
-        synchronize(xp)  # the context's last kernels
+        memory.synchronize(args.gpu)  # the context's last kernels
         eng.write(server, ctx, 0, context_at, 0, context.nbytes,
                   imm=imm(request, CONTEXT)).wait(args.timeout)
         _, answer = eng.recv(args.timeout)
@@ -468,7 +468,7 @@ def stop(eng, server, watcher, request, layer):
     return 0
 
 
-def prefill_alone(s, seed, xp):
+def prefill_alone(s, seed, xp, gpu):
     """The prompt's prefill without any transfer: time to first token, were it local (the
     second of two runs: the first pays for warming up the libraries and the memory)."""
     took = []
@@ -477,14 +477,9 @@ def prefill_alone(s, seed, xp):
         start = now()
         for layer in range(s.layers):
             layers.step(layer, out)
-        synchronize(xp)
+        memory.synchronize(gpu)
         took.append(now() - start)
     return took[-1]
-
-
-def synchronize(xp):
-    if xp is not np:
-        xp.cuda.get_current_stream().synchronize()
 
 
 def main():
