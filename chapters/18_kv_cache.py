@@ -381,6 +381,7 @@ class Watcher(threading.Thread):
 def prefiller(args, s, xp, addr):
     with fi.Closer() as own:
         eng = Engine(own, args.provider, gpu=args.gpu, nics=args.nics, timeout=args.timeout)
+        server = eng.connect(addr)  # a wrong address is said before anything is computed
         print(f"provider: {eng.provider}; {eng.nics}")
         print(f"prefiller: {describe(s)}", flush=True)
         # all that a serving engine has ready before a request comes: weights, staging
@@ -388,7 +389,6 @@ def prefiller(args, s, xp, addr):
         layers, alone = Layers(s, args.seed, xp), prefill_alone(s, args.seed, xp, args.gpu)
         stage = xp.zeros((s.layers, 2, s.pages, s.page_bytes), xp.uint8)
         staged, counter = eng.register(stage), Counter(s.layers, xp)
-        server = eng.connect(addr)
         eng.send(server, REQUEST + eng.address())
         _, message = eng.recv(args.timeout)
         ask = json.loads(message[len(REQUEST):])
