@@ -43,6 +43,7 @@ RECVS = 16             # control receives kept posted
 SIGNAL = 8             # bytes of the signal region a barrier writes into
 NAP_US = 20            # the worker's sleep when idle a while (it yields before that)
 SPREADS = ("round-robin", "per-peer")
+CACHE_SIZE = "FI_MR_CACHE_MAX_SIZE"  # see Engine: GPU regions larger than its default
 MAGIC_ADDRESS, MAGIC_REGION = b"TXA1", b"TXR1"
 ADDRESS = struct.Struct("<4sIHH")   # magic, engine id, NIC count, control address length
 NAME = struct.Struct("<H")          # a data NIC's address length (+ the address)
@@ -142,7 +143,7 @@ class Group:
         from each member (expect(imm, len(members)))."""
         timeout = self.engine.timeout if timeout is None else timeout
         eng = self.engine
-        sent = [eng.write(p, eng._signal, 0, p.signal, 0, SIGNAL, imm) for p in self.members]
+        sent = [eng.signal(p, imm) for p in self.members]
         eng.expect(imm, len(self.members), timeout)
         for t in sent:
             t.wait(timeout)
@@ -176,6 +177,13 @@ class Engine:
             raise ValueError(f"nics must be at least 1, not {nics}")
         self.timeout, self.gpu, self.spread = timeout, gpu, spread
         memory.use_gpu(gpu)  # no cupy, no such GPU: one line, before anything is opened
+        if gpu is not None and CACHE_SIZE not in os.environ:
+            # shm maps a peer's GPU region by CUDA IPC and keeps the mapping in the MR
+            # cache, by default RAM / cores / 2 bytes (prov/util/src/util_mem_monitor.c,
+            # ofi_default_cache_size); once that is full, a region is mapped again for
+            # every WRITE: on one H200 box, 8 GB regions then stalled for 30 s and more.
+            # Read when libfabric starts, so only before a process's first fi_getinfo.
+            os.environ[CACHE_SIZE] = str(1 << 40)
         info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA, hmem=gpu is not None)
         self.provider = fi.provider_of(info)
         self.infos, self.nics = engine_nics(info, gpu, nics)
@@ -372,6 +380,17 @@ class Engine:
         return self._submit(*self._command(peer, src, src_pages * np.uint64(page_size), dst,
                                            dst_pages * np.uint64(page_size), page_size, imm))
 
+    def write_list(self, peer, src, src_offsets, dst, dst_offsets, lengths, imm=None):
+        """WRITE i: lengths[i] bytes from src[src_offsets[i]:] to dst[dst_offsets[i]:],
+        all posted by the worker (chapter 19: a layer's tensors of several sizes)."""
+        offsets = [pages_of(x, name, "byte counts") for x, name in (
+            (src_offsets, "src_offsets"), (dst_offsets, "dst_offsets"), (lengths, "lengths"))]
+        if len({len(x) for x in offsets}) != 1:
+            raise ValueError(f"{len(offsets[0])} source offsets, {len(offsets[1])} "
+                             f"destination offsets and {len(offsets[2])} lengths")
+        return self._submit(*self._command(peer, src, offsets[0], dst, offsets[1],
+                                           offsets[2], imm))
+
     def _check_ends(self, peer, src, dst):
         if not isinstance(peer, Peer) or self._peers.get(peer.id) is not peer:
             raise ValueError("that peer is not one of this engine's (use Engine.connect)")
@@ -382,16 +401,25 @@ class Engine:
             raise ValueError("the destination must be a RemoteRegion (Engine.remote)")
 
     def _command(self, peer, src, src_offsets, dst, dst_offsets, length, imm):
-        """A command for the worker, every argument checked: ValueError, nothing posted."""
+        """A command for the worker, every argument checked: ValueError, nothing posted.
+        `length`: every WRITE's, or an array of one per WRITE."""
         self._check_ends(peer, src, dst)
-        if not isinstance(length, (int, np.integer)) or not 0 < length <= self.max_write:
-            raise ValueError(f"a WRITE's length must be 1 to {self.max_write} bytes "
-                             f"({self.provider}'s largest), not {length!r}")
+        lengths = length if isinstance(length, np.ndarray) else None
+        if lengths is None and not isinstance(length, (int, np.integer)):
+            raise ValueError(f"a WRITE's length must be an integer, not {length!r}")
+        sizes = [length] if lengths is None else \
+            [int(lengths.min()), int(lengths.max())] if len(lengths) else []
+        for size in sizes:
+            if not 0 < size <= self.max_write:
+                raise ValueError(f"a WRITE's length must be 1 to {self.max_write} bytes "
+                                 f"({self.provider}'s largest), not {size}")
         for offsets, region, name in ((src_offsets, src, "source"),
                                       (dst_offsets, dst, "destination")):
-            if len(offsets) and int(offsets.max()) + length > region.size:
-                raise ValueError(f"{name} bytes {int(offsets.max())}..{int(offsets.max()) + length}"
-                                 f" are out of range: the region has {region.size}")
+            ends = offsets + (lengths if lengths is not None else np.uint64(length))
+            if len(offsets) and int(ends.max()) > region.size:
+                at = int(np.argmax(ends))
+                raise ValueError(f"{name} bytes {int(offsets[at])}..{int(ends[at])} are out "
+                                 f"of range: the region has {region.size}")
         if imm is not None:
             bits = 8 * self.cq_data_size
             if not isinstance(imm, (int, np.integer)) or not 0 <= imm < 1 << bits:
@@ -400,7 +428,10 @@ class Engine:
         c = _ffi.new("struct tx_command *")
         src_offsets = np.ascontiguousarray(src_offsets, np.uint64)
         dst_offsets = np.ascontiguousarray(dst_offsets, np.uint64)
-        c.count, c.length = len(src_offsets), length
+        c.count, c.length = len(src_offsets), 0 if lengths is not None else length
+        if lengths is not None:
+            lengths = np.ascontiguousarray(lengths, np.uint64)
+            c.lengths = _ffi.cast("uint64_t *", lengths.ctypes.data)
         c.src = _ffi.cast("uint64_t *", src_offsets.ctypes.data)
         c.dst = _ffi.cast("uint64_t *", dst_offsets.ctypes.data)
         c.local_base = _ffi.cast("char *", src.ptr)
@@ -409,7 +440,7 @@ class Engine:
         c.round_robin = self.spread == "round-robin"
         c.nic = peer.nic
         c.has_imm, c.imm = imm is not None, imm or 0
-        return c, (src_offsets, dst_offsets, src, dst, peer)
+        return c, (src_offsets, dst_offsets, lengths, src, dst, peer)
 
     def _submit(self, command, keep):
         self._check()
@@ -422,14 +453,23 @@ class Engine:
         native.tx_submit(w, command)
         return t
 
+    def signal(self, peer, imm):
+        """An 8-byte WRITE with `imm` into the peer's signal region: a message that is
+        only its immediate (the peer expects it)."""
+        return self.write(peer, self._signal, 0, peer.signal, 0, SIGNAL, imm)
+
     # --- arrivals ------------------------------------------------------------------
+
+    def arrived(self, imm):
+        """How many WRITEs with immediate `imm` arrived that no expect() took yet."""
+        return native.tx_arrived(self._w, imm) - self._taken.get(imm, 0)
 
     def expect(self, imm, n, timeout=None):
         """Wait until `n` WRITEs with immediate `imm` have arrived (from any peer, NIC,
         in any order), then take them: a later expect(imm, ...) needs new ones."""
         timeout = self.timeout if timeout is None else timeout
         taken = self._taken.get(imm, 0)
-        arrived = lambda: native.tx_arrived(self._w, imm) - taken  # noqa: E731
+        arrived = lambda: self.arrived(imm)  # noqa: E731
 
         def why():
             lost = self._w.imm_lost
@@ -540,10 +580,10 @@ class Engine:
                 time.sleep(nap)
 
 
-def pages_of(pages, name):
+def pages_of(pages, name, what="page numbers"):
     array = np.asarray(pages)
     if array.ndim != 1 or (len(array) and not np.issubdtype(array.dtype, np.integer)):
-        raise ValueError(f"{name} must be a sequence of page numbers")
+        raise ValueError(f"{name} must be a sequence of {what}")
     if len(array) and array.min() < 0:
         raise ValueError(f"{name} has a negative page ({int(array.min())})")
     return array.astype(np.uint64)

@@ -1,6 +1,7 @@
 /* cdef
 struct tx_command {             // one transfer: `count` WRITEs of `length` bytes to one peer
     uint64_t count, length;
+    uint64_t *lengths;              // or NULL: WRITE i is lengths[i] bytes long
     uint64_t *src, *dst;            // byte offsets into the local and the remote region
     char *local_base;               // the local region (its virtual address) ...
     void **local_descs;             // ... and its descriptor on each NIC
@@ -221,10 +222,9 @@ static uint64_t tx_post(struct tx_worker *w, struct tx_state *s, uint64_t budget
             break;  /* that NIC is full: its completions make room */
         uint32_t index = s->free_slots[(size_t)nic * w->slots + s->nfree[nic] - 1];
         struct tx_slot *slot = &s->slots[(size_t)nic * w->slots + index];
-        uint64_t op = s->op;
-        struct iovec iov = { c->local_base + c->src[op], c->length };
-        struct fi_rma_iov rma = { c->remote_base[nic] + c->dst[op], c->length,
-                                  c->remote_key[nic] };
+        uint64_t op = s->op, length = c->lengths ? c->lengths[op] : c->length;
+        struct iovec iov = { c->local_base + c->src[op], length };
+        struct fi_rma_iov rma = { c->remote_base[nic] + c->dst[op], length, c->remote_key[nic] };
         struct fi_msg_rma msg = { &iov, &c->local_descs[nic], 1, c->addr[nic], &rma, 1,
                                   &slot->context, c->imm };
         uint64_t flags = FI_COMPLETION | (c->has_imm ? FI_REMOTE_CQ_DATA : 0);
