@@ -1,5 +1,5 @@
 #pragma once
-// The fp8 wire format on the GPU, for every MoE chapter (cupy RawModule; chapter 17's
+// fp8 e4m3 on the GPU, for the MoE chapters and chapter 19's weights (cupy RawModule; 17's
 // kernels include it). Run on 2 x H200: its fp8 rows match the reference.
 //
 // fp8_quantize: one block of 128 threads per (token, block of 128 values). The
@@ -20,6 +20,27 @@ __device__ unsigned char fp8_e4m3(float v)
     return sign | (unsigned char)(exponent << 3 | mantissa);
 }
 
+// The largest of `a` over the 128 threads of a block (i = 0..127), with 4 floats of shared
+// memory. Every thread of the block calls it (it synchronises them, and again before
+// returning, so that a loop may call it once more).
+__device__ float block_max128(float a, int i, float *warp_max)
+{
+    for (int offset = 16; offset; offset >>= 1)
+        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
+    if ((i & 31) == 0)
+        warp_max[i >> 5] = a;
+    __syncthreads();
+    float amax = fmaxf(fmaxf(warp_max[0], warp_max[1]), fmaxf(warp_max[2], warp_max[3]));
+    __syncthreads();
+    return amax;
+}
+
+// A block's scale from its largest magnitude, as common/moe/reference.py computes it.
+__device__ float fp8_scale(float amax)
+{
+    return amax > 0.0f ? amax / 448.0f : 1.0f;
+}
+
 // One (token, block of 128 values), by 128 threads of a block (i = 0..127), with 4 floats
 // of shared memory. Every thread of the block calls it (it synchronises them); `active`
 // is false for threads with no group to do.
@@ -28,16 +49,9 @@ __device__ void fp8_quantize_group(const float *x, unsigned char *rows, int hidd
                                    float *warp_max)
 {
     float v = active ? x[(long long)token * hidden + block * 128 + i] : 0.0f;
-    float a = fabsf(v);
-    for (int offset = 16; offset; offset >>= 1)
-        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
-    if ((i & 31) == 0)
-        warp_max[i >> 5] = a;
-    __syncthreads();
+    float scale = fp8_scale(block_max128(fabsf(v), i, warp_max));
     if (!active)
         return;
-    float amax = fmaxf(fmaxf(warp_max[0], warp_max[1]), fmaxf(warp_max[2], warp_max[3]));
-    float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
     unsigned char *row = rows + (long long)token * row_bytes;
     row[block * 128 + i] = fp8_e4m3(v / scale);
     if (i == 0)

@@ -31,14 +31,16 @@ E4M3 = _e4m3_values()
 
 def to_e4m3(x):
     """float32 -> uint8 e4m3 codes: nearest value (ties to the even code), saturating at
-    +-448 as fp8 conversions for training do."""
-    a = np.minimum(np.abs(x).astype(np.float32), FP8_MAX)
-    upper = np.clip(np.searchsorted(E4M3, a), 1, len(E4M3) - 1)
+    +-448 as fp8 conversions for training do. numpy, or cupy for a cupy array."""
+    xp = array_module(x)
+    table = xp.asarray(E4M3)
+    a = xp.minimum(xp.abs(x).astype(xp.float32), FP8_MAX)
+    upper = xp.clip(xp.searchsorted(table, a), 1, len(E4M3) - 1)
     lower = upper - 1
-    below, above = a - E4M3[lower], E4M3[upper] - a
+    below, above = a - table[lower], table[upper] - a
     pick_upper = (above < below) | ((above == below) & (upper % 2 == 0))
-    code = np.where(pick_upper, upper, lower).astype(np.uint8)
-    return code | np.where(np.signbit(x), 0x80, 0).astype(np.uint8)
+    code = xp.where(pick_upper, upper, lower).astype(xp.uint8)
+    return code | xp.where(xp.signbit(x), 0x80, 0).astype(xp.uint8)
 
 
 def from_e4m3(code):
@@ -71,13 +73,23 @@ def from_bf16(half):
     return (xp.asarray(half, dtype=xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
 
 
-def quantize_fp8(x):
-    """(tokens, hidden) float32 -> (uint8 codes, float32 scales (tokens, hidden / 128))."""
-    blocks = x.reshape(len(x), x.shape[1] // FP8_BLOCK, FP8_BLOCK)
-    amax = np.abs(blocks).max(axis=2)
-    scales = np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
-    codes = to_e4m3(blocks / scales[:, :, None])
+def quantize_fp8(x, block_rows=1):
+    """(rows, cols) float32 -> (uint8 codes (rows, cols), float32 scales (rows / block_rows,
+    cols / 128)): one scale per block of block_rows x 128 values, 1 x 128 for activations
+    (chapters 16-17), 128 x 128 for weights as fp8 checkpoints keep them (chapter 19).
+    numpy, or cupy for a cupy array."""
+    xp = array_module(x)
+    rows, cols = x.shape
+    blocks = x.reshape(rows // block_rows, block_rows, cols // FP8_BLOCK, FP8_BLOCK)
+    scales = fp8_scales(xp.abs(blocks).max(axis=(1, 3)))
+    codes = to_e4m3(blocks / scales[:, None, :, None])
     return codes.reshape(x.shape), scales
+
+
+def fp8_scales(amax):
+    """A block's scale from its largest magnitude: amax / 448, or 1 where all are zero."""
+    xp = array_module(amax)
+    return xp.where(amax > 0, amax / FP8_MAX, 1.0).astype(xp.float32)
 
 
 def dequantize_fp8(codes, scales):
