@@ -16,12 +16,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-declare -A PARENT=([03]=- [04]=- [08]=- [09]=07 [16]=07 [17]=16 [18]=- [19]=18)
+declare -A PARENT=([03]=- [04]=- [08]=- [09]=07 [16]=07 [17]=16 [18]=- [19]=-)
 declare -A LESSON=([09]=common/engine/multinet.py)
 declare -A NEW=([07]=common/engine/opqueue.py [08]=common/engine/topo.py
                 [10]=common/engine/warmup.py
                 [11]="common/engine/lane.h common/engine/workers.py"
-                [13]=common/engine/shards.py)
+                [13]=common/engine/shards.py [19]=common/weights/model.py)
 C_FIRST=" 11 12 13 14 15 17 "
 
 die() { echo "diff: $*" >&2; exit 2; }

@@ -137,7 +137,23 @@ def ch18(provider, _):
     return True, f"{found[1]} KV pages and the context, 0 wrong bytes"
 
 
-CHECKS = {3: ch03, 4: ch04, 5: ch05, 6: ch06, 8: ch08, 9: ch09, 16: ch16, 17: ch17, 18: ch18}
+def ch19(provider, _):
+    """3 trainers (shards whose edges split fp8 blocks) update 1 inference rank twice."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "launch.py"), "-n", "4",
+         str(chapter_path(19)), *(["-p", provider] if provider else []), "--model", "tiny",
+         "--trainers", "3"],
+        capture_output=True, text=True, env=local_env(), cwd=ROOT, timeout=300)
+    exact = re.findall(r"^\[0\] (?:update \d|naive).*: 0 wrong bytes; (\d+) tensors changed "
+                       r"\((\d+) expected\)$", done.stdout, re.MULTILINE)
+    if done.returncode or "all checks passed" not in done.stdout or len(exact) != 3:
+        return False, last_line(done.stderr or done.stdout)
+    return True, (f"2 updates and the naive way, every fp8 weight and scale exact; "
+                  f"{exact[1][0]} tensors changed in the second, as expected")
+
+
+CHECKS = {3: ch03, 4: ch04, 5: ch05, 6: ch06, 8: ch08, 9: ch09, 16: ch16, 17: ch17, 18: ch18,
+          19: ch19}
 
 
 def last_line(text):

@@ -1,0 +1,621 @@
+"""Chapter 19 - weight_update: a trainer's bf16 weights into an inference engine's fp8 weights, by one-sided WRITEs.
+
+What you will learn: how reinforcement learning moves fresh weights from the training job
+into the inference engine in about a second, not a minute. The two sides keep the same
+model in different shapes: trainers hold bf16 parameters in FSDP's dim-0 shards (trainer
+t: rows [t*ceil(R/T), ...) of every parameter), inference ranks hold fp8 e4m3 weights
+with one float32 scale per 128 x 128 block, sharded for serving (attention
+tensor-parallel, q/k/v fused into one qkv_proj and gate/up into gate_up_proj, experts
+expert-parallel, embeddings by vocabulary rows). Both sides send their layouts once; from
+them every rank computes the same routing table: which trainer WRITEs which rows of
+which tensor into which inference rank, at which offset. Fusing is only offsets in that
+table. Memory is registered once. An update is then, on every trainer at once:
+
+  1. edge maxima: a 128-row block straddles two trainers' shards where a shard's edge is
+     not a multiple of 128 rows, so each trainer takes the largest magnitude of its own
+     part of each block and WRITEs those of shared blocks to the trainers that share them
+     (one float per 128 columns: this replaces gathering whole tensors, full_tensor());
+  2. per layer: quantise its own rows with the blocks' scales into staging memory (two
+     halves of --staging: one quantised while the other's WRITEs fly), then one command
+     per inference rank posts the layer's WRITEs (codes, scales, bf16 rows), each with an
+     immediate naming the update and the layer;
+  3. a barrier: every inference rank waits for as many immediates of each layer as the
+     table says it gets, in any order, then meets the trainers.
+
+An inference rank knows which layers are complete by those counts: it serves the new
+weights only after the barrier, and says which layers are stale if a trainer dies
+mid-update. Every weight and scale is then checked, bit for bit, against the plain
+quantisation of the whole tensor (common/moe/reference.py), and a second update with a
+third of the parameters changed must change exactly the tensors built from those. The
+same update the naive way runs in the same job: trainer 0 gathers each tensor, quantises
+it and sends all of it to every inference rank.
+
+    .venv/bin/python scripts/launch.py -n 3 chapters/19_weight_update.py -p shm
+    .venv/bin/python scripts/launch.py -n 5 chapters/19_weight_update.py -p tcp --trainers 3
+    .venv/bin/python scripts/launch.py -n 6 chapters/19_weight_update.py --trainers 2 --layers 2
+    .venv/bin/python scripts/launch.py -n 3 chapters/19_weight_update.py --fail trainer
+    .venv/bin/python scripts/launch.py -n 6 --gpus 0 chapters/19_weight_update.py \\
+        --device cuda --trainers 4 -p shm                 # full size, every rank on one GPU
+
+New since chapter 18: Engine.write_list (one command of WRITEs of several lengths),
+Engine.signal and Engine.arrived (common/transfer); 128 x 128 blocks and bf16 input in
+common/moe/reference.py's quantize_fp8 and in this chapter's kernels (19_weight_update.cu,
+on common/moe/fp8.cuh, chapter 16's rounding).
+"""
+# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it.
+LESSON = {"figure": "check", "shows": "every fp8 weight and scale exact after two updates"}
+
+# %% [markdown]
+# ## Motivation
+#     trainer t (bf16, FSDP rows)                  inference rank r (fp8, TP / EP shards)
+#     rows [t0, t1) of every tensor
+#       1. max |x| of its part of each edge block -> the trainers sharing that block
+#       2. layer by layer: quantise own rows with the block scales into staging
+#          WRITE codes, scales, bf16 rows  ------>   at the table's offsets (fused there)
+#          immediate (update, layer)                 expect(that, count from the table)
+#       3. barrier  <---------------------------->   barrier, then serve the new weights
+
+# %%
+import contextlib
+import json
+import os
+import signal
+import time
+
+import numpy as np
+
+import common.fabric as fi
+from common import cli, launch
+from common.moe import reference as ref
+from common.transfer import Engine
+from common.weights import BARRIER, BLOCK, EDGES, LANDED, imm, split
+from common.weights.model import MODELS, Param, aligned, checksum, describe, inference_tensors, \
+    lay_out, model_config, parameters, shard_rows, values, versions_at
+from common.weights.naive import fp8_bytes, naive_inference, naive_trainer
+from common.weights.ops import CudaOps, HostOps
+from common.weights.report import STAGES, Report
+
+KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "19_weight_update.cu")
+LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "launch.py")
+RENDEZVOUS = 30  # x --timeout: how long the layouts' exchange and the checks may take
+
+
+# %% [markdown]
+# ## Code: the routing table, the same on every rank
+
+# %%
+class Plan:
+    """What every trainer WRITEs where, from the trainers' parameters and each inference
+    rank's tensors (its layout, as that rank sent it). Names and shapes are checked
+    first: one line for the first mismatch."""
+
+    def __init__(self, params, trainers, layouts, max_write):
+        self.params, self.trainers, self.layouts = params, trainers, layouts
+        self.max_write = max_write
+        names = {p.name: p for p in params}
+        self.groups = sorted({p.group for p in params})
+        self.rows = [[shard_rows(p.rows, trainers, t) for p in params] for t in range(trainers)]
+        self.jobs = [{g: [] for g in self.groups} for _ in range(trainers)]
+        for r, tensors in enumerate(layouts):
+            for tensor in tensors:
+                for piece in tensor.pieces:
+                    p = check_piece(names, r, tensor, piece)
+                    for t in range(trainers):  # FSDP: every trainer has rows of it
+                        t0, t1 = self.rows[t][p.index]
+                        lo, hi = max(piece[3], t0), min(piece[4], t1)
+                        if lo < hi:
+                            self.jobs[t][p.group].append(Job(self, t, p, r, tensor, piece, lo, hi))
+
+    def counts(self, r):
+        """{group: how many WRITEs inference rank r gets in it, from every trainer}."""
+        return {g: sum(len(job.writes) for t in range(self.trainers)
+                       for job in self.jobs[t][g] if job.r == r) for g in self.groups}
+
+    def edges(self, t):
+        """{trainer u: [(param, block row)]}: the blocks trainer t shares with u (their
+        128 rows begin in one shard and end in the other), in the same order on both."""
+        out = {}
+        for p in self.params:
+            t0, t1 = self.rows[t][p.index]
+            if not p.fp8 or t0 == t1:
+                continue
+            for b in sorted({t0 // BLOCK, (t1 - 1) // BLOCK}):
+                for u in range(self.trainers):
+                    u0, u1 = self.rows[u][p.index]
+                    if u != t and max(u0, b * BLOCK) < min(u1, (b + 1) * BLOCK):
+                        out.setdefault(u, []).append((p, b))
+        return out
+
+
+class Job:
+    """Trainer t's rows [lo, hi) of one piece of an inference rank's tensor: the WRITEs
+    of its codes (or bf16 rows) and of the scales of the blocks that begin in its rows."""
+
+    def __init__(self, plan, t, p, r, tensor, piece, lo, hi):
+        self.p, self.r, self.tensor, self.piece, self.lo, self.hi = p, r, tensor, piece, lo, hi
+        _, _, _, row0, row1, col0, col1, at = piece
+        self.col0, self.width = col0, col1 - col0
+        to = tensor.offset + (at + lo - row0) * tensor.cols * (1 if p.fp8 else 2)
+        self.bytes = (hi - lo) * self.width * (1 if p.fp8 else 2)
+        self.writes = split("data", to, self.bytes, plan.max_write)
+        self.blocks = (-(-lo // BLOCK), -(-hi // BLOCK)) if p.fp8 else (0, 0)
+        b0, b1 = self.blocks
+        self.scale_bytes = (b1 - b0) * (self.width // BLOCK) * 4
+        if self.scale_bytes:
+            row = (at - row0) // BLOCK + b0
+            self.writes += split("scales", tensor.scales + row * (tensor.cols // BLOCK) * 4,
+                                 self.scale_bytes, plan.max_write)
+
+
+def check_piece(names, r, tensor, piece):
+    name, rows, cols, row0, row1, col0, col1, at = piece
+    p = names.get(name)
+    if p is None:
+        raise ValueError(f"inference rank {r} asks for {name} (in {tensor.name}), which the "
+                         "trainers do not hold")
+    if (p.rows, p.cols) != (rows, cols):
+        raise ValueError(f"{name}: the trainers hold {p.rows} x {p.cols}, inference rank {r} "
+                         f"expects {rows} x {cols}")
+    if not (0 <= row0 < row1 <= rows and 0 <= col0 < col1 <= cols):
+        raise ValueError(f"{tensor.name} on inference rank {r}: rows {row0}..{row1} x cols "
+                         f"{col0}..{col1} are outside {name}'s {rows} x {cols}")
+    if not p.fp8 and (col0, col1) != (0, cols):
+        raise ValueError(f"{tensor.name} on inference rank {r}: bf16 pieces take whole rows")
+    if p.fp8 and any(x % BLOCK for x in (row0, row1, col0, col1, at)):
+        raise ValueError(f"{tensor.name} on inference rank {r}: its piece of {name} (rows "
+                         f"{row0}..{row1}, cols {col0}..{col1}) is not on the {BLOCK} x "
+                         f"{BLOCK} fp8 blocks: use fewer inference ranks")
+    return p
+
+
+# %% [markdown]
+# ## Code: a trainer's update
+
+# %%
+class Trainer:
+    """Trainer t: its shards (bf16), the block maxima of its rows, staging in two halves,
+    and the batches of its WRITEs, laid out once from the plan."""
+
+    def __init__(self, eng, plan, t, ops, seed, staging, minimum=0):
+        self.eng, self.plan, self.t, self.ops, self.seed = eng, plan, t, ops, seed
+        xp, rows = ops.xp, plan.rows[t]
+        self.shard_at, self.amax_at, at, blocks = {}, {}, 0, 0
+        for p in plan.params:
+            t0, t1 = rows[p.index]
+            self.shard_at[p.index], at = at, at + (t1 - t0) * p.cols
+            if p.fp8 and t0 < t1:
+                self.amax_at[p.index] = blocks
+                blocks += ((t1 - 1) // BLOCK - t0 // BLOCK + 1) * (p.cols // BLOCK)
+        self.shard = xp.zeros(max(at, 1), xp.uint16)
+        self.amax, self.scales = xp.zeros(blocks + 1, xp.float32), xp.zeros(blocks + 1, xp.float32)
+        self.edges = self._edges()
+        need = max(sum(aligned(j.bytes) + aligned(j.scale_bytes) for j in jobs if j.p.fp8)
+                   for jobs in plan.jobs[t].values())
+        if staging is not None and staging < 2 * need:
+            raise ValueError(f"--staging {staging}: trainer {t} quantises up to {need} B a "
+                             f"layer, into each of two halves: give at least {2 * need}")
+        self.half = aligned(need if staging is None else staging // 2)
+        self.staging = xp.zeros(max(2 * self.half, minimum), xp.uint8)
+        self.batches = self._batches()
+        self.regions = {name: eng.register(a) for name, a in (
+            ("shard", self.shard), ("staging", self.staging), ("edges", self.edge_buffer))}
+        self.versions = {}
+
+    def view(self, p):
+        t0, t1 = self.plan.rows[self.t][p.index]
+        at = self.shard_at[p.index]
+        return self.shard[at:at + (t1 - t0) * p.cols].reshape(t1 - t0, p.cols)
+
+    def _block_index(self, p, b, col_blocks):
+        t0 = self.plan.rows[self.t][p.index][0]
+        return self.amax_at[p.index] + (b - t0 // BLOCK) * (p.cols // BLOCK) + col_blocks
+
+    def _edges(self):
+        """Per trainer u we share blocks with: where their maxima are in our amax, where
+        ours go in the send area, where u's arrive in our inbox, where ours go in u's."""
+        mine = self.plan.edges(self.t)
+        size = {u: sum(p.cols // BLOCK for p, _ in blocks) for u, blocks in mine.items()}
+        sent = sum(size.values())
+        out, at = {}, 0
+        for u in sorted(mine):
+            index = np.concatenate([self._block_index(p, b, np.arange(p.cols // BLOCK))
+                                    for p, b in mine[u]])
+            theirs = {s: sum(p.cols // BLOCK for p, _ in blocks)  # u's, the same way
+                      for s, blocks in self.plan.edges(u).items()}
+            there = sum(theirs.values()) + sum(theirs[s] for s in theirs if s < self.t)
+            out[u] = (self.ops.xp.asarray(index), at, sent + at, there, size[u])
+            at += size[u]
+        self.edge_buffer = self.ops.xp.zeros(max(2 * sent, 1), self.ops.xp.float32)
+        self.edge_total = sent
+        return out
+
+    def _batches(self):
+        """One batch a layer, alternating between the staging's halves; its bf16 rows go
+        straight from the shard."""
+        out = []
+        for g, jobs in self.plan.jobs[self.t].items():
+            if jobs:
+                out.append(Batch(self, g, len(out) % 2, [j for j in jobs if j.p.fp8],
+                                 [j for j in jobs if not j.p.fp8]))
+        return out
+
+    def connect(self, peers, remotes, trainers):
+        """peers: rank -> Peer; remotes: inference rank -> its weight region; trainers:
+        trainer -> its edge buffer."""
+        self.peers, self.remotes, self.trainer_edges = peers, remotes, trainers
+
+    def fill(self, versions):
+        """The training step's result: new values of the parameters whose version moved."""
+        for p in self.plan.params:
+            if self.versions.get(p.index) != versions[p.index] and p.index in self.shard_at:
+                t0, t1 = self.plan.rows[self.t][p.index]
+                if t0 < t1:
+                    self.view(p)[...] = values(self.ops.xp, self.seed, p, versions[p.index],
+                                               t0, t1)
+        self.versions = dict(versions)
+        self.ops.sync()
+
+    def update(self, n, fail=False):
+        """One update; returns each stage's seconds and what was posted."""
+        eng, ops, xp, clock = self.eng, self.ops, self.ops.xp, Clock()
+        start = time.perf_counter()
+        with clock("edge maxima"):  # 1. our part of every block, the shared ones sent
+            for index, at in self.amax_at.items():
+                p = self.plan.params[index]
+                ops.amax(self.view(p), self.plan.rows[self.t][index][0],
+                         self.amax[at:at + self._blocks(p)])
+            for u, (index, send, _, there, size) in self.edges.items():
+                self.edge_buffer[send:send + size] = self.amax[index]
+            ops.sync()
+            sent = [eng.write(self.peers[u], self.regions["edges"], 4 * send,
+                              self.trainer_edges[u], 4 * there, 4 * size, imm(n, EDGES))
+                    for u, (_, send, _, there, size) in self.edges.items()]
+        with clock("waiting for other ranks"):
+            eng.expect(imm(n, EDGES), len(self.edges))
+        with clock("edge maxima"):
+            for u, (index, _, inbox, _, size) in self.edges.items():
+                self.amax[index] = xp.maximum(self.amax[index],
+                                              self.edge_buffer[inbox:inbox + size])
+            self.scales[...] = ref.fp8_scales(self.amax)
+            for s in sent:
+                s.wait()
+        flying, writes = [None, None], 0
+        for k, batch in enumerate(self.batches):  # 2. quantise a half while the other flies
+            with clock("transfer not hidden"):
+                self._landed(n, flying[batch.half])
+            with clock("quantise"):
+                batch.quantise(self)
+                ops.sync()
+            with clock("RDMA submit"):
+                flying[batch.half] = batch, batch.submit(self, n)
+            writes += batch.writes
+            if fail and k == len(self.batches) // 2:
+                print(f"trainer {self.t}: killing myself mid-update {n} (--fail trainer)",
+                      flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+        with clock("transfer not hidden"):
+            for last in flying:
+                self._landed(n, last)
+        with clock("waiting for other ranks"):  # 3. every inference rank has it all
+            eng.group(list(self.peers.values())).barrier(imm(n, BARRIER))
+        return {"seconds": time.perf_counter() - start, "stages": clock.times,
+                "writes": writes, "bytes": sum(b.bytes for b in self.batches)}
+
+    def _landed(self, n, flying):
+        """The batch that used a staging half is done with it: its WRITEs completed, and
+        every inference rank it wrote to said that the layer is in its memory. (With shm
+        and GPU memory a WRITE completes once the target has queued its cudaMemcpy, which
+        then reads our staging later: prov/shm/src/smr_progress.c, smr_progress_ipc.)"""
+        if flying is None:
+            return
+        batch, transfers = flying
+        for x in transfers:
+            x.wait()
+        self.eng.expect(imm(n, LANDED | batch.group), len(batch.commands_to))
+
+    def _blocks(self, p):
+        t0, t1 = self.plan.rows[self.t][p.index]
+        return ((t1 - 1) // BLOCK - t0 // BLOCK + 1) * (p.cols // BLOCK)
+
+
+class Batch:
+    """Some jobs of one layer: where their codes and scales sit in the staging half, and
+    one command per inference rank of their WRITEs (another from the shard, for bf16)."""
+
+    def __init__(self, trainer, group, half, fp8, bf16):
+        xp, t0s = trainer.ops.xp, trainer.plan.rows[trainer.t]
+        self.group, self.half, self.jobs = group, half, []
+        at, staged, direct, src, dst = half * trainer.half, {}, {}, [], []
+        for job in fp8:
+            codes, scales = at, at + aligned(job.bytes)
+            at = scales + aligned(job.scale_bytes)
+            self.jobs.append((job, codes))
+            if job.scale_bytes:  # the scales of the blocks that begin in our rows
+                b0, b1 = job.blocks
+                cols = job.col0 // BLOCK + np.arange(job.width // BLOCK)
+                src += [trainer._block_index(job.p, b, cols) for b in range(b0, b1)]
+                dst.append(scales // 4 + np.arange(job.scale_bytes // 4))
+            for what, rel, to, length in job.writes:
+                staged.setdefault(job.r, []).append(
+                    ((codes if what == "data" else scales) + rel, to, length))
+        for job in bf16:
+            t0 = t0s[job.p.index][0]
+            first = 2 * (trainer.shard_at[job.p.index] + (job.lo - t0) * job.p.cols)
+            for _, rel, to, length in job.writes:
+                direct.setdefault(job.r, []).append((first + rel, to, length))
+        self.scale_src = xp.asarray(np.concatenate(src) if src else np.zeros(0, np.int64))
+        self.scale_dst = xp.asarray(np.concatenate(dst) if dst else np.zeros(0, np.int64))
+        self.commands = [(source, r, np.array(w, np.uint64).T.copy())
+                         for source, lists in (("staging", staged), ("shard", direct))
+                         for r, w in sorted(lists.items())]
+        self.commands_to = {r for _, r, _ in self.commands}
+        self.writes = sum(c[2].shape[1] for c in self.commands)
+        self.bytes = int(sum(c[2][2].sum() for c in self.commands))
+
+    def quantise(self, trainer):
+        ops, rows = trainer.ops, trainer.plan.rows[trainer.t]
+        for job, codes in self.jobs:
+            p, t0 = job.p, rows[job.p.index][0]
+            at = trainer._block_index(p, job.lo // BLOCK, 0)
+            ops.codes(trainer.view(p)[job.lo - t0:job.hi - t0], job.lo, trainer.scales[at:],
+                      p.cols // BLOCK, job.col0, job.width,
+                      trainer.staging[codes:codes + job.bytes])
+        if len(self.scale_src):
+            trainer.staging.view(ops.xp.float32)[self.scale_dst] = trainer.scales[self.scale_src]
+
+    def submit(self, trainer, n):
+        return [trainer.eng.write_list(trainer.peers[trainer.plan.trainers + r],
+                                       trainer.regions[source], w[0], trainer.remotes[r],
+                                       w[1], w[2], imm(n, self.group))
+                for source, r, w in self.commands]
+
+
+class Clock:
+    """Seconds spent in each stage, summed over the times it is entered."""
+
+    def __init__(self):
+        self.times = dict.fromkeys(STAGES, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, stage):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[stage] += time.perf_counter() - start
+
+
+# %% [markdown]
+# ## Code: an inference rank's side, and the naive way
+
+# %%
+class Inference:
+    """Inference rank r: its weight region, laid out by its tensors, and the count of
+    WRITEs each layer brings (from the plan)."""
+
+    def __init__(self, eng, plan, r, ops, seed):
+        self.eng, self.plan, self.r, self.ops, self.seed = eng, plan, r, ops, seed
+        self.tensors = plan.layouts[r]
+        self.weights = ops.xp.zeros(max(self.tensors[-1].end, 1), ops.xp.uint8)
+        self.region = eng.register(self.weights)
+        self.counts = {g: c for g, c in plan.counts(r).items() if c}
+        self.senders = {g: [t for t in range(plan.trainers) if any(
+            job.r == r for job in plan.jobs[t][g])] for g in self.counts}
+        self.sums, self.serving = {}, None
+
+    def connect(self, peers):
+        self.peers = peers
+
+    def views(self, tensor):
+        """(codes or bf16 values, scales or None) of a tensor, as arrays over the region."""
+        xp, w = self.ops.xp, self.weights
+        if not tensor.fp8:
+            data = w[tensor.offset:tensor.offset + tensor.bytes].view(xp.uint16)
+            return data.reshape(tensor.rows, tensor.cols), None
+        data = w[tensor.offset:tensor.offset + tensor.bytes].reshape(tensor.rows, tensor.cols)
+        size = (tensor.rows // BLOCK) * (tensor.cols // BLOCK) * 4
+        scales = w[tensor.scales:tensor.scales + size].view(xp.float32)
+        return data, scales.reshape(tensor.rows // BLOCK, tensor.cols // BLOCK)
+
+    def receive(self, n, fail=False):
+        """Wait for every layer's WRITEs by count, in any order, then the barrier. A
+        trainer gone: which layers are stale, in one line."""
+        done = []
+        try:
+            for g, count in self.counts.items():
+                self.eng.expect(imm(n, g), count)
+                self.ops.sync()  # the copies of a GPU-to-GPU WRITE on shm, done
+                for t in self.senders[g]:
+                    self.eng.signal(self.peers[t], imm(n, LANDED | g))
+                done.append(g)
+                if fail:
+                    print(f"inference rank {self.r}: killing myself mid-update {n} "
+                          "(--fail inference)", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+            self.eng.group(list(self.peers.values())).barrier(imm(n, BARRIER))
+        except TimeoutError as e:
+            complete = sum(self.eng.arrived(imm(n, g)) >= c for g, c in self.counts.items()
+                           if g not in done)
+            raise TimeoutError(f"inference rank {self.r}: update {n}: {e}; {complete} of the "
+                               f"{len(self.counts) - len(done)} layers not taken yet have "
+                               "all theirs") from None
+        except launch.PeerGone as e:
+            stale = [g for g, count in self.counts.items()
+                     if g not in done and self.eng.arrived(imm(n, g)) < count]
+            raise launch.PeerGone(f"inference rank {self.r}: update {n} incomplete, "
+                                  f"{layers_named(stale)} stale (not all their WRITEs came), "
+                                  f"not serving this model ({e})") from None
+        self.serving = n
+
+    def check(self, versions, before):
+        """Wrong bytes against the plain quantisation of each whole tensor (numpy, or
+        cupy on the GPU), and the tensors whose bytes changed against those that should."""
+        xp, wrong, changed, expected = self.ops.xp, 0, 0, 0
+        names = {p.name: p for p in self.plan.params}
+        for tensor in self.tensors:
+            data, scales = self.views(tensor)
+            sources = [names[piece[0]] for piece in tensor.pieces]
+            for p, (_, rows, cols, row0, row1, col0, col1, at) in zip(sources, tensor.pieces):
+                x = values(xp, self.seed, p, versions[p.index], row0, row1)
+                if not p.fp8:
+                    wrong += 2 * int(xp.count_nonzero(data[at:at + row1 - row0] != x))
+                    continue
+                codes, s = ref.quantize_fp8(ref.from_bf16(x), BLOCK)
+                mine = data[at:at + row1 - row0]
+                wrong += int(xp.count_nonzero(mine != codes[:, col0:col1]))
+                b = at // BLOCK
+                theirs = s[:, col0 // BLOCK:col1 // BLOCK]
+                wrong += 4 * int(xp.count_nonzero(scales[b:b + len(theirs)] != theirs))
+            total = checksum(xp, self.weights[tensor.offset:tensor.end])
+            changed += tensor.name in self.sums and self.sums[tensor.name] != total
+            expected += tensor.name in self.sums and any(
+                before.get(p.index) != versions[p.index] for p in sources)
+            self.sums[tensor.name] = total
+        return {"wrong": wrong, "changed": changed, "expected_changed": expected,
+                "bytes": self.tensors[-1].end}
+
+
+def layers_named(groups):
+    names = ["outside the layers" if g == 0 else f"layer {g - 1}" for g in groups]
+    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "") \
+        if names else "no layer"
+
+
+# %% [markdown]
+# ## Main: who is who, the layouts exchanged, the updates
+
+# %%
+def main():
+    p = cli.parser(__doc__)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: numpy and host memory (default); cuda: cupy and GPU memory, the "
+                   "rank's GPU from scripts/launch.py --gpus")
+    p.add_argument("--trainers", type=cli.count(1, 1024),
+                   help="ranks 0..T-1 train, the others serve (default: two thirds)")
+    p.add_argument("--model", choices=list(MODELS), default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=cli.count(1, 1024), help="fewer layers (default: all on "
+                   "cuda, 1 on cpu)")
+    p.add_argument("--experts", type=cli.count(1, 4096), help="fewer experts (default: all "
+                   "on cuda, 8 on cpu)")
+    p.add_argument("--vocab", type=cli.count(1, 1 << 22), help="a smaller vocabulary "
+                   "(default: all on cuda, 8192 on cpu)")
+    p.add_argument("--inference-config", default="", metavar="KEY=N,...",
+                   help="the inference side's model differs (e.g. hidden=1024): refused")
+    p.add_argument("--updates", type=cli.count(1, 255), default=2)
+    p.add_argument("--naive", choices=("yes", "no"), default="yes",
+                   help="also the naive way, after the last update (default yes)")
+    p.add_argument("--staging", type=cli.parse_size, help="a cap on a trainer's staging "
+                   "memory, two halves that each hold a layer's quantised rows (default: "
+                   "just that)")
+    p.add_argument("--fail", choices=("trainer", "inference"),
+                   help="the last rank of that side kills itself in update 2")
+    p.add_argument("--nics", type=cli.count(1, 64), help="virtual NICs where none has a "
+                   "PCI address (default 1)")
+    p.add_argument("--seed", type=int, default=19)
+    p.add_argument("--json", nargs="?", const="auto", help="write the run as JSON to this "
+                   "file (default results/runs/...)")
+    args = p.parse_args()
+    small = args.device == "cpu" and args.model == "qwen3-30b-a3b"
+    args.layers = args.layers or (1 if small else None)
+    args.experts = args.experts or (8 if small else None)
+    args.vocab = args.vocab or (8192 if small else None)
+    place = launch.place_from_environment()
+    if place.world < 2:
+        raise cli.UsageError("it takes trainers and inference ranks: "
+                             + cli.command("-n", "3", cli.shown(__file__), program=LAUNCHER))
+    trainers = args.trainers or max(1, (2 * place.world) // 3)
+    if trainers >= place.world:
+        raise cli.UsageError(f"--trainers {trainers} leaves no inference rank of "
+                             f"{place.world}")
+    if args.fail and args.updates < 2:
+        raise cli.UsageError("--fail acts in update 2: give --updates 2 or more")
+    model = model_config(args)
+    inference_model = model_config(args, args.inference_config)
+    ops = CudaOps(place.gpu or 0, KERNELS) if args.device == "cuda" else HostOps()
+    # the rendezvous waits longer: ranks lay out gigabytes and check them between updates
+    # (a rank that dies is still seen at once: its connection closes)
+    with launch.Group(place, RENDEZVOUS * args.timeout) as group, fi.Closer() as own:
+        return run(own, group, args, trainers, model, inference_model, ops)
+
+
+def run(own, group, args, trainers, model, inference_model, ops):
+    gpu = (group.gpu or 0) if args.device == "cuda" else None
+    eng = Engine(own, args.provider, gpu=gpu, nics=args.nics, timeout=args.timeout)
+    eng.watch(group.check)
+    me, world = group.rank, group.world
+    peers = {k: eng.connect(a) for k, a in enumerate(group.allgather(eng.address()))
+             if k != me}
+    inference = world - trainers
+    # both sides' layouts, as each side knows its own, to every rank: the plan from them
+    mine = ([[p.name, p.rows, p.cols, p.fp8, p.group] for p in parameters(model)]
+            if me < trainers else inference_tensors(inference_model, inference, me - trainers))
+    metas = [json.loads(m) for m in group.allgather(json.dumps(mine).encode())]
+    params = [Param(i, *m) for i, m in enumerate(metas[0])]
+    layouts = [lay_out([[t[0], t[1], t[2], t[3], t[4]] for t in m])[0]
+               for m in metas[trainers:]]
+    plan = Plan(params, trainers, layouts, eng.max_write)
+    if me == 0:
+        print(f"{trainers} trainers (bf16, FSDP dim-0 shards) -> {inference} inference "
+              f"ranks (fp8 e4m3, 128 x 128 blocks; attention TP{inference}, experts "
+              f"EP{inference}); device {args.device}; provider {eng.provider}; {eng.nics}",
+              flush=True)
+        print(f"model {args.model}: {describe(model, params)}", flush=True)
+    naive = args.naive == "yes"
+    whole = max(2 * p.rows * p.cols for p in params)  # the naive way's buffers
+    largest = max([fp8_bytes(p) for p in params if p.fp8] + [whole])
+    if me < trainers:
+        whole_fp8 = max([fp8_bytes(p) for p in params if p.fp8] + [0])  # naively quantised
+        side = Trainer(eng, plan, me, ops, args.seed, args.staging,
+                       whole_fp8 if naive and me == 0 else 0)
+        if naive and me == 0:
+            side.gather = ops.xp.zeros(whole // 2, ops.xp.uint16)
+            side.regions["gather"] = eng.register(side.gather)
+        regions = {"edges": side.regions["edges"], "gather": side.regions.get("gather")}
+        if me == 0:
+            print(f"trainer 0: staging {2 * side.half / 1e6:.1f} MB (two halves, each a "
+                  "layer's quantised rows)", flush=True)
+    else:
+        side = Inference(eng, plan, me - trainers, ops, args.seed)
+        inbox = ops.xp.zeros(aligned(largest), ops.xp.uint8) if naive else None
+        regions = {"weights": side.region, "inbox": eng.register(inbox) if naive else None}
+    gathered = [json.loads(d) for d in group.allgather(json.dumps(
+        {k: r.descriptor().hex() for k, r in regions.items() if r is not None}).encode())]
+    remote = [{k: eng.remote(bytes.fromhex(v)) for k, v in d.items()} if k != me else None
+              for k, d in enumerate(gathered)]
+    if me < trainers:
+        side.connect(peers, [remote[trainers + r]["weights"] for r in range(inference)],
+                     {u: remote[u]["edges"] for u in range(trainers) if u != me})
+    else:
+        side.connect(peers)
+    report = Report(me, args, plan, eng, ops, trainers, gpu)
+    before = {}
+    for n in range(1, args.updates + (2 if naive else 1)):
+        last = n > args.updates  # the naive way, on the last update's weights
+        versions = versions_at(params, min(n, args.updates))
+        if me < trainers:
+            side.fill(versions)
+        group.barrier()
+        fail = args.fail is not None and n == 2
+        if me < trainers:
+            if last:
+                gather = remote[0]["gather"] if me else None
+                mine = {"seconds": naive_trainer(side, n, gather, [
+                    remote[trainers + r]["inbox"] for r in range(inference)])}
+            else:
+                try:
+                    mine = side.update(n, fail and args.fail == "trainer" and me == trainers - 1)
+                except launch.PeerGone as e:
+                    raise launch.PeerGone(f"trainer {me}: update {n} stopped ({e})") from None
+        else:
+            if last:
+                naive_inference(side, n, inbox)
+            else:
+                side.receive(n, fail and args.fail == "inference" and me == world - 1)
+            mine = side.check(versions, before)
+        before = versions
+        report.update(n, last, [json.loads(x) for x in group.allgather(json.dumps(mine).encode())])
+    return report.finish()
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,23 @@
+"""Chapter 19's weight update, what its file does not teach: the two sides' layouts
+(model), where quantising runs (ops), the naive baseline (naive) and the report (report).
+
+Both the chapter and the baseline name their WRITEs the same way: an immediate of the
+update (8 bits) and the layer, or one of the kinds below, and WRITEs split at the
+provider's largest message.
+"""
+from common.moe.reference import FP8_BLOCK
+
+BLOCK = FP8_BLOCK  # 128: weight blocks are 128 x 128, one float32 scale each
+
+EDGES, BARRIER, GATHERED, BROADCAST, FREE = range(0xFFFF00, 0xFFFF05)  # immediates' kinds
+LANDED = 1 << 23  # | layer + 1: an inference rank has that layer's bytes in its memory
+
+
+def imm(update, kind):
+    """The immediate of a WRITE: the update (8 bits) and its layer + 1 (or a kind above)."""
+    return (update & 0xFF) << 24 | kind
+
+
+def split(what, dst, length, largest):
+    """[(what, offset in the job's bytes, destination offset, length)] of <= largest each."""
+    return [(what, at, dst + at, min(largest, length - at)) for at in range(0, length, largest)]
