@@ -123,6 +123,11 @@ def test_bad_input_is_refused_in_one_line_and_nothing_is_posted(engine):
         (lambda: eng.write(me, src, 0, src, 0, 1), "must be a RemoteRegion"),
         (lambda: other.write(me, foreign, 0, dst, 0, 1), "not one of this engine's"),
         (lambda: eng.send(me, b"x" * (fi.FALLBACK_MTU + 1)), "at most"),
+        (lambda: eng.write_list(me, src, [0, 1], dst, [0], [1, 1]), "2 source offsets, 1 "),
+        (lambda: eng.write_list(me, src, [0, 1], dst, [0, 9], [1, 0]), "length must be 1 to"),
+        (lambda: eng.write_list(me, src, [0], dst, [4 * 4096 - 2], [3]),
+         "destination bytes 16382..16385 are out"),
+        (lambda: eng.write_list(me, src, [0], dst, [0], [-3]), "lengths has a negative"),
         (lambda: eng.register([1, 2, 3]), "cannot register a list"),
         (lambda: eng.register(np.zeros((4, 4), np.uint8)[:, 1]), "must be contiguous"),
     ]
@@ -142,6 +147,25 @@ def test_bad_engine_arguments_are_refused_before_anything_opens():
             with pytest.raises(ValueError) as excinfo:
                 Engine(own, provider=kwargs.pop("provider", "shm"), **kwargs)
             one_line(excinfo, pattern)
+
+
+def test_a_list_of_writes_of_several_lengths_and_a_signal(engine):
+    _, eng = engine
+    me = eng.connect(eng.address())
+    data = np.random.default_rng(5).integers(0, 256, 10000, dtype=np.uint8)
+    into = np.zeros(10000, np.uint8)
+    src, dst = eng.register(data), eng.remote(eng.register(into).descriptor())
+    eng.write_list(me, src, [0, 100, 9000], dst, [5000, 10, 9990], [50, 3000, 10],
+                   imm=7).wait()
+    eng.expect(7, 3)
+    want = np.zeros(10000, np.uint8)
+    want[5000:5050], want[10:3010], want[9990:] = data[:50], data[100:3100], data[9000:9010]
+    assert int(np.count_nonzero(into != want)) == 0
+    eng.signal(me, 9).wait()
+    eng.signal(me, 9).wait()
+    assert eng.arrived(9) == 2
+    eng.expect(9, 1)
+    assert eng.arrived(9) == 1
 
 
 def test_writes_to_itself_and_the_arrival_table_when_full(monkeypatch):

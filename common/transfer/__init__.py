@@ -585,7 +585,7 @@ def pages_of(pages, name, what="page numbers"):
     if array.ndim != 1 or (len(array) and not np.issubdtype(array.dtype, np.integer)):
         raise ValueError(f"{name} must be a sequence of {what}")
     if len(array) and array.min() < 0:
-        raise ValueError(f"{name} has a negative page ({int(array.min())})")
+        raise ValueError(f"{name} has a negative {what[:-1]} ({int(array.min())})")
     return array.astype(np.uint64)
 
 

@@ -1,0 +1,212 @@
+"""Chapter 19: the routing table covers every inference byte exactly once for uneven
+shardings, shards quantised with their neighbours' edge maxima equal the whole tensor's
+quantisation, the check counts a flipped byte; runs of trainers and inference ranks on shm
+and tcp exact after two updates and the naive way; a rank gone mid-update; bad input."""
+import importlib.util
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from common.moe import reference as ref
+from common.patience import patience
+from common.weights import BLOCK
+from common.weights.model import MODELS, inference_tensors, lay_out, parameters, values
+from common.weights.ops import HostOps, e4m3
+from scripts.pair import ROOT, local_env
+from tests.gpu import needs_gpu
+
+pytest.importorskip("common.transfer")  # skipped only if the engine's worker is not built
+CHAPTER = ROOT / "chapters" / "19_weight_update.py"
+LAUNCH = str(ROOT / "scripts" / "launch.py")
+LIMIT = patience(240)  # seconds for a whole job on 2 busy cores
+TINY = dict(MODELS["tiny"])
+
+
+@pytest.fixture(scope="module")
+def ch19():
+    spec = importlib.util.spec_from_file_location("weights19", CHAPTER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def plan_of(ch19, trainers, inference, model=TINY, inference_model=None):
+    params = parameters(model)
+    layouts = [lay_out(inference_tensors(inference_model or model, inference, r))[0]
+               for r in range(inference)]
+    return ch19.Plan(params, trainers, layouts, 1 << 20)
+
+
+@pytest.mark.parametrize("trainers,inference", [(3, 2), (1, 2), (7, 1), (2, 2), (5, 1)])
+def test_the_plan_writes_every_inference_byte_exactly_once(ch19, trainers, inference):
+    plan = plan_of(ch19, trainers, inference)
+    for r, tensors in enumerate(plan.layouts):
+        covered = np.zeros(tensors[-1].end, np.int64)
+        for t in range(trainers):
+            for jobs in plan.jobs[t].values():
+                for job in (j for j in jobs if j.r == r):
+                    for _, _, at, length in job.writes:
+                        covered[at:at + length] += 1
+        wanted = np.zeros_like(covered)
+        for tensor in tensors:
+            wanted[tensor.offset:tensor.offset + tensor.bytes] = 1
+            if tensor.fp8:
+                wanted[tensor.scales:tensor.scales + (tensor.rows // BLOCK)
+                       * (tensor.cols // BLOCK) * 4] = 1
+        assert np.array_equal(covered, wanted), f"rank {r}: {np.flatnonzero(covered != wanted)[:5]}"
+        assert sum(plan.counts(r).values()) == sum(
+            len(j.writes) for t in range(trainers) for jobs in plan.jobs[t].values()
+            for j in jobs if j.r == r)
+    for t in range(trainers):  # each shared block on both sides, in the same order
+        for u, blocks in plan.edges(t).items():
+            assert [(p.index, b) for p, b in blocks] == \
+                [(p.index, b) for p, b in plan.edges(u)[t]]
+    if trainers in (3, 5, 7):  # 256 rows in shards of 86, 52, 37: blocks straddle them
+        assert any(plan.edges(t) for t in range(trainers))
+
+
+def test_fused_and_sharded_tensors_take_the_right_rows(ch19):
+    tensors = {t.name: t for t in lay_out(inference_tensors(TINY, 2, 1))[0]}
+    qkv = tensors["model.layers.0.self_attn.qkv_proj.weight"]
+    assert [(p[0].split(".")[-2], p[3], p[4], p[7]) for p in qkv.pieces] == \
+        [("q_proj", 256, 512, 0), ("k_proj", 128, 256, 256), ("v_proj", 128, 256, 384)]
+    o = tensors["model.layers.0.self_attn.o_proj.weight"]
+    assert (o.rows, o.cols, o.pieces[0][5:7]) == (256, 256, [256, 512])
+    experts = sorted(n.split(".")[5] for n in tensors if "gate_up_proj" in n and ".0." in n)
+    assert experts == ["2", "3"]  # expert-parallel: rank 1 of 2 holds experts 2 and 3
+    assert tensors["model.embed_tokens.weight"].pieces[0][3:5] == [256, 512]
+
+
+def test_shards_quantised_with_shared_edge_maxima_equal_the_whole_tensor():
+    rng = np.random.default_rng(3)
+    whole = ref.to_bf16(rng.standard_normal((384, 256)).astype(np.float32)
+                        * np.float32(2.0) ** rng.integers(-8, 8, (384, 1)))
+    whole[128:256, 128:] = 0  # a block of zeros: scale 1
+    codes, scales = ref.quantize_fp8(ref.from_bf16(whole), BLOCK)
+    cuts = [0, 100, 110, 300, 384]  # block 0 split in two, block 0 and 2 in three shards...
+    parts = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        blocks = (hi - 1) // BLOCK - lo // BLOCK + 1
+        amax = np.zeros(blocks * 2, np.float32)
+        HostOps.amax(whole[lo:hi], lo, amax)
+        parts.append((lo, hi, amax.reshape(blocks, 2)))
+    full = np.zeros((3, 2), np.float32)  # what the edge exchange gives every shard
+    for lo, hi, amax in parts:
+        first = lo // BLOCK
+        full[first:first + len(amax)] = np.maximum(full[first:first + len(amax)], amax)
+    for lo, hi, amax in parts:
+        first = lo // BLOCK
+        mine = ref.fp8_scales(full[first:first + len(amax)]).ravel()
+        for c0 in (0, 128):  # the whole width, and a column shard (o_proj's)
+            out = np.zeros((hi - lo) * 128, np.uint8)
+            HostOps.codes(whole[lo:hi], lo, mine, 2, c0, 128, out)
+            assert np.array_equal(out.reshape(hi - lo, 128), codes[lo:hi, c0:c0 + 128])
+    assert np.array_equal(ref.fp8_scales(full), scales)
+
+
+def test_the_kernels_rounding_in_numpy_matches_the_reference():
+    table = ref.E4M3
+    middles = (table[1:] + table[:-1]) / 2
+    x = np.concatenate([table, middles, np.nextafter(middles, 0), np.nextafter(middles, 1e9),
+                        [0.0, 1e-9, 447.9, 448.0, 460.0, 1e6]]).astype(np.float32)
+    x = np.concatenate([x, -x])
+    assert np.array_equal(e4m3(x), ref.to_e4m3(x))
+
+
+def test_the_check_counts_a_flipped_byte(ch19):
+    plan = plan_of(ch19, 2, 1)
+    inf = object.__new__(ch19.Inference)
+    inf.plan, inf.r, inf.ops, inf.seed, inf.tensors, inf.sums = plan, 0, HostOps(), 5, \
+        plan.layouts[0], {}
+    inf.weights = np.zeros(inf.tensors[-1].end, np.uint8)
+    versions = {p.index: 1 for p in plan.params}
+    names = {p.name: p for p in plan.params}
+    for tensor in inf.tensors:  # what the updates should leave, from the reference
+        data, scales = inf.views(tensor)
+        for name, _, _, row0, row1, col0, col1, at in tensor.pieces:
+            x = values(np, 5, names[name], 1, row0, row1)
+            if scales is None:
+                data[at:at + row1 - row0] = x
+                continue
+            codes, s = ref.quantize_fp8(ref.from_bf16(x), BLOCK)
+            data[at:at + row1 - row0] = codes[:, col0:col1]
+            scales[at // BLOCK:(at + row1 - row0) // BLOCK] = s[:, col0 // BLOCK:col1 // BLOCK]
+    assert inf.check(versions, {})["wrong"] == 0
+    qkv = next(t for t in inf.tensors if t.name.endswith("qkv_proj.weight"))
+    inf.weights[qkv.offset + 777] ^= 1
+    inf.weights[qkv.scales + 5] ^= 0x40
+    found = inf.check(versions, versions)
+    assert found["wrong"] == 1 + 4 and found["changed"] == 1 and found["expected_changed"] == 0
+
+
+def launched(ranks, *args, gpus=None):
+    return subprocess.run([sys.executable, LAUNCH, "-n", str(ranks),
+                           *(["--gpus", gpus] if gpus else []), str(CHAPTER), "--model", "tiny",
+                           *args], capture_output=True, text=True, env=local_env(),
+                          timeout=LIMIT, cwd=ROOT)
+
+
+def exact(done, inference):
+    out = done.stdout
+    assert done.returncode == 0 and "[0] all checks passed" in out, out + done.stderr
+    lines = re.findall(r"^\[0\] (update \d|naive).*checked on (\d) inference ranks?: 0 wrong "
+                       r"bytes; (\d+) tensors changed \((\d+) expected\)$", out, re.M)
+    assert [line[0] for line in lines] == ["update 1", "update 2", "naive"], out
+    assert all(int(line[1]) == inference and line[2] == line[3] for line in lines), lines
+    assert int(lines[1][2]) > 0 and int(lines[2][2]) == 0, lines  # the 2nd changes a third
+
+
+@pytest.mark.parametrize("provider,ranks,trainers", [("shm", 5, 3), ("tcp", 3, 1),
+                                                     ("tcp", 4, 3)])
+def test_two_updates_and_the_naive_way_leave_every_weight_exact(provider, ranks, trainers):
+    done = launched(ranks, "-p", provider, "--trainers", str(trainers))
+    exact(done, ranks - trainers)
+    table = re.findall(r"^\[0\]   (edge maxima \(full_tensor\(\)\)|waiting for other ranks|"
+                       r"quantise|RDMA submit|transfer not hidden) +[\d.]+ +[\d.]+ +\d+", 
+                       done.stdout, re.M)
+    assert len(table) == 2 * 5, done.stdout
+
+
+@pytest.mark.parametrize("side,says", [
+    ("trainer", r"inference rank \d: update 2 incomplete, .* stale \(not all their WRITEs came\)"),
+    ("inference", r"trainer \d: update 2 stopped \(stopping: rank 3 is gone")])
+def test_a_rank_gone_mid_update_is_said_by_the_others(side, says):
+    done = launched(4, "-p", "shm", "--trainers", "2", "--fail", side, "--timeout", "5")
+    assert done.returncode != 0
+    assert re.search(rf"killing myself mid-update 2 \(--fail {side}\)", done.stdout), done.stdout
+    assert re.search(says, done.stderr), done.stderr
+    assert "Traceback" not in done.stderr and "was killed by SIGKILL" in done.stderr
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["--inference-config", "layers=3"], "asks for model.layers.2.input_layernorm.weight"),
+    (["--inference-config", "hidden=512"],
+     "model.embed_tokens.weight: the trainers hold 512 x 256, inference rank 0 expects 512 x 512"),
+    (["--inference-config", "nope=1"], "'nope=1' is not KEY=NUMBER"),
+    (["--staging", "1K"], "--staging 1024: trainer"),
+    (["--trainers", "3"], "--trainers 3 leaves no inference rank of 3"),
+    (["--fail", "trainer", "--updates", "1"], "--fail acts in update 2"),
+])
+def test_bad_input_is_one_line_on_every_rank(args, pattern):
+    done = launched(3, "-p", "shm", *args)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if ": error: " in line]
+    assert errors and all(pattern in line or "is gone" in line for line in errors), errors
+    assert any(pattern in line for line in errors), errors
+
+
+def test_alone_it_says_how_to_start_the_job():
+    done = subprocess.run([sys.executable, str(CHAPTER)], capture_output=True, text=True,
+                          env=local_env(), timeout=LIMIT, cwd=ROOT)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "it takes trainers and inference ranks: " in lines[0], lines
+    assert "scripts/launch.py -n 3 chapters/19_weight_update.py" in lines[0]
+
+
+@needs_gpu
+def test_on_the_gpu_the_kernels_leave_every_weight_exact():
+    exact(launched(5, "-p", "shm", "--trainers", "3", "--device", "cuda", gpus="0"), 2)
