@@ -87,11 +87,14 @@ def rma_bw_tool():
     return tool
 
 
-def rma_bw_command(provider, op, size, iters, gpu=None, port=None, nic=None):
+def rma_bw_command(provider, op, size, iters, gpu=None, port=None, nic=None, window=None):
     """One side's fi_rma_bw (a client adds the server's host): -E exchanges the addresses
-    over a TCP socket (on `port`, default 3000), which shm needs; `nic`: (fabric, domain)."""
+    over a TCP socket (on `port`, default 3000), which shm needs; `nic`: (fabric, domain);
+    `window`: its -W, the messages in flight and in its buffers (default 64)."""
     command = [str(rma_bw_tool()), "-p", provider, f"-E={port}" if port else "-E", "-o", op,
                "-S", str(size), "-I", str(iters)]
+    if window:
+        command += ["-W", str(window)]
     if nic:
         command += ["-f", nic[0], "-d", nic[1]]
     if gpu is not None:
@@ -108,10 +111,11 @@ def rma_bw_gbps(output):
     return float(row[4]) * 8 / 1000
 
 
-def fi_rma_bw(provider, op, size, iters, gpus, timeout):
+def fi_rma_bw(provider, op, size, iters, gpus, timeout, window=None):
     """One run of fi_rma_bw between two processes here; the client's Gbps."""
-    server = rma_bw_command(provider, op, size, iters, gpus and gpus[0])
-    client = rma_bw_command(provider, op, size, iters, gpus and gpus[1]) + ["127.0.0.1"]
+    server = rma_bw_command(provider, op, size, iters, gpus and gpus[0], window=window)
+    client = rma_bw_command(provider, op, size, iters, gpus and gpus[1],
+                            window=window) + ["127.0.0.1"]
     out, _ = run_pair(server, client, tool_env(), timeout)
     return rma_bw_gbps(out), " ".join(client[1:])
 

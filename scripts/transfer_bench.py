@@ -6,8 +6,9 @@ worker one write_pages of that many pages, every WRITE with the same immediate, 
 times it from the call to its last completion (the series counts on the writer); rank 1
 expects that many immediates, then says "ready" for the next repeat. The median of the
 repeats is reported as Gbps and Mpps, next to fabtests' `fi_rma_bw -o writedata` at each
-size on the same provider, measured in the same run where it is found (bench.tools_prefix).
-Each size's data is checked once (seeded pages, wrong bytes counted).
+size on the same provider (the median of as many runs), measured in the same run where it
+is found (bench.tools_prefix). Each size's data is checked once (seeded pages, wrong bytes
+counted).
 
     .venv/bin/python scripts/transfer_bench.py -p shm
     .venv/bin/python scripts/transfer_bench.py -p tcp --page-sizes 4K,64K --pages 100 --repeats 5 --json
@@ -21,10 +22,20 @@ pages, median of 3): one H200 box's 16-core Xeon, 1 / 4 / 8 / 16 / 64 KiB pages,
 / 47 / 60 / 67% of fi_rma_bw -o writedata and 1.83 / 1.74 / 1.46 / 1.25 / 1.48x NIXL
 1.5.1's UCX; the 2-core VM, 41 / 77 / 70 / 72 / 79% and 4.21 / 3.34 / 1.15 / 1.16 /
 1.11x (results/transfer/, notebooks/18_kv_cache.ipynb). At 4 KiB and up the worker was
-refused -FI_EAGAIN on about 9 of 10 pages on the H200 box (the refusals line); what keeps
-it below fi_rma_bw is not pinned down yet. GPU memory (--gpu 0, both ranks on one H200,
-shm moving it by CUDA IPC): 1.12 / 5.82 / 10.9 / 22.4 / 90.4 Gbps at 10,000 pages, 2.1-2.7x
-fi_rma_bw -o writedata -D cuda in the same run (results/transfer/h200-shm-cuda.json).
+refused -FI_EAGAIN on about 9 of 10 pages on the H200 box (the refusals line), at 64 KiB
+on the VM 8 of 10 (a full batch retried after every completion; 2 or 3 per 10,000 pages
+since, at the same Gbps). What keeps it below fi_rma_bw on the VM is the bytes touched:
+fi_rma_bw writes its window of 64 messages over and over (256 KiB a side at 4 KiB, 4 MiB
+at 64 KiB: in cache), ours 10,000 pages of up to 64 MiB a side. With --window 64 both
+touch the same bytes: 4 KiB 45 and 16 Gbps against 59 and 60, 64 KiB 93 and 98 against 61
+and 57 (two runs, median of 5 each side; without it 35 against 62 and 59 against 64); with
+--window 1024, 64 KiB 48 and 53 against 37 and 28. At 4 KiB both have two steady states on
+the VM that switch every few seconds, ours about 33 and 14 Gbps, fi_rma_bw about 60 and 17
+(one run of it gave 15 to 84 within a minute, hence its median), as does the round trip of
+a cache line between the VM's 2 vCPUs, about 130 or 350 ns.
+GPU memory (--gpu 0, both ranks on one H200, shm moving it by CUDA IPC): 1.12 / 5.82 /
+10.9 / 22.4 / 90.4 Gbps at 10,000 pages, 2.1-2.7x fi_rma_bw -o writedata -D cuda in the
+same run (results/transfer/h200-shm-cuda.json).
 """
 import argparse
 import os
@@ -52,6 +63,9 @@ def parse():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--nics", type=int, default=None, help="virtual NICs where there are none")
     p.add_argument("--spread", default="round-robin", choices=["round-robin", "per-peer"])
+    p.add_argument("--window", type=int, help="the WRITEs cycle over this many pages at each "
+                   "end, and fi_rma_bw runs with -W of it: both touch the same bytes (by "
+                   "default ours touch up to 64 MiB a side, fi_rma_bw its 64 messages)")
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--no-fabtests", action="store_true", help="skip fi_rma_bw")
     p.add_argument("--nixl", metavar="PYTHON", help="also move the same pages with NIXL "
@@ -66,8 +80,11 @@ def parse():
         args.counts = [int(n) for n in args.pages.split(",")]
     except (ValueError, argparse.ArgumentTypeError) as e:
         p.error(str(e))
-    if args.repeats < 1 or min(args.counts) < 1 or min(args.sizes) < 1:
-        p.error("--repeats, --pages and --page-sizes must be positive")
+    if min(args.repeats, *args.counts, *args.sizes, 1 if args.window is None else args.window) < 1:
+        p.error("--repeats, --pages, --page-sizes and --window must be positive")
+    if args.window and args.window * max(args.sizes) > CAP:
+        p.error(f"--window {args.window} of {max(args.sizes)}-byte pages is more than the "
+                f"{CAP >> 20} MiB buffer")
     return args
 
 
@@ -115,8 +132,9 @@ def rank_main(args):
                 eng.send(peer, f"wrong {wrong}".encode())
             for count in args.counts:
                 imm += 1
-                src = np.arange(count) % slots
-                dst = np.random.default_rng(count).permutation(count) % slots
+                span = min(args.window or slots, slots)
+                src = np.arange(count) % span
+                dst = np.random.default_rng(count).permutation(count) % span
                 times = []
                 for _ in range(args.repeats):
                     if me == 0:
@@ -145,8 +163,9 @@ def rank_main(args):
     return None, None
 
 
-def fabtests(provider, sizes, timeout, gpu=None):
-    """{size: Gbps} of fi_rma_bw -o writedata, or None with one line saying how to get it."""
+def fabtests(provider, sizes, timeout, gpu=None, repeats=1, window=None):
+    """{size: Gbps} of fi_rma_bw -o writedata, the median of `repeats` runs (one run on a
+    2-core VM gave 15 to 84 Gbps at 4 KiB), or None with one line saying how to get it."""
     from scripts import baseline
     try:
         baseline.rma_bw_tool()
@@ -155,15 +174,22 @@ def fabtests(provider, sizes, timeout, gpu=None):
         return None
     out = {}
     for size in sizes:
-        try:
-            gbps, command = baseline.fi_rma_bw(provider, "writedata", size,
-                                               baseline.iterations(size, 1 << 30),
-                                               None if gpu is None else (gpu, gpu), timeout)
-        except Exception as e:  # a failed baseline costs its figure, not the run
-            print(f"fi_rma_bw {size}: failed: {str(e).splitlines()[0]}", flush=True)
+        runs = []
+        for _ in range(repeats):
+            try:
+                gbps, command = baseline.fi_rma_bw(provider, "writedata", size,
+                                                   baseline.iterations(size, 1 << 30),
+                                                   None if gpu is None else (gpu, gpu), timeout,
+                                                   window)
+            except Exception as e:  # a failed run costs its figure, not the others
+                print(f"fi_rma_bw {size}: failed: {str(e).splitlines()[0]}", flush=True)
+                continue
+            runs.append(gbps)
+        if not runs:
             continue
-        out[size] = gbps
-        print(f"fi_rma_bw -o writedata {size:>6} B: {gbps:8.3f} Gbps ({command})", flush=True)
+        out[size] = float(np.median(runs))
+        print(f"fi_rma_bw -o writedata {size:>6} B: {out[size]:8.3f} Gbps (median of {len(runs)}: "
+              f"{' '.join(f'{g:.1f}' for g in runs)}; {command})", flush=True)
     return out
 
 
@@ -196,7 +222,8 @@ def main():
     rows, provider = rank_main(args)
     if rows is None:
         return 0
-    limits = None if args.no_fabtests else fabtests(provider, args.sizes, patience(120), args.gpu)
+    limits = None if args.no_fabtests else fabtests(provider, args.sizes, patience(120), args.gpu,
+                                                    args.repeats, args.window)
     for r in rows:
         lim = (limits or {}).get(r["page_size"])
         r["fi_rma_bw_gbps"] = lim
@@ -222,7 +249,7 @@ def main():
                 "libfabric": "%d.%d" % fi.version(), "machine": bench.machine(args.gpu),
                 "git": bench.git_sha(),
                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "nics": args.nics or 1, "spread": args.spread,
+                "nics": args.nics or 1, "spread": args.spread, "window": args.window,
                 "memory": "host" if args.gpu is None else "cuda", "runs": rows}
         print(f"wrote {bench.write_json(path, data)}", flush=True)
     return 0

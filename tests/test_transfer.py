@@ -217,3 +217,14 @@ def test_the_benchmark_checks_its_pages_and_reports_each_case(tmp_path):
     assert re.search(r"4096 B x +10 pages: .* Gbps .*0 wrong bytes", done.stdout), done.stdout
     runs = json.loads(path.read_text())["runs"]
     assert [(r["page_size"], r["pages"], r["wrong_bytes"]) for r in runs] == [(4096, 10, 0)]
+
+
+@pytest.mark.parametrize("window, said", [("0", "must be positive"),
+                                          ("1025", "more than the 64 MiB buffer")])
+def test_a_window_the_buffer_cannot_hold_is_refused_in_one_line(window, said):
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "transfer_bench.py"), "-p",
+                           "shm", "--page-sizes", "4K,64K", "--window", window],
+                          capture_output=True, text=True, env=local_env(), timeout=patience(60),
+                          cwd=ROOT)
+    assert done.returncode == 2 and said in done.stderr, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr

@@ -84,7 +84,7 @@ struct tx_state {
     uint32_t *nfree;                /* [nics] */
     uint64_t op;                    /* next WRITE of the command at tail */
     uint32_t next_nic;              /* round-robin */
-    int refused;                    /* the provider said -FI_EAGAIN since the last completion */
+    int refused;                    /* the provider said -FI_EAGAIN, WRITEs are still in flight */
 };
 
 uint64_t tx_hash(uint64_t imm, uint32_t size)
@@ -289,9 +289,13 @@ int tx_run(struct tx_worker *w)
             room += n;
             idle = (n || w->arrived != arrived) ? 0 : idle;
         }
-        if (room || w->posted == w->completed)
-            s->refused = 0;  /* completions: room again (chapter 15); or nothing in flight
-                                that could make room (a connection still being set up) */
+        /* Refused, post only as many as completed (chapter 15) until nothing is in flight
+           (then nothing could make room: a connection still being set up). Clearing it on
+           any completion retried a whole batch against full queues, refused about 8 times
+           per 10 WRITEs of 64 KiB on shm: it holds tx_size (1024) of them, the peer rx_size
+           (prov/shm/src/smr_ep.c smr_do_iov, smr_rma.c smr_generic_rma). */
+        if (w->posted == w->completed)
+            s->refused = 0;
         uint64_t posted = tx_post(w, s, s->refused ? (uint64_t)room : TX_BATCH);
         if (posted || room) {
             idle = 0;
