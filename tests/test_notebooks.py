@@ -12,7 +12,8 @@ from common.model import journey
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-READ_RUNS = ["07_queue", "07_to_11", "journey", "16_17_moe"]  # what_if: the model alone
+READ_RUNS = ["07_queue", "07_to_11", "journey", "16_17_moe",
+             "19_weight_update"]  # what_if: the model alone
 
 
 def execute(path, monkeypatch):
@@ -57,13 +58,17 @@ def readers_tree(tmp_path):
         json.dumps(a_run("09_multinet", 65536, percent_of_limit=None, limit=None)))
     moe = json.loads((ROOT / "results" / "16_moe" / "vm-2core-cpu-2ranks-1node.json").read_text())
     (runs / "16_moe-cpu-2ranks-1.json").write_text(json.dumps(moe))
+    update = json.loads((ROOT / "results" / "19_weight_update" /
+                         "h200-qwen3-30b-a3b-6layers-4to2.json").read_text())
+    (runs / "19_weight_update-qwen3-30b-a3b-4to2-1.json").write_text(
+        json.dumps({**update, "date": "2026-12-01T12:00:00+00:00"}))
     (runs / "broken.json").write_text("{")
     return tmp_path
 
 
 def test_the_readers_runs_are_read_and_broken_ones_skipped(readers_tree):
     mine = journey.yours(readers_tree / "results")
-    assert [r["chapter"] for r in mine] == ["16", "07", "09"]  # oldest first
+    assert [r["chapter"] for r in mine] == ["16", "07", "09", "19"]  # oldest first
 
 
 @pytest.mark.parametrize("state", ["absent", "empty"])
