@@ -200,8 +200,9 @@ def check_piece(names, r, tensor, piece):
     name, rows, cols, row0, row1, col0, col1, at = piece
     p = names.get(name)
     if p is None:
-        raise ValueError(f"inference rank {r} asks for {name} (in {tensor.name}), which the "
-                         "trainers do not hold")
+        within = f" (in {tensor.name})" if tensor.name != name else ""
+        raise ValueError(f"inference rank {r} asks for {name}{within}, which the trainers do "
+                         "not hold")
     if (p.rows, p.cols) != (rows, cols):
         raise ValueError(f"{name}: the trainers hold {p.rows} x {p.cols}, inference rank {r} "
                          f"expects {rows} x {cols}")
@@ -238,8 +239,8 @@ class Trainer:
         self.shard = xp.zeros(max(at, 1), xp.uint16)
         self.amax, self.scales = xp.zeros(blocks + 1, xp.float32), xp.zeros(blocks + 1, xp.float32)
         self.edges = self._edges()
-        need = max(sum(aligned(j.bytes) + aligned(j.scale_bytes) for j in jobs if j.p.fp8)
-                   for jobs in plan.jobs[t].values())
+        need = max([sum(aligned(j.bytes) + aligned(j.scale_bytes) for j in jobs if j.p.fp8)
+                    for jobs in plan.jobs[t].values()] + [64])  # 64: a trainer of no rows
         if staging is not None and staging < 2 * need:
             raise ValueError(f"--staging {staging}: trainer {t} quantises up to {need} B a "
                              f"layer, into each of two halves: give at least {2 * need}")
@@ -275,7 +276,6 @@ class Trainer:
             out[u] = (self.ops.xp.asarray(index), at, sent + at, there, size[u])
             at += size[u]
         self.edge_buffer = self.ops.xp.zeros(max(2 * sent, 1), self.ops.xp.float32)
-        self.edge_total = sent
         return out
 
     def _batches(self):
