@@ -168,6 +168,23 @@ def test_a_list_of_writes_of_several_lengths_and_a_signal(engine):
     assert eng.arrived(9) == 1
 
 
+def test_torch_tensors_are_registered_without_a_copy(engine):
+    """A WRITE from one torch tensor into another (run with torch 2.13's CPU build; skipped
+    where there is no torch)."""
+    torch = pytest.importorskip("torch")
+    _, eng = engine
+    me = eng.connect(eng.address())
+    src = torch.arange(8192).to(torch.uint8)
+    dst = torch.zeros(8192, dtype=torch.uint8)
+    region, into = eng.register(src), eng.remote(eng.register(dst).descriptor())
+    assert region.ptr == src.data_ptr()  # not a copy
+    eng.write(me, region, 100, into, 0, 8000, imm=3).wait()
+    eng.expect(3, 1)
+    assert torch.equal(dst[:8000], src[100:8100]) and int(dst[8000:].count_nonzero()) == 0
+    with pytest.raises(ValueError, match="must be contiguous"):
+        eng.register(torch.zeros((4, 4), dtype=torch.uint8)[:, 1])
+
+
 def test_writes_to_itself_and_the_arrival_table_when_full(monkeypatch):
     """A full table says so (the values that did not fit are lost, not miscounted)."""
     monkeypatch.setattr(transfer, "IMM_TABLE", 4)
