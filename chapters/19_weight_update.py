@@ -35,7 +35,7 @@ it and sends all of it to every inference rank.
     .venv/bin/python scripts/launch.py -n 4 chapters/19_weight_update.py --model tiny --trainers 3 \
         --fail trainer                      # a trainer killed mid-update: the layers stale
     .venv/bin/python scripts/launch.py -n 6 --gpus 0 chapters/19_weight_update.py \
-        --device cuda --trainers 4 -p shm   # the whole model, every rank on one GPU (103 GB)
+        --device cuda --trainers 4 -p shm   # the whole model, every rank on one GPU (101 GiB)
 
 New since chapter 18: Engine.write_list (one command of WRITEs of several lengths),
 Engine.signal and Engine.arrived (common/transfer); 128 x 128 blocks and bf16 input in
