@@ -1,4 +1,4 @@
-"""Chapter 19 - weight_update: a trainer's bf16 weights into an inference engine's fp8 weights, by one-sided WRITEs.
+"""Chapter 19 - weight_update: bf16 training weights into fp8 inference weights, by one-sided WRITEs.
 
 What you will learn: how reinforcement learning moves fresh weights from the training job
 into the inference engine in about a second, not a minute. The two sides keep the same
@@ -601,14 +601,13 @@ def run(own, group, args, trainers, model, inference_model, ops, gpu):
             if me < trainers else inference_tensors(inference_model, inference, me - trainers))
     metas = [json.loads(m) for m in group.allgather(json.dumps(mine).encode())]
     params = [Param(i, *m) for i, m in enumerate(metas[0])]
-    layouts = [lay_out([[t[0], t[1], t[2], t[3], t[4]] for t in m])[0]
-               for m in metas[trainers:]]
+    layouts = [lay_out(m)[0] for m in metas[trainers:]]
     plan = Plan(params, trainers, layouts, eng.max_write)
     if me == 0:
         print(f"{trainers} trainer{'s' * (trainers > 1)} (bf16, FSDP dim-0 shards) -> "
-              f"{inference} inference rank{'s' * (inference > 1)} (fp8 e4m3, 128 x 128 blocks; attention TP{inference}, experts "
-              f"EP{inference}); device {args.device}; provider {eng.provider}; {eng.nics}",
-              flush=True)
+              f"{inference} inference rank{'s' * (inference > 1)} (fp8 e4m3, 128 x 128 "
+              f"blocks; attention TP{inference}, experts EP{inference}); device "
+              f"{args.device}; provider {eng.provider}; {eng.nics}", flush=True)
         full = MODELS[args.model]
         scaled = [f"{model[k]} of {full[k]} {k}" for k in ("layers", "experts", "vocab")
                   if model[k] != full[k]]

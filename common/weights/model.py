@@ -187,6 +187,7 @@ def model_config(args, overrides=""):
 
 def describe(m, params):
     count = sum(p.rows * p.cols for p in params)
+    size = f"{count / 1e9:.2f} B" if count >= 1e7 else f"{count / 1e6:.2f} M"
     return (f"{m['layers']} layers, {m['experts']} experts, hidden {m['hidden']}, vocab "
-            f"{m['vocab']}: {len(params)} tensors, {count / 1e9:.2f} B parameters, "
+            f"{m['vocab']}: {len(params)} tensors, {size} parameters, "
             f"{2 * count / 1e9:.2f} GB bf16")

@@ -9,6 +9,7 @@ from common.moe import reference as ref
 from common.weights import BARRIER, BLOCK, BROADCAST, FREE, GATHERED, imm, split
 from common.weights.model import aligned
 
+
 def fp8_bytes(p):
     """A whole fp8 tensor as the naive way sends it: codes, then its scales."""
     return aligned(p.rows * p.cols) + (p.rows // BLOCK) * (p.cols // BLOCK) * 4
