@@ -601,7 +601,7 @@ def run(own, group, args, trainers, model, inference_model, ops, gpu):
             if me < trainers else inference_tensors(inference_model, inference, me - trainers))
     metas = [json.loads(m) for m in group.allgather(json.dumps(mine).encode())]
     params = [Param(i, *m) for i, m in enumerate(metas[0])]
-    layouts = [lay_out(m)[0] for m in metas[trainers:]]
+    layouts = [lay_out(m) for m in metas[trainers:]]
     plan = Plan(params, trainers, layouts, eng.max_write)
     if me == 0:
         print(f"{trainers} trainer{'s' * (trainers > 1)} (bf16, FSDP dim-0 shards) -> "

@@ -35,7 +35,7 @@ def ch19():
 
 def plan_of(ch19, trainers, inference, model=TINY, inference_model=None):
     params = parameters(model)
-    layouts = [lay_out(inference_tensors(inference_model or model, inference, r))[0]
+    layouts = [lay_out(inference_tensors(inference_model or model, inference, r))
                for r in range(inference)]
     return ch19.Plan(params, trainers, layouts, 1 << 20)
 
@@ -69,7 +69,7 @@ def test_the_plan_writes_every_inference_byte_exactly_once(ch19, trainers, infer
 
 
 def test_fused_and_sharded_tensors_take_the_right_rows(ch19):
-    tensors = {t.name: t for t in lay_out(inference_tensors(TINY, 2, 1))[0]}
+    tensors = {t.name: t for t in lay_out(inference_tensors(TINY, 2, 1))}
     qkv = tensors["model.layers.0.self_attn.qkv_proj.weight"]
     assert [(p[0].split(".")[-2], p[3], p[4], p[7]) for p in qkv.pieces] == \
         [("q_proj", 256, 512, 0), ("k_proj", 128, 256, 256), ("v_proj", 128, 256, 384)]

@@ -130,12 +130,12 @@ def aligned(at, to=64):
 
 
 def lay_out(tensors):
-    """[Tensor] at consecutive offsets, and the region's size."""
+    """[Tensor] at consecutive offsets (the last one's end: the region's size)."""
     out, at = [], 0
     for t in tensors:
         out.append(Tensor(*t, at))
         at = out[-1].end
-    return out, at
+    return out
 
 
 def checksum(xp, data):
@@ -180,7 +180,7 @@ def model_config(args, overrides=""):
         key, _, value = item.partition("=")
         if key not in m or not value.isdigit():
             raise UsageError(f"--inference-config: '{item}' is not KEY=NUMBER with KEY one "
-                                 f"of {', '.join(m)}")
+                             f"of {', '.join(m)}")
         m[key] = int(value)
     return m
 
