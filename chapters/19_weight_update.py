@@ -234,8 +234,7 @@ class Trainer:
             t0, t1 = rows[p.index]
             self.shard_at[p.index], at = at, at + (t1 - t0) * p.cols
             if p.fp8 and t0 < t1:
-                self.amax_at[p.index] = blocks
-                blocks += ((t1 - 1) // BLOCK - t0 // BLOCK + 1) * (p.cols // BLOCK)
+                self.amax_at[p.index], blocks = blocks, blocks + self._blocks(p)
         self.shard = xp.zeros(max(at, 1), xp.uint16)
         self.amax, self.scales = xp.zeros(blocks + 1, xp.float32), xp.zeros(blocks + 1, xp.float32)
         self.edges = self._edges()
@@ -363,6 +362,7 @@ class Trainer:
         self.eng.expect(imm(n, LANDED | batch.group), len(batch.commands_to))
 
     def _blocks(self, p):
+        """How many block maxima of p this trainer keeps: its block rows x p's columns."""
         t0, t1 = self.plan.rows[self.t][p.index]
         return ((t1 - 1) // BLOCK - t0 // BLOCK + 1) * (p.cols // BLOCK)
 

@@ -6,6 +6,7 @@ in a rank's memory, and the values the tests and the checks compute on both side
 
 from common.cli import UsageError
 from common.moe import reference as ref
+from common.moe.bookkeeping import aligned  # 64 bytes: every tensor starts on a cache line
 from common.weights import BLOCK
 
 MODELS = {  # Qwen3-30B-A3B's config.json; tiny: the same structure at toy sizes, for tests
@@ -123,10 +124,6 @@ class Tensor:
         self.scales = aligned(offset + self.bytes)
         self.end = aligned(self.scales + (rows // BLOCK) * (cols // BLOCK) * 4 if fp8 else
                            self.scales)
-
-
-def aligned(at, to=64):
-    return -(-at // to) * to
 
 
 def lay_out(tensors):
