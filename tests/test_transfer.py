@@ -1,11 +1,14 @@
 """The transfer engine (common/transfer) on shm and tcp: WRITEs checked byte for byte
 between two ranks with one and two virtual NICs and both spreads, immediates counted in
 any order, scatter and barrier on 2, 4 and 8 ranks, refusals in one line before anything
-is posted, and a peer killed mid-transfer seen by the survivor."""
+is posted, a peer killed mid-transfer seen by the survivor, the worker's pinning, and
+torch tensors (CPU, and CUDA where there is a GPU)."""
 import json
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +16,7 @@ import pytest
 import common.fabric as fi
 from common.patience import patience
 from scripts.pair import ROOT, local_env
+from tests.gpu import needs_gpu
 
 transfer = pytest.importorskip("common.transfer")  # skipped only if the worker is not built
 from common.transfer import Engine, TransferError  # noqa: E402
@@ -183,6 +187,51 @@ def test_torch_tensors_are_registered_without_a_copy(engine):
     assert torch.equal(dst[:8000], src[100:8100]) and int(dst[8000:].count_nonzero()) == 0
     with pytest.raises(ValueError, match="must be contiguous"):
         eng.register(torch.zeros((4, 4), dtype=torch.uint8)[:, 1])
+
+
+def test_the_worker_runs_on_the_cores_it_is_given(monkeypatch):
+    """Chapter 12's pinning without a GPU: the worker thread takes the cores worker_cores
+    picks (here the first one this process may use), the caller keeps its own."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("one core: a pinned worker and a free one look alike")
+    monkeypatch.setattr(transfer, "worker_cores", lambda gpu: {allowed[0]})
+    with fi.Closer() as own:
+        eng = Engine(own, provider="shm", timeout=patience(10))
+        eng.signal(eng.connect(eng.address()), 1).wait()  # the worker has started its loop
+        assert os.sched_getaffinity(eng._thread.native_id) == {allowed[0]}
+        assert sorted(os.sched_getaffinity(0)) == allowed
+
+
+@needs_gpu
+def test_a_gpu_engine_runs_near_its_gpu_and_writes_torch_cuda_tensors():
+    """On a GPU machine: the worker runs on cores of the GPU's NUMA node (its PCI device's
+    local_cpulist, read here apart from common/engine/topo), and torch CUDA tensors are
+    registered without a copy and written page by page."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    from common.engine import topo
+    bus = topo.gpus_here()[0][0]
+    near = Path(f"/sys/bus/pci/devices/{bus.lower()}/local_cpulist")
+    page = 64 << 10
+    with fi.Closer() as own:
+        eng = Engine(own, provider="shm", gpu=0, timeout=patience(30))
+        me = eng.connect(eng.address())
+        src = torch.arange(4 * page, device="cuda:0").to(torch.uint8)
+        dst = torch.zeros(4 * page, dtype=torch.uint8, device="cuda:0")
+        region = eng.register(src)
+        assert region.ptr == src.data_ptr()  # not a copy
+        into = eng.remote(eng.register(dst).descriptor())
+        eng.write_pages(me, region, [3, 0, 1], into, [0, 1, 2], page, imm=4).wait()
+        eng.expect(4, 3)
+        torch.cuda.synchronize()
+        want = torch.cat([src[3 * page:], src[:2 * page]])
+        assert int((dst[:3 * page] != want).sum()) == 0 and int(dst[3 * page:].count_nonzero()) == 0
+        pinned = os.sched_getaffinity(eng._thread.native_id)
+        if near.exists():
+            assert pinned <= set(topo.cpulist(near.read_text())), (pinned, near.read_text())
+        assert pinned <= os.sched_getaffinity(0)
 
 
 def test_writes_to_itself_and_the_arrival_table_when_full(monkeypatch):
