@@ -3,6 +3,7 @@
     .venv/bin/python scripts/launch.py -n 2 tests/transfer_ranks.py pair -p shm --nics 2
     .venv/bin/python scripts/launch.py -n 4 tests/transfer_ranks.py group -p tcp
     .venv/bin/python scripts/launch.py -n 2 tests/transfer_ranks.py kill -p shm [--watch]
+    .venv/bin/python scripts/launch.py -n 2 tests/transfer_ranks.py torch --gpu 0
 
 Addresses and region descriptors travel through launch.Group.allgather. Every check
 prints a line the test reads ("wrong bytes: N", "expected ...", "survivor: ...").
@@ -132,22 +133,54 @@ def kill(eng, group, args):
         sys.exit(1)
 
 
+def torch_pages(eng, group, args):
+    """Rank 0 writes pages of a torch CUDA tensor into rank 1's (GPU memory moves between
+    processes: shm maps it by CUDA IPC, which a process cannot do on its own memory);
+    each rank says where its worker runs against its GPU's local cores (sysfs)."""
+    import torch
+    from common.engine import topo
+    me, page = group.rank, 64 << 10
+    peer = eng.connect(group.allgather(eng.address())[1 - me])
+    src = (torch.arange(4 * page, device=f"cuda:{args.gpu}") * (me + 3)).to(torch.uint8)
+    dst = torch.zeros(4 * page, dtype=torch.uint8, device=f"cuda:{args.gpu}")
+    region, into = eng.register(src), eng.register(dst)
+    theirs = eng.remote(group.allgather(into.descriptor())[1 - me])
+    print(f"torch: registered without a copy: {region.ptr == src.data_ptr()}", flush=True)
+    if me == 0:
+        eng.write_pages(peer, region, [3, 0, 1], theirs, [0, 1, 2], page, imm=4).wait()
+    else:
+        eng.expect(4, 3)
+        torch.cuda.synchronize()
+        sent = (torch.arange(4 * page, device=dst.device) * 3).to(torch.uint8)
+        want = torch.cat([sent[3 * page:], sent[:2 * page]])
+        wrong = int((dst[:3 * page] != want).sum()) + int(dst[3 * page:].count_nonzero())
+        print(f"torch: paged WRITEs: wrong bytes: {wrong}", flush=True)
+    bus = topo.gpus_here()[0][args.gpu].lower()
+    near = Path(f"/sys/bus/pci/devices/{bus}/local_cpulist")
+    cores = set(topo.cpulist(near.read_text())) if near.exists() else os.sched_getaffinity(0)
+    pinned = os.sched_getaffinity(eng._thread.native_id)
+    print(f"worker on {len(pinned)} of the GPU's {len(cores)} local cores: "
+          f"{pinned <= cores}", flush=True)
+    group.allgather(b"done")  # the WRITE's source stays registered until rank 1 has checked
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["pair", "group", "kill"])
+    p.add_argument("mode", choices=["pair", "group", "kill", "torch"])
     p.add_argument("-p", "--provider", default="shm")
     p.add_argument("--nics", type=int, default=1)
     p.add_argument("--spread", default="round-robin")
     p.add_argument("--length", type=int, default=3000)
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--watch", action="store_true")
+    p.add_argument("--gpu", type=int, default=None)
     args = p.parse_args()
     with launch.Group(launch.place_from_environment(), timeout=patience(60)) as group, \
             fi.Closer() as own:
-        eng = Engine(own, provider=args.provider, nics=args.nics, spread=args.spread,
-                     timeout=patience(args.timeout))
+        eng = Engine(own, provider=args.provider, gpu=args.gpu, nics=args.nics,
+                     spread=args.spread, timeout=patience(args.timeout))
         print(f"engine: {eng.provider}, {eng.nics}, {args.spread}", flush=True)
-        {"pair": pair, "group": groups, "kill": kill}[args.mode](eng, group, args)
+        {"pair": pair, "group": groups, "kill": kill, "torch": torch_pages}[args.mode](eng, group, args)
 
 
 if __name__ == "__main__":
