@@ -7,6 +7,7 @@ The server is also stopped on any failure, so nothing is left running.
     .venv/bin/python scripts/pair.py 04                          # default provider
     .venv/bin/python scripts/pair.py 05 -p tcp --clients 3 -- "some text"
     .venv/bin/python scripts/pair.py 04 -p shm --server-args="--timeout 5" -- "hi" --timeout 3
+    .venv/bin/python scripts/pair.py 18 --limit 600 --server-args="--tokens 16384" -- --tokens 16384
 
 Also a library: tests and the tour call run_pair().
 """
@@ -146,19 +147,37 @@ def run_pair(chapter, provider=None, server_args=(), client_args=((),), env=None
     return pair
 
 
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's usage + error is two lines: one is enough
+        self.exit(2, f"pair: {message}\n")
+
+
+def seconds(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: '{text}'")
+    return value
+
+
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("chapter", help="chapter number, e.g. 04")
     p.add_argument("-p", "--provider")
     p.add_argument("--clients", type=int, default=1, help="how many clients to run in turn")
     p.add_argument("--server-args", default="", help="extra server arguments, one string")
+    p.add_argument("--limit", type=seconds, default=60.0, metavar="S",
+                   help="seconds the server may take to print its address and each client "
+                        "to run (default 60; stretched when the machine is busy)")
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     args = p.parse_args(argv[:split])
     args.client_args = argv[split + 1:]  # everything after -- goes to the client
     try:
         pair = run_pair(args.chapter, args.provider, shlex.split(args.server_args),
-                        [args.client_args] * args.clients)
+                        [args.client_args] * args.clients, timeout=args.limit)
     except FileNotFoundError as e:
         sys.exit(f"pair: {e}")
     for name, run in [("server", pair.server)] + [(f"client {i + 1}", c)

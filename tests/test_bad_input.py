@@ -83,3 +83,11 @@ def test_server_ctrl_c_is_a_clean_exit(chapter, provider):
         proc.kill()
     assert proc.returncode == 130
     assert err.strip() == f"{chapter_path(chapter).name}: interrupted, resources closed"
+
+
+@pytest.mark.parametrize("args,pattern", [(["04", "--limit", "0"], "not a number of seconds"),
+                                          (["04", "--nope"], "unrecognized arguments")])
+def test_pair_refuses_bad_flags_in_one_line(args, pattern):
+    done = subprocess.run([sys.executable, str(chapter_path(4).parents[1] / "scripts" / "pair.py"),
+                           *args], capture_output=True, text=True, env=local_env(), timeout=LIMIT)
+    assert_one_line_error(done, pattern)
