@@ -229,7 +229,7 @@ def test_a_failed_write_raises_the_providers_text():
 # --- the GPUDirect flush: after the count arrived, before expect() returns -----------------
 
 def recorded_flushes(monkeypatch, eng, rc=0):
-    """cuda_driver.flush faked: each call's (scope, arrivals not yet taken) recorded."""
+    """cuda_driver.flush faked: each call's (scope, WRITEs with immediate 4 not yet taken)."""
     calls = []
     monkeypatch.setattr(cuda_driver, "flush",
                         lambda scope: calls.append((scope, eng.arrived(4))) or rc)
