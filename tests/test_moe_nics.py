@@ -167,15 +167,15 @@ def attributes(ordering, options):
     ("shm", 0, cuda_driver.NONE, 0, None),          # shm copies: m16_settle waits for them
     ("tcp", 0, cuda_driver.NONE, 0, None),
 ])
-def test_flush_only_where_a_nic_writes_and_the_device_does_not_order(moe, provider, gpu,
-                                                                     ordering, options, scope):
-    assert moe.flush_scope(provider, gpu, attributes(ordering, options)) == scope
+def test_flush_only_where_a_nic_writes_and_the_device_does_not_order(provider, gpu, ordering,
+                                                                     options, scope):
+    assert cuda_driver.flush_scope(provider, gpu, attributes(ordering, options)) == scope
 
 
-def test_a_device_that_neither_orders_nor_flushes_is_refused(moe):
+def test_a_device_that_neither_orders_nor_flushes_is_refused():
     with pytest.raises(ValueError, match="GPU 2 neither orders GPUDirect RDMA writes nor "
                                          "can flush them"):
-        moe.flush_scope("efa", 2, attributes(cuda_driver.NONE, 2))  # MEMOPS only
+        cuda_driver.flush_scope("efa", 2, attributes(cuda_driver.NONE, 2))  # MEMOPS only
 
 
 def proxy_struct(moe, settle=None, flush=None):

@@ -1,8 +1,9 @@
 """The transfer engine (common/transfer) on shm and tcp: WRITEs checked byte for byte
 between two ranks with one and two virtual NICs and both spreads, immediates counted in
 any order, scatter and barrier on 2, 4 and 8 ranks, refusals in one line before anything
-is posted, a peer killed mid-transfer seen by the survivor, the worker's pinning, and
-torch tensors (CPU, and CUDA where there is a GPU)."""
+is posted, a peer killed mid-transfer seen by the survivor, the worker's pinning, torch
+tensors (CPU, and CUDA where there is a GPU), and the GPUDirect flush that expect() makes
+where a NIC writes GPU memory (faked on the host, real on a GPU)."""
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import common.fabric as fi
+from common.fabric import cuda_driver
 from common.patience import patience
 from scripts.pair import ROOT, local_env
 from tests.gpu import needs_gpu
@@ -251,6 +253,105 @@ def test_a_failed_write_raises_the_providers_text():
         with pytest.raises((TransferError, TimeoutError)):
             t.wait(patience(3))
             eng.expect(9, 1, patience(3))
+
+
+# --- the GPUDirect flush: after the count arrived, before expect() returns -----------------
+
+def recorded_flushes(monkeypatch, eng, rc=0):
+    """cuda_driver.flush faked: each call's (scope, WRITEs with immediate 4 not yet taken)."""
+    calls = []
+    monkeypatch.setattr(cuda_driver, "flush",
+                        lambda scope: calls.append((scope, eng.arrived(4))) or rc)
+    return calls
+
+
+def test_expect_flushes_once_the_count_arrived_and_never_on_a_timeout(engine, monkeypatch):
+    """The flush scope set, as cuda_driver.flush_scope sets it for a NIC that writes into a
+    GPU which does not order those writes: one flush per expect, once every WRITE came."""
+    _, eng = engine
+    eng.flush_scope = cuda_driver.OWNER
+    calls = recorded_flushes(monkeypatch, eng)
+    me = eng.connect(eng.address())
+    eng.signal(me, 4).wait()
+    with pytest.raises(TimeoutError):
+        eng.expect(4, 2, 0.2)
+    assert calls == []
+    eng.signal(me, 4).wait()
+    eng.expect(4, 2)
+    assert calls == [(cuda_driver.OWNER, 2)] and eng.arrived(4) == 0
+
+
+def test_a_failed_flush_is_one_line(engine, monkeypatch):
+    _, eng = engine
+    eng.flush_scope = cuda_driver.OWNER
+    recorded_flushes(monkeypatch, eng, rc=999)
+    monkeypatch.setattr(cuda_driver, "error_name", lambda rc: f"CUDA error {rc}")
+    me = eng.connect(eng.address())
+    eng.signal(me, 4).wait()
+    with pytest.raises(TransferError) as excinfo:
+        eng.expect(4, 1)
+    one_line(excinfo, "1 WRITEs with immediate 4 arrived, but cuFlushGPUDirectRDMAWrites "
+                      "failed: CUDA error 999")
+
+
+def test_a_host_memory_engine_never_flushes(engine, monkeypatch):
+    _, eng = engine
+    assert eng.flush_scope is None
+    calls = recorded_flushes(monkeypatch, eng)
+    me = eng.connect(eng.address())
+    eng.signal(me, 4).wait()
+    eng.expect(4, 1)
+    assert calls == []
+
+
+def test_an_engine_on_a_device_that_neither_orders_nor_flushes_is_refused(monkeypatch):
+    """The engine asks cuda_driver.flush_scope (faked: no GPU here) at construction."""
+    asked = []
+
+    def refuse(provider, gpu):
+        asked.append((provider, gpu))
+        raise ValueError("GPU 0 neither orders GPUDirect RDMA writes nor can flush them")
+    monkeypatch.setattr(cuda_driver, "flush_scope", refuse)
+    with fi.Closer() as own, pytest.raises(ValueError) as excinfo:
+        Engine(own, provider="shm")
+    one_line(excinfo, "GPU 0 neither orders GPUDirect RDMA writes")
+    assert asked == [("shm", None)]
+
+
+def test_the_flush_targets_the_current_context(monkeypatch):
+    class Driver:
+        def cuFlushGPUDirectRDMAWrites(self, target, scope):
+            asked.append((target, scope))
+            return 0
+    asked = []
+    monkeypatch.setattr(cuda_driver, "_loaded", [Driver()])
+    assert cuda_driver.flush(cuda_driver.OWNER) == 0
+    assert asked == [(cuda_driver.TARGET_CURRENT_CTX, cuda_driver.OWNER)]
+
+
+@needs_gpu
+def test_gpu_a_shm_engine_does_not_flush_and_the_real_flush_succeeds(monkeypatch):
+    """On GPU 0: shm copies into GPU memory with CUDA itself, so its engine never flushes;
+    with the scope set as for a NIC, expect's real cuFlushGPUDirectRDMAWrites must succeed
+    (a no-op where the device orders the writes, "owner" on the H200s)."""
+    import cupy
+    flushed, real = [], cuda_driver.flush
+    monkeypatch.setattr(cuda_driver, "flush", lambda scope: flushed.append(scope) or real(scope))
+    with fi.Closer() as own:
+        eng = Engine(own, provider="shm", gpu=0, timeout=patience(10))
+        assert eng.flush_scope is None
+        me = eng.connect(eng.address())
+        data = (cupy.arange(8192) % 251).astype(cupy.uint8)
+        into = cupy.zeros(8192, cupy.uint8)
+        src, dst = eng.register(data), eng.remote(eng.register(into).descriptor())
+        eng.write(me, src, 0, dst, 0, 4096, imm=1).wait()
+        eng.expect(1, 1)
+        assert flushed == []
+        eng.flush_scope = cuda_driver.OWNER
+        eng.write(me, src, 4096, dst, 4096, 4096, imm=2).wait()
+        eng.expect(2, 1)
+        assert flushed == [cuda_driver.OWNER]
+        assert int(cupy.count_nonzero(into != data)) == 0
 
 
 def test_the_benchmark_checks_its_pages_and_reports_each_case(tmp_path):

@@ -3,9 +3,9 @@
 libcuda.so.1 comes with the NVIDIA driver, so it is there wherever a GPU is, and loaded
 already where cupy runs. The calls: cuLaunchKernel (common/moe/kernel_call.py), a dmabuf fd
 for a range of GPU memory (registration by dmabuf, common/fabric/memory.py), and what chapter
-16's proxy needs to know before it tells a kernel that a NIC's WRITE has landed in GPU
-memory (the device's GPUDirect RDMA write ordering, and the flush where it falls short).
-Numbers are cuda.h's.
+16's proxy and the transfer engine need before they tell a GPU that a NIC's WRITE has
+landed in its memory (flush_scope: the device's GPUDirect RDMA write ordering, and the
+flush where it falls short). Numbers are cuda.h's.
 """
 import os
 
@@ -89,3 +89,35 @@ def attribute(which, device):
 def flush_address():
     """The address of cuFlushGPUDirectRDMAWrites, for C code to call without the GIL."""
     return int(ffi.cast("uintptr_t", function("cuFlushGPUDirectRDMAWrites")))
+
+
+def flush(scope):
+    """cuFlushGPUDirectRDMAWrites on the calling thread's current context, to `scope`: its
+    CUresult (0: the NIC's writes that completed before are visible to that scope)."""
+    return function("cuFlushGPUDirectRDMAWrites")(TARGET_CURRENT_CTX, scope)
+
+
+# Providers that copy the bytes themselves, with the CPU or with CUDA copies
+# (src/hmem_cuda.c, cuda_copy_to_dev; shm's CUDA IPC: prov/shm/src/smr_progress.c): no NIC
+# writes into GPU memory behind the GPU's back.
+COPYING_PROVIDERS = {"shm", "sm2", "tcp", "udp", "sockets", "net"}
+
+
+def flush_scope(provider, gpu, attribute=attribute):
+    """The scope to flush a NIC's GPUDirect RDMA writes into GPU `gpu` to before the GPU
+    reads what they wrote (chapter 16's stamps, the transfer engine's expect); None when
+    there is nothing to flush. Only a NIC writes into GPU memory by itself, and what reads
+    it next is the GPU that owns it (its kernels, or the copies the host asks of it):
+    covered where the device orders such writes for their owner at least
+    (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING; "owner" on the H200s). NCCL
+    asks the same. ValueError, one line, for a device that neither orders nor can flush.
+    `attribute(which, gpu)`: this module's, or a test's."""
+    if gpu is None or provider.split(";")[0] in COPYING_PROVIDERS:
+        return None
+    if attribute(WRITES_ORDERING, gpu) >= OWNER:
+        return None
+    if not attribute(FLUSH_OPTIONS, gpu) & FLUSH_OPTION_HOST:
+        raise ValueError(f"GPU {gpu} neither orders GPUDirect RDMA writes nor can flush them "
+                         "(cuFlushGPUDirectRDMAWrites): its reads could run ahead of a NIC's "
+                         "writes")
+    return OWNER

@@ -40,7 +40,7 @@ class Proxy:
             raise ValueError(f"a WRITE of up to {largest} bytes, more than "
                              f"{fi.provider_of(info)} takes ({info.ep_attr.max_msg_size})")
         self.provider = fi.provider_of(info)
-        scope = flush_scope(self.provider, mem.gpu)
+        scope = cuda_driver.flush_scope(self.provider, mem.gpu)
         infos, self.nics = proxy_nics(info, group, mem.gpu, nics)
         # at most RING WRITEs in flight per NIC; emulated nodes on one host reach each other by NIC
         domains, self.cqs, avs, eps = zip(*[
@@ -188,29 +188,6 @@ def proxy_nics(head, group, gpu, count=None):
     whose = f"GPU {gpu}'s" if gpu is not None else "a share of the node's"
     return ([entries[n.name] for n in mine],
             f"{len(mine)} NIC{'s' * (len(mine) > 1)} ({whose}): {' '.join(n.name for n in mine)}")
-
-
-# Providers that copy the bytes themselves (the CPU, or CUDA calls: see m16_settle): no
-# NIC writes into GPU memory behind the GPU's back.
-COPYING = {"shm", "sm2", "tcp", "udp", "sockets", "net"}
-
-
-def flush_scope(provider, gpu, attribute=None):
-    """The scope the proxy flushes GPUDirect RDMA writes to before it stamps; None when
-    there is nothing to flush. Only a NIC writes into GPU memory by itself, and what reads
-    it next is the GPU that owns it (its kernels, or the copies the host asks of it):
-    covered where the device orders such writes for their owner at least
-    (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING; "owner" on the H200s). NCCL
-    asks the same. `attribute(which, gpu)`: cuda_driver.attribute, or a test's."""
-    if gpu is None or provider.split(";")[0] in COPYING:
-        return None
-    attribute = attribute or cuda_driver.attribute
-    if attribute(cuda_driver.WRITES_ORDERING, gpu) >= cuda_driver.OWNER:
-        return None
-    if not attribute(cuda_driver.FLUSH_OPTIONS, gpu) & cuda_driver.FLUSH_OPTION_HOST:
-        raise ValueError(f"GPU {gpu} neither orders GPUDirect RDMA writes nor can flush them "
-                         "(cuFlushGPUDirectRDMAWrites): a stamp could run ahead of its data")
-    return cuda_driver.OWNER
 
 
 def settle_failure(p):

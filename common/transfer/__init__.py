@@ -17,7 +17,9 @@ control endpoint for SEND/RECV that Python drives.
 
 Python never touches a WRITE: it hands the worker a whole command (numpy arrays of
 offsets) and waits with short sleeps; the worker writes back each command's progress and
-the count of each immediate value that arrived, whatever the order and the NIC.
+the count of each immediate value that arrived, whatever the order and the NIC. Where a NIC
+writes GPU memory that the GPU does not see in order, expect() flushes those writes
+(cuFlushGPUDirectRDMAWrites) before it returns, so the GPU reads what arrived.
 """
 import os
 import secrets
@@ -29,7 +31,7 @@ import zlib
 import numpy as np
 
 import common.fabric as fi
-from common.fabric import lib, memory
+from common.fabric import cuda_driver, lib, memory
 
 try:
     from common._transfer import ffi as _ffi, lib as native
@@ -186,6 +188,12 @@ class Engine:
             os.environ[CACHE_SIZE] = str(1 << 40)
         info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA, hmem=gpu is not None)
         self.provider = fi.provider_of(info)
+        # A NIC (efa, verbs) writes GPU memory by GPUDirect RDMA: seeing its completion on
+        # the host does not make those writes visible to the GPU's later reads unless the
+        # device orders them for their owner; else expect() flushes them (CUDA driver API,
+        # cuFlushGPUDirectRDMAWrites). shm and tcp copy with the CPU or CUDA calls
+        # themselves: None, nothing to flush. A device that can do neither: refused here.
+        self.flush_scope = cuda_driver.flush_scope(self.provider, gpu)
         self.infos, self.nics = engine_nics(info, gpu, nics)
         self.cq_data_size = min(i.domain_attr.cq_data_size for i in self.infos)
         self.max_write = min(i.ep_attr.max_msg_size for i in self.infos)
@@ -466,7 +474,8 @@ class Engine:
 
     def expect(self, imm, n, timeout=None):
         """Wait until `n` WRITEs with immediate `imm` have arrived (from any peer, NIC,
-        in any order), then take them: a later expect(imm, ...) needs new ones."""
+        in any order), flush them where the GPU needs it (flush_scope), then take them: a
+        later expect(imm, ...) needs new ones."""
         timeout = self.timeout if timeout is None else timeout
         taken = self._taken.get(imm, 0)
         arrived = lambda: self.arrived(imm)  # noqa: E731
@@ -481,6 +490,13 @@ class Engine:
             return (f"{arrived()} of {n} WRITEs with immediate {imm} arrived within "
                     f"{timeout:g} s{full}{bad}")
         self._until(lambda: arrived() >= n, timeout, why)
+        if self.flush_scope is not None:
+            memory.current(self.gpu)  # the flush's target: the calling thread's context
+            rc = cuda_driver.flush(self.flush_scope)
+            if rc:
+                raise TransferError(f"{n} WRITEs with immediate {imm} arrived, but "
+                                    f"cuFlushGPUDirectRDMAWrites failed: "
+                                    f"{cuda_driver.error_name(rc)}")
         self._taken[imm] = taken + n
 
     # --- control messages ------------------------------------------------------------
