@@ -64,3 +64,13 @@ def test_bad_input_is_one_line_before_anything_starts():
     assert done.returncode == 2 and done.stdout == ""
     line, = done.stderr.strip().splitlines()
     assert "not a size: '4Q'" in line
+
+
+@pytest.mark.skipif(WHY is not None, reason=WHY or "")
+def test_a_gpu_that_cannot_be_used_is_one_line_before_anything_starts():
+    """GPU 99: no such GPU where cupy or a CUDA torch is, no allocator elsewhere."""
+    done = subprocess.run([NIXL_PYTHON, str(SCRIPT), "--gpu", "99", "--pages", "4"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    line, = done.stderr.strip().splitlines()
+    assert line.startswith("nixl_pages.py: --gpu 99: "), line
