@@ -74,3 +74,15 @@ def test_a_gpu_that_cannot_be_used_is_one_line_before_anything_starts():
     assert done.returncode == 1 and done.stdout == "", done.stderr
     line, = done.stderr.strip().splitlines()
     assert line.startswith("nixl_pages.py: --gpu 99: "), line
+
+
+@pytest.mark.skipif(WHY is not None, reason=WHY or "")
+def test_transfer_bench_asks_nixl_for_its_own_gpu_memory(capsys):
+    """transfer_bench --gpu N --nixl PYTHON: NIXL's pages in GPU N too, not in host memory
+    (GPU 99 is refused, so NIXL's figure is not measured rather than taken from DRAM)."""
+    import argparse
+
+    from scripts import transfer_bench
+    args = argparse.Namespace(sizes=[4096], counts=[4], repeats=1, gpu=99)
+    assert transfer_bench.nixl(NIXL_PYTHON, args, 120) is None
+    assert "nixl: not measured: nixl_pages.py: --gpu 99: " in capsys.readouterr().out
