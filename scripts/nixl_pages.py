@@ -2,13 +2,15 @@
 
     /work/nixlenv/bin/python scripts/nixl_pages.py                      # 1K..64K x 100, 10000
     /work/nixlenv/bin/python scripts/nixl_pages.py --page-size 4K --pages 100 --repeats 3 --json
+    PYTHONPATH=<the NIXL folder> python3 scripts/nixl_pages.py --gpu 0 --json   # GPU 0 memory
 
 The question a reader of chapters 18-19 asks: what would NIXL (what Dynamo and
 vLLM move KV caches with) do with the same pages? Two processes, both started
 here (multiprocessing, spawn), each a nixl_agent with the UCX backend over a
-host-memory (DRAM) region registered once. The target sends its agent
-metadata and the region's address to the initiator through a pipe; the
-initiator add_remote_agent()s it and, for each (page size, pages):
+host-memory (DRAM) region registered once (--gpu: GPU memory, below). The
+target sends its agent metadata and the region's address to the initiator
+through a pipe; the initiator add_remote_agent()s it and, for each (page
+size, pages):
 - fills its region with seeded pages: slot i holds the content of target page
   perm[i] (perm: a permutation seeded by --seed), as common/transfer's page
   lists say "page i of mine to page perm[i] of yours";
@@ -37,9 +39,27 @@ the parent reads; what is not a table is passed on to stderr) are read back:
 `ucx: put: ...; am: ...` under the table, and "ucx_protocols" in the record.
 UCX_TLS, UCX_NET_DEVICES and the like pass through to both sides.
 
+--gpu N: both regions in GPU N's memory, both processes on that GPU: one
+allocation a side (cupy if the interpreter has it, else a CUDA build of
+torch), registered once as VRAM with device id N, the transfer descriptors
+VRAM on N too. The pages are seeded in a host copy the initiator uploads
+before prep_xfer_dlist, and the target downloads its region after the last
+notification and counts wrong bytes there; neither copy is timed. The header
+and the record say "GPU N memory", the GPU and the allocator. UCX must see
+the memory as CUDA's: the NIXL folder needs ucx/libuct_cuda and libucm_cuda
+(else register_memory fails: "VRAM memory is detected as host by UCX"), and
+UCX_TLS, where set, must name cuda_copy and cuda_ipc too (UCX_TLS=cma,tcp
+leaves UCX nothing that reads GPU memory). cuda_ipc, zero-copy between two
+processes of one GPU, declares peer-failure handling (UCX's
+src/uct/cuda/cuda_ipc/cuda_ipc_iface.c), so the backend's error handling mode
+does not rule it out as it does posix and sysv; the ucx: line says what UCX
+chose. Device ids count the GPUs CUDA_VISIBLE_DEVICES leaves. On one H200:
+not measured yet.
+
 --json writes results/runs/nixl_pages-<time>.json (or the path given): the
-machine and commit (common/records), "implementation": "nixl (UCX)", the nixl
-and UCX versions, the UCX transports, the arguments, and one row per case
+machine (its GPU with --gpu) and commit (common/records), "implementation":
+"nixl (UCX)", the nixl and UCX versions, the UCX transports, "memory" ("host"
+or "GPU N memory") and "allocator", the arguments, and one row per case
 (ops, page_size, bytes, elapsed_s, gbps, mpps as common/bench.figures, and
 notif_s, prep_s, wrong_bytes).
 
@@ -186,6 +206,86 @@ def aligned(np, size):
     return raw[start:start + size]
 
 
+def gpu_allocator(gpu):
+    """The allocator for GPU `gpu` ('cupy 14.0.1': cupy if importable, else a CUDA build of
+    torch) and the GPU's name; ValueError, one line, if neither is here or no such GPU."""
+    try:
+        import cupy as cp
+    except ImportError:
+        cp = None
+    if cp is not None:
+        try:
+            count = cp.cuda.runtime.getDeviceCount()
+        except cp.cuda.runtime.CUDARuntimeError:  # no driver, or no device it can use
+            count = 0
+        who = f"cupy {cp.__version__}"
+        name = lambda: cp.cuda.runtime.getDeviceProperties(gpu)["name"]
+    else:
+        try:
+            import torch
+        except ImportError:
+            raise ValueError(f"--gpu {gpu}: GPU memory needs cupy or a CUDA build of torch; "
+                             f"{sys.executable} has neither") from None
+        if not torch.version.cuda:
+            raise ValueError(f"--gpu {gpu}: GPU memory needs cupy or a CUDA build of torch; "
+                             f"{sys.executable} has no cupy and torch {torch.__version__}, "
+                             f"a CPU build")
+        count = torch.cuda.device_count()
+        who = f"torch {torch.__version__}"
+        name = lambda: torch.cuda.get_device_name(gpu)
+    if not 0 <= gpu < count:
+        raise ValueError(f"--gpu {gpu}: no such GPU here ({who} finds {count})")
+    said = name()
+    return who, said.decode() if isinstance(said, bytes) else said
+
+
+class Region:
+    """One side's region of `size` bytes: host memory (numpy, page-aligned), or GPU `gpu`'s
+    (cupy or torch, as `allocator` says) with a host copy of it, `host`, where the pages are
+    seeded and checked. zero(), upload() and download() act on its first n bytes and return
+    once the GPU is done (NIXL's copies run on streams of their own)."""
+
+    def __init__(self, np, size, gpu=None, allocator=None):
+        self.host = aligned(np, size)
+        self.kind, self.device, self.address = "DRAM", 0, self.host.ctypes.data
+        if gpu is None:
+            return
+        self.kind, self.device = "VRAM", gpu
+        if allocator.startswith("cupy"):
+            import cupy as cp
+            cp.cuda.Device(gpu).use()  # the current device of the copies below
+            self.array = cp.zeros(size, dtype=cp.uint8)
+            self.address = self.array.data.ptr
+            self.sync = cp.cuda.Device(gpu).synchronize
+            self.put = lambda n: self.array[:n].set(self.host[:n])
+            self.get = lambda n: self.array[:n].get(out=self.host[:n])
+        else:
+            import torch
+            torch.cuda.set_device(gpu)
+            self.array = torch.zeros(size, dtype=torch.uint8, device=f"cuda:{gpu}")
+            self.address = self.array.data_ptr()
+            self.sync = lambda: torch.cuda.synchronize(gpu)
+            self.put = lambda n: self.array[:n].copy_(torch.from_numpy(self.host[:n]))
+            self.get = lambda n: torch.from_numpy(self.host[:n]).copy_(self.array[:n])
+
+    def zero(self, n):
+        if self.kind == "DRAM":
+            self.host[:n] = 0
+        else:
+            self.array[:n] = 0
+            self.sync()
+
+    def upload(self, n):
+        if self.kind == "VRAM":
+            self.put(n)
+            self.sync()
+
+    def download(self, n):
+        if self.kind == "VRAM":
+            self.get(n)
+            self.sync()
+
+
 def now():
     return time.clock_gettime(time.CLOCK_MONOTONIC)  # one clock for both processes
 
@@ -204,24 +304,51 @@ def ucx_version():
         return None
 
 
-def make_agent(module, name, args):
-    """A nixl_agent with the UCX backend, or raise RuntimeError saying why not."""
+def make_agent(module, name, args, kind):
+    """A nixl_agent with the UCX backend, taking memory `kind` ("DRAM" or "VRAM"), or raise
+    RuntimeError saying why not."""
     api = importlib.import_module(f"{module}._api")
     config = api.nixl_agent_config(enable_prog_thread=args.progress_thread, backends=[])
     agent = api.nixl_agent(name, config)
     if "UCX" not in agent.get_plugin_list():
         raise RuntimeError(f"no UCX plugin among {agent.get_plugin_list()}")
     agent.create_backend("UCX", dict(args.backend_param))
-    if "DRAM_SEG" not in agent.get_backend_mem_types("UCX"):
-        raise RuntimeError(f"UCX takes no host memory here: {agent.get_backend_mem_types('UCX')}")
+    if f"{kind}_SEG" not in agent.get_backend_mem_types("UCX"):
+        raise RuntimeError(f"UCX takes no {kind} here: {agent.get_backend_mem_types('UCX')}")
     return agent
 
 
-def descs(np, base, size, pages):
+def start(conn, np, module, name, args, size):
+    """This side's agent and its region, registered once; None once the parent has been
+    told why not. The agent comes first, as in NIXL's examples: registering VRAM sets the
+    region's CUDA context for UCX (NIXL's src/plugins/ucx/ucx_backend.cpp, registerMem),
+    which takes it only on the GPU of the device id given."""
+    kind = "DRAM" if args.gpu is None else "VRAM"
+    try:
+        agent = make_agent(module, name, args, kind)
+    except Exception as e:  # the backend's own words, whatever raised them
+        conn.send(("error", f"NIXL's UCX backend did not start: {e}"))
+        return None
+    try:
+        region = Region(np, size, args.gpu, args.allocator)
+        reg = agent.register_memory(descs(np, region.address, size, 1, region.device), kind)
+    except Exception as e:
+        conn.send(("error", f"the {name}'s {size} bytes of {memory(args)}: {e}"))
+        return None
+    return agent, region, reg
+
+
+def memory(args):
+    """'host memory' or 'GPU 0 memory', as the header says it."""
+    return "host memory" if args.gpu is None else f"GPU {args.gpu} memory"
+
+
+def descs(np, base, size, pages, device=0):
     """One (address, length, device) row per page, as NIXL takes an Nx3 array."""
     rows = np.zeros((pages, 3), dtype=np.uint64)
     rows[:, 0] = base + np.arange(pages, dtype=np.uint64) * size
     rows[:, 1] = size
+    rows[:, 2] = device
     return rows
 
 
@@ -250,17 +377,14 @@ def target(conn, module, args, region, folder):
     try:
         quiet(folder, "target")
         import numpy as np
-        try:
-            agent = make_agent(module, "target", args)
-        except Exception as e:  # the backend's own words, whatever raised them
-            conn.send(("error", f"NIXL's UCX backend did not start: {e}"))
+        if (started := start(conn, np, module, "target", args, region)) is None:
             return
-        buf = aligned(np, region)
-        reg = agent.register_memory(descs(np, buf.ctypes.data, region, 1), "DRAM")
-        conn.send(("ready", agent.get_agent_metadata(), buf.ctypes.data))
+        agent, mine, reg = started
+        buf = mine.host
+        conn.send(("ready", agent.get_agent_metadata(), mine.address))
         while (msg := conn.recv())[0] == "case":
             _, case, size, pages, seed, runs = msg
-            buf[:size * pages] = 0
+            mine.zero(size * pages)
             conn.send(("armed",))
             seen, deadline = {}, time.monotonic() + PEER_TIMEOUT
             tags = {f"{case}:{r}".encode(): r for r in range(runs)}
@@ -275,6 +399,7 @@ def target(conn, module, args, region, folder):
                     conn.send(("error", f"the target got {len(seen)} of {runs} notifications "
                                         f"in {PEER_TIMEOUT:.0f} s"))
                     return
+            mine.download(size * pages)
             wrong = sum(int(np.count_nonzero(buf[p * size:(p + 1) * size]
                                              != seeded_page(np, seed, p, size)))
                         for p in range(pages))
@@ -292,13 +417,10 @@ def initiator(conn, module, args, region, folder):
         quiet(folder, "initiator")
         os.environ["UCX_PROTO_INFO"] = "y"  # UCX prints its protocol tables: the parent reads
         import numpy as np
-        try:
-            agent = make_agent(module, "initiator", args)
-        except Exception as e:
-            conn.send(("error", f"NIXL's UCX backend did not start: {e}"))
+        if (started := start(conn, np, module, "initiator", args, region)) is None:
             return
-        buf = aligned(np, region)
-        reg = agent.register_memory(descs(np, buf.ctypes.data, region, 1), "DRAM")
+        agent, mine, reg = started
+        buf = mine.host
         conn.send(("ready", ucx_version()))
         _, metadata, remote_base = conn.recv()
         peer = agent.add_remote_agent(metadata)
@@ -308,10 +430,13 @@ def initiator(conn, module, args, region, folder):
             perm = np.random.default_rng(seed).permutation(pages).astype(np.int32)
             for i in range(pages):
                 buf[i * size:(i + 1) * size] = seeded_page(np, seed, int(perm[i]), size)
+            mine.upload(size * pages)
             t0 = time.perf_counter()
-            local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs(np, buf.ctypes.data, size,
-                                                                   pages), "DRAM")
-            remote = agent.prep_xfer_dlist(peer, descs(np, remote_base, size, pages), "DRAM")
+            # both regions on the same GPU: the remote rows carry our device id too
+            local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs(np, mine.address, size, pages,
+                                                                   mine.device), mine.kind)
+            remote = agent.prep_xfer_dlist(peer, descs(np, remote_base, size, pages, mine.device),
+                                           mine.kind)
             handle = agent.make_prepped_xfer("WRITE", local, np.arange(pages, dtype=np.int32),
                                              remote, perm)
             prep = time.perf_counter() - t0
@@ -438,7 +563,9 @@ def run(args, module):
             print(f"nixl {nixl_version(module)} ({module}), UCX {ucx or '?'}, "
                   f"UCX_TLS={os.environ.get('UCX_TLS', '(all)')}, "
                   f"progress thread {'on' if args.progress_thread else 'off'}, "
-                  f"{args.repeats} repeats after {args.warmup} warmup, host memory", flush=True)
+                  f"{args.repeats} repeats after {args.warmup} warmup, {memory(args)}"
+                  f"{'' if args.gpu is None else f' ({args.gpu_name}, {args.allocator})'}",
+                  flush=True)
             print(f"{'page':>6} {'pages':>6} {'Gbps':>9} {'Mpps':>8} {'min-max Gbps':>17} "
                   f"{'notif us':>9} {'prep ms':>8} {'wrong':>6}", flush=True)
             for case, (size, pages) in enumerate(cases):
@@ -481,10 +608,13 @@ def run(args, module):
         print(f"ucx: {brief(protocols)}  (UCX_PROTO_INFO of the initiator)", flush=True)
         data = {"implementation": "nixl (UCX)", "nixl": nixl_version(module), "module": module,
                 "ucx": ucx, "ucx_tls": os.environ.get("UCX_TLS"), "ucx_protocols": protocols,
-                "ucx_transports": brief(protocols), "memory": "host",
+                "ucx_transports": brief(protocols),
+                "memory": "host" if args.gpu is None else memory(args),
+                "allocator": args.allocator,
                 "progress_thread": args.progress_thread,
                 "backend_params": dict(args.backend_param), "args": sys.argv[1:],
-                "machine": records.machine(), "git": records.git_sha(),
+                "machine": {**records.machine(), "gpu": args.gpu_name},
+                "git": records.git_sha(),
                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "runs": rows}
         return data, sum(r["wrong_bytes"] for r in rows)
 
@@ -509,6 +639,8 @@ def main(argv=None):
     p.add_argument("--backend-param", type=parse_param, action="append", default=[],
                    metavar="KEY=VALUE", help="a UCX backend init parameter (repeatable), e.g. "
                    "ucx_error_handling_mode=none")
+    p.add_argument("--gpu", type=int, metavar="N", help="both sides' regions in GPU N's "
+                   "memory (cupy, else torch), registered as VRAM")
     p.add_argument("--json", nargs="?", const="auto", metavar="PATH",
                    help="write the record (bare: results/runs/nixl_pages-<time>.json)")
     try:
@@ -523,6 +655,12 @@ def main(argv=None):
         print(f"nixl_pages.py: nixl is not importable by {sys.executable} (python "
               f"{sys.version.split()[0]}): {INSTALL} (nixl-cu12 for CUDA 12), then run this "
               f"with /work/nixlenv/bin/python", file=sys.stderr)
+        return 1
+    try:
+        args.allocator, args.gpu_name = (None, None) if args.gpu is None else \
+            gpu_allocator(args.gpu)
+    except ValueError as e:
+        print(f"nixl_pages.py: {e}", file=sys.stderr)
         return 1
     try:
         data, wrong = run(args, module)

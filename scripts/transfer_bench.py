@@ -17,7 +17,9 @@ counted).
     .venv/bin/python scripts/transfer_bench.py -p shm --gpu 0      # GPU memory (both ranks)
 
 --nixl runs scripts/nixl_pages.py with that interpreter on the same cases in the same run,
-and says each case's ratio to NIXL. Measured (host memory, shm, libfabric 2.1.0, 10,000
+in the same memory (with --gpu N, NIXL's two regions in GPU N's memory too, registered as
+VRAM; a NIXL that cannot is "not measured", never host memory in its place), and says each
+case's ratio to NIXL. Measured (host memory, shm, libfabric 2.1.0, 10,000
 pages, median of 3): one H200 box's 16-core Xeon, 1 / 4 / 8 / 16 / 64 KiB pages, 79 / 93
 / 47 / 60 / 67% of fi_rma_bw -o writedata and 1.83 / 1.74 / 1.46 / 1.25 / 1.48x NIXL
 1.5.1's UCX; the 2-core VM, 41 / 77 / 70 / 72 / 79% and 4.21 / 3.34 / 1.15 / 1.16 /
@@ -39,7 +41,8 @@ injects WRITEs of up to 4 KiB (fi_inject_writedata, no completion), ours ask a c
 for every one.
 GPU memory (--gpu 0, both ranks on one H200, shm moving it by CUDA IPC): 1.12 / 5.82 /
 10.9 / 22.4 / 90.4 Gbps at 10,000 pages, 2.1-2.7x fi_rma_bw -o writedata -D cuda in the
-same run (results/transfer/h200-shm-cuda.json).
+same run (results/transfer/h200-shm-cuda.json). Against NIXL in GPU memory (--gpu 0 --nixl):
+not measured yet.
 """
 import argparse
 import os
@@ -74,7 +77,7 @@ def parse():
     p.add_argument("--no-fabtests", action="store_true", help="skip fi_rma_bw")
     p.add_argument("--nixl", metavar="PYTHON", help="also move the same pages with NIXL "
                    "(scripts/nixl_pages.py run by this interpreter, one that has nixl), in "
-                   "the same run")
+                   "the same run, in GPU memory with --gpu")
     p.add_argument("--gpu", type=int, help="both ranks' pages in this GPU's memory (cupy), "
                    "fi_rma_bw with -D cuda on it too")
     p.add_argument("--json", nargs="?", const="auto", help="write a record (results/runs/...)")
@@ -208,6 +211,7 @@ def nixl(python, args, timeout):
             [python, os.path.join(os.path.dirname(os.path.abspath(__file__)), "nixl_pages.py"),
              "--page-size", ",".join(map(str, args.sizes)),
              "--pages", ",".join(map(str, args.counts)), "--repeats", str(args.repeats),
+             *([] if args.gpu is None else ["--gpu", str(args.gpu)]),  # the same memory as ours
              "--json", out], capture_output=True, text=True, timeout=timeout)
         if done.returncode:
             print(f"nixl: not measured: {(done.stderr or done.stdout).strip().splitlines()[-1]}",

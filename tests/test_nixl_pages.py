@@ -34,15 +34,32 @@ WHY = None if NIXL_PYTHON and has_nixl(NIXL_PYTHON) else (
     "(pip install nixl-cu13 in a venv of its own)")
 
 
+def gpu_why(python):
+    """None where `python` has GPU 0 as nixl_pages.py takes it (cupy, or torch with CUDA),
+    else the script's one line saying why not."""
+    probe = (f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); import nixl_pages\n"
+             "try: nixl_pages.gpu_allocator(0)\nexcept ValueError as e: sys.exit(str(e))")
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120)
+    return None if done.returncode == 0 else done.stderr.strip().splitlines()[-1]
+
+
+GPU_WHY = WHY or gpu_why(NIXL_PYTHON)
+
+
 @pytest.mark.skipif(WHY is not None, reason=WHY or "")
-def test_a_tiny_transfer_arrives_whole(tmp_path):
+@pytest.mark.parametrize("gpu", [None, pytest.param(
+    0, marks=pytest.mark.skipif(GPU_WHY is not None, reason=GPU_WHY or ""))])
+def test_a_tiny_transfer_arrives_whole(tmp_path, gpu):
     record = tmp_path / "nixl.json"
     done = subprocess.run([NIXL_PYTHON, str(SCRIPT), "--page-size", "1K,4K", "--pages", "16",
-                           "--repeats", "2", "--warmup", "1", "--json", str(record)],
+                           "--repeats", "2", "--warmup", "1", "--json", str(record),
+                           *([] if gpu is None else ["--gpu", str(gpu)])],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     data = json.loads(record.read_text())
     assert data["implementation"] == "nixl (UCX)" and data["nixl"]
+    assert data["memory"] == ("host" if gpu is None else f"GPU {gpu} memory")
+    assert (data["allocator"] is None) == (gpu is None) == (data["machine"]["gpu"] is None)
     assert [(r["page_size"], r["pages"]) for r in data["runs"]] == [(1024, 16), (4096, 16)]
     for row in data["runs"]:
         assert row["wrong_bytes"] == 0 and row["backend"] == "UCX" and row["gbps"] > 0
@@ -64,3 +81,25 @@ def test_bad_input_is_one_line_before_anything_starts():
     assert done.returncode == 2 and done.stdout == ""
     line, = done.stderr.strip().splitlines()
     assert "not a size: '4Q'" in line
+
+
+@pytest.mark.skipif(WHY is not None, reason=WHY or "")
+def test_a_gpu_that_cannot_be_used_is_one_line_before_anything_starts():
+    """GPU 99: no such GPU where cupy or a CUDA torch is, no allocator elsewhere."""
+    done = subprocess.run([NIXL_PYTHON, str(SCRIPT), "--gpu", "99", "--pages", "4"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    line, = done.stderr.strip().splitlines()
+    assert line.startswith("nixl_pages.py: --gpu 99: "), line
+
+
+@pytest.mark.skipif(WHY is not None, reason=WHY or "")
+def test_transfer_bench_asks_nixl_for_its_own_gpu_memory(capsys):
+    """transfer_bench --gpu N --nixl PYTHON: NIXL's pages in GPU N too, not in host memory
+    (GPU 99 is refused, so NIXL's figure is not measured rather than taken from DRAM)."""
+    import argparse
+
+    from scripts import transfer_bench
+    args = argparse.Namespace(sizes=[4096], counts=[4], repeats=1, gpu=99)
+    assert transfer_bench.nixl(NIXL_PYTHON, args, 120) is None
+    assert "nixl: not measured: nixl_pages.py: --gpu 99: " in capsys.readouterr().out
