@@ -292,33 +292,47 @@ def describe(s):
 class Counter:
     """How many layers are done, in host memory: bumped by the compute side (the GPU itself,
     a one-thread kernel behind each layer, or the host after a layer on numpy), with the
-    time of each bump on the host's clock (the GPU's globaltimer, shifted by an offset
-    measured once)."""
+    time of each bump on the host's clock: the GPU's globaltimer, mapped onto ours by two
+    readings of both clocks, one before the prompt and one after (calibrate). The two clocks
+    drift apart by tens of microseconds over a 128K-token prompt's 22 s on one H200, so a
+    single reading made the watcher's latency negative."""
 
     def __init__(self, layers, xp):
-        self.xp = xp
+        self.xp, self.layers = xp, layers
         if xp is np:
             self.value, self.when = np.zeros(1, np.int64), np.zeros(layers + 1)
             return
         import cupyx  # pinned host memory, mapped: the kernel writes it at the same address
-        self.value = cupyx.zeros_pinned(1, np.int64)
-        self.ns = cupyx.zeros_pinned(layers + 1, np.uint64)
+        self.value, self.mark = cupyx.zeros_pinned(1, np.int64), cupyx.zeros_pinned(1, np.int64)
+        self.ns = cupyx.zeros_pinned(layers + 1, np.uint64)  # the last: for calibrating
         self.kernel = xp.RawModule(code=open(KERNELS).read()).get_function("kv_bump")
-        self._launch(layers + 1)  # calibration: the globaltimer against our clock
-        xp.cuda.get_current_stream().synchronize()
-        self.offset = now() - 1e-9 * float(self.ns[layers])
-        self.value[0] = 0
+        self.clocks = []
+        self.calibrate()
 
-    def _launch(self, value):
-        self.kernel((1,), (1,), (np.uintp(self.value.ctypes.data), np.int64(value),
+    def _launch(self, counter, value):
+        self.kernel((1,), (1,), (np.uintp(counter.ctypes.data), np.int64(value),
                                  np.uintp(self.ns.ctypes.data)))
+
+    def calibrate(self, patience=10.0):
+        """One reading of both clocks, with the GPU idle: a bump of a counter of its own,
+        seen by polling (a microsecond or two late, the same each time)."""
+        if self.xp is np:
+            return
+        self.xp.cuda.get_current_stream().synchronize()
+        self.mark[0] = 0
+        self._launch(self.mark, self.layers + 1)
+        deadline = now() + patience
+        while int(self.mark[0]) == 0:
+            if now() > deadline:
+                raise TimeoutError(f"the GPU ran no kernel within {patience:g} s")
+        self.clocks.append((now(), 1e-9 * float(self.ns[self.layers])))
 
     def bump(self, layers_done):
         if self.xp is np:
             self.when[layers_done - 1] = now()
             self.value[0] = layers_done  # one writer: this store is what the watcher reads
         else:
-            self._launch(layers_done)  # queued behind the layer; the host goes on
+            self._launch(self.value, layers_done)  # queued behind the layer; the host goes on
 
     def done(self):
         return int(self.value[0])
@@ -327,7 +341,9 @@ class Counter:
         """When layer `layer` was done, on our clock."""
         if self.xp is np:
             return float(self.when[layer])
-        return self.offset + 1e-9 * float(self.ns[layer])
+        (t0, g0), (t1, g1) = self.clocks[0], self.clocks[-1]
+        rate = (t1 - t0) / (g1 - g0) if g1 > g0 else 1.0
+        return t0 + rate * (1e-9 * float(self.ns[layer]) - g0)
 
 
 class Watcher(threading.Thread):
@@ -339,7 +355,7 @@ class Watcher(threading.Thread):
         self.eng, self.peer, self.s, self.counter, self.stage = eng, peer, s, counter, stage
         self.timeout, self.progress = timeout, now()
         self.request, self.cache, self.slots, self.first = request, cache, slots, first
-        self.posted, self.done, self.watch = [], [], []
+        self.posted, self.done = [], []
         self.transfers, self.error, self.cancelled = [], None, False
 
     def run(self):
@@ -358,7 +374,6 @@ class Watcher(threading.Thread):
             if len(self.done) == len(self.transfers):  # nothing in flight: the clock starts
                 self.progress = now()
             self.posted.append(now())
-            self.watch.append(self.posted[-1] - self.counter.bumped(seen))
             self.transfers.append(self.eng.write_pages(
                 self.peer, self.stage, s.page_set(seen, 0, s.pages, s.pages), self.cache,
                 s.page_set(seen, self.first, s.pages, self.slots), s.page_bytes,
@@ -420,8 +435,10 @@ def prefiller(args, s, xp, addr):
         _, answer = eng.recv(args.timeout)
         if not answer.startswith(DONE):
             raise ValueError(f"the decoder answered {answer[:3]!r}")
+        counter.calibrate()  # the second reading of both clocks: the GPU is idle now
         compute = [counter.bumped(k) for k in range(s.layers)]
-        figures = summary(s, start, compute, watcher.posted, watcher.done, watcher.watch, alone)
+        watch = [posted - bumped for posted, bumped in zip(watcher.posted, compute)]
+        figures = summary(s, start, compute, watcher.posted, watcher.done, watch, alone)
         eng.send(server, json.dumps(figures).encode())
         _, verdict = eng.recv(args.timeout * 10)  # the decoder checks every byte
         wrong = struct.unpack("<Q", verdict[len(CHECKED):])[0]
@@ -431,7 +448,7 @@ def prefiller(args, s, xp, addr):
             took = np.diff(np.concatenate([[start], compute]))
             layers_of = {"compute_s": took.tolist(),
                          "transfer_s": (np.array(watcher.done) - watcher.posted).tolist(),
-                         "watch_s": watcher.watch}
+                         "watch_s": watch}
             path = bench.run_path(args.json, "18_kv_cache", s.model, f"{s.tokens}tokens")
             print(f"result: {record(path, args, eng, s, figures, layers_of, answer, wrong)}")
         return 0
