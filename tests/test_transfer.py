@@ -168,6 +168,62 @@ def test_a_list_of_writes_of_several_lengths_and_a_signal(engine):
     assert eng.arrived(9) == 1
 
 
+@pytest.fixture
+def to_itself(provider):
+    """(engine, peer: itself) on `provider` (one NIC) for injected WRITEs."""
+    with fi.Closer() as own:
+        eng = Engine(own, provider=provider, timeout=patience(10))
+        yield eng, eng.connect(eng.address())
+
+
+def regions(eng, size, seed):
+    """(seeded bytes, their region, zeros, a RemoteRegion of them)."""
+    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    into = np.zeros(size, np.uint8)
+    return data, eng.register(data), into, eng.remote(eng.register(into).descriptor())
+
+
+def test_injected_pages_arrive_byte_for_byte_with_their_immediates(to_itself):
+    eng, me = to_itself
+    page, pages = eng.inject_size, 300
+    assert page >= 64  # shm 4 KiB, tcp 64 B
+    data, src, into, dst = regions(eng, page * pages, 11)
+    order = np.random.default_rng(12).permutation(pages)
+    t = eng.write_pages(me, src, np.arange(pages), dst, order, page, imm=21, inject=True)
+    t.wait()
+    eng.expect(21, pages)  # done only says the source was copied; these say they arrived
+    assert int(np.count_nonzero(into.reshape(pages, page)[order]
+                                != data.reshape(pages, page))) == 0
+    stats = eng.stats()
+    assert stats["injected"] == stats["posted"] == stats["completed"] == pages
+
+
+def test_a_command_of_lengths_above_and_below_the_inject_size_completes(to_itself):
+    eng, me = to_itself
+    cut = eng.inject_size
+    lengths = np.array([cut, cut + 1, 1, 3 * cut, cut - 1, 2 * cut] * 20, np.uint64)
+    ends = np.cumsum(lengths)
+    offsets = ends - lengths
+    data, src, into, dst = regions(eng, int(ends[-1]) + 100, 13)
+    eng.write_list(me, src, offsets, dst, offsets + 100, lengths, imm=22, inject=True).wait()
+    eng.expect(22, len(lengths))
+    assert int(np.count_nonzero(into[100:] != data[:-100])) == 0
+    stats = eng.stats()
+    assert stats["injected"] == int(np.count_nonzero(lengths <= cut)) == 60
+    assert stats["posted"] == stats["completed"] == len(lengths)
+
+
+def test_inject_on_pages_too_large_to_inject_posts_them_as_usual(to_itself):
+    eng, me = to_itself
+    page, pages = 2 * eng.inject_size, 50
+    data, src, into, dst = regions(eng, page * pages, 14)
+    eng.write_pages(me, src, np.arange(pages), dst, np.arange(pages), page, imm=23,
+                    inject=True).wait()
+    eng.expect(23, pages)
+    assert int(np.count_nonzero(into != data)) == 0
+    assert eng.stats()["injected"] == 0 and eng.stats()["completed"] == pages
+
+
 def test_torch_tensors_are_registered_without_a_copy(engine):
     """A WRITE from one torch tensor into another (run with torch 2.13's CPU build; skipped
     where there is no torch)."""
@@ -223,17 +279,22 @@ def test_a_failed_write_raises_the_providers_text():
             eng.expect(9, 1, patience(3))
 
 
-def test_the_benchmark_checks_its_pages_and_reports_each_case(tmp_path):
-    """scripts/transfer_bench.py end to end, tiny: its figures are not judged, its data is."""
+@pytest.mark.parametrize("inject", [False, True], ids=["completions", "inject"])
+def test_the_benchmark_checks_its_pages_and_reports_each_case(tmp_path, inject):
+    """scripts/transfer_bench.py end to end, tiny: its figures are not judged, its data is;
+    with --inject, shm's 4 KiB pages are injected and the record says so."""
     path = tmp_path / "bench.json"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "transfer_bench.py"), "-p",
                            "shm", "--page-sizes", "4K", "--pages", "10", "--repeats", "1",
-                           "--no-fabtests", "--json", str(path)], capture_output=True,
-                          text=True, env=local_env(), timeout=patience(120), cwd=ROOT)
+                           "--no-fabtests", "--json", str(path), *["--inject"] * inject],
+                          capture_output=True, text=True, env=local_env(),
+                          timeout=patience(120), cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert re.search(r"4096 B x +10 pages: .* Gbps .*0 wrong bytes", done.stdout), done.stdout
-    runs = json.loads(path.read_text())["runs"]
-    assert [(r["page_size"], r["pages"], r["wrong_bytes"]) for r in runs] == [(4096, 10, 0)]
+    record = json.loads(path.read_text())
+    assert record["inject"] is inject
+    assert [(r["page_size"], r["pages"], r["wrong_bytes"], r["injected_last"])
+            for r in record["runs"]] == [(4096, 10, 0, 10 * inject)]
 
 
 @pytest.mark.parametrize("window, said", [("0", "must be positive"),
