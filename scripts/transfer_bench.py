@@ -70,6 +70,8 @@ def parse():
     p.add_argument("--window", type=int, help="the WRITEs cycle over this many pages at each "
                    "end, and fi_rma_bw runs with -W of it: both touch the same bytes (by "
                    "default ours touch up to 64 MiB a side, fi_rma_bw its 64 messages)")
+    p.add_argument("--inject", action="store_true", help="rank 0 injects each WRITE of at "
+                   "most the provider's inject size (no completion; write_pages(inject=True))")
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--no-fabtests", action="store_true", help="skip fi_rma_bw")
     p.add_argument("--nixl", metavar="PYTHON", help="also move the same pages with NIXL "
@@ -116,7 +118,9 @@ def rank_main(args):
         region = eng.register(buf)
         theirs = eng.remote(group.allgather(region.descriptor())[other])
         if me == 0:
-            print(f"provider: {eng.provider}; {eng.nics}; spread {args.spread}", flush=True)
+            print(f"provider: {eng.provider}; {eng.nics}; spread {args.spread}"
+                  + (f"; injecting WRITEs of up to {eng.inject_size} B" if args.inject else ""),
+                  flush=True)
         rows, imm = [], 0
         for page in args.sizes:
             slots = size // page
@@ -125,7 +129,8 @@ def rank_main(args):
             order = np.random.default_rng(page).permutation(n)
             imm += 1
             if me == 0:
-                eng.write_pages(peer, region, np.arange(n), theirs, order, page, imm=imm).wait()
+                eng.write_pages(peer, region, np.arange(n), theirs, order, page, imm=imm,
+                                inject=args.inject).wait()
                 _, said = eng.recv(timeout)
                 wrong = int(said.decode().split()[1])
             else:
@@ -143,11 +148,14 @@ def rank_main(args):
                 for _ in range(args.repeats):
                     if me == 0:
                         eng.recv(timeout)  # rank 1: ready
-                        before = eng.stats()["eagain"]
+                        before = eng.stats()
                         started = time.perf_counter()
-                        eng.write_pages(peer, region, src, theirs, dst, page, imm=imm).wait()
+                        eng.write_pages(peer, region, src, theirs, dst, page, imm=imm,
+                                        inject=args.inject).wait()
                         times.append(time.perf_counter() - started)
-                        refused = eng.stats()["eagain"] - before
+                        after = eng.stats()
+                        refused = after["eagain"] - before["eagain"]
+                        injected = after["injected"] - before["injected"]
                     else:
                         eng.send(peer, b"ready")
                         eng.expect(imm, count, timeout)
@@ -156,11 +164,12 @@ def rank_main(args):
                     rows.append({"page_size": page, "pages": count, "repeats": args.repeats,
                                  "elapsed_s": elapsed, "gbps": 8 * count * page / elapsed / 1e9,
                                  "mpps": count / elapsed / 1e6, "wrong_bytes": wrong,
-                                 "eagain_last": refused})
+                                 "eagain_last": refused, "injected_last": injected})
                     r = rows[-1]
                     print(f"{page:>6} B x {count:>5} pages: {r['gbps']:8.3f} Gbps "
                           f"{r['mpps']:7.3f} Mpps (median of {args.repeats}; {wrong} wrong "
-                          f"bytes; {refused} refusals in the last)", flush=True)
+                          f"bytes; {refused} refusals, {injected} injected in the last)",
+                          flush=True)
         group.barrier()
         if me == 0:
             return rows, eng.provider
@@ -254,6 +263,7 @@ def main():
                 "git": bench.git_sha(),
                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "nics": args.nics or 1, "spread": args.spread, "window": args.window,
+                "inject": args.inject,
                 "memory": "host" if args.gpu is None else "cuda", "runs": rows}
         print(f"wrote {bench.write_json(path, data)}", flush=True)
     return 0
