@@ -279,15 +279,18 @@ def test_a_failed_write_raises_the_providers_text():
             eng.expect(9, 1, patience(3))
 
 
-@pytest.mark.parametrize("inject", [False, True], ids=["completions", "inject"])
-def test_the_benchmark_checks_its_pages_and_reports_each_case(tmp_path, inject):
+@pytest.mark.parametrize("inject, rules", [(False, None), (True, None), (True, "efa")],
+                         ids=["completions", "inject", "inject-under-efa-rules"])
+def test_the_benchmark_checks_its_pages_and_reports_each_case(tmp_path, inject, rules):
     """scripts/transfer_bench.py end to end, tiny: its figures are not judged, its data is;
-    with --inject, shm's 4 KiB pages are injected and the record says so."""
+    with --inject, shm's 4 KiB pages are injected and the record says so (under EFA's
+    rules too: an injected WRITE's key is one fi_mr_key returned, common/fabric/rules.h)."""
     path = tmp_path / "bench.json"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "transfer_bench.py"), "-p",
                            "shm", "--page-sizes", "4K", "--pages", "10", "--repeats", "1",
                            "--no-fabtests", "--json", str(path), *["--inject"] * inject],
-                          capture_output=True, text=True, env=local_env(),
+                          capture_output=True, text=True,
+                          env=local_env(rules and {"FABRIC_RULES": rules}),
                           timeout=patience(120), cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert re.search(r"4096 B x +10 pages: .* Gbps .*0 wrong bytes", done.stdout), done.stdout
