@@ -2,6 +2,7 @@
 between two ranks with one and two virtual NICs and both spreads, immediates counted in
 any order, scatter and barrier on 2, 4 and 8 ranks, refusals in one line before anything
 is posted, and a peer killed mid-transfer seen by the survivor."""
+import errno
 import json
 import re
 import subprocess
@@ -222,6 +223,87 @@ def test_inject_on_pages_too_large_to_inject_posts_them_as_usual(to_itself):
     eng.expect(23, pages)
     assert int(np.count_nonzero(into != data)) == 0
     assert eng.stats()["injected"] == 0 and eng.stats()["completed"] == pages
+
+
+# A CQ whose every read says an operation failed, with no context: what a provider writes
+# for an injected WRITE of ours (or a peer's WRITE) that failed. fi_cq_read and
+# fi_cq_readerr are static inline: they call through the CQ's table, which this fills.
+ERROR_CQ = r"""
+#include <stdio.h>
+#include <rdma/fabric.h>
+#include <rdma/fi_eq.h>
+#include <rdma/fi_errno.h>
+static ssize_t error_read(struct fid_cq *cq, void *buf, size_t count) { return -FI_EAVAIL; }
+static ssize_t error_readerr(struct fid_cq *cq, struct fi_cq_err_entry *e, uint64_t flags)
+{
+    e->op_context = NULL;
+    e->err = FI_EIO;
+    return 1;
+}
+static const char *error_text(struct fid_cq *cq, int prov_errno, const void *data, char *buf,
+                              size_t len)
+{
+    snprintf(buf, len, "the target has no such key");
+    return buf;
+}
+static struct fi_ops_cq ops = { .size = sizeof ops, .read = error_read,
+                                .readerr = error_readerr, .strerror = error_text };
+static struct fid_cq cq = { .ops = &ops };
+struct fid_cq *error_cq(void) { return &cq; }
+"""
+
+
+@pytest.fixture(scope="module")
+def error_cq(tmp_path_factory):
+    """The address of that CQ (compiled with the C compiler against the binding's headers)."""
+    import os
+    from cffi import FFI
+    from common.fabric._build import _flags
+    where = tmp_path_factory.mktemp("error_cq")
+    (where / "error_cq.c").write_text(ERROR_CQ)
+    cc = subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-o",
+                         str(where / "error_cq.so"), str(where / "error_cq.c"),
+                         *[f"-I{d}" for d in _flags()["include_dirs"]]],
+                        capture_output=True, text=True)
+    assert cc.returncode == 0, cc.stderr
+    ffi = FFI()
+    ffi.cdef("void *error_cq(void);")
+    lib = ffi.dlopen(str(where / "error_cq.so"))
+    yield int(ffi.cast("uintptr_t", lib.error_cq()))
+
+
+@pytest.mark.parametrize("injected", [0, 1])
+def test_an_error_entry_with_no_context_fails_the_engine_once_it_injected(error_cq, injected):
+    """Before any injected WRITE it is a peer's WRITE that failed here (counted, the worker
+    goes on); after one, maybe ours, which no command waits for: the worker stops and the
+    engine's next call raises the provider's text in one line. Never a NULL dereference."""
+    import threading
+    from types import SimpleNamespace
+    ffi, native = transfer._ffi, transfer.native
+    w = ffi.new("struct tx_worker *")
+    keep = [ffi.new("struct fid_ep *[1]"), ffi.new("struct fid_cq *[]", [
+        ffi.cast("struct fid_cq *", error_cq)]), ffi.new("struct tx_command *[4]"),
+        ffi.new("uint64_t[4]"), ffi.new("uint64_t[4]"), ffi.new("uint8_t[4]")]
+    w.eps, w.cqs, w.ring, w.imm_keys, w.imm_counts, w.imm_used = keep
+    w.nics, w.slots, w.ring_size, w.imm_size, w.injected = 1, 4, 4, 4, injected
+    rc = []
+    worker = threading.Thread(target=lambda: rc.append(native.tx_run(w)), daemon=True)
+    worker.start()
+    worker.join(patience(2) if injected else 0.2)
+    w.stop = 1  # a worker that goes on ends here
+    worker.join(patience(10))
+    native.tx_free(w)
+    assert ffi.string(w.remote_error) == b"the target has no such key"
+    if not injected:
+        assert rc == [0] and w.remote_errors > 0 and w.failed_call == 0
+        return
+    assert rc == [-errno.EIO] and w.failed_call == 5 and w.remote_errors == 0
+    failure = Engine._failure(SimpleNamespace(error=None, _w=w, rc=rc[0]))
+    assert isinstance(failure, TransferError)
+    assert str(failure).startswith("the transfer worker stopped on NIC 0: an error for no "
+                                   "WRITE in flight after injected WRITEs (the target has no "
+                                   "such key): "), str(failure)
+    assert "\n" not in str(failure)
 
 
 def test_torch_tensors_are_registered_without_a_copy(engine):
