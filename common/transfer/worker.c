@@ -137,10 +137,10 @@ static void tx_fail(struct tx_command *c, uint32_t nic, int rc, const char *text
     __atomic_store_n(&c->status, rc ? rc : -FI_EOTHER, __ATOMIC_RELEASE);
 }
 
-static void tx_complete(struct tx_worker *w, struct tx_command *c)
+static void tx_complete(struct tx_worker *w, struct tx_command *c, uint64_t n)
 {
-    __atomic_add_fetch(&c->completed, 1, __ATOMIC_RELEASE);
-    __atomic_add_fetch(&w->completed, 1, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&c->completed, n, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&w->completed, n, __ATOMIC_RELEASE);
 }
 
 /* Read one NIC's CQ. Returns our WRITEs completed (room for as many), or < 0. */
@@ -185,7 +185,7 @@ static ssize_t tx_reap(struct tx_worker *w, struct tx_state *s, uint32_t nic)
         tx_fail(c, nic, -(int)err.err, said);
         slot->command = NULL;
         s->free_slots[(size_t)nic * w->slots + s->nfree[nic]++] = (uint32_t)(slot - first);
-        tx_complete(w, c);
+        tx_complete(w, c, 1);
         return 1;
     }
     if (n < 0) {
@@ -207,7 +207,7 @@ static ssize_t tx_reap(struct tx_worker *w, struct tx_state *s, uint32_t nic)
         struct tx_command *c = slot->command;
         slot->command = NULL;
         s->free_slots[(size_t)nic * w->slots + s->nfree[nic]++] = (uint32_t)(slot - first);
-        tx_complete(w, c);
+        tx_complete(w, c, 1);
         ours++;
     }
     return ours;
@@ -215,10 +215,13 @@ static ssize_t tx_reap(struct tx_worker *w, struct tx_state *s, uint32_t nic)
 
 /* Post up to `budget` WRITEs of the queued commands, in order. Stops at the first
    -FI_EAGAIN (counted, and remembered: then only as many as complete are posted) or
-   when the NIC a WRITE needs has every slot in flight. Returns how many were posted. */
+   when the NIC a WRITE needs has every slot in flight. Returns how many were posted.
+   Injected WRITEs are counted done once per visit and command: two locked adds for each,
+   on lines Python polls, took a fifth of the worker's samples on shm (perf, 4 KiB). */
 static uint64_t tx_post(struct tx_worker *w, struct tx_state *s, uint64_t budget)
 {
-    uint64_t done = 0;
+    uint64_t done = 0, quiet = 0;           /* quiet: injected WRITEs of `injected` */
+    struct tx_command *injected = NULL;     /* not yet counted */
     uint64_t head = __atomic_load_n(&w->head, __ATOMIC_ACQUIRE);
     while (done < budget && w->tail < head) {
         struct tx_command *c = w->ring[w->tail & (w->ring_size - 1)];
@@ -264,9 +267,12 @@ static uint64_t tx_post(struct tx_worker *w, struct tx_state *s, uint64_t budget
         s->op++;
         __atomic_store_n(&c->posted, c->posted + 1, __ATOMIC_RELEASE);
         w->posted++;
-        if (inject) {  /* no completion will come: done now */
+        if (inject) {  /* no completion will come: done now, counted below */
             w->injected++;
-            tx_complete(w, c);
+            if (c != injected && quiet)
+                tx_complete(w, injected, quiet);
+            quiet = c == injected ? quiet + 1 : 1;
+            injected = c;
         } else {
             slot->command = c;
             s->nfree[nic]--;
@@ -275,6 +281,8 @@ static uint64_t tx_post(struct tx_worker *w, struct tx_state *s, uint64_t budget
         if (c->round_robin)
             s->next_nic = (s->next_nic + 1) % w->nics;
     }
+    if (quiet)
+        tx_complete(w, injected, quiet);
     return done;
 }
 
