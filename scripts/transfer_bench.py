@@ -13,8 +13,16 @@ counted).
     .venv/bin/python scripts/transfer_bench.py -p shm
     .venv/bin/python scripts/transfer_bench.py -p tcp --page-sizes 4K,64K --pages 100 --repeats 5 --json
     .venv/bin/python scripts/transfer_bench.py -p shm --nics 2 --spread per-peer
+    .venv/bin/python scripts/transfer_bench.py -p shm --page-sizes 4K,16K --window 64 --inject
     .venv/bin/python scripts/transfer_bench.py -p shm --nixl /path/to/python-with-nixl --json
     .venv/bin/python scripts/transfer_bench.py -p shm --gpu 0      # GPU memory (both ranks)
+
+--inject: rank 0 injects every WRITE of at most the provider's inject size (4 KiB on shm;
+write_pages(inject=True)), as fi_rma_bw does. Its clock then stops once the last WRITE is
+posted, before the last ones have landed; so it did without --inject on shm, which writes
+a WRITE's completion as it posts it up to 4 KiB (prov/shm/src/smr_rma.c smr_generic_rma).
+Delivery is what rank 1 waits for: every immediate of a repeat before the next one starts,
+and the bytes, checked once per size.
 
 --nixl runs scripts/nixl_pages.py with that interpreter on the same cases in the same run,
 and says each case's ratio to NIXL. Measured (host memory, shm, libfabric 2.1.0, 10,000
@@ -36,7 +44,7 @@ a cache line between the VM's 2 vCPUs, about 130 or 350 ns. The H200 box (16-cor
 host memory, median of 5, at 237d677): 4 KiB 85.0% and 64 KiB 73.5% of fi_rma_bw; with
 --window 64 85.4% and 135.5%. What is left at 4 KiB, the same bytes touched: fi_rma_bw
 injects WRITEs of up to 4 KiB (fi_inject_writedata, no completion), ours ask a completion
-for every one.
+for every one (with --inject, none: above).
 GPU memory (--gpu 0, both ranks on one H200, shm moving it by CUDA IPC): 1.12 / 5.82 /
 10.9 / 22.4 / 90.4 Gbps at 10,000 pages, 2.1-2.7x fi_rma_bw -o writedata -D cuda in the
 same run (results/transfer/h200-shm-cuda.json).
