@@ -169,6 +169,16 @@ def test_a_list_of_writes_of_several_lengths_and_a_signal(engine):
     assert eng.arrived(9) == 1
 
 
+def test_the_inject_size_is_the_smallest_nics_and_none_on_efa_direct():
+    from tests import fake_info
+    head = fake_info.infos(fake_info.Entry("a", fabric="efa"), fake_info.Entry("b", fabric="efa"),
+                           fake_info.Entry("a", fabric="efa-direct"))
+    rdm, other, direct = fi.each(head)
+    rdm.tx_attr.inject_size, other.tx_attr.inject_size, direct.tx_attr.inject_size = 4000, 3000, 32
+    assert transfer.inject_size([rdm]) == 4000 and transfer.inject_size([rdm, other]) == 3000
+    assert transfer.inject_size([direct]) == 0
+
+
 @pytest.fixture
 def to_itself(provider):
     """(engine, peer: itself) on `provider` (one NIC) for injected WRITEs."""

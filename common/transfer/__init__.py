@@ -189,9 +189,7 @@ class Engine:
         self.infos, self.nics = engine_nics(info, gpu, nics)
         self.cq_data_size = min(i.domain_attr.cq_data_size for i in self.infos)
         self.max_write = min(i.ep_attr.max_msg_size for i in self.infos)
-        # the longest WRITE inject=True injects: 4 KiB on shm (prov/shm/src/smr_attr.c
-        # SMR_INJECT_SIZE), 0 with GPU memory (smr_hmem_tx_attr); 64 or 128 B on tcp
-        self.inject_size = min(i.tx_attr.inject_size for i in self.infos)
+        self.inject_size = inject_size(self.infos)
         self.max_send = fi.max_send(info)
         self.id = secrets.randbits(32)
         self._keys = iter(range(1, 1 << 30))  # requested MR keys (tcp takes ours: unique)
@@ -624,6 +622,15 @@ def buffer_of(array):
             raise ValueError("the array must be contiguous")
         return array.data.ptr, array.nbytes, array.device.id
     raise ValueError(f"cannot register a {type(array).__name__}: numpy, cupy or torch arrays")
+
+
+def inject_size(infos):
+    """The longest WRITE inject=True injects on every NIC: tx_attr.inject_size, 4 KiB on
+    shm (prov/shm/src/smr_attr.c SMR_INJECT_SIZE), 0 with GPU memory (smr_hmem_tx_attr);
+    but 0 on efa-direct, whose inject_size is its SENDs' inline buffer: it injects no
+    WRITE (prov/efa/src/efa_rma.c: fi_no_rma_inject)."""
+    return min(0 if fi.string(i.fabric_attr.name) == "efa-direct" else i.tx_attr.inject_size
+               for i in infos)
 
 
 def per_peer_nic(a, b, count):
