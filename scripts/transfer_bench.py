@@ -13,8 +13,16 @@ counted).
     .venv/bin/python scripts/transfer_bench.py -p shm
     .venv/bin/python scripts/transfer_bench.py -p tcp --page-sizes 4K,64K --pages 100 --repeats 5 --json
     .venv/bin/python scripts/transfer_bench.py -p shm --nics 2 --spread per-peer
+    .venv/bin/python scripts/transfer_bench.py -p shm --page-sizes 4K,16K --window 64 --inject
     .venv/bin/python scripts/transfer_bench.py -p shm --nixl /path/to/python-with-nixl --json
     .venv/bin/python scripts/transfer_bench.py -p shm --gpu 0      # GPU memory (both ranks)
+
+--inject: rank 0 injects every WRITE of at most the provider's inject size (4 KiB on shm;
+write_pages(inject=True)), as fi_rma_bw does. Its clock then stops once the last WRITE is
+posted, before the last ones have landed; so it did without --inject on shm, which writes
+a WRITE's completion as it posts it up to 4 KiB (prov/shm/src/smr_rma.c smr_generic_rma).
+Delivery is what rank 1 waits for: every immediate of a repeat before the next one starts,
+and the bytes, checked once per size.
 
 --nixl runs scripts/nixl_pages.py with that interpreter on the same cases in the same run,
 in the same memory (with --gpu N, NIXL's two regions in GPU N's memory too, registered as
@@ -38,7 +46,7 @@ a cache line between the VM's 2 vCPUs, about 130 or 350 ns. The H200 box (16-cor
 host memory, median of 5, at 237d677): 4 KiB 85.0% and 64 KiB 73.5% of fi_rma_bw; with
 --window 64 85.4% and 135.5%. What is left at 4 KiB, the same bytes touched: fi_rma_bw
 injects WRITEs of up to 4 KiB (fi_inject_writedata, no completion), ours ask a completion
-for every one.
+for every one (with --inject, none: above).
 GPU memory (--gpu 0, both ranks on one H200, shm moving it by CUDA IPC): 1.12 / 5.82 /
 10.9 / 22.4 / 90.4 Gbps at 10,000 pages, 2.1-2.7x fi_rma_bw -o writedata -D cuda in the
 same run (results/transfer/h200-shm-cuda.json). Against NIXL in GPU memory (--gpu 0 --nixl):
@@ -73,6 +81,8 @@ def parse():
     p.add_argument("--window", type=int, help="the WRITEs cycle over this many pages at each "
                    "end, and fi_rma_bw runs with -W of it: both touch the same bytes (by "
                    "default ours touch up to 64 MiB a side, fi_rma_bw its 64 messages)")
+    p.add_argument("--inject", action="store_true", help="rank 0 injects each WRITE of at "
+                   "most the provider's inject size (no completion; write_pages(inject=True))")
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--no-fabtests", action="store_true", help="skip fi_rma_bw")
     p.add_argument("--nixl", metavar="PYTHON", help="also move the same pages with NIXL "
@@ -119,7 +129,9 @@ def rank_main(args):
         region = eng.register(buf)
         theirs = eng.remote(group.allgather(region.descriptor())[other])
         if me == 0:
-            print(f"provider: {eng.provider}; {eng.nics}; spread {args.spread}", flush=True)
+            print(f"provider: {eng.provider}; {eng.nics}; spread {args.spread}"
+                  + (f"; injecting WRITEs of up to {eng.inject_size} B" if args.inject else ""),
+                  flush=True)
         rows, imm = [], 0
         for page in args.sizes:
             slots = size // page
@@ -128,7 +140,8 @@ def rank_main(args):
             order = np.random.default_rng(page).permutation(n)
             imm += 1
             if me == 0:
-                eng.write_pages(peer, region, np.arange(n), theirs, order, page, imm=imm).wait()
+                eng.write_pages(peer, region, np.arange(n), theirs, order, page, imm=imm,
+                                inject=args.inject).wait()
                 _, said = eng.recv(timeout)
                 wrong = int(said.decode().split()[1])
             else:
@@ -146,11 +159,14 @@ def rank_main(args):
                 for _ in range(args.repeats):
                     if me == 0:
                         eng.recv(timeout)  # rank 1: ready
-                        before = eng.stats()["eagain"]
+                        before = eng.stats()
                         started = time.perf_counter()
-                        eng.write_pages(peer, region, src, theirs, dst, page, imm=imm).wait()
+                        eng.write_pages(peer, region, src, theirs, dst, page, imm=imm,
+                                        inject=args.inject).wait()
                         times.append(time.perf_counter() - started)
-                        refused = eng.stats()["eagain"] - before
+                        after = eng.stats()
+                        refused = after["eagain"] - before["eagain"]
+                        injected = after["injected"] - before["injected"]
                     else:
                         eng.send(peer, b"ready")
                         eng.expect(imm, count, timeout)
@@ -159,11 +175,12 @@ def rank_main(args):
                     rows.append({"page_size": page, "pages": count, "repeats": args.repeats,
                                  "elapsed_s": elapsed, "gbps": 8 * count * page / elapsed / 1e9,
                                  "mpps": count / elapsed / 1e6, "wrong_bytes": wrong,
-                                 "eagain_last": refused})
+                                 "eagain_last": refused, "injected_last": injected})
                     r = rows[-1]
                     print(f"{page:>6} B x {count:>5} pages: {r['gbps']:8.3f} Gbps "
                           f"{r['mpps']:7.3f} Mpps (median of {args.repeats}; {wrong} wrong "
-                          f"bytes; {refused} refusals in the last)", flush=True)
+                          f"bytes; {refused} refusals, {injected} injected in the last)",
+                          flush=True)
         group.barrier()
         if me == 0:
             return rows, eng.provider
@@ -258,6 +275,7 @@ def main():
                 "git": bench.git_sha(),
                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "nics": args.nics or 1, "spread": args.spread, "window": args.window,
+                "inject": args.inject,
                 "memory": "host" if args.gpu is None else "cuda", "runs": rows}
         print(f"wrote {bench.write_json(path, data)}", flush=True)
     return 0

@@ -1,9 +1,10 @@
 """The transfer engine (common/transfer) on shm and tcp: WRITEs checked byte for byte
 between two ranks with one and two virtual NICs and both spreads, immediates counted in
 any order, scatter and barrier on 2, 4 and 8 ranks, refusals in one line before anything
-is posted, a peer killed mid-transfer seen by the survivor, the worker's pinning, torch
-tensors (CPU, and CUDA where there is a GPU), and the GPUDirect flush that expect() makes
-where a NIC writes GPU memory (faked on the host, real on a GPU)."""
+is posted, a peer killed mid-transfer seen by the survivor, injected WRITEs, the worker's
+pinning, torch tensors (CPU, and CUDA where there is a GPU), and the GPUDirect flush that
+expect() makes where a NIC writes GPU memory (faked on the host, real on a GPU)."""
+import errno
 import json
 import os
 import re
@@ -171,6 +172,157 @@ def test_a_list_of_writes_of_several_lengths_and_a_signal(engine):
     assert eng.arrived(9) == 2
     eng.expect(9, 1)
     assert eng.arrived(9) == 1
+
+
+def test_the_inject_size_is_the_smallest_nics_and_none_on_efa():
+    """The smallest NIC's tx_attr.inject_size; none on efa-direct (no WRITE inject) nor on
+    efa's RDM endpoint (its WRITE limit may shrink below tx_attr.inject_size)."""
+    from tests import fake_info
+    head = fake_info.infos(fake_info.Entry("a", fabric="shm"), fake_info.Entry("b", fabric="shm"),
+                           fake_info.Entry("a", fabric="efa-direct"),
+                           fake_info.Entry("a", fabric="efa"))
+    one, other, direct, rdm = fi.each(head)
+    for info, size in ((one, 4000), (other, 3000), (direct, 32), (rdm, 4000)):
+        info.tx_attr.inject_size = size
+    assert transfer.inject_size([one]) == 4000 and transfer.inject_size([one, other]) == 3000
+    assert transfer.inject_size([direct]) == 0 and transfer.inject_size([rdm]) == 0
+
+
+@pytest.fixture
+def to_itself(provider):
+    """(engine, peer: itself) on `provider` (one NIC) for injected WRITEs."""
+    with fi.Closer() as own:
+        eng = Engine(own, provider=provider, timeout=patience(10))
+        yield eng, eng.connect(eng.address())
+
+
+def regions(eng, size, seed):
+    """(seeded bytes, their region, zeros, a RemoteRegion of them)."""
+    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    into = np.zeros(size, np.uint8)
+    return data, eng.register(data), into, eng.remote(eng.register(into).descriptor())
+
+
+def test_injected_pages_arrive_byte_for_byte_with_their_immediates(to_itself):
+    eng, me = to_itself
+    page, pages = eng.inject_size, 300
+    assert page >= 64  # shm 4 KiB, tcp 64 B
+    data, src, into, dst = regions(eng, page * pages, 11)
+    order = np.random.default_rng(12).permutation(pages)
+    t = eng.write_pages(me, src, np.arange(pages), dst, order, page, imm=21, inject=True)
+    t.wait()
+    eng.expect(21, pages)  # done only says the source was copied; these say they arrived
+    assert int(np.count_nonzero(into.reshape(pages, page)[order]
+                                != data.reshape(pages, page))) == 0
+    stats = eng.stats()
+    assert stats["injected"] == stats["posted"] == stats["completed"] == pages
+
+
+def test_a_command_of_lengths_above_and_below_the_inject_size_completes(to_itself):
+    eng, me = to_itself
+    cut = eng.inject_size
+    lengths = np.array([cut, cut + 1, 1, 3 * cut, cut - 1, 2 * cut] * 20, np.uint64)
+    ends = np.cumsum(lengths)
+    offsets = ends - lengths
+    data, src, into, dst = regions(eng, int(ends[-1]) + 100, 13)
+    eng.write_list(me, src, offsets, dst, offsets + 100, lengths, imm=22, inject=True).wait()
+    eng.expect(22, len(lengths))
+    assert int(np.count_nonzero(into[100:] != data[:-100])) == 0
+    stats = eng.stats()
+    assert stats["injected"] == int(np.count_nonzero(lengths <= cut)) == 60
+    assert stats["posted"] == stats["completed"] == len(lengths)
+
+
+def test_inject_on_pages_too_large_to_inject_posts_them_as_usual(to_itself):
+    eng, me = to_itself
+    page, pages = 2 * eng.inject_size, 50
+    data, src, into, dst = regions(eng, page * pages, 14)
+    eng.write_pages(me, src, np.arange(pages), dst, np.arange(pages), page, imm=23,
+                    inject=True).wait()
+    eng.expect(23, pages)
+    assert int(np.count_nonzero(into != data)) == 0
+    assert eng.stats()["injected"] == 0 and eng.stats()["completed"] == pages
+
+
+# A CQ whose every read says an operation failed, with no context: what a provider writes
+# for an injected WRITE of ours (or a peer's WRITE) that failed. fi_cq_read and
+# fi_cq_readerr are static inline: they call through the CQ's table, which this fills.
+ERROR_CQ = r"""
+#include <stdio.h>
+#include <rdma/fabric.h>
+#include <rdma/fi_eq.h>
+#include <rdma/fi_errno.h>
+static ssize_t error_read(struct fid_cq *cq, void *buf, size_t count) { return -FI_EAVAIL; }
+static ssize_t error_readerr(struct fid_cq *cq, struct fi_cq_err_entry *e, uint64_t flags)
+{
+    e->op_context = NULL;
+    e->err = FI_EIO;
+    return 1;
+}
+static const char *error_text(struct fid_cq *cq, int prov_errno, const void *data, char *buf,
+                              size_t len)
+{
+    snprintf(buf, len, "the target has no such key");
+    return buf;
+}
+static struct fi_ops_cq ops = { .size = sizeof ops, .read = error_read,
+                                .readerr = error_readerr, .strerror = error_text };
+static struct fid_cq cq = { .ops = &ops };
+struct fid_cq *error_cq(void) { return &cq; }
+"""
+
+
+@pytest.fixture(scope="module")
+def error_cq(tmp_path_factory):
+    """The address of that CQ (compiled with the C compiler against the binding's headers)."""
+    import os
+    from cffi import FFI
+    from common.fabric._build import _flags
+    where = tmp_path_factory.mktemp("error_cq")
+    (where / "error_cq.c").write_text(ERROR_CQ)
+    cc = subprocess.run([os.environ.get("CC", "cc"), "-shared", "-fPIC", "-o",
+                         str(where / "error_cq.so"), str(where / "error_cq.c"),
+                         *[f"-I{d}" for d in _flags()["include_dirs"]]],
+                        capture_output=True, text=True)
+    assert cc.returncode == 0, cc.stderr
+    ffi = FFI()
+    ffi.cdef("void *error_cq(void);")
+    lib = ffi.dlopen(str(where / "error_cq.so"))
+    yield int(ffi.cast("uintptr_t", lib.error_cq()))
+
+
+@pytest.mark.parametrize("injected", [0, 1])
+def test_an_error_entry_with_no_context_fails_the_engine_once_it_injected(error_cq, injected):
+    """Before any injected WRITE it is a peer's WRITE that failed here (counted, the worker
+    goes on); after one, maybe ours, which no command waits for: the worker stops and the
+    engine's next call raises the provider's text in one line. Never a NULL dereference."""
+    import threading
+    from types import SimpleNamespace
+    ffi, native = transfer._ffi, transfer.native
+    w = ffi.new("struct tx_worker *")
+    keep = [ffi.new("struct fid_ep *[1]"), ffi.new("struct fid_cq *[]", [
+        ffi.cast("struct fid_cq *", error_cq)]), ffi.new("struct tx_command *[4]"),
+        ffi.new("uint64_t[4]"), ffi.new("uint64_t[4]"), ffi.new("uint8_t[4]")]
+    w.eps, w.cqs, w.ring, w.imm_keys, w.imm_counts, w.imm_used = keep
+    w.nics, w.slots, w.ring_size, w.imm_size, w.injected = 1, 4, 4, 4, injected
+    rc = []
+    worker = threading.Thread(target=lambda: rc.append(native.tx_run(w)), daemon=True)
+    worker.start()
+    worker.join(patience(2) if injected else 0.2)
+    w.stop = 1  # a worker that goes on ends here
+    worker.join(patience(10))
+    native.tx_free(w)
+    assert ffi.string(w.remote_error) == b"the target has no such key"
+    if not injected:
+        assert rc == [0] and w.remote_errors > 0 and w.failed_call == 0
+        return
+    assert rc == [-errno.EIO] and w.failed_call == 5 and w.remote_errors == 0
+    failure = Engine._failure(SimpleNamespace(error=None, _w=w, rc=rc[0]))
+    assert isinstance(failure, TransferError)
+    assert str(failure).startswith("the transfer worker stopped on NIC 0: an error for no "
+                                   "WRITE in flight after injected WRITEs (the target has no "
+                                   "such key): "), str(failure)
+    assert "\n" not in str(failure)
 
 
 def test_torch_tensors_are_registered_without_a_copy(engine):
@@ -350,17 +502,25 @@ def test_gpu_a_shm_engine_does_not_flush_and_the_real_flush_succeeds(monkeypatch
         assert flushed == [cuda_driver.OWNER]
 
 
-def test_the_benchmark_checks_its_pages_and_reports_each_case(tmp_path):
-    """scripts/transfer_bench.py end to end, tiny: its figures are not judged, its data is."""
+@pytest.mark.parametrize("inject, rules", [(False, None), (True, None), (True, "efa")],
+                         ids=["completions", "inject", "inject-under-efa-rules"])
+def test_the_benchmark_checks_its_pages_and_reports_each_case(tmp_path, inject, rules):
+    """scripts/transfer_bench.py end to end, tiny: its figures are not judged, its data is;
+    with --inject, shm's 4 KiB pages are injected and the record says so (under EFA's
+    rules too: an injected WRITE's key is one fi_mr_key returned, common/fabric/rules.h)."""
     path = tmp_path / "bench.json"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "transfer_bench.py"), "-p",
                            "shm", "--page-sizes", "4K", "--pages", "10", "--repeats", "1",
-                           "--no-fabtests", "--json", str(path)], capture_output=True,
-                          text=True, env=local_env(), timeout=patience(120), cwd=ROOT)
+                           "--no-fabtests", "--json", str(path), *["--inject"] * inject],
+                          capture_output=True, text=True,
+                          env=local_env(rules and {"FABRIC_RULES": rules}),
+                          timeout=patience(120), cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert re.search(r"4096 B x +10 pages: .* Gbps .*0 wrong bytes", done.stdout), done.stdout
-    runs = json.loads(path.read_text())["runs"]
-    assert [(r["page_size"], r["pages"], r["wrong_bytes"]) for r in runs] == [(4096, 10, 0)]
+    record = json.loads(path.read_text())
+    assert record["inject"] is inject
+    assert [(r["page_size"], r["pages"], r["wrong_bytes"], r["injected_last"])
+            for r in record["runs"]] == [(4096, 10, 0, 10 * inject)]
 
 
 @pytest.mark.parametrize("window, said", [("0", "must be positive"),

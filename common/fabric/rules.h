@@ -224,6 +224,36 @@ static inline ssize_t tut_inject(struct fid_ep *ep, const void *buf, size_t len,
     return fi_inject(ep, buf, len, dest);
 }
 
+/* An injected WRITE: no descriptor, no completion (so no CQ room), but a WRITE's key and
+   immediate rules; `data` only with FI_REMOTE_CQ_DATA in `flags`. */
+static inline ssize_t rules_inject_write(struct fid_ep *ep, const void *buf, size_t len,
+                                         uint64_t data, fi_addr_t dest, uint64_t addr,
+                                         uint64_t key, uint64_t flags)
+{
+    if (tut_rules()) {
+        if ((key & RULES_KEY_MASK) != RULES_KEY_TAG)
+            return RULES_BROKEN - RULE_KEY;
+        if (flags & FI_REMOTE_CQ_DATA && data >> 32)
+            return RULES_BROKEN - RULE_IMM;
+        key &= ~RULES_KEY_MASK;  /* the provider's own key again */
+    }
+    return flags & FI_REMOTE_CQ_DATA ? fi_inject_writedata(ep, buf, len, data, dest, addr, key)
+                                     : fi_inject_write(ep, buf, len, dest, addr, key);
+}
+
+static inline ssize_t tut_inject_write(struct fid_ep *ep, const void *buf, size_t len,
+                                       fi_addr_t dest, uint64_t addr, uint64_t key)
+{
+    return rules_inject_write(ep, buf, len, 0, dest, addr, key, 0);
+}
+
+static inline ssize_t tut_inject_writedata(struct fid_ep *ep, const void *buf, size_t len,
+                                           uint64_t data, fi_addr_t dest, uint64_t addr,
+                                           uint64_t key)
+{
+    return rules_inject_write(ep, buf, len, data, dest, addr, key, FI_REMOTE_CQ_DATA);
+}
+
 /* Entries read that were our operations' (not a peer's immediate) leave the CQ. */
 static inline ssize_t tut_cq_read(struct fid_cq *cq, void *buf, size_t count)
 {
@@ -375,6 +405,8 @@ static inline int tut_close(struct fid *fid)
 #define fi_recvmsg tut_recvmsg
 #define fi_writemsg tut_writemsg
 #define fi_inject tut_inject
+#define fi_inject_write tut_inject_write
+#define fi_inject_writedata tut_inject_writedata
 #define fi_cq_read tut_cq_read
 #define fi_cq_readerr tut_cq_readerr
 #define fi_cq_open tut_cq_open

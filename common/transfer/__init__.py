@@ -197,6 +197,7 @@ class Engine:
         self.infos, self.nics = engine_nics(info, gpu, nics)
         self.cq_data_size = min(i.domain_attr.cq_data_size for i in self.infos)
         self.max_write = min(i.ep_attr.max_msg_size for i in self.infos)
+        self.inject_size = inject_size(self.infos)
         self.max_send = fi.max_send(info)
         self.id = secrets.randbits(32)
         self._keys = iter(range(1, 1 << 30))  # requested MR keys (tcp takes ours: unique)
@@ -362,15 +363,25 @@ class Engine:
 
     # --- WRITEs --------------------------------------------------------------------
 
-    def write(self, peer, src, src_offset, dst, dst_offset, length, imm=None):
-        """One WRITE of `length` bytes from src[src_offset:] to dst[dst_offset:]."""
+    def write(self, peer, src, src_offset, dst, dst_offset, length, imm=None, inject=False):
+        """One WRITE of `length` bytes from src[src_offset:] to dst[dst_offset:].
+
+        inject=True (here and in write_pages, write_list): each WRITE of at most
+        inject_size bytes is injected (fi_inject_write, fi_inject_writedata) and done once
+        posted: the provider has copied its source, which may be reused at once, but
+        nothing says it was delivered; the receiver's count of its immediate does. No
+        command can say it failed: an error entry the provider writes for it (with no
+        context) stops the engine, every later call raising. Longer WRITEs go as without
+        inject, with a completion."""
         for name, value in (("src_offset", src_offset), ("dst_offset", dst_offset)):
             if not isinstance(value, (int, np.integer)) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
         return self._submit(*self._command(peer, src, np.array([src_offset], np.uint64), dst,
-                                           np.array([dst_offset], np.uint64), length, imm))
+                                           np.array([dst_offset], np.uint64), length, imm,
+                                           inject))
 
-    def write_pages(self, peer, src, src_pages, dst, dst_pages, page_size, imm=None):
+    def write_pages(self, peer, src, src_pages, dst, dst_pages, page_size, imm=None,
+                    inject=False):
         """Page src_pages[i] of `src` to page dst_pages[i] of `dst` (page p: bytes
         [p*page_size, (p+1)*page_size)), one WRITE each, all posted by the worker."""
         self._check_ends(peer, src, dst)
@@ -386,9 +397,11 @@ class Engine:
                 raise ValueError(f"{name} page {int(pages.max())} is out of range: the region "
                                  f"holds {last} pages of {page_size} bytes")
         return self._submit(*self._command(peer, src, src_pages * np.uint64(page_size), dst,
-                                           dst_pages * np.uint64(page_size), page_size, imm))
+                                           dst_pages * np.uint64(page_size), page_size, imm,
+                                           inject))
 
-    def write_list(self, peer, src, src_offsets, dst, dst_offsets, lengths, imm=None):
+    def write_list(self, peer, src, src_offsets, dst, dst_offsets, lengths, imm=None,
+                   inject=False):
         """WRITE i: lengths[i] bytes from src[src_offsets[i]:] to dst[dst_offsets[i]:],
         all posted by the worker (chapter 19: a layer's tensors of several sizes)."""
         offsets = [pages_of(x, name, "byte counts") for x, name in (
@@ -397,7 +410,7 @@ class Engine:
             raise ValueError(f"{len(offsets[0])} source offsets, {len(offsets[1])} "
                              f"destination offsets and {len(offsets[2])} lengths")
         return self._submit(*self._command(peer, src, offsets[0], dst, offsets[1],
-                                           offsets[2], imm))
+                                           offsets[2], imm, inject))
 
     def _check_ends(self, peer, src, dst):
         if not isinstance(peer, Peer) or self._peers.get(peer.id) is not peer:
@@ -408,7 +421,7 @@ class Engine:
         if not isinstance(dst, RemoteRegion):
             raise ValueError("the destination must be a RemoteRegion (Engine.remote)")
 
-    def _command(self, peer, src, src_offsets, dst, dst_offsets, length, imm):
+    def _command(self, peer, src, src_offsets, dst, dst_offsets, length, imm, inject=False):
         """A command for the worker, every argument checked: ValueError, nothing posted.
         `length`: every WRITE's, or an array of one per WRITE."""
         self._check_ends(peer, src, dst)
@@ -448,6 +461,7 @@ class Engine:
         c.round_robin = self.spread == "round-robin"
         c.nic = peer.nic
         c.has_imm, c.imm = imm is not None, imm or 0
+        c.inject_size = self.inject_size if inject else 0
         return c, (src_offsets, dst_offsets, lengths, src, dst, peer)
 
     def _submit(self, command, keep):
@@ -560,7 +574,7 @@ class Engine:
     def stats(self):
         w = self._w
         return {"posted": w.posted, "completed": w.completed, "eagain": w.eagain,
-                "arrived": w.arrived, "nics": len(self.eps)}
+                "arrived": w.arrived, "injected": w.injected, "nics": len(self.eps)}
 
     def _check(self):
         if self.rc is not None:
@@ -571,7 +585,9 @@ class Engine:
             return self.error
         w = self._w
         what = {1: "fi_cq_read", 2: "fi_cq_readerr", 3: "a completion for no WRITE in flight",
-                4: "out of memory"}.get(w.failed_call, "the worker")
+                4: "out of memory", 5: "an error for no WRITE in flight after injected WRITEs "
+                f"({_ffi.string(w.remote_error).decode(errors='replace')})"
+                }.get(w.failed_call, "the worker")
         return TransferError(f"the transfer worker stopped on NIC {w.failed_nic}: {what}: "
                              f"{fi.strerror(self.rc)} (ret {self.rc})")
 
@@ -622,6 +638,17 @@ def buffer_of(array):
             raise ValueError("the array must be contiguous")
         return array.data.ptr, array.nbytes, array.device.id
     raise ValueError(f"cannot register a {type(array).__name__}: numpy, cupy or torch arrays")
+
+
+def inject_size(infos):
+    """The longest WRITE inject=True injects on every NIC: tx_attr.inject_size, 4 KiB on
+    shm (prov/shm/src/smr_attr.c SMR_INJECT_SIZE), 0 with GPU memory (smr_hmem_tx_attr).
+    None on efa: efa-direct's inject_size is its SENDs' inline buffer and it injects no
+    WRITE (prov/efa/src/efa_rma.c: fi_no_rma_inject); efa's RDM endpoint lowers its limit
+    for WRITEs below tx_attr.inject_size when it enables zero-copy receive, and only
+    asserts it (prov/efa/src/rdm/efa_rdm_ep_fiops.c inject_rma_size, efa_rdm_rma.c)."""
+    return min(0 if fi.string(i.fabric_attr.name).startswith("efa") else i.tx_attr.inject_size
+               for i in infos)
 
 
 def per_peer_nic(a, b, count):

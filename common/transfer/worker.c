@@ -11,6 +11,7 @@ struct tx_command {             // one transfer: `count` WRITEs of `length` byte
     uint32_t round_robin;           // ... or 1: each WRITE to the next NIC
     uint64_t imm;                   // immediate data of every WRITE, when has_imm
     uint32_t has_imm;
+    uint64_t inject_size;           // WRITEs this short are injected (no completion); 0: none
     // progress, written by the worker
     uint64_t posted, completed, skipped; // skipped: not posted after the command failed
     int32_t status;                 // 0, or the first failure (a negative fi_errno) ...
@@ -26,7 +27,7 @@ struct tx_worker {
     uint64_t ring_size;
     uint64_t head;                  // commands queued (Python, through tx_submit)
     uint64_t tail;                  // commands whose WRITEs have all been posted (worker)
-    uint64_t posted, completed, eagain, arrived;  // totals, for stats()
+    uint64_t posted, completed, eagain, arrived, injected;  // totals, for stats()
     uint64_t *imm_keys;             // the arrival table: immediate value ...
     uint64_t *imm_counts;           // ... how many WRITEs carried it ...
     uint8_t *imm_used;              // ... and whether the slot holds one (open addressing)
@@ -37,7 +38,7 @@ struct tx_worker {
     uint32_t nap_us;                // sleep this long when idle a while (0: only yield)
     int stop;                       // set by Python to end the loop
     int failed_call;                // 1: fi_cq_read, 2: fi_cq_readerr, 3: a stray completion,
-    uint32_t failed_nic;            // 4: out of memory
+    uint32_t failed_nic;            // 4: out of memory, 5: an error entry after injected WRITEs
     int rc;
     void *state;                    // what tx_run allocates (after pinning), tx_free frees
 };
@@ -63,6 +64,9 @@ uint64_t tx_hash(uint64_t imm, uint32_t size);
  * which Python reads (tx_arrived): whoever waits for n WRITEs counts them,
  * in any order, from any NIC. A failed WRITE's error entry (fi_cq_readerr)
  * is kept in its command, in the provider's words, for Python to raise.
+ * A command may ask for its short WRITEs to be injected (fi_inject_write*):
+ * the provider copies the source before the call returns and writes no
+ * completion, so such a WRITE is done once posted.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -133,10 +137,10 @@ static void tx_fail(struct tx_command *c, uint32_t nic, int rc, const char *text
     __atomic_store_n(&c->status, rc ? rc : -FI_EOTHER, __ATOMIC_RELEASE);
 }
 
-static void tx_complete(struct tx_worker *w, struct tx_command *c)
+static void tx_complete(struct tx_worker *w, struct tx_command *c, uint64_t n)
 {
-    __atomic_add_fetch(&c->completed, 1, __ATOMIC_RELEASE);
-    __atomic_add_fetch(&w->completed, 1, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&c->completed, n, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&w->completed, n, __ATOMIC_RELEASE);
 }
 
 /* Read one NIC's CQ. Returns our WRITEs completed (room for as many), or < 0. */
@@ -164,8 +168,16 @@ static ssize_t tx_reap(struct tx_worker *w, struct tx_state *s, uint32_t nic)
         struct tx_slot *slot = err.op_context;
         struct tx_slot *first = &s->slots[(size_t)nic * w->slots];
         if (slot < first || slot >= first + w->slots || !slot->command) {
-            /* no WRITE of ours: a peer's WRITE that failed here (it sees its own error) */
+            /* No slot of ours: a peer's WRITE that failed here, or, once we injected, maybe
+               one of ours: it has no context to name it, and no command waits for it (shm
+               writes such errors with a NULL context, prov/shm/src/smr_rma.c
+               smr_generic_rma, smr_progress.c smr_progress_cmd_rma). An injected WRITE
+               must not fail unseen: then the whole engine fails, in the provider's words. */
             strncpy(w->remote_error, said, sizeof w->remote_error - 1);
+            if (w->injected) {
+                w->failed_call = 5;
+                return -(ssize_t)(err.err ? err.err : FI_EOTHER);
+            }
             __atomic_add_fetch(&w->remote_errors, 1, __ATOMIC_RELEASE);
             return 0;
         }
@@ -173,7 +185,7 @@ static ssize_t tx_reap(struct tx_worker *w, struct tx_state *s, uint32_t nic)
         tx_fail(c, nic, -(int)err.err, said);
         slot->command = NULL;
         s->free_slots[(size_t)nic * w->slots + s->nfree[nic]++] = (uint32_t)(slot - first);
-        tx_complete(w, c);
+        tx_complete(w, c, 1);
         return 1;
     }
     if (n < 0) {
@@ -195,7 +207,7 @@ static ssize_t tx_reap(struct tx_worker *w, struct tx_state *s, uint32_t nic)
         struct tx_command *c = slot->command;
         slot->command = NULL;
         s->free_slots[(size_t)nic * w->slots + s->nfree[nic]++] = (uint32_t)(slot - first);
-        tx_complete(w, c);
+        tx_complete(w, c, 1);
         ours++;
     }
     return ours;
@@ -203,10 +215,13 @@ static ssize_t tx_reap(struct tx_worker *w, struct tx_state *s, uint32_t nic)
 
 /* Post up to `budget` WRITEs of the queued commands, in order. Stops at the first
    -FI_EAGAIN (counted, and remembered: then only as many as complete are posted) or
-   when the NIC a WRITE needs has every slot in flight. Returns how many were posted. */
+   when the NIC a WRITE needs has every slot in flight. Returns how many were posted.
+   Injected WRITEs are counted done once per visit and command: two locked adds for each,
+   on lines Python polls, took a fifth of the worker's samples on shm (perf, 4 KiB). */
 static uint64_t tx_post(struct tx_worker *w, struct tx_state *s, uint64_t budget)
 {
-    uint64_t done = 0;
+    uint64_t done = 0, quiet = 0;           /* quiet: injected WRITEs of `injected` */
+    struct tx_command *injected = NULL;     /* not yet counted */
     uint64_t head = __atomic_load_n(&w->head, __ATOMIC_ACQUIRE);
     while (done < budget && w->tail < head) {
         struct tx_command *c = w->ring[w->tail & (w->ring_size - 1)];
@@ -218,17 +233,28 @@ static uint64_t tx_post(struct tx_worker *w, struct tx_state *s, uint64_t budget
             continue;
         }
         uint32_t nic = c->round_robin ? s->next_nic : c->nic;
-        if (!s->nfree[nic])
-            break;  /* that NIC is full: its completions make room */
-        uint32_t index = s->free_slots[(size_t)nic * w->slots + s->nfree[nic] - 1];
-        struct tx_slot *slot = &s->slots[(size_t)nic * w->slots + index];
         uint64_t op = s->op, length = c->lengths ? c->lengths[op] : c->length;
-        struct iovec iov = { c->local_base + c->src[op], length };
-        struct fi_rma_iov rma = { c->remote_base[nic] + c->dst[op], length, c->remote_key[nic] };
-        struct fi_msg_rma msg = { &iov, &c->local_descs[nic], 1, c->addr[nic], &rma, 1,
-                                  &slot->context, c->imm };
-        uint64_t flags = FI_COMPLETION | (c->has_imm ? FI_REMOTE_CQ_DATA : 0);
-        ssize_t rc = fi_writemsg(w->eps[nic], &msg, flags);
+        int inject = length <= c->inject_size;
+        if (!inject && !s->nfree[nic])
+            break;  /* that NIC is full: its completions make room */
+        struct tx_slot *slot = inject ? NULL : &s->slots[(size_t)nic * w->slots
+                                       + s->free_slots[(size_t)nic * w->slots + s->nfree[nic] - 1]];
+        char *from = c->local_base + c->src[op];
+        uint64_t to = c->remote_base[nic] + c->dst[op];
+        ssize_t rc;
+        if (inject && c->has_imm) {
+            rc = fi_inject_writedata(w->eps[nic], from, length, c->imm, c->addr[nic], to,
+                                     c->remote_key[nic]);
+        } else if (inject) {
+            rc = fi_inject_write(w->eps[nic], from, length, c->addr[nic], to, c->remote_key[nic]);
+        } else {
+            struct iovec iov = { from, length };
+            struct fi_rma_iov rma = { to, length, c->remote_key[nic] };
+            struct fi_msg_rma msg = { &iov, &c->local_descs[nic], 1, c->addr[nic], &rma, 1,
+                                      &slot->context, c->imm };
+            uint64_t flags = FI_COMPLETION | (c->has_imm ? FI_REMOTE_CQ_DATA : 0);
+            rc = fi_writemsg(w->eps[nic], &msg, flags);
+        }
         if (rc == -FI_EAGAIN) {
             w->eagain++;
             s->refused = 1;
@@ -238,15 +264,25 @@ static uint64_t tx_post(struct tx_worker *w, struct tx_state *s, uint64_t budget
             tx_fail(c, nic, (int)rc, fi_strerror((int)-rc));
             continue;  /* the rest of it is skipped above */
         }
-        slot->command = c;
-        s->nfree[nic]--;
         s->op++;
         __atomic_store_n(&c->posted, c->posted + 1, __ATOMIC_RELEASE);
         w->posted++;
+        if (inject) {  /* no completion will come: done now, counted below */
+            w->injected++;
+            if (c != injected && quiet)
+                tx_complete(w, injected, quiet);
+            quiet = c == injected ? quiet + 1 : 1;
+            injected = c;
+        } else {
+            slot->command = c;
+            s->nfree[nic]--;
+        }
         done++;
         if (c->round_robin)
             s->next_nic = (s->next_nic + 1) % w->nics;
     }
+    if (quiet)
+        tx_complete(w, injected, quiet);
     return done;
 }
 
