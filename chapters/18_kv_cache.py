@@ -93,7 +93,6 @@ LESSON = {"figure": "check", "shows": "a prompt's KV cache arrives whole and ver
 import json
 import os
 import struct
-import sys
 import threading
 import time
 
@@ -457,7 +456,7 @@ def prefiller(args, s, xp, addr):
 def record(path, args, eng, s, figures, layers_of, done, wrong):
     """The run as JSON: what ran, where, the summary and each layer's times."""
     return records.write_json(path, {
-        "chapter": "18_kv_cache", "args": sys.argv[1:], "provider": eng.provider,
+        "chapter": "18_kv_cache", "args": records.arguments(), "provider": eng.provider,
         "libfabric": "%d.%d" % fi.version(), "machine": records.machine(args.gpu),
         "git": records.git_sha(), "memory": "cuda" if args.gpu is not None else "host",
         "model": s.model, "shape": describe(s), "tokens": s.tokens, "layers": s.layers,

@@ -20,7 +20,7 @@ from pathlib import Path
 import common.fabric as fi
 from common import cli
 from common.fabric import lib
-from common.records import ROOT, git_sha, machine, write_json  # noqa: F401 (bench.machine)
+from common.records import ROOT, arguments, git_sha, machine, write_json  # noqa: F401 (bench.machine)
 
 RESULTS = ROOT / "results"
 BASELINES = RESULTS / "baselines"
@@ -136,7 +136,7 @@ def run_path(path, *name):
 def record(path, chapter, args, info, memory, here, f, lim):
     """Write one run as JSON (chapter, arguments, provider, libfabric, machine, git sha, figures)."""
     gbps, what = lim
-    data = {"chapter": chapter, "args": sys.argv[1:], "provider": fi.provider_of(info),
+    data = {"chapter": chapter, "args": arguments(), "provider": fi.provider_of(info),
             "memory": memory, "libfabric": "%d.%d" % fi.version(), "machine": here,
             "git": git_sha(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             **f, "limit_gbps": gbps, "limit": what,

@@ -1,5 +1,6 @@
 """What every results file carries, with nothing but the standard library: the machine,
-the commit, a label safe as a file name, and the writing itself (whole or not at all).
+the commit, the command line, a label safe as a file name, and the writing itself (whole
+or not at all).
 common/bench.py builds on it; scripts/atomic_bench.py, which needs no libfabric, uses it
 alone.
 """
@@ -10,6 +11,7 @@ import platform
 import re
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +38,14 @@ def git_sha():
     done = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
                           capture_output=True, text=True)
     return done.stdout.strip() if done.returncode == 0 else None
+
+
+def arguments(argv=None):
+    """The command line as a record keeps it (default: this process's): every absolute
+    path by its last part, an output file or an interpreter alike, so that no machine's
+    folders end up in results/."""
+    return [re.sub(r"(?<![\w.~-])/(?:[^/\s=]+/)+", "", a)
+            for a in (sys.argv[1:] if argv is None else argv)]
 
 
 def parse_label(text):

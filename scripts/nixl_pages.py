@@ -612,7 +612,7 @@ def run(args, module):
                 "memory": "host" if args.gpu is None else memory(args),
                 "allocator": args.allocator,
                 "progress_thread": args.progress_thread,
-                "backend_params": dict(args.backend_param), "args": sys.argv[1:],
+                "backend_params": dict(args.backend_param), "args": records.arguments(),
                 "machine": {**records.machine(), "gpu": args.gpu_name},
                 "git": records.git_sha(),
                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "runs": rows}

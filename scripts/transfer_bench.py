@@ -270,7 +270,7 @@ def main():
         import common.fabric as fi
         from datetime import datetime, timezone
         path = bench.run_path(args.json, "transfer", provider.split(";")[0])
-        data = {"chapter": "transfer", "args": sys.argv[1:], "provider": provider,
+        data = {"chapter": "transfer", "args": bench.arguments(), "provider": provider,
                 "libfabric": "%d.%d" % fi.version(), "machine": bench.machine(args.gpu),
                 "git": bench.git_sha(),
                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

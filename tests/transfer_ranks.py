@@ -180,7 +180,8 @@ def main():
         eng = Engine(own, provider=args.provider, gpu=args.gpu, nics=args.nics,
                      spread=args.spread, timeout=patience(args.timeout))
         print(f"engine: {eng.provider}, {eng.nics}, {args.spread}", flush=True)
-        {"pair": pair, "group": groups, "kill": kill, "torch": torch_pages}[args.mode](eng, group, args)
+        modes = {"pair": pair, "group": groups, "kill": kill, "torch": torch_pages}
+        modes[args.mode](eng, group, args)
 
 
 if __name__ == "__main__":

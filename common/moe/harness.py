@@ -6,7 +6,6 @@ its memory `mem`, `wire`, `xp` and `proxy` (None on one node); chapters 16 and 1
 import argparse
 import os
 import struct
-import sys
 import time
 
 import numpy as np
@@ -286,7 +285,7 @@ def benchmark(a2a, group, args, tokens, name):
 
 def record(path, chapter, args, group, provider, rows, extra=None):
     """The benchmark as JSON: what ran, where, and a row per (implementation, tokens)."""
-    data = {"chapter": chapter, "args": sys.argv[1:], "device": args.device,
+    data = {"chapter": chapter, "args": bench.arguments(), "device": args.device,
             **(extra or {}), "world": group.world,
             "ranks_per_node": group.ranks_per_node,
             "provider": provider, "libfabric": "%d.%d" % fi.version(),

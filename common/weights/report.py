@@ -3,7 +3,6 @@ breakdown (results/weight_update_published.json), and the run's record.
 """
 import json
 import os
-import sys
 
 import common.fabric as fi
 from common import bench, records
@@ -89,7 +88,7 @@ class Report:
 
     def record(self):
         a = self.args
-        return {"chapter": "19_weight_update", "args": sys.argv[1:],
+        return {"chapter": "19_weight_update", "args": records.arguments(),
                 "provider": self.eng.provider, "libfabric": "%d.%d" % fi.version(),
                 "machine": records.machine(self.gpu), "git": records.git_sha(),
                 "memory": "cuda" if a.device == "cuda" else "host", "model": a.model,
