@@ -52,9 +52,11 @@ memory by CUDA IPC; Qwen3-235B-A22B at TP4, one rank's shard; float32 matrix pro
 without tensor cores, so a layer computes 3.5x longer than the paper's 2.27 ms) the
 transfer hides behind compute for every layer but the last, and the prompt's first token
 comes 7.5% later than without it at 4K tokens (695.8 -> 748.3 ms), 3.7% at 16K (2799 ->
-2903 ms); the paper, on 2 x 200 Gbps EFA: 214 -> 260 and 929 -> 1042 ms. The decoder only
-waits in expect() on the host while the prefiller computes, so sharing the GPU costs the
-prefill little; its check afterwards recomputes every layer.
+2903 ms), 2.2% at 128K (22.17 -> 22.66 s: 241 ms of compute against 14 ms of transfer a
+layer; `--limit 600` for pair.py); the paper, on 2 x 200 Gbps EFA: 214 -> 260, 929 -> 1042
+and 16735 -> 17056 ms (results/18_kv_cache/). The decoder only waits in expect() on the
+host while the prefiller computes, so sharing the GPU costs the prefill little; its check
+afterwards recomputes every layer.
 
 Transcript (one H200 of a 16-core Xeon VM, the code of 2898331 run from a working copy;
 the addresses shortened):
@@ -292,9 +294,9 @@ class Counter:
     """How many layers are done, in host memory: bumped by the compute side (the GPU itself,
     a one-thread kernel behind each layer, or the host after a layer on numpy), with the
     time of each bump on the host's clock: the GPU's globaltimer, mapped onto ours by two
-    readings of both clocks, one before the prompt and one after (calibrate). The two clocks
-    drift apart by tens of microseconds over a 128K-token prompt's 22 s on one H200, so a
-    single reading made the watcher's latency negative."""
+    readings of both clocks, one before the prompt and one after (calibrate): over a
+    128K-token prompt (22 s on one H200) one reading, before, gave a median watcher latency
+    of -52 us; the two clocks drift apart. With both readings: 47 us."""
 
     def __init__(self, layers, xp):
         self.xp, self.layers = xp, layers

@@ -27,30 +27,10 @@ and the bytes, checked once per size.
 --nixl runs scripts/nixl_pages.py with that interpreter on the same cases in the same run,
 in the same memory (with --gpu N, NIXL's two regions in GPU N's memory too, registered as
 VRAM; a NIXL that cannot is "not measured", never host memory in its place), and says each
-case's ratio to NIXL. Measured (host memory, shm, libfabric 2.1.0, 10,000
-pages, median of 3): one H200 box's 16-core Xeon, 1 / 4 / 8 / 16 / 64 KiB pages, 79 / 93
-/ 47 / 60 / 67% of fi_rma_bw -o writedata and 1.83 / 1.74 / 1.46 / 1.25 / 1.48x NIXL
-1.5.1's UCX; the 2-core VM, 41 / 77 / 70 / 72 / 79% and 4.21 / 3.34 / 1.15 / 1.16 /
-1.11x (results/transfer/, notebooks/18_kv_cache.ipynb). At 4 KiB and up the worker was
-refused -FI_EAGAIN on about 9 of 10 pages on the H200 box (the refusals line), at 64 KiB
-on the VM 8 of 10 (a full batch retried after every completion; 2 or 3 per 10,000 pages
-since, at the same Gbps). What keeps it below fi_rma_bw on the VM is the bytes touched:
-fi_rma_bw writes its window of 64 messages over and over (256 KiB a side at 4 KiB, 4 MiB
-at 64 KiB: in cache), ours 10,000 pages of up to 64 MiB a side. With --window 64 both
-touch the same bytes: 4 KiB 45 and 16 Gbps against 59 and 60, 64 KiB 93 and 98 against 61
-and 57 (two runs, median of 5 each side; without it 35 against 62 and 59 against 64); with
---window 1024, 64 KiB 48 and 53 against 37 and 28. At 4 KiB both have two steady states on
-the VM that switch every few seconds, ours about 33 and 14 Gbps, fi_rma_bw about 60 and 17
-(one run of it gave 15 to 84 within a minute, hence its median), as does the round trip of
-a cache line between the VM's 2 vCPUs, about 130 or 350 ns. The H200 box (16-core Xeon,
-host memory, median of 5, at 237d677): 4 KiB 85.0% and 64 KiB 73.5% of fi_rma_bw; with
---window 64 85.4% and 135.5%. What is left at 4 KiB, the same bytes touched: fi_rma_bw
-injects WRITEs of up to 4 KiB (fi_inject_writedata, no completion), ours ask a completion
-for every one (with --inject, none: above).
-GPU memory (--gpu 0, both ranks on one H200, shm moving it by CUDA IPC): 1.12 / 5.82 /
-10.9 / 22.4 / 90.4 Gbps at 10,000 pages, 2.1-2.7x fi_rma_bw -o writedata -D cuda in the
-same run (results/transfer/h200-shm-cuda.json). Against NIXL in GPU memory (--gpu 0 --nixl):
-not measured yet.
+case's ratio to NIXL.
+
+What it measured on our machines, and why each gap to fi_rma_bw or NIXL is what it is (the
+bytes touched, the completion per WRITE): results/transfer/README.md.
 """
 import argparse
 import os
@@ -129,9 +109,10 @@ def rank_main(args):
         region = eng.register(buf)
         theirs = eng.remote(group.allgather(region.descriptor())[other])
         if me == 0:
+            inject = (f"; injecting WRITEs of up to {eng.inject_size} B" if eng.inject_size else
+                      "; --inject, but this provider injects no WRITE here (inject size 0)")
             print(f"provider: {eng.provider}; {eng.nics}; spread {args.spread}"
-                  + (f"; injecting WRITEs of up to {eng.inject_size} B" if args.inject else ""),
-                  flush=True)
+                  + (inject if args.inject else ""), flush=True)
         rows, imm = [], 0
         for page in args.sizes:
             slots = size // page
