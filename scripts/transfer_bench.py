@@ -8,7 +8,9 @@ expects that many immediates, then says "ready" for the next repeat. The median 
 repeats is reported as Gbps and Mpps, next to fabtests' `fi_rma_bw -o writedata` at each
 size on the same provider (the median of as many runs), measured in the same run where it
 is found (bench.tools_prefix). Each size's data is checked once (seeded pages, wrong bytes
-counted).
+counted). For the median repeat it also says where the time went (Transfer.phases): Python
+building the command, the worker picking it up, posting its WRITEs, the last completion
+coming, Python seeing it.
 
     .venv/bin/python scripts/transfer_bench.py -p shm
     .venv/bin/python scripts/transfer_bench.py -p tcp --page-sizes 4K,64K --pages 100 --repeats 5 --json
@@ -136,15 +138,17 @@ def rank_main(args):
                 span = min(args.window or slots, slots)
                 src = np.arange(count) % span
                 dst = np.random.default_rng(count).permutation(count) % span
-                times = []
+                times, phases = [], []
                 for _ in range(args.repeats):
                     if me == 0:
                         eng.recv(timeout)  # rank 1: ready
                         before = eng.stats()
-                        started = time.perf_counter()
-                        eng.write_pages(peer, region, src, theirs, dst, page, imm=imm,
-                                        inject=args.inject).wait()
-                        times.append(time.perf_counter() - started)
+                        started = time.monotonic_ns()
+                        t = eng.write_pages(peer, region, src, theirs, dst, page, imm=imm,
+                                            inject=args.inject).wait()
+                        ended = time.monotonic_ns()
+                        times.append((ended - started) * 1e-9)
+                        phases.append(t.phases(started, ended))
                         after = eng.stats()
                         refused = after["eagain"] - before["eagain"]
                         injected = after["injected"] - before["injected"]
@@ -153,14 +157,19 @@ def rank_main(args):
                         eng.expect(imm, count, timeout)
                 if me == 0:
                     elapsed = float(np.median(times))
+                    median = phases[int(np.argsort(times)[len(times) // 2])]
                     rows.append({"page_size": page, "pages": count, "repeats": args.repeats,
                                  "elapsed_s": elapsed, "gbps": 8 * count * page / elapsed / 1e9,
                                  "mpps": count / elapsed / 1e6, "wrong_bytes": wrong,
-                                 "eagain_last": refused, "injected_last": injected})
+                                 "eagain_last": refused, "injected_last": injected,
+                                 "phases_s": median})
                     r = rows[-1]
                     print(f"{page:>6} B x {count:>5} pages: {r['gbps']:8.3f} Gbps "
                           f"{r['mpps']:7.3f} Mpps (median of {args.repeats}; {wrong} wrong "
                           f"bytes; {refused} refusals, {injected} injected in the last)",
+                          flush=True)
+                    print(f"{'':>6}   the median repeat, {1e6 * sum(median.values()):.0f} us: "
+                          + ", ".join(f"{name} {1e6 * took:.0f}" for name, took in median.items()),
                           flush=True)
         group.barrier()
         if me == 0:

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -153,6 +154,25 @@ def test_bad_engine_arguments_are_refused_before_anything_opens():
             with pytest.raises(ValueError) as excinfo:
                 Engine(own, provider=kwargs.pop("provider", "shm"), **kwargs)
             one_line(excinfo, pattern)
+
+
+@pytest.mark.parametrize("pages", [1, 64])
+def test_a_commands_phases_are_in_order_and_add_up(engine, pages):
+    """Transfer.phases: the worker's stamps (queued, first and last post, done) fall between
+    the call and wait()'s return, in that order; one WRITE stamps its post twice."""
+    _, eng = engine
+    me = eng.connect(eng.address())
+    src = eng.register(np.ones(64 * 4096, np.uint8))
+    dst = eng.remote(eng.register(np.zeros(64 * 4096, np.uint8)).descriptor())
+    called = time.monotonic_ns()
+    t = eng.write_pages(me, src, range(pages), dst, range(pages), 4096, imm=3).wait()
+    returned = time.monotonic_ns()
+    phases = t.phases(called, returned)
+    assert list(phases) == list(transfer.PHASES)
+    assert all(took >= 0 for took in phases.values()), phases
+    assert abs(sum(phases.values()) - (returned - called) * 1e-9) < 1e-6
+    if pages == 1:
+        assert phases["posting"] == 0
 
 
 def test_a_list_of_writes_of_several_lengths_and_a_signal(engine):

@@ -17,6 +17,7 @@ struct tx_command {             // one transfer: `count` WRITEs of `length` byte
     int32_t status;                 // 0, or the first failure (a negative fi_errno) ...
     uint32_t failed_nic;
     char error[200];                // ... and its text (the provider's, fi_cq_strerror)
+    uint64_t ns[4];                 // CLOCK_MONOTONIC: queued, first and last WRITE posted, done
 };
 struct tx_worker {
     uint32_t nics;
@@ -137,8 +138,20 @@ static void tx_fail(struct tx_command *c, uint32_t nic, int rc, const char *text
     __atomic_store_n(&c->status, rc ? rc : -FI_EOTHER, __ATOMIC_RELEASE);
 }
 
+/* A command's timeline (ns[]): where a short transfer's time goes. */
+enum { TX_QUEUED, TX_FIRST_POST, TX_LAST_POST, TX_DONE };
+
+static uint64_t tx_now(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
 static void tx_complete(struct tx_worker *w, struct tx_command *c, uint64_t n)
 {
+    if (c->completed + c->skipped + n >= c->count)
+        c->ns[TX_DONE] = tx_now();  /* before the count: Python reads it once that is full */
     __atomic_add_fetch(&c->completed, n, __ATOMIC_RELEASE);
     __atomic_add_fetch(&w->completed, n, __ATOMIC_RELEASE);
 }
@@ -265,6 +278,12 @@ static uint64_t tx_post(struct tx_worker *w, struct tx_state *s, uint64_t budget
             continue;  /* the rest of it is skipped above */
         }
         s->op++;
+        if (s->op == 1 || s->op == c->count) {
+            uint64_t now = tx_now();
+            c->ns[TX_LAST_POST] = now;
+            if (s->op == 1)
+                c->ns[TX_FIRST_POST] = now;
+        }
         __atomic_store_n(&c->posted, c->posted + 1, __ATOMIC_RELEASE);
         w->posted++;
         if (inject) {  /* no completion will come: done now, counted below */
@@ -363,6 +382,7 @@ void tx_free(struct tx_worker *w)
    (head - tx_tail() < ring_size). */
 void tx_submit(struct tx_worker *w, struct tx_command *c)
 {
+    c->ns[TX_QUEUED] = tx_now();
     w->ring[w->head & (w->ring_size - 1)] = c;
     __atomic_store_n(&w->head, w->head + 1, __ATOMIC_RELEASE);
 }
