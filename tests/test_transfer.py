@@ -156,6 +156,23 @@ def test_bad_engine_arguments_are_refused_before_anything_opens():
             one_line(excinfo, pattern)
 
 
+def test_registered_memory_lives_as_long_as_its_registration():
+    """A region dropped by its caller stays registered until the engine closes, so the
+    engine holds its array: a peer's WRITE never lands in freed memory."""
+    import gc
+    import weakref
+    with fi.Closer() as own:
+        eng = Engine(own, provider="shm", timeout=patience(10))
+        array = np.zeros(4096, np.uint8)
+        held = weakref.ref(array)
+        eng.remote(eng.register(array).descriptor())
+        del array
+        gc.collect()
+        assert held() is not None
+    gc.collect()
+    assert held() is None
+
+
 @pytest.mark.parametrize("pages", [1, 64])
 def test_a_commands_phases_are_in_order_and_add_up(engine, pages):
     """Transfer.phases: the worker's stamps (queued, first and last post, done) fall between

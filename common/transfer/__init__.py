@@ -74,11 +74,10 @@ class Peer:
 class Region:
     """Memory registered on every NIC's domain, as a WRITE's source and target."""
 
-    def __init__(self, engine, ptr, size, descs, bases, keys, keep):
+    def __init__(self, engine, ptr, size, descs, bases, keys):
         self.engine, self.ptr, self.size = engine, ptr, size
         self.descs = _ffi.new("void *[]", descs)
         self.bases, self.keys = bases, keys
-        self._keep = keep  # the array: registered memory must outlive its registrations
 
     def descriptor(self):
         """Everything a peer needs to WRITE into this region: address, size, per NIC
@@ -230,6 +229,7 @@ class Engine:
         (w.eps, w.cqs, w.ring, w.imm_keys, w.imm_counts, w.imm_used) = self._arrays
         w.nics, w.slots, w.ring_size, w.imm_size, w.nap_us = n, slots, RING, IMM_TABLE, NAP_US
         self._regions = fi.Closer()  # the regions' registrations: closed once the worker stops
+        self._held = []  # ... and their arrays: a peer may WRITE into them until then
         self._signal = self.register(np.zeros(SIGNAL, np.uint8))
         self.rc, self.error = None, None
         self._thread = threading.Thread(target=self._run, args=(worker_cores(gpu),),
@@ -284,6 +284,7 @@ class Engine:
         self._w.stop = 1
         self._thread.join()
         self._regions.close()
+        self._held.clear()
 
     # --- addresses and regions ---------------------------------------------------------
 
@@ -333,7 +334,8 @@ class Engine:
 
     def register(self, array):
         """Register `array` (numpy, cupy or torch; contiguous; not copied) on every NIC's
-        domain, for WRITEs from it and into it. Keep the array alive while in use."""
+        domain, for WRITEs from it and into it. The engine holds the array until it closes,
+        as long as the registration lasts: a peer may WRITE into it until then."""
         ptr, size, gpu = buffer_of(array)
         if size == 0:
             raise ValueError("cannot register an empty array")
@@ -353,7 +355,8 @@ class Engine:
             descs.append(fi.mr_desc(mr))
             bases.append(fi.remote_base(info, ptr))
             keys.append(fi.mr_key(mr))
-        return Region(self, ptr, size, descs, bases, keys, array)
+        self._held.append(array)
+        return Region(self, ptr, size, descs, bases, keys)
 
     def remote(self, descriptor):
         """A peer's region from its descriptor (Region.descriptor() over there)."""
@@ -408,7 +411,7 @@ class Engine:
                                  f"holds {last} pages of {page_size} bytes")
         return self._submit(*self._command(peer, src, src_pages * np.uint64(page_size), dst,
                                            dst_pages * np.uint64(page_size), page_size, imm,
-                                           inject))
+                                           inject, in_range=True))
 
     def write_list(self, peer, src, src_offsets, dst, dst_offsets, lengths, imm=None,
                    inject=False):
@@ -431,10 +434,14 @@ class Engine:
         if not isinstance(dst, RemoteRegion):
             raise ValueError("the destination must be a RemoteRegion (Engine.remote)")
 
-    def _command(self, peer, src, src_offsets, dst, dst_offsets, length, imm, inject=False):
+    def _command(self, peer, src, src_offsets, dst, dst_offsets, length, imm, inject=False,
+                 in_range=False):
         """A command for the worker, every argument checked: ValueError, nothing posted.
-        `length`: every WRITE's, or an array of one per WRITE."""
-        self._check_ends(peer, src, dst)
+        `length`: every WRITE's, or an array of one per WRITE. `in_range`: the caller
+        checked the ends and that every byte lies inside both regions (write_pages: its
+        page numbers), which takes numpy a few microseconds a command."""
+        if not in_range:
+            self._check_ends(peer, src, dst)
         lengths = length if isinstance(length, np.ndarray) else None
         if lengths is None and not isinstance(length, (int, np.integer)):
             raise ValueError(f"a WRITE's length must be an integer, not {length!r}")
@@ -444,8 +451,8 @@ class Engine:
             if not 0 < size <= self.max_write:
                 raise ValueError(f"a WRITE's length must be 1 to {self.max_write} bytes "
                                  f"({self.provider}'s largest), not {size}")
-        for offsets, region, name in ((src_offsets, src, "source"),
-                                      (dst_offsets, dst, "destination")):
+        for offsets, region, name in () if in_range else ((src_offsets, src, "source"),
+                                                          (dst_offsets, dst, "destination")):
             ends = offsets + (lengths if lengths is not None else np.uint64(length))
             if len(offsets) and int(ends.max()) > region.size:
                 at = int(np.argmax(ends))
@@ -628,11 +635,11 @@ class Engine:
 
 def pages_of(pages, name, what="page numbers"):
     array = np.asarray(pages)
-    if array.ndim != 1 or (len(array) and not np.issubdtype(array.dtype, np.integer)):
+    if array.ndim != 1 or (len(array) and array.dtype.kind not in "iu"):
         raise ValueError(f"{name} must be a sequence of {what}")
-    if len(array) and array.min() < 0:
+    if len(array) and array.dtype.kind == "i" and array.min() < 0:
         raise ValueError(f"{name} has a negative {what[:-1]} ({int(array.min())})")
-    return array.astype(np.uint64)
+    return array.astype(np.uint64, copy=False)
 
 
 def buffer_of(array):
