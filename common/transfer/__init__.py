@@ -639,7 +639,7 @@ def pages_of(pages, name, what="page numbers"):
         raise ValueError(f"{name} must be a sequence of {what}")
     if len(array) and array.dtype.kind == "i" and array.min() < 0:
         raise ValueError(f"{name} has a negative {what[:-1]} ({int(array.min())})")
-    return array.astype(np.uint64, copy=False)
+    return array.astype(np.uint64)  # a copy: the worker reads it after the caller returns
 
 
 def buffer_of(array):
