@@ -48,7 +48,6 @@ What it looks at, and why:
 
     .venv/bin/python scripts/doctor.py --sysfs DIR --dev DIR   # a described machine (tests)
 """
-import argparse
 import ctypes.util
 import os
 import re
@@ -57,6 +56,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import usage  # noqa: E402
 from common.engine import topo  # noqa: E402
 from common.fabric import cuda_driver  # noqa: E402
 
@@ -370,13 +370,8 @@ def summary(lines, real_nic, buses):
     return "nothing to fix"
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not usage + error
-        self.exit(2, f"doctor.py: error: {message}\n")
-
-
 def main():
-    p = Parser(description=__doc__.split("\n\n")[0])
+    p = usage.Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sysfs", default="/sys", help="root of sysfs (default /sys)")
     p.add_argument("--dev", default="/dev", help="device directory (default /dev)")
     args = p.parse_args()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from common import usage  # noqa: E402
 from common.patience import patience  # noqa: E402
 ADDRESS = re.compile(r"^server address: ([0-9a-f]+)$", re.MULTILINE)
 
@@ -147,11 +148,6 @@ def run_pair(chapter, provider=None, server_args=(), client_args=((),), env=None
     return pair
 
 
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's usage + error is two lines: one is enough
-        self.exit(2, f"pair: {message}\n")
-
-
 def seconds(text):
     try:
         value = float(text)
@@ -163,7 +159,7 @@ def seconds(text):
 
 
 def main():
-    p = OneLineParser(description=__doc__.split("\n\n")[0])
+    p = usage.Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("chapter", help="chapter number, e.g. 04")
     p.add_argument("-p", "--provider")
     p.add_argument("--clients", type=int, default=1, help="how many clients to run in turn")

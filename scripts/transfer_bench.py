@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
-from common import launch  # noqa: E402
+from common import launch, usage  # noqa: E402
 from common.patience import patience  # noqa: E402
 
 CAP = 1 << 26  # bytes of each side's buffer at most: 10,000 pages of 64 KiB wrap around in it
@@ -52,7 +52,7 @@ CAP = 1 << 26  # bytes of each side's buffer at most: 10,000 pages of 64 KiB wra
 
 def parse():
     from common.cli import parse_size
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = usage.Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("-p", "--provider", default=None)
     p.add_argument("--page-sizes", default="1K,4K,8K,16K,64K",
                    help="comma-separated sizes (K/M/G)")

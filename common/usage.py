@@ -1,0 +1,9 @@
+"""Bad command lines in one line, for the scripts that do not load libfabric to parse their
+flags (common/cli's parser does: a chapter's flags name providers). The standard library
+only."""
+import argparse
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints its usage and then the error: two lines
+        self.exit(2, f"{self.prog}: error: {message}\n")
