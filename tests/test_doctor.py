@@ -264,6 +264,13 @@ def test_a_net_plugin_that_loads_its_own_libfabric_is_found_in_the_process(tmp_p
         f"and {copy}: ")
 
 
+@pytest.mark.skipif(not shutil.which("cc"), reason="needs a C compiler")
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    """Ctrl-C while the doctor loads what an engine would: the plugin sends it itself."""
+    _, done = with_plugin(tmp_path, "raise(SIGINT)")
+    assert done.returncode == 130 and done.stderr == "doctor.py: interrupted\n"
+
+
 @pytest.mark.parametrize("current,status", [(lambda: True, OK), (lambda: False, FIX)])
 def test_registering_gpu_memory_by_dmabuf_needs_a_current_cuda_context(monkeypatch, current,
                                                                        status):
