@@ -230,6 +230,10 @@ class Engine:
         w.nics, w.slots, w.ring_size, w.imm_size, w.nap_us = n, slots, RING, IMM_TABLE, NAP_US
         self._regions = fi.Closer()  # the regions' registrations: closed once the worker stops
         self._held = []  # ... and their arrays: a peer may WRITE into them until then
+        # A callback of its own, not a step of _stop: a Ctrl-C that cuts into the worker's
+        # join must not skip them, or the domain is closed under them (fi_close: -EBUSY)
+        own.callback(self._held.clear)
+        own.callback(self._regions.close)
         self._signal = self.register(np.zeros(SIGNAL, np.uint8))
         self.rc, self.error = None, None
         self._thread = threading.Thread(target=self._run, args=(worker_cores(gpu),),
@@ -283,8 +287,6 @@ class Engine:
     def _stop(self):
         self._w.stop = 1
         self._thread.join()
-        self._regions.close()
-        self._held.clear()
 
     # --- addresses and regions ---------------------------------------------------------
 
