@@ -66,6 +66,7 @@ class Spec:
     window: float = 3.0        # the fault lands within this many seconds of the start...
     from_output: bool = False  # ...of the client's first line (else of its launch)
     again: list = None         # a server serving more: the second client's arguments
+    program: Path = None       # what runs, if not the chapter's file (the tests' fakes)
 
 
 PAGES = ["--page-size", "4K", "--buffer-size", "1M", "--pages", "0-63"]
@@ -405,8 +406,8 @@ def land(run, victim, trial, start):
 
 
 def pair_trial(run, trial, spec, bound):
-    path, common = str(chapter_path(trial.chapter)), ["-p", trial.provider,
-                                                      "--timeout", f"{TIMEOUT:g}"]
+    path = str(spec.program or chapter_path(trial.chapter))
+    common = ["-p", trial.provider, "--timeout", f"{TIMEOUT:g}"]
     server = run.start("server", [sys.executable, path, *common, *spec.server])
     if not wait_for(lambda: ADDRESS.search("".join(server.out)) or not server.alive(),
                     patience(30)) or not server.alive():
