@@ -306,7 +306,7 @@ class Run:
         self.trial, self.token = trial, uuid.uuid4().hex
         self.env = local_env({TOKEN: self.token})
         self.procs = []
-        self.killed = set()  # pids this run SIGKILLed: their shm regions are its to remove
+        self.killed = set()  # pids killed by SIGKILL: their shm regions are this run's to remove
         self.watch = Watch(self.token)
 
     def start(self, name, args, kind=Proc):
@@ -338,13 +338,16 @@ class Run:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        self.killed.update(p.pid for p in self.procs if p.rc == -signal.SIGKILL)
         pids = self.watch.pids | {p.pid for p in self.procs}
         files = leftovers(pids, self.watch.files)
         # A process killed by SIGKILL cannot remove its own region; whoever killed it
         # must (so a launcher must for its ranks: common/launch.py _remove_leftovers).
         left = [f for f in files if f.split(":")[0] not in {str(p) for p in self.killed}]
+        owners = {str(p.pid): p.name for p in self.procs}
         if left:
-            self.trial.problems.append(f"left in {SHM}: {' '.join(left)}")
+            self.trial.problems.append(f"left in {SHM}: " + " ".join(
+                f"{f} ({owners.get(f.split(':')[0], 'of the trial')})" for f in left))
         for name in files:
             (SHM / name).unlink(missing_ok=True)
 
