@@ -213,9 +213,21 @@ def run(main):
         except UsageError as e:
             _last_words(f"{name}: error: {e}", EXIT_USAGE)
         except (FabricError, TimeoutError, ValueError, ConnectionError) as e:
+            if interrupted(e):
+                raise KeyboardInterrupt from e
             _last_words(f"{name}: error: {e}", EXIT_ERROR)
     except KeyboardInterrupt:  # also one that cut in while an error above was being said
         _last_words(f"{name}: interrupted, resources closed", EXIT_INTERRUPTED)
+
+
+def interrupted(error):
+    """Whether `error` was raised while a Ctrl-C or SIGTERM (KeyboardInterrupt) was unwinding
+    the stack, by a close in the clean-up, say: then the interrupt is what happened."""
+    while error is not None:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        error = error.__context__
+    return False
 
 
 def _last_words(line, code):

@@ -187,7 +187,7 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
         while len(message := control.queue.next_message(inbox, args.timeout)) != LANDED.size:
             backlog.append(message)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-    except BaseException as e:
+    except Exception as e:  # this client failed (not Ctrl-C: opqueue.drain says why)
         for lane in lanes + [control]:
             lane.queue.drain(args.timeout)
         if not started and isinstance(e, (fi.FabricError, ValueError)):

@@ -124,8 +124,14 @@ class OpQueue:
         return len(self.busy) - len(self.free)
 
     def drain(self, timeout):
-        """After a failure: wait (bounded) for what is in flight, so no completion of
-        ours lands on the next client's queue, and no WRITE reads freed memory."""
+        """After a client's failure: wait (bounded) for what is in flight, so no completion
+        of ours lands on the next client's queue, and no WRITE reads freed memory.
+
+        Never after Ctrl-C (KeyboardInterrupt): it mostly lands just after fi_writemsg or
+        fi_cq_read returns, where the call spends its time, before this queue has noted
+        what the call did, so a drain would meet "a second completion" or wait in vain
+        for completions already read. The process is ending then, and closing the
+        endpoint discards what is still posted (man/fi_endpoint.3.md, fi_close)."""
         deadline = time.monotonic() + timeout
         self.pending.clear()
         while self.in_flight() and time.monotonic() < deadline:
