@@ -39,6 +39,15 @@ def write_messages(source, page_size, pages, which, regions, desc, dest):
     return [messages + i for i in range(n)], keep
 
 
+def verified(checked, asked, total, iters, page_size, wrong):
+    """The client's line on its check: `checked` pages of the `total` it asked for (`asked`
+    names them, "64" or "2 x 64"), which are those that `iters` WRITEs cycling over them
+    reach: only the first ones when there are fewer WRITEs than pages."""
+    what = f"{asked} pages" if checked == total else f"{checked} of {asked} pages"
+    reach = "" if checked == total else f", the ones {iters} WRITEs reach"
+    return f"verified {what} ({checked * page_size} bytes){reach}: {wrong} wrong bytes"
+
+
 class OpQueue:
     """Operations handed to the provider, or waiting in order for room after -FI_EAGAIN.
 
