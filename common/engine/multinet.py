@@ -222,10 +222,13 @@ def written(pages, iters, groups, per_group):
     """Per group, the pages its lanes' WRITEs reach (both sides compute it): each lane
     cycles over its lane_pages, so with fewer WRITEs than pages it reaches the first ones."""
     counts = lane_iters(iters, groups * per_group)
-    return [[pages[j] for j in sorted({j for n in range(per_group)
-                                       for j in lane_pages(n, per_group, len(pages))
-                                       [:counts[g * per_group + n]]})]
-            for g in range(groups)]
+    reached = []
+    for g in range(groups):
+        mine = set()  # indexes into `pages`: two lanes may share one where pages are few
+        for n in range(per_group):
+            mine.update(lane_pages(n, per_group, len(pages))[:counts[g * per_group + n]])
+        reached.append([pages[j] for j in sorted(mine)])
+    return reached
 
 
 def write_all(lanes, control, beat, page_size, timeout):
@@ -311,8 +314,9 @@ def client(info, args, addr, infos):
         reached = written(args.pages, args.iters, groups, per_group)
         wrong = [memory.count_wrong(bs, args.page_size, args.seed + g, reached[g])
                  for g, bs in enumerate(buffers)]
-        print(verified(sum(map(len, reached)), f"{groups} x {len(args.pages)}", groups
-                       * len(args.pages), args.iters, args.page_size, sum(wrong)))
+        asked = f"{groups} x {len(args.pages)}"
+        print(verified(sum(map(len, reached)), asked, groups * len(args.pages), args.iters,
+                       args.page_size, sum(wrong)))
         if sum(data) != args.iters or sum(wrong):
             raise ValueError(f"{sum(wrong)} wrong bytes, immediates add up to {sum(data)} "
                              f"(expected {args.iters})")
