@@ -143,15 +143,16 @@ def parse_size(text):
     return int(m[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[m[2].upper()]
 
 
-def count(lo, hi):
-    """An argparse type: a whole number in lo..hi."""
+def count(lo, hi=None):
+    """An argparse type: a whole number in lo..hi (no upper bound: hi None)."""
     def parse(text):
         try:
             value = int(text)
         except ValueError:
             value = None
-        if value is None or not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"expected a number {lo}..{hi}, not '{text}'")
+        if value is None or value < lo or (hi is not None and value > hi):
+            expected = f"{lo}..{hi}" if hi is not None else f"{lo} or more"
+            raise argparse.ArgumentTypeError(f"expected a number {expected}, not '{text}'")
         return value
     return parse
 
@@ -166,7 +167,8 @@ def add_pages(p, pages, buffer_size, gpu=True):
          p.add_argument("--buffers", type=int, default=2, help="buffers (default 2)"),
          p.add_argument("--buffer-size", type=parse_size, default=buffer_size,
                         help=f"bytes per buffer (default {size})"),
-         p.add_argument("--seed", type=int, default=42, help="what the pages are filled from"))
+         p.add_argument("--seed", type=count(0, (1 << 64) - 1), default=42,  # a uint64 in CONNECT
+                        help="what the pages are filled from"))
     if gpu:
         p.add_argument("--gpu", type=int, help="this side's memory on this GPU: the client's "
                        "buffers, the server's pages")
@@ -174,7 +176,7 @@ def add_pages(p, pages, buffer_size, gpu=True):
 
 
 def add_clients(p):
-    side("server", p.add_argument("--clients", type=int, default=0,
+    side("server", p.add_argument("--clients", type=count(0), default=0,
                                   help="exit after this many clients (default: serve until "
                                   "Ctrl-C)"))
 
@@ -213,9 +215,21 @@ def run(main):
         except UsageError as e:
             _last_words(f"{name}: error: {e}", EXIT_USAGE)
         except (FabricError, TimeoutError, ValueError, ConnectionError) as e:
+            if interrupted(e):
+                raise KeyboardInterrupt from e
             _last_words(f"{name}: error: {e}", EXIT_ERROR)
     except KeyboardInterrupt:  # also one that cut in while an error above was being said
         _last_words(f"{name}: interrupted, resources closed", EXIT_INTERRUPTED)
+
+
+def interrupted(error):
+    """Whether `error` was raised while a Ctrl-C or SIGTERM (KeyboardInterrupt) was unwinding
+    the stack, by a close in the clean-up, say: then the interrupt is what happened."""
+    while error is not None:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        error = error.__context__
+    return False
 
 
 def _last_words(line, code):

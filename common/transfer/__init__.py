@@ -330,8 +330,8 @@ class Engine:
             if len(control) != length or any(not n for n in names) or not count:
                 raise ValueError
         except (struct.error, ValueError, TypeError):
-            raise ValueError(f"not an engine's address ({len(address)} bytes): "
-                             "use Engine.address()") from None
+            raise ValueError(f"not an engine's address ({len(address)} bytes): copy the "
+                             "whole address that the server printed") from None
         return ident, control, names, signal
 
     def register(self, array):
@@ -549,10 +549,12 @@ class Engine:
         self._sent = False
         self._until(lambda: fi.posted("fi_sendmsg", lib.fi_sendmsg(
             self._cep, msg, lib.FI_COMPLETION | lib.FI_REMOTE_CQ_DATA)), self.timeout,
-            lambda: f"control message to peer {peer.index} accepted within {self.timeout:g} s")
+            lambda: f"no control message to peer {peer.index} could be sent within "
+                    f"{self.timeout:g} s (the provider's queue stayed full): is the peer "
+                    "still running?")
         self._until(lambda: self._sent, self.timeout,
-                    lambda: f"control message to peer {peer.index} completed within "
-                            f"{self.timeout:g} s")
+                    lambda: f"a control message to peer {peer.index} did not complete within "
+                            f"{self.timeout:g} s: is the peer still running?")
 
     def recv(self, timeout=None):
         """(the Peer that sent it, or None if not connected yet, the bytes) of the next
