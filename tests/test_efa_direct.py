@@ -35,6 +35,16 @@ def test_a_chapter_prints_the_name_that_picks_its_fabric(monkeypatch, capsys):
     assert fi.name_of(fake_info.infos(fake_info.Entry("x", provider="verbs;ofi_rxm"))) == "verbs"
 
 
+def test_chapters_09_to_15_refuse_it_in_one_line():
+    """Their client never inserts the server's NICs: efa-direct's device would drop the
+    WRITEs (tests/test_rules.py shows the rule caught in their runs)."""
+    for chapter in (9, 14):
+        done = subprocess.run([sys.executable, str(chapter_path(chapter)), "-p", "efa-direct"],
+                              capture_output=True, text=True, env=local_env({}), timeout=60)
+        assert_one_line_error(done, "-p efa-direct: chapters 09-15 cannot follow it")
+        assert done.returncode == 2
+
+
 def test_no_efa_direct_here_is_one_line():
     for chapter in (4, 6):
         done = subprocess.run([sys.executable, str(chapter_path(chapter)), "-p", "efa-direct"],

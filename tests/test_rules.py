@@ -26,6 +26,7 @@ CQ = "more operations in flight than the CQ has entries"  # words of two of efa'
 CONNECT = "a SEND larger than the 8928-byte EFA MTU"
 HINTS = "hints without mode FI_CONTEXT2 or mr_mode FI_MR_LOCAL, FI_MR_ALLOCATED"
 MORE = "the CQ read with a batch left open"
+AV = "rules of efa-direct: a WRITE arrived at an endpoint whose AV has no peer in it"
 
 
 def env(rules):
@@ -55,6 +56,9 @@ PAIRS = [
                           for rules in RULES for case in PAIRS])
 def test_chapter_keeps_the_rules(rules, chapter, server_args, client_args, provider):
     pair = run_pair(chapter, provider, server_args, client_args, env=env(rules))
+    if rules == "efa-direct" and 9 <= chapter <= 15:  # why they refuse -p efa-direct
+        assert AV in "".join(c.err for c in pair.clients), pair
+        return
     assert pair.ok and not pair.stopped, pair
     out = "".join(c.out for c in pair.clients)
     if chapter >= 6:
@@ -188,7 +192,7 @@ BROKEN = {  # rule: (what breaks it, the error line's words, rule sets that have
         "poller.until_posted(lambda: tpoller.poll() >= 0 and fi.writemsg(ep, src.ptr, 64, "
         "desc, target, fi.remote_base(info, tdst.ptr), tkey, ctx, data=5), 10, 'the WRITE')\n"
         "tpoller.wait_remote_data(10, 'the immediate')",
-        "a WRITE arrived at an endpoint whose AV has no peer in it", ["efa-direct"]),
+        AV.split(": ", 1)[1], ["efa-direct"]),
     "mutex wait object": (
         "attr = ffi.new('struct fi_cq_attr *', {'size': 8, 'format': lib.FI_CQ_FORMAT_DATA, "
         "'wait_obj': lib.FI_WAIT_MUTEX_COND})\n"
