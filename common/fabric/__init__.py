@@ -21,7 +21,7 @@ try:
     from common._fabric import ffi, lib
 except ImportError as e:  # not built, or libfabric.so gone since
     sys.exit(f"libfabric binding unavailable ({e}): run 'bash scripts/setup.sh'")
-from common.fabric import rules  # FABRIC_RULES=efa|verbs: every call checked as those NICs would
+from common.fabric import rules  # FABRIC_RULES=efa|efa-direct|verbs: calls checked as those NICs would
 
 # The API version our headers describe; libfabric 2.x still serves 1.x callers.
 API_VERSION = (lib.FI_MAJOR_VERSION << 16) | lib.FI_MINOR_VERSION

@@ -43,6 +43,11 @@
  *                WRITE's immediate arrives, at an endpoint whose AV is still empty.
  *   wait objects FI_WAIT_UNSPEC or FI_WAIT_FD for a blocking read, from 2.3 (efa_cq.c,
  *                man/fi_efa.7.md), or none.
+ *   Not checked: a context twice in flight (each of ours comes from a free list), the
+ *                order of WRITEs (efa-direct keeps none: ours wait for completions),
+ *                and a receive per immediate (FI_RX_CQ_DATA, 2.4, where the device has no
+ *                unsolicited write receive: we do not offer it, so efa-direct lists no
+ *                FI_RMA entry there, efa_user_info.c).
  * Every rule set:
  *   FI_MORE      a batch posted with FI_MORE ("more to come at once": the provider may hold
  *                its doorbell, efa_data_path_direct_entry.h) is closed by a post without it
