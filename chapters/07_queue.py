@@ -70,6 +70,21 @@ LESSON = {"figure": "refused", "visible": {"at_least": 1},
           "client": "--page-size 4K --buffer-size 1M --pages 0-63 --iters 100000"}
 
 # %% [markdown]
+# ## efa-direct: what a WRITE demands of the device alone (-p efa-direct)
+# efa's fabric "efa-direct" (chapter 03) turns each call into one work request for the
+# device: no emulation, no staging (prov/efa/docs/efa_fabric_comparison.md). It asks of
+# us what efa's RDM fabric "efa" would otherwise do for us: a descriptor for every
+# buffer (FI_MR_LOCAL, FI_MR_ALLOCATED), a struct fi_context2 per operation
+# (FI_CONTEXT2), SENDs within the device's MTU (about 8 KiB), WRITEs of at most 2
+# buffers into one remote iov and up to its max_rdma_size (about 1 GiB) in no order, RMA
+# inject of 0 bytes only (efa_rma.c), and the target's AV holding the initiator before
+# the first WRITE. 04-08, 16 and 19 keep all of that (FABRIC_RULES=efa-direct checks it on
+# shm and tcp); 09-15 refuse -p efa-direct, as their client never puts the server's NICs
+# in its AVs (common/engine/multinet.py). None posts a receive per immediate: on a device
+# without unsolicited write receive efa-direct demands that (FI_RX_CQ_DATA,
+# efa_user_info.c) and lists nothing for FI_RMA here, and -p efa is the way.
+
+# %% [markdown]
 # ## Motivation
 #     client                                         server
 #     register B buffers of 1 GiB

@@ -82,8 +82,9 @@ def shown(path):
 def parser(doc, **kw):
     """An ArgumentParser whose description is the first paragraph of the chapter's docstring."""
     p = Parser(description=doc.strip().split("\n\n")[0], **kw)
-    p.add_argument("-p", "--provider", help="libfabric provider (efa, verbs, shm, tcp, ...); "
-                   "default: the first of efa, verbs, shm, tcp usable here")
+    p.add_argument("-p", "--provider", help="libfabric provider (efa, verbs, shm, tcp, ...) or "
+                   "efa's fabric efa-direct; default: the first of efa, verbs, shm, tcp usable "
+                   "here")
     p.add_argument("--timeout", type=float, default=patience(PEER_TIMEOUT),
                    help=f"seconds to wait for the peer (default {PEER_TIMEOUT:g}, stretched by "
                    "this machine's load: %(default).0f now)")
@@ -101,7 +102,7 @@ def pick_provider(args, caps=fi.lib.FI_MSG, hmem=False, shm=True):
     `hmem`: the run's buffers are GPU memory. `shm` False: a benchmark, whose
     endpoints keep efa off its shm path (fi.forbid_shm): said too."""
     info, why = fi.pick(args.provider, caps, hmem)
-    args.provider_used = fi.provider_of(info).split(";")[0]  # for commands we print
+    args.provider_used = fi.name_of(info)  # for commands we print
     print(f"provider: {fi.provider_of(info)} ({why}), fabric {fi.string(info.fabric_attr.name)}, "
           f"domain {fi.string(info.domain_attr.name)}")
     if not shm and args.provider_used == "efa":

@@ -27,7 +27,8 @@ What it looks at, and why:
   libfabric's own protocols on top; prov/efa/src/efa_prov.c).
 - fabric: per chapter, the provider, fabric and domain its hints (caps, mr_mode)
   pick here, by the chapters' own fi.pick; efa 2.x lists efa-direct before efa
-  (prov/efa/src/efa_prov.c), the chapters take efa (common/fabric FABRICS).
+  (prov/efa/src/efa_prov.c) to hints with mode FI_CONTEXT2 (prov/util/src/util_attr.c
+  drops it otherwise), -p efa takes efa, -p efa-direct efa-direct (common/fabric FABRICS).
 - RDMA read/write on efa: efa-direct claims FI_RMA only when the device does
   RDMA read, RDMA write and unsolicited-write receive
   (prov/efa/src/efa_prov_info.c); without them, efa's RDM fabric emulates a
@@ -299,14 +300,16 @@ def fabric_line(fi, chapters, caps):
         listed = fabrics_listed(fi, provider, caps)
         if any(name != wanted for name in listed):
             text += (f"; {provider} lists {', '.join(listed)} for these hints, the chapters "
-                     f"take {wanted} (common/fabric FABRICS)")
+                     f"take {wanted}, and {fi.DIRECT} with -p {fi.DIRECT} (common/fabric FABRICS)")
     return (OK, "fabric", text)
 
 
 def fabrics_listed(fi, provider, caps):
-    """The fabrics `provider` offers for `caps`, in its order (efa's: prov/efa/src/efa_prov.c)."""
+    """The fabrics `provider` offers for `caps`, in its order (efa's: prov/efa/src/efa_prov.c),
+    to hints with efa-direct's mode too (DIRECT_MODE), or it would not be listed."""
     try:
-        head = fi.getinfo(fi.hints(provider, caps=caps, fabric=False))
+        head = fi.getinfo(fi.hints(provider, caps=caps, fabric=False,
+                                   mode=fi.MODE | fi.DIRECT_MODE))
     except fi.FabricError:
         return []
     return list(dict.fromkeys(fi.string(i.fabric_attr.name) for i in fi.each(head)))

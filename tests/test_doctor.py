@@ -314,8 +314,8 @@ def test_each_chapter_is_told_the_fabric_its_hints_pick(monkeypatch):
     assert [line[:2] for line in lines] == [(OK, "fabric")] * 3
     assert fabric_text(lines, "chapters 06-07, 09-19") == (
         "chapters 06-07, 09-19 (FI_MSG, FI_RMA): efa (default), fabric efa, domain "
-        "rdmap79s0-rdm; efa lists efa-direct, efa for these hints, the chapters take efa "
-        "(common/fabric FABRICS)")
+        "rdmap79s0-rdm; efa lists efa-direct, efa for these hints, the chapters take efa, "
+        "and efa-direct with -p efa-direct (common/fabric FABRICS)")
     monkeypatch.setattr(fi, "getinfo", fake_getinfo([rdm]))  # libfabric 1.x: efa alone
     assert fabric_text(doctor.fabric_lines(fi), "chapter 08") == (
         "chapter 08 (FI_RMA): efa (default), fabric efa, domain rdmap79s0-rdm")

@@ -412,6 +412,15 @@ def parse(doc, add_args=None):
     return args
 
 
+# efa-direct's device takes a WRITE only from a peer in the target's AV (the initiator
+# inserted before the first WRITE: prov/efa/docs/efa_fabric_comparison.md); efa's RDM
+# fabric needs no such thing. Our client puts only the server's control address in an AV,
+# never the server's NICs (FABRIC_RULES=efa-direct shows it).
+NO_DIRECT = ("-p efa-direct: chapters 09-15 cannot follow it: their client never puts the "
+             "server's NICs in its AVs, and efa-direct's target must hold its initiator before "
+             "the first WRITE; use -p efa")
+
+
 def run(doc, chapter, warmup=None, engine=None, add_args=None, lesson=None):
     """A chapter's main(): server or client, as chapter 09 shows them. Later chapters
     pass `warmup` (run before the clock), `engine` (what posts the WRITEs: write_all
@@ -419,6 +428,8 @@ def run(doc, chapter, warmup=None, engine=None, add_args=None, lesson=None):
     whose client run the server prints as the client command."""
     args = parse(doc, add_args)
     args.chapter, args.number, args.lesson = chapter, int(chapter[:2]), lesson
+    if args.provider == fi.DIRECT:
+        raise cli.UsageError(NO_DIRECT)
     info, addr = cli.peer(args, CAPS, hmem=bool(args.gpus), shm=False)
     if addr is None:
         return server(info, args, warmup, engine and (lambda *a: engine(args, *a)))
