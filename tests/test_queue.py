@@ -137,6 +137,19 @@ def test_07_a_second_completion_is_caught(monkeypatch):
         queue.progress()
 
 
+def test_07_our_full_queue_is_not_counted_as_the_providers(monkeypatch):
+    """A post held back because all our contexts are in flight is no -FI_EAGAIN."""
+    ch = load_chapter()
+    monkeypatch.setattr(queue_module, "lib", type("Lib", (), {
+        "fi_writemsg": staticmethod(lambda ep, msg, flags: 0), "FI_EAGAIN": ch.lib.FI_EAGAIN,
+        "FI_COMPLETION": ch.lib.FI_COMPLETION}))
+    messages = queue_module.ffi.new("struct fi_msg_rma[]", 2)
+    queue = ch.OpQueue(None, None, None, slots=1)
+    queue.write(messages + 0)
+    queue.write(messages + 1)
+    assert (queue.eagain, queue.full, len(queue.pending)) == (0, 1, 1)
+
+
 def test_07_drain_empties_the_cq_of_errors_without_a_context(monkeypatch):
     """shm from libfabric 2.5 leaves an error entry with no context for every failed post
     to a gone peer: after a failure the queue reads them all, so that the server's wait

@@ -58,7 +58,9 @@ class OpQueue:
         self.busy = bytearray(slots)         # what that context is doing: 0, WRITE or SEND
         self.pending = collections.deque()  # (kind, message, flags) not taken yet
         self.entries = fi.cq_entries(64)
-        self.completed = self.eagain = self.sends = 0
+        # Posts refused by the provider (-FI_EAGAIN), and posts held back because every
+        # context of ours was in flight: two different queues full, counted apart.
+        self.completed = self.eagain = self.full = self.sends = 0
 
     def write(self, msg, flags=lib.FI_COMPLETION):
         self.submit(WRITE, msg, flags)
@@ -74,6 +76,7 @@ class OpQueue:
 
     def _post(self, kind, msg, flags):
         if not self.free:  # every context in flight: wait for completions like for EAGAIN
+            self.full += 1
             return False
         slot = self.free.popleft()
         msg.context = self.context[slot]
