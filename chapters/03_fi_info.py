@@ -5,6 +5,11 @@ give me an endpoint with these capabilities?". A domain is one NIC (or, for
 shm and tcp, one local stand-in for it); its fi_info says how memory must be
 registered (mr_mode), what the endpoint can do (caps), how fast the link is,
 and where the NIC sits on the PCIe bus - the facts chapters 06-15 build on.
+The first line says which libfabric the binding loaded: Debian's 1.17, or one
+of scripts/build_libfabric.sh (2.6.0 by default, 2.1.0 on request). 2.x wants
+hints from fi_allocinfo, names tcp's own RDM endpoint "tcp" (1.x: "tcp;ofi_rxm")
+and, from 2.1, lists efa's "efa-direct" fabric before "efa"; 2.5 rewrote shm.
+README's "Using another libfabric" says what that changes in chapters 06-07.
 
     .venv/bin/python chapters/03_fi_info.py                     # everything, one line each
     .venv/bin/python chapters/03_fi_info.py -p shm -v           # one provider, in detail
