@@ -5,9 +5,12 @@ give me an endpoint with these capabilities?". A domain is one NIC (or, for
 shm and tcp, one local stand-in for it); its fi_info says how memory must be
 registered (mr_mode), what the endpoint can do (caps), how fast the link is,
 and where the NIC sits on the PCIe bus - the facts chapters 06-15 build on.
-A provider may drive a NIC through several fabrics: from libfabric 2.1 efa
-lists each device twice, fabric "efa-direct" first, then "efa"
-(prov/efa/src/efa_prov.c); `-p efa-direct` takes the first (chapter 07).
+The first line says which libfabric the binding loaded: Debian's 1.17, or one
+of scripts/build_libfabric.sh (2.6.0 by default, 2.1.0 on request). 2.x wants
+hints from fi_allocinfo, names tcp's own RDM endpoint "tcp" (1.x: "tcp;ofi_rxm")
+and, from 2.1, lists each efa device twice, fabric "efa-direct" first, then "efa"
+(prov/efa/src/efa_prov.c; `-p efa-direct` takes the first, chapter 07); 2.5
+rewrote shm. README's "Using another libfabric" says what that changes in 06-07.
 
     .venv/bin/python chapters/03_fi_info.py                     # everything, one line each
     .venv/bin/python chapters/03_fi_info.py -p shm -v           # one provider, in detail

@@ -57,21 +57,24 @@ vendored source; shm, pages and client buffers in GPU 0 memory; commit 7bf55eb):
     verified 16 pages (16777216 bytes): 0 wrong bytes
 
 --bad-key (client) sends a key that no registration has; who notices is the
-provider's choice. shm checks it on the target, when the target's CQ read
-takes the command (ofi_mr_map_verify in prov/shm/src/smr_progress.c), drops
-the WRITE with a warning (FI_LOG_LEVEL=warn) and answers nothing, so the
-server waits for a completion that never comes. tcp checks it on arrival
-(xnet_handle_write, prov/tcp/src/xnet_progress.c) and closes the connection,
-mostly after the writer's WRITEs have completed. EFA's device fails the
-WRITE on the writer's CQ: "Remote key (RKEY) not registered or does not match
-remote IOVA" (prov/efa/src/efa_errno.h). On the 2-core VM with Debian's
-libfabric 1.17 (commit 51c3160, --timeout 3 on both sides): shm, the server
-gives up with "no last WRITE completion within 3 s"; tcp, the server said it
-wrote 16 pages in 2 runs of 3, and in the other "client 1: gone: fi_cq_read:
-Broken pipe (ret -107)", the connection closed before its last WRITE
-completed; both clients: "no WRITE with immediate data from the server within 3 s". A
-silent target is why the client checks every byte and the immediate instead
-of trusting the absence of an error.
+provider's choice, and the client, which checks the immediate data and every
+byte, is the one side that always does. shm copies a WRITE without immediate
+data itself, by CMA into the target's memory, checking no key, wrong or right
+(smr_rma_fast, prov/shm/src/smr_rma.c, in 1.17, 2.1 and 2.6 alike); only a WRITE
+through the target's command queue (with immediate data, like our last, or
+without CMA) has its key checked there (ofi_mr_map_verify in smr_progress.c).
+Before 2.5 the target then drops it unanswered: the server gives up with "no
+last WRITE completion within 3 s" (--timeout 3). From 2.5's new shm the target
+hands the command back without an error, so the writer's WRITEs all complete:
+the server says "wrote 16 pages", and only the client, which gets no immediate
+data, fails. tcp checks every WRITE on arrival (xnet_handle_write,
+prov/tcp/src/xnet_progress.c) and closes the connection: the server says
+"client 1: failed: fi_cq_read: ..." where a WRITE had not yet completed, and
+on a busy machine all 16 may have. EFA's device fails the WRITE on the writer's
+CQ: "Remote key (RKEY) not registered or does not match remote IOVA"
+(prov/efa/src/efa_errno.h). In every case the client ends with "no WRITE with
+immediate data from the server within 5 s" (--timeout 5): a silent target is
+why it checks instead of trusting the absence of an error.
 """
 # What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
 # and says whether it showed on your machine.

@@ -21,6 +21,17 @@ first post until the client says all the data is in its memory (LANDED);
 compared with a limit: the NIC's link speed, or fi_rma_bw on this machine
 (results/baselines/, written by scripts/baseline.py or scripts/bench.py).
 
+Whose queue is full (libfabric 2.1 and 2.6 sources): shm copies a WRITE
+without immediate data itself, by CMA, inside fi_writemsg (smr_rma_fast,
+prov/shm/src/smr_rma.c) and refuses it only when the target's command queue
+(its rx size) is full, so the count depends on the CPU the client gets and
+can be 0 on any version; a WRITE the target copies (with immediate data, or
+without CMA) also holds a slot of the writer's own tx-size queue until it is
+answered (smr_util.c). 1.x's tcp;ofi_rxm refuses when rxm's tx queue is
+full; 2.x's own tcp takes every WRITE (an unbounded pool, xnet_progress.c).
+The server prints the provider's refusals apart from the posts that waited
+because every context of ours was in flight.
+
     .venv/bin/python chapters/07_queue.py                                  # server (the writer)
     .venv/bin/python chapters/07_queue.py ADDRESS                          # client: 1,000,000 x 64 KiB
     .venv/bin/python chapters/07_queue.py ADDRESS --iters 20000 --page-size 1M
@@ -187,7 +198,9 @@ def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
     if queue.completed != iters:
         raise ValueError(f"{queue.completed} completions for {iters} WRITEs")
     print(f"wrote {npages} pages from {source.kind}, the last WRITE with immediate data {iters}")
-    print(f"completions: {queue.completed}, one per WRITE; -FI_EAGAIN {queue.eagain} times")
+    print(f"completions: {queue.completed}, one per WRITE; -FI_EAGAIN {queue.eagain} times "
+          f"(the provider's queue full), {queue.full} posts held back (all our contexts in "
+          "flight)")
     print(bench.summary(f, lim), flush=True)
     if args.json:
         path = bench.run_path(args.json, "07_queue", args.provider_used, memory_kind, page_size)

@@ -10,15 +10,17 @@
 #   scripts/build_libfabric.sh                 # the source: see below
 #   CUDA_HOME=/nonexistent scripts/build_libfabric.sh      # without CUDA
 #
-# The source: LIBFABRIC_TARBALL if set, else ../shared/vendor/libfabric-2.1.0.tar.xz
-# beside this checkout if it is there, else the official release (downloaded).
-# Other variables: LIBFABRIC_VERSION (2.1.0), PREFIX (.deps/libfabric in this
-# repo), CUDA_HOME (/usr/local/cuda), JOBS (number of cores). About 5 minutes
-# on 2 cores.
+# The source: LIBFABRIC_TARBALL if set; else, beside this checkout, the vendored
+# ../shared/vendor/libfabric-$LIBFABRIC_VERSION.tar.xz when LIBFABRIC_VERSION is set,
+# or the newest vendored release when it is not; else the official release of
+# LIBFABRIC_VERSION (default 2.6.0), downloaded. The version said is the one built
+# (the source's configure.ac, then the installed fi_info), never a default.
+# Other variables: PREFIX (.deps/libfabric in this repo), CUDA_HOME
+# (/usr/local/cuda), JOBS (number of cores). 2-5 minutes on 2 cores.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
-version=${LIBFABRIC_VERSION:-2.1.0}
+version=${LIBFABRIC_VERSION:-}
 prefix=${PREFIX:-$repo/.deps/libfabric}
 cuda=${CUDA_HOME:-/usr/local/cuda}
 jobs=${JOBS:-$(nproc)}
@@ -34,11 +36,17 @@ headers() {  # are these headers on the compiler's include path?
 }
 
 mkdir -p "$work" && : >"$log"
-vendored=$repo/../shared/vendor/libfabric-$version.tar.xz
+vendor=$repo/../shared/vendor
+if [ -n "$version" ]; then
+    vendored=$vendor/libfabric-$version.tar.xz
+else  # the newest release there, by version number (2.10 after 2.9)
+    vendored=$(printf '%s\n' "$vendor"/libfabric-*.tar.xz | sort -V | tail -n 1)
+    version=2.6.0  # to download when nothing is vendored
+fi
 if [ -n "${LIBFABRIC_TARBALL:-}" ]; then
     tarball=$LIBFABRIC_TARBALL
     [ -f "$tarball" ] || die "LIBFABRIC_TARBALL=$tarball: no such file"
-elif [ -f "$vendored" ]; then
+elif [ -n "$vendored" ] && [ -f "$vendored" ]; then
     tarball=$(cd "$(dirname "$vendored")" && pwd)/$(basename "$vendored")
 else
     tarball=$work/libfabric-$version.tar.bz2
@@ -53,6 +61,9 @@ fi
 src=$work/src
 rm -rf "$src" && mkdir -p "$src"
 tar -xf "$tarball" -C "$src" --strip-components=1 || die "cannot unpack $tarball"
+# The version of this source, whatever the tarball is called: AC_INIT([libfabric], [X.Y.Z], ...)
+version=$(sed -n 's/^AC_INIT(\[libfabric\], *\[\([^]]*\)\].*/\1/p' "$src/configure.ac")
+[ -n "$version" ] || die "$tarball: no libfabric version in its configure.ac"
 
 # What the build needs from the system. A git-tree source (the vendored one)
 # has no configure script yet: autogen.sh makes it, with the autotools.
@@ -113,9 +124,10 @@ quietly ./configure --prefix="$prefix" --with-libfabric="$prefix" "${cuda_tests[
 quietly make -j"$jobs"
 quietly make install
 
+built=$("$prefix/bin/fi_info" --version | sed -n 's/^libfabric: *//p')  # what was installed
 listed=$("$prefix/bin/fi_info" -l | sed -n 's/^\([a-z0-9_]*\):$/\1/p' | grep -v '^ofi_hook\|^off_coll' | tr '\n' ' ')
 cat <<DONE
-libfabric $version $cuda_in is in $prefix, built in $((SECONDS / 60)) min $((SECONDS % 60)) s.
+libfabric $built $cuda_in is in $prefix, built in $((SECONDS / 60)) min $((SECONDS % 60)) s.
 Its providers (fi_info -l): $listed
 fabtests: $prefix/bin/fi_rma_bw
 Point the project at it (setup.sh rebuilds the binding against it):

@@ -2,6 +2,7 @@ import os
 
 import pytest
 
+from tests import fake_info
 from tests.shm_regions import Watcher
 
 PROVIDERS = ["shm", "tcp"]
@@ -17,6 +18,13 @@ def nothing_left_in_dev_shm():
     yield
     left = watcher.left()
     assert not left, f"left in /dev/shm: {sorted(left)}"
+
+
+@pytest.fixture(autouse=True)
+def fake_nics(monkeypatch):
+    """FAKE_NICS=1: efa and verbs look present to the choosing code (tests/fake_info.py)."""
+    if fake_info.FAKE_NICS:
+        fake_info.pretend(monkeypatch, present=("efa", "verbs"))
 
 
 @pytest.fixture(params=PROVIDERS)

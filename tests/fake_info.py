@@ -10,11 +10,28 @@ Each entry is an fi_allocinfo'd fi_info, linked by `next`, with what Entry says;
 list is fi_freeinfo'd when `head` is collected. A NIC's attributes belong to the list
 (their fid has no ops, so fi_freeinfo leaves them): never fi_dupinfo such an entry.
 Nothing here opens: a fake entry given to fi_fabric is refused or worse.
+
+The choosing code (fi.pick, cli.pick_provider, the tour's fi.pick(-p)) is tested
+with such entries standing in for NICs: `pretend(monkeypatch, present, absent)` makes
+fi.getinfo answer for the providers named, and FAKE_NICS=1 in the environment makes
+efa and verbs look present to every test in the test process (conftest.py), so
+
+    FAKE_NICS=1 .venv/bin/python -m pytest
+
+shows that no test relies on their absence. A test that needs efa or verbs absent
+fakes that too, or, where the absence must be the real one (a chapter run as its own
+process sees the real libfabric), skips where `really_usable` says there is a device.
 """
+import os
 from dataclasses import dataclass
+
+import pytest
 
 import common.fabric as fi
 from common.fabric import ffi, lib
+
+FAKE_NICS = os.environ.get("FAKE_NICS") == "1"
+_getinfo = fi.getinfo  # the real one, whatever a test has put in its place
 
 
 @dataclass
@@ -67,3 +84,40 @@ def _nic(e, keep):
     nic = ffi.new("struct fid_nic *", {"bus_attr": bus_attr, "link_attr": link})
     keep += [bus_attr, link, nic]
     return nic
+
+
+# What pretend lists for a provider: one NIC each, the shapes their fi_info has
+NICS = {"efa": lambda: Entry("rdmap79s0-rdm", pci="0000:4f:00.0", gbps=100, mtu=8928),
+        "verbs": lambda: Entry("mlx5_0", fabric="IB-0xfe80000000000000", provider="verbs;ofi_rxm",
+                               addr_format=lib.FI_SOCKADDR_IB, pci="0000:1a:00.0", gbps=400,
+                               mtu=4096)}
+
+
+def pretend(monkeypatch, present=(), absent=()):
+    """fi.getinfo, for hints that name a provider of `present` (efa, verbs), lists a fake
+    NIC of it; for one of `absent`, fails as for a provider without a device (FI_ENODATA).
+    Every other call is the real one."""
+    def getinfo(hint, flags=0):
+        name = fi.string(hint.fabric_attr.prov_name).split(";")[0] if hint != ffi.NULL else ""
+        if name in absent:
+            raise fi.FabricError("fi_getinfo", -lib.FI_ENODATA)
+        if name in present:
+            return infos(NICS[name]())
+        return _getinfo(hint, flags)
+    monkeypatch.setattr(fi, "getinfo", getinfo)
+
+
+def really_usable(provider):
+    """Whether this host's libfabric itself, no fake, has a device for `provider`."""
+    try:
+        return bool(_getinfo(fi.hints(provider)))
+    except fi.FabricError:
+        return False
+
+
+def skip_where_present(*providers):
+    """For a test of another process that needs `providers` absent: skip where one has a
+    device (that process sees the real libfabric, not a fake)."""
+    here = [p for p in providers if really_usable(p)]
+    if here:
+        pytest.skip(f"{', '.join(here)} has a device here")

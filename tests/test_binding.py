@@ -6,10 +6,14 @@ import subprocess
 import sys
 import time
 
+import argparse
+
 import pytest
 
+from common import cli
 import common.fabric as fi
 from common.fabric import ffi, lib
+from tests import fake_info
 from tests.shm_regions import files as shm_files
 
 
@@ -38,7 +42,7 @@ def test_dupinfo_outlives_its_list():
 
 def test_failing_call_raises_with_name_code_and_text():
     with pytest.raises(fi.FabricError) as err:
-        fi.getinfo(fi.hints("efa"))  # known provider, no device on this host
+        fi.getinfo(fi.hints("shm", ep_type=lib.FI_EP_DGRAM))  # shm has only RDM endpoints
     assert err.value.call == "fi_getinfo"
     assert err.value.rc == -lib.FI_ENODATA
     assert err.value.text == ffi.string(lib.fi_strerror(lib.FI_ENODATA)).decode()
@@ -51,13 +55,29 @@ def test_check_passes_through_success_and_translates_failure():
         fi.check("fi_x", -lib.FI_EINVAL)
 
 
-def test_pick_tells_unknown_from_absent():
+def test_pick_tells_unknown_from_absent(monkeypatch):
     with pytest.raises(ValueError, match="unknown provider 'nosuch'"):
         fi.pick("nosuch")
+    fake_info.pretend(monkeypatch, absent=("efa",))
     with pytest.raises(ValueError, match="'efa' has no usable device here"):
         fi.pick("efa")
     info, why = fi.pick(None)
     assert fi.provider_of(info).split(";")[0] in fi.DEFAULT_PROVIDERS and "default" in why
+
+
+@pytest.mark.parametrize("present,chosen,why", [
+    ((), "shm", "default: no efa/verbs device here"),
+    (("verbs",), "verbs;ofi_rxm", "default: no efa device here"),
+    (("efa", "verbs"), "efa", "default"),
+])
+def test_the_default_is_the_first_real_nic(monkeypatch, capsys, present, chosen, why):
+    """What the chapters, cli.pick_provider and the tour (fi.pick of its -p) choose when
+    no provider is named, with NICs faked present or absent (shm is real)."""
+    fake_info.pretend(monkeypatch, present, absent={"efa", "verbs"} - set(present))
+    info, said = fi.pick(None)
+    assert (fi.provider_of(info), said) == (chosen, why)
+    cli.pick_provider(argparse.Namespace(provider=None))
+    assert capsys.readouterr().out.startswith(f"provider: {chosen} ({why}), fabric ")
 
 
 def test_endpoint_round_trip_and_address_shape(provider):

@@ -8,6 +8,7 @@ import pytest
 
 from common.patience import patience
 from scripts.pair import chapter_path, local_env, run_pair
+from tests import fake_info
 
 
 def run_chapter(number, *args, timeout=60):
@@ -60,6 +61,7 @@ def test_04_client_message_reaches_server(provider):
 
 
 def test_04_default_provider_is_local_and_said():
+    fake_info.skip_where_present("efa", "verbs")
     pair = run_pair(4, None, client_args=[["default"]])
     assert pair.ok, pair
     assert re.search(r"provider: (shm|tcp\S*) \(default: no efa/verbs device here\)",

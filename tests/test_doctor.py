@@ -76,7 +76,8 @@ def test_efa_nics_on_the_bus_without_the_driver_are_a_fix(tmp_path):
     assert done.returncode == 1 and "to fix (FIX)" in verdict
 
 
-def test_rdma_devices_libfabric_cannot_open_are_a_fix(tmp_path):
+def test_rdma_devices_libfabric_cannot_open_are_a_fix(tmp_path, monkeypatch):
+    fake_info.pretend(monkeypatch, absent=("efa",))
     sysfs, machine = p5(tmp_path)
     for k, nic in enumerate(machine["nics"][:2]):
         device = sysfs / "class" / "infiniband" / f"rdmap{k}" / "device"
@@ -172,6 +173,7 @@ def test_a_missing_directory_is_one_line():
 
 
 def test_with_a_gpu_each_provider_registers_gpu_memory_or_says_why(tmp_path, monkeypatch):
+    fake_info.pretend(monkeypatch, absent=("efa", "verbs"))
     monkeypatch.setattr(topo, "gpus_here", lambda: (["0000:53:00.0"], None))
     lines, _ = doctor.examine(Machine(tmp_path, proc=tmp_path, dev=tmp_path))
     memory = [line for line in lines if line[1] == "GPU memory"]

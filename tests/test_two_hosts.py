@@ -19,6 +19,7 @@ import pytest
 from scripts import two_hosts
 from scripts.baseline import measure, rma_bw_command, rma_bw_gbps, rma_bw_tool
 from scripts.pair import ROOT
+from tests import fake_info
 from tests.gpu import needs_gpu
 from tests.test_bad_input import assert_one_line_error
 
@@ -156,6 +157,8 @@ def test_rank_0_is_the_first_host_of_a_slurm_node_list():
      "two hosts, one rank each: the Slurm variables say 3 ranks"),
 ])
 def test_bad_input_is_one_line_before_anything_runs(args, env, pattern, tmp_path):
+    if "efa" in args:
+        fake_info.skip_where_present("efa")
     peer = [] if "--peer" in args or env or pattern.startswith("where") else \
         ["--peer", "127.0.0.1"]
     done = subprocess.run([sys.executable, SCRIPT, *peer, "--no-baseline", *args,

@@ -67,7 +67,9 @@ class OpQueue:
         self.busy = bytearray(slots)         # what that context is doing: 0, WRITE or SEND
         self.pending = collections.deque()  # (kind, message, flags) not taken yet
         self.entries = fi.cq_entries(64)
-        self.completed = self.eagain = self.sends = 0
+        # Posts refused by the provider (-FI_EAGAIN), and posts held back because every
+        # context of ours was in flight: two different queues full, counted apart.
+        self.completed = self.eagain = self.full = self.sends = 0
 
     def write(self, msg, flags=lib.FI_COMPLETION):
         self.submit(WRITE, msg, flags)
@@ -83,6 +85,7 @@ class OpQueue:
 
     def _post(self, kind, msg, flags):
         if not self.free:  # every context in flight: wait for completions like for EAGAIN
+            self.full += 1
             return False
         slot = self.free.popleft()
         msg.context = self.context[slot]
@@ -99,8 +102,16 @@ class OpQueue:
     def progress(self):
         """Read completions (which is also what makes the provider move data), then post
         what waited. Returns the number of WRITEs completed by this call."""
+        before = self.completed
+        self._read()
+        while self.pending and self._post(*self.pending[0]):
+            self.pending.popleft()
+        return self.completed - before
+
+    def _read(self):
+        """One read of the CQ, each completion matched to its context; returns how many
+        entries it read."""
         n = fi.cq_read(self.cq, self.entries)
-        done = 0
         for e in self.entries[0:n]:
             slot = (fi.key(e.op_context) - self.first) // self.stride
             if not 0 <= slot < len(self.busy):  # not ours: a receive, for the poller
@@ -112,13 +123,10 @@ class OpQueue:
             self.busy[slot] = 0
             self.free.append(slot)
             if kind == WRITE:
-                done += 1
+                self.completed += 1
             else:
                 self.sends -= 1
-        self.completed += done
-        while self.pending and self._post(*self.pending[0]):
-            self.pending.popleft()
-        return done
+        return n
 
     def next_message(self, inbox, timeout):
         """The next message in `inbox` (an fi.Inbox on this endpoint), reading the CQ
@@ -133,8 +141,12 @@ class OpQueue:
         return len(self.busy) - len(self.free)
 
     def drain(self, timeout):
-        """After a client's failure: wait (bounded) for what is in flight, so no completion
-        of ours lands on the next client's queue, and no WRITE reads freed memory.
+        """After a client's failure: wait (bounded) for what is in flight, then read the CQ
+        until it is empty, so no completion of ours lands on the next client's queue, and no
+        WRITE reads freed memory. Empty, not only idle: from libfabric 2.5 shm answers a WRITE
+        whose copy into a gone peer fails with -FI_EAGAIN and, each time, an error entry
+        without a context (smr_rma_fast, prov/shm/src/smr_rma.c), which no operation of ours
+        would ever take off the CQ.
 
         Never after Ctrl-C (KeyboardInterrupt): it mostly lands just after fi_writemsg or
         fi_cq_read returns, where the call spends its time, before this queue has noted
@@ -143,9 +155,10 @@ class OpQueue:
         endpoint discards what is still posted (man/fi_endpoint.3.md, fi_close)."""
         deadline = time.monotonic() + timeout
         self.pending.clear()
-        while self.in_flight() and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             try:
-                self.progress()
+                if not self._read() and not self.in_flight():
+                    return
             except fi.CompletionError as e:  # a failed operation gives its context back too
                 slot = (fi.key(e.context) - self.first) // self.stride
                 if 0 <= slot < len(self.busy) and self.busy[slot]:
