@@ -10,8 +10,8 @@ import shlex
 import sys
 
 import common.fabric as fi
+from common import bounds
 from common.fabric import FabricError
-from common.patience import patience
 from common.records import parse_label  # noqa: F401 (an argparse type: cli.parse_label)
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
@@ -84,9 +84,9 @@ def parser(doc, **kw):
     p = Parser(description=doc.strip().split("\n\n")[0], **kw)
     p.add_argument("-p", "--provider", help="libfabric provider (efa, verbs, shm, tcp, ...); "
                    "default: the first of efa, verbs, shm, tcp usable here")
-    p.add_argument("--timeout", type=float, default=patience(PEER_TIMEOUT),
-                   help=f"seconds to wait for the peer (default {PEER_TIMEOUT:g}, stretched by "
-                   "this machine's load: %(default).0f now)")
+    p.add_argument("--timeout", type=float, default=PEER_TIMEOUT,
+                   help=f"seconds to wait for the peer (default {PEER_TIMEOUT:g}): a peer "
+                   "silent that long is taken for gone")
     return p
 
 
@@ -203,8 +203,10 @@ def parse_pages(text):
 
 
 def run(main):
-    """Run a chapter's main(), turning every expected failure into one line and an exit code."""
+    """Run a chapter's main(), turning every expected failure into one line and an exit code,
+    each within its bound (common/bounds.py: the watchdog ends what cannot end itself)."""
     name = os.path.basename(sys.argv[0])
+    bounds.watch()
     try:
         try:
             sys.exit(main())
@@ -215,7 +217,8 @@ def run(main):
         except (FabricError, TimeoutError, ValueError, ConnectionError) as e:
             _last_words(f"{name}: error: {e}", EXIT_ERROR)
     except KeyboardInterrupt:  # also one that cut in while an error above was being said
-        _last_words(f"{name}: interrupted, resources closed", EXIT_INTERRUPTED)
+        _last_words(f"{name}: interrupted, resources closed",
+                    bounds.exit_code(EXIT_INTERRUPTED))
 
 
 def _last_words(line, code):
