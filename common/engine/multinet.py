@@ -10,7 +10,7 @@ import struct
 import threading
 import time
 
-from common import bench, cli
+from common import bench, bounds, cli
 from common.engine import topo
 from common.fabric import connect, memory
 from common.fabric import ffi, lib
@@ -331,8 +331,7 @@ def wait_immediates(control, inbox, lanes, args):
             time.sleep(0.001)  # the waiting threads do the work; this one only listens
     finally:
         stop[0] = 1
-        for t in threads:
-            t.join()
+        bounds.join(threads, "the threads waiting for immediate data")
         progress.close()
     if errors:
         raise errors[0]
