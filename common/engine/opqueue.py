@@ -11,6 +11,7 @@ import struct
 import time
 
 import common.fabric as fi
+from common import bounds
 from common.fabric import ffi, lib
 
 WRITE, SEND = 1, 2               # what an operation in flight is
@@ -114,10 +115,11 @@ class OpQueue:
     def next_message(self, inbox, timeout):
         """The next message in `inbox` (an fi.Inbox on this endpoint), reading the CQ
         through the queue meanwhile, so that WRITE completions are counted, not lost."""
-        deadline = time.monotonic() + timeout
-        while fi.key(inbox.ctx) not in self.poller.done:
-            if not self.progress() and time.monotonic() > deadline:
-                raise TimeoutError(f"the client did not confirm its data within {timeout:g} s")
+        late = f"the client did not confirm its data within {timeout:g} s"
+        with bounds.Deadline(timeout, late) as deadline:
+            while fi.key(inbox.ctx) not in self.poller.done:
+                if not self.progress() and time.monotonic() > deadline.at:
+                    raise TimeoutError(late)
         return inbox.take(self.poller.done.pop(fi.key(inbox.ctx)))
 
     def in_flight(self):
@@ -125,10 +127,16 @@ class OpQueue:
 
     def drain(self, timeout):
         """After a failure: wait (bounded) for what is in flight, so no completion of
-        ours lands on the next client's queue, and no WRITE reads freed memory."""
-        deadline = time.monotonic() + timeout
+        ours lands on the next client's queue, and no WRITE reads freed memory. After
+        Ctrl-C there is no next client: the wait leaves closing its time (bounds.left)."""
         self.pending.clear()
-        while self.in_flight() and time.monotonic() < deadline:
+        timeout = bounds.left(timeout)
+        with bounds.Deadline(timeout, f"{self.in_flight()} operations in flight did not "
+                             f"complete within {timeout:g} s") as deadline:
+            self._drain(deadline)
+
+    def _drain(self, deadline):
+        while self.in_flight() and time.monotonic() < deadline.at:
             try:
                 self.progress()
             except fi.CompletionError as e:  # a failed operation gives its context back too
