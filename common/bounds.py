@@ -10,13 +10,21 @@ The bounds, the same for a server, a client and a rank:
   only between bytecodes), the watchdog ends it.
 - A dead or frozen peer: every wait for a peer has a deadline, the chapter's --timeout
   from its start (or from the peer's last sign of life), and raises TimeoutError there.
-  A survivor then closes what it opened, itself bounded by CLOSE_BOUND, and ends (a
-  client) or is ready for its next client (a server): within --timeout + 5 s. A provider
-  call that never returns (shm's region lock held by a process that died holding it
-  spins forever in fi_cq_read or fi_close) is the watchdog's: SLACK past the deadline it
-  says which wait that was and ends the process, exit 1.
+  A survivor then waits for its operations in flight (TIDY_BOUND) and closes what it
+  opened (CLOSE_BOUND), and ends (a client) or is ready for its next client (a server):
+  within --timeout + 5 s. A provider call that never returns is the watchdog's: SLACK
+  past the deadline it says which wait that was and ends the process, exit 1. (shm
+  spins forever in fi_cq_read or fi_close on the lock of a region whose owner was killed
+  holding it: pthread_spin_lock(&smr->lock), prov/shm/src/smr.h.)
 - Worker threads, stopped after a failure or a signal, are joined within JOIN_BOUND;
   one that does not stop (it spins in the provider) ends the process the same way.
+
+Why these numbers: a clean close takes milliseconds, so 2 s is prompt for a person and
+for a launcher stopping its ranks while leaving the clean way room on a busy machine;
+SLACK tells a call that never returns from one a loaded machine made late; SLACK, and
+TIDY_BOUND + CLOSE_BOUND, fit in the 5 s after --timeout. --timeout itself is what the user asked
+for, not stretched by the machine's load (common/patience.py is for the tests and
+scripts that start chapters and choose the --timeout they pass).
 
 The watchdog is a daemon thread (watch(), started by cli.run): it reads the wakeup fd
 that Python's C-level signal handler writes to from whatever thread the signal came to,
@@ -36,7 +44,8 @@ from pathlib import Path
 STOP_BOUND = 2.0    # seconds from the first SIGINT/SIGTERM to the end of the process
 STOP_GRACE = 1.5    # ... of which the clean way (everything closed) may take this much
 SLACK = 2.0         # seconds a wait may overrun its deadline before its call is taken as stuck
-CLOSE_BOUND = 4.0   # seconds closing a Closer's objects may take
+CLOSE_BOUND = 3.0   # seconds closing a Closer's objects may take
+TIDY_BOUND = 2.0    # seconds a survivor may wait for its operations in flight before that
 JOIN_BOUND = 2.0    # seconds a stopped worker thread has to return
 CLOSING = 0.5       # seconds kept for closing, out of STOP_GRACE, by a wait on the way out
 TICK = 0.25         # how often the watchdog looks at the armed deadlines
@@ -102,26 +111,30 @@ class _Nothing:
 _NOTHING = _Nothing()
 
 
-def left(timeout):
-    """`timeout`, or, once a signal said stop, no more than what is left of STOP_GRACE
-    less CLOSING: for a wait that only tidies up (in flight operations completing) on
-    the way out, which must leave the closing its time within the bound."""
+def tidy(timeout):
+    """How long a wait that only tidies up after a failure (operations in flight completing)
+    may take: `timeout`, but at most TIDY_BOUND, and once a signal said stop, no more
+    than what is left of STOP_GRACE less CLOSING: closing must keep its time within the
+    bound."""
     if not _signalled:
-        return timeout
+        return min(timeout, TIDY_BOUND)
     return max(0.0, min(timeout, _signalled[0][1] + STOP_GRACE - CLOSING - time.monotonic()))
 
 
 def join(threads, what, bound=JOIN_BOUND):
     """Join `threads` (already told to stop) within `bound` seconds in all. One still
-    running is stuck where Python cannot reach it (in a provider call): say so and end
-    the process, as nothing else can stop that thread."""
+    running is stuck where Python cannot reach it (in a provider call): say so, after the
+    error being raised if there is one (why they were stopped), and end the process, as
+    nothing else can stop that thread."""
     until = time.monotonic() + bound
     for t in threads:
         t.join(max(0.0, until - time.monotonic()))
     stuck = [t.name for t in threads if t.is_alive()]
     if stuck:
-        end(f"error: {what}: {', '.join(stuck)} did not stop within {bound:g} s (stuck in a "
-            "provider call): exiting without closing", exit_code(EXIT_STUCK))
+        raised = sys.exc_info()[1]
+        why = f"{raised}; then " if raised and str(raised) else ""
+        end(f"error: {why}{what}: {', '.join(stuck)} did not stop within {bound:g} s (stuck "
+            "in a provider call): exiting without closing", exit_code(EXIT_STUCK))
 
 
 def end(line, code):

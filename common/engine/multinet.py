@@ -313,7 +313,7 @@ def wait_immediates(control, inbox, lanes, args):
         rc = lib.tut_wait_data(cqs, len(mine), data + first, got + first, stop, failed)
         if rc < 0:
             errors.append(fi.native_error(rc, mine[failed[0]].cq, "fi_cq_read (tut_wait_data)"))
-    threads = [threading.Thread(target=wait, args=(first,))
+    threads = [threading.Thread(target=wait, args=(first,), name=f"the waiter of NIC {first}")
                for first in range(0, len(lanes), per_group)]
     for t in threads:
         t.start()

@@ -127,10 +127,10 @@ class OpQueue:
 
     def drain(self, timeout):
         """After a failure: wait (bounded) for what is in flight, so no completion of
-        ours lands on the next client's queue, and no WRITE reads freed memory. After
-        Ctrl-C there is no next client: the wait leaves closing its time (bounds.left)."""
+        ours lands on the next client's queue, and no WRITE reads freed memory: bounded
+        by bounds.tidy, which leaves closing its time within the process's bounds."""
         self.pending.clear()
-        timeout = bounds.left(timeout)
+        timeout = bounds.tidy(timeout)
         with bounds.Deadline(timeout, f"{self.in_flight()} operations in flight did not "
                              f"complete within {timeout:g} s") as deadline:
             self._drain(deadline)

@@ -94,5 +94,5 @@ def threads_for(lanes, work, errors):
             work(k, mine)
         except Exception as e:
             errors.append(e)
-    return [threading.Thread(target=guarded, args=(k, mine))
+    return [threading.Thread(target=guarded, args=(k, mine), name=f"worker {k}")
             for k, mine in enumerate(by_group(lanes))]

@@ -78,7 +78,7 @@ class Proxy:
             p.flush = ffi.cast("int (*)(int, int)", cuda_driver.flush_address())
             p.flush_scope = scope
         self.rc, self.error, self.gpu = None, None, mem.gpu
-        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread = threading.Thread(target=self._run, daemon=True, name="proxy")
         self.thread.start()
         own.callback(self.stop)  # before the endpoint closes (the Closer runs backwards)
 
