@@ -11,8 +11,8 @@ The bounds, the same for a server, a client and a rank:
 - A dead or frozen peer: every wait for a peer has a deadline, the chapter's --timeout
   from its start (or from the peer's last sign of life), and raises TimeoutError there.
   A survivor then waits for its operations in flight (TIDY_BOUND) and closes what it
-  opened (CLOSE_BOUND), and ends (a client) or is ready for its next client (a server):
-  within --timeout + 5 s. A provider call that never returns is the watchdog's: SLACK
+  opened (CLOSE_BOUND + SLACK), and ends (a client) or is ready for its next client (a
+  server): within --timeout + 5 s. A provider call that never returns is the watchdog's: SLACK
   past the deadline it says which wait that was and ends the process, exit 1. (shm
   spins forever in fi_cq_read or fi_close on the lock of a region whose owner was killed
   holding it: pthread_spin_lock(&smr->lock), prov/shm/src/smr.h.)
@@ -22,9 +22,9 @@ The bounds, the same for a server, a client and a rank:
 Why these numbers: a clean close takes milliseconds, so 2 s is prompt for a person and
 for a launcher stopping its ranks while leaving the clean way room on a busy machine;
 SLACK tells a call that never returns from one a loaded machine made late; SLACK, and
-TIDY_BOUND + CLOSE_BOUND, fit in the 5 s after --timeout. --timeout itself is what the user asked
-for, not stretched by the machine's load (common/patience.py is for the tests and
-scripts that start chapters and choose the --timeout they pass).
+TIDY_BOUND + CLOSE_BOUND + SLACK, fit in the 5 s after --timeout. --timeout itself is
+what the user asked for, not stretched by the machine's load (common/patience.py is for
+the tests and scripts that start chapters and choose the --timeout they pass).
 
 The watchdog is a daemon thread (watch(), started by cli.run): it reads the wakeup fd
 that Python's C-level signal handler writes to from whatever thread the signal came to,
@@ -43,10 +43,10 @@ from pathlib import Path
 
 STOP_BOUND = 2.0    # seconds from the first SIGINT/SIGTERM to the end of the process
 STOP_GRACE = 1.5    # ... of which the clean way (everything closed) may take this much
-SLACK = 2.0         # seconds a wait may overrun its deadline before its call is taken as stuck
-CLOSE_BOUND = 3.0   # seconds closing a Closer's objects may take
-TIDY_BOUND = 2.0    # seconds a survivor may wait for its operations in flight before that
-JOIN_BOUND = 2.0    # seconds a stopped worker thread has to return
+SLACK = 3.0         # seconds a wait may overrun its deadline before its call is taken as stuck
+CLOSE_BOUND = 1.0   # seconds closing a Closer's objects should take (+ SLACK: the watchdog)
+TIDY_BOUND = 1.0    # seconds a survivor may wait for its operations in flight before that
+JOIN_BOUND = 1.0    # seconds a stopped worker thread has to return
 CLOSING = 0.5       # seconds kept for closing, out of STOP_GRACE, by a wait on the way out
 TICK = 0.25         # how often the watchdog looks at the armed deadlines
 EXIT_STUCK = 1

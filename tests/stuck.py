@@ -6,6 +6,7 @@ that a dead peer held (and without taking a core of the busy test machine).
 
     stuck.py wait TIMEOUT   a Poller's wait for a heartbeat, `TIMEOUT` s, whose fi_cq_read hangs
     stuck.py idle           the same with no timeout (a server waiting for a client): a signal
+    stuck.py close          a Closer whose fi_close hangs
     stuck.py join           a transfer engine whose worker thread hangs, closed
 """
 import ctypes
@@ -21,15 +22,15 @@ LIBC = ctypes.CDLL(None)
 
 
 def hang(*_):
-    """Block for good, the GIL released, deaf to signals."""
+    """Say "waiting", then block for good, the GIL released, deaf to signals."""
     mutex = ctypes.create_string_buffer(64)  # zeroes: PTHREAD_MUTEX_INITIALIZER in glibc
     LIBC.pthread_mutex_lock(mutex)
+    print("waiting", flush=True)
     LIBC.pthread_mutex_lock(mutex)
 
 
 def wait(timeout):
     fi.cq_read = hang  # what Poller.poll calls
-    print("waiting", flush=True)
     fi.Poller(None).wait([fi.ffi.new("struct fi_context2 *")], timeout,
                          "heartbeat from the server")
 
@@ -42,13 +43,17 @@ def join():
         eng._thread.join()
         eng._thread = threading.Thread(target=hang, daemon=True, name="the worker thread")
         eng._thread.start()
-        print("waiting", flush=True)
+
+
+def close():
+    with fi.Closer() as own:
+        own.callback(hang)
 
 
 def main():
     mode = sys.argv[1]
-    if mode == "join":
-        return join()
+    if mode in ("close", "join"):
+        return close() if mode == "close" else join()
     return wait(float(sys.argv[2]) if mode == "wait" else None)
 
 

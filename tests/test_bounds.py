@@ -124,6 +124,7 @@ def stuck(*args):
     proc = subprocess.Popen([sys.executable, STUCK, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=local_env())
     assert proc.stdout.readline() == "waiting\n", proc.stderr.read()
+    time.sleep(0.2)  # from its print into the call that hangs
     return proc
 
 
@@ -148,6 +149,19 @@ def test_a_signal_ends_a_process_stuck_in_a_provider_call(signum):
         assert code == 128 + signum
         one_line(err, f"interrupted ({signal.Signals(signum).name}), but a call did not return")
         assert took < bounds.STOP_BOUND + STOP_MARGIN
+    finally:
+        stop(proc)
+
+
+def test_closing_that_never_returns_ends_the_process():
+    """Chapter 15's client hung so in fi_close after its server was killed."""
+    proc = stuck("close")
+    try:
+        bound = bounds.CLOSE_BOUND + bounds.SLACK
+        code, err, took = ended(proc, bound)
+        assert code == bounds.EXIT_STUCK
+        one_line(err, "closing the fabric's objects took more than")
+        assert took < bound + STOP_MARGIN
     finally:
         stop(proc)
 

@@ -420,7 +420,7 @@ class Closer(contextlib.ExitStack):
         return obj
 
     def __exit__(self, *exc):
-        with bounds.Deadline(bounds.CLOSE_BOUND, "closing the fabric's objects took longer "
+        with bounds.Deadline(bounds.CLOSE_BOUND, "closing the fabric's objects took more "
                              f"than {bounds.CLOSE_BOUND:g} s"):
             return super().__exit__(*exc)
 
