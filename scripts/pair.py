@@ -107,7 +107,7 @@ def run_pair(chapter, provider=None, server_args=(), client_args=((),), env=None
     Returns a Pair with each process's arguments, exit code and output. A
     server that prints no address within `timeout` gets no client; after a
     client fails, no further client runs unless `keep_going`. Both limits are
-    for a quiet machine and stretch with this one's load, as the chapters' do.
+    for a quiet machine and stretch with this one's load.
     """
     timeout, grace = patience(timeout), patience(grace)
     path = chapter_path(chapter)
