@@ -212,22 +212,25 @@ def write_all(lanes, control, beat, page_size, timeout):
     """Every lane's WRITEs, one thread visiting each lane in turn; returns the start time."""
     total = sum(lane.iters for lane in lanes)
     progress = bench.Progress("WRITEs completed", total, page_size)
-    start = last_completion = time.perf_counter()
+    start = time.perf_counter()
     busy = [lane for lane in lanes if lane.iters]
-    while busy:
-        for lane in busy:
-            memory.current(lane.gpu)
-            lane.post_some()
-            if lane.queue.progress():
-                last_completion = time.perf_counter()
-        busy = [lane for lane in busy if lane.queue.completed < lane.iters]
-        control.queue.progress()
-        done = sum(lane.queue.completed for lane in lanes)
-        if time.perf_counter() - last_completion > timeout:
-            raise TimeoutError(f"no WRITE completed for {timeout:g} s ({done} of {total} "
-                               "done): is the client still there?")
-        if beat.maybe(control.queue, done):
-            progress.update(done)
+    stalled = bounds.Deadline(timeout, lambda: f"no WRITE completed for {timeout:g} s "
+                              f"({sum(lane.queue.completed for lane in lanes)} of {total} "
+                              "done): is the client still there?")
+    with stalled:  # also when the provider call itself never returns
+        while busy:
+            for lane in busy:
+                memory.current(lane.gpu)
+                lane.post_some()
+                if lane.queue.progress():
+                    stalled.at = time.monotonic() + timeout
+            busy = [lane for lane in busy if lane.queue.completed < lane.iters]
+            control.queue.progress()
+            done = sum(lane.queue.completed for lane in lanes)
+            if time.monotonic() > stalled.at:
+                raise TimeoutError(stalled.what())
+            if beat.maybe(control.queue, done):
+                progress.update(done)
     progress.close()
     return start
 
