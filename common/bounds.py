@@ -33,6 +33,7 @@ releases the GIL). Before os._exit it removes this process's shm regions (what
 shm's own handler would have done, and a clean close does) and flushes stdout.
 Standard library only, and nothing in the hot loops: a wait arms its Deadline once.
 """
+import contextlib
 import os
 import select
 import signal
@@ -75,16 +76,13 @@ def exit_code(default=130):
 class Deadline:
     """A wait that must be over by `at` (time.monotonic()). Armed while its `with` block
     runs: the watchdog ends the process SLACK past it. `what` (a string, or a function
-    that says it) names the wait in that last line; renew() moves the deadline on when
-    the peer gives a sign of life."""
+    that says it) names the wait in that last line. A wait moves `at` on when the peer
+    gives a sign of life."""
     __slots__ = ("at", "what")
 
     def __init__(self, timeout, what):
         self.at = time.monotonic() + timeout
         self.what = what
-
-    def renew(self, timeout):
-        self.at = time.monotonic() + timeout
 
     def __enter__(self):
         _armed[id(self)] = self
@@ -97,18 +95,7 @@ class Deadline:
 def armed(timeout, what):
     """A Deadline for `timeout` seconds, or, for a wait without one (None), a block that
     arms nothing."""
-    return Deadline(timeout, what) if timeout is not None else _NOTHING
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-
-_NOTHING = _Nothing()
+    return Deadline(timeout, what) if timeout is not None else contextlib.nullcontext()
 
 
 def tidy(timeout):
