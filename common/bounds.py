@@ -23,8 +23,8 @@ Why these numbers: a clean close takes milliseconds, so 2 s is prompt for a pers
 for a launcher stopping its ranks while leaving the clean way room on a busy machine;
 SLACK tells a call that never returns from one a loaded machine made late; SLACK, and
 TIDY_BOUND + CLOSE_BOUND + SLACK, fit in the 5 s after --timeout. --timeout itself is
-what the user asked for, not stretched by the machine's load (common/patience.py is for
-the tests and scripts that start chapters and choose the --timeout they pass).
+what the user asked for or 10 s, not stretched by the machine's load: only a test suite,
+whose machine is busy by design, asks chapters to stretch it (cli.STRETCH).
 
 The watchdog is a daemon thread (watch(), started by cli.run): it reads the wakeup fd
 that Python's C-level signal handler writes to from whatever thread the signal came to,
