@@ -5,6 +5,9 @@ give me an endpoint with these capabilities?". A domain is one NIC (or, for
 shm and tcp, one local stand-in for it); its fi_info says how memory must be
 registered (mr_mode), what the endpoint can do (caps), how fast the link is,
 and where the NIC sits on the PCIe bus - the facts chapters 06-15 build on.
+A provider may drive a NIC through several fabrics: from libfabric 2.1 efa
+lists each device twice, fabric "efa-direct" first, then "efa"
+(prov/efa/src/efa_prov.c); `-p efa-direct` takes the first (chapter 07).
 
     .venv/bin/python chapters/03_fi_info.py                     # everything, one line each
     .venv/bin/python chapters/03_fi_info.py -p shm -v           # one provider, in detail
@@ -45,6 +48,9 @@ LESSON = {"figure": "check", "shows": "the (provider, domain) pairs this libfabr
 # ## Motivation
 # Before opening anything, ask libfabric what it can do. Same question as the
 # `fi_info` tool; our list of (provider, domain) pairs must match its list.
+# The fabric column tells one provider's ways to a NIC apart: efa's "efa-direct"
+# (the device alone, one work request per call) and "efa" (RDM, efa's own
+# protocols on top), each with its own mode and limits (-v shows them).
 
 # %%
 from common import cli

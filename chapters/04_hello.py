@@ -39,7 +39,7 @@ LESSON = {"figure": "check", "shows": "one message, SENT and RECEIVED"}
 import time
 
 from common import bounds, cli
-from common.fabric import ffi, lib
+from common.fabric import connect, ffi, lib
 import common.fabric as fi
 
 MAX_MESSAGE = 4096  # bytes; the one registered buffer on each side
@@ -85,8 +85,12 @@ def server(info, args):
         entries = fi.cq_entries(1)
         while not fi.cq_read(cq, entries):  # polling also drives the provider's progress
             pass
-        text = ffi.buffer(buf, entries[0].len)[:].decode(errors="replace")
-        print(f"received {entries[0].len} bytes: {text}")
+        message = ffi.buffer(buf, entries[0].len)[:]
+        if connect.is_connect(message):  # a later chapter's client: its first SEND says so
+            _, chapter, _ = connect.PREAMBLE.unpack_from(message)
+            raise ValueError(f"received a CONNECT from chapter {chapter:02d}'s client, not a "
+                             f"text: run chapter {chapter:02d}'s server for that client")
+        print(f"received {entries[0].len} bytes: {message.decode(errors='replace')}")
 
 
 def client(info, args, addr, message):

@@ -165,8 +165,6 @@ def main():
     cli.add_clients(p)
     args = p.parse_args()
     message = args.message.encode()
-    if args.clients < 0:
-        raise cli.UsageError("--clients must be 0 (no limit) or more")
 
     info, addr = cli.peer(args)
     if len(message) + 1 > fi.max_send(info):

@@ -70,6 +70,21 @@ LESSON = {"figure": "refused", "visible": {"at_least": 1},
           "client": "--page-size 4K --buffer-size 1M --pages 0-63 --iters 100000"}
 
 # %% [markdown]
+# ## efa-direct: what a WRITE demands of the device alone (-p efa-direct)
+# efa's fabric "efa-direct" (chapter 03) turns each call into one work request for the
+# device: no emulation, no staging (prov/efa/docs/efa_fabric_comparison.md). It asks of
+# us what efa's RDM fabric "efa" would otherwise do for us: a descriptor for every
+# buffer (FI_MR_LOCAL, FI_MR_ALLOCATED), a struct fi_context2 per operation
+# (FI_CONTEXT2), SENDs within the device's MTU (about 8 KiB), WRITEs of at most 2
+# buffers into one remote iov and up to its max_rdma_size (about 1 GiB) in no order, RMA
+# inject of 0 bytes only (efa_rma.c), and the target's AV holding the initiator before
+# the first WRITE. 04-08, 16 and 19 keep all of that (FABRIC_RULES=efa-direct checks it on
+# shm and tcp); 09-15 refuse -p efa-direct, as their client never puts the server's NICs
+# in its AVs (common/engine/multinet.py). None posts a receive per immediate: on a device
+# without unsolicited write receive efa-direct demands that (FI_RX_CQ_DATA,
+# efa_user_info.c) and lists nothing for FI_RMA here, and -p efa is the way.
+
+# %% [markdown]
 # ## Motivation
 #     client                                         server
 #     register B buffers of 1 GiB
@@ -90,7 +105,7 @@ import time
 
 from common import bench, bounds, cli
 from common.fabric import connect, memory
-from common.engine.opqueue import HEARTBEAT, Heartbeat, OpQueue, write_messages
+from common.engine.opqueue import HEARTBEAT, Heartbeat, OpQueue, verified, write_messages
 from common.fabric import lib
 import common.fabric as fi
 
@@ -162,8 +177,8 @@ def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
         while len(message := queue.next_message(inbox, args.timeout)) != LANDED.size:
             backlog.append(message)  # another client's CONNECT: it is served next
         elapsed = time.perf_counter() - start
-    except BaseException:
-        queue.drain(args.timeout)
+    except Exception:  # this client failed: let what is in flight finish, then serve the next
+        queue.drain(args.timeout)  # (not on Ctrl-C: opqueue.drain says why)
         raise
     f = bench.figures(iters, page_size, elapsed)
     memory_kind = "host" if args.gpu is None else "cuda"
@@ -241,9 +256,9 @@ def client(info, args, addr):
         poller.send(own, domain, ep, LANDED.pack(data), server_addr, 1002, args.timeout,
                     "LANDED")
         print(f"remote write completion: FI_REMOTE_CQ_DATA, immediate data {data}")
-        wrong = memory.count_wrong(buffers, args.page_size, args.seed, pages)
-        print(f"verified {len(pages)} pages ({len(pages) * args.page_size} bytes): "
-              f"{wrong} wrong bytes")
+        reached = pages[:args.iters]  # WRITE i goes to page i modulo the pages (write_all)
+        wrong = memory.count_wrong(buffers, args.page_size, args.seed, reached)
+        print(verified(len(reached), len(pages), len(pages), args.iters, args.page_size, wrong))
         if data != args.iters or wrong:
             raise ValueError(f"{wrong} wrong bytes, immediate data {data} (expected {args.iters})")
 

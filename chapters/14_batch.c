@@ -26,7 +26,13 @@ static ssize_t visit(struct lane *l, void *args)
 {
     struct visit_args *a = args;
     struct counter *done = a->done;
-    ssize_t rc = submit(l, a->batch);  /* up to `batch` new WRITEs per visit */
+    /* Up to `batch` new WRITEs and one doorbell for them: each but the last goes with
+       FI_MORE ("more follow at once"), so the provider may hold them until the last,
+       posted without it, rings the NIC (efa-direct does:
+       prov/efa/src/efa_data_path_direct_entry.h). A batch left open may never be sent:
+       submit_more() (engine/lane.h) closes each before the CQ is read, and
+       FABRIC_RULES checks it. */
+    ssize_t rc = submit_more(l, a->batch, FI_MORE);
     if (rc == 0)
         rc = reap(l);
     if (rc > 0)  /* its only writer: a plain store the main thread may read */

@@ -7,8 +7,21 @@ The series let a visit post up to 16 WRITEs and went from 48% to 81% of
 3200 Gbps: the visit's cost is shared by up to 16 WRITEs, and each NIC gets
 its work in bursts. --batch sets how many (1 gives chapter 13 back).
 
+A batch is also one doorbell: all its WRITEs but the last go with FI_MORE,
+the last without, which rings the NIC. One left open (FI_MORE on its last
+post) may never be sent; a refused post closes it too (fi_rma(3): the provider
+flushes then). The field has paid for both halves: WRITEs with per-write
+immediates under FI_MORE on efa-direct left a receiver at "received 5/10"
+(NIXL issue 1862); a progress thread that read the CQ before the closing post
+deadlocked a sender, and NIXL turned FI_MORE off on EFA (PR 1924, issue 1921),
+then flushed each NIC's batch instead (PR 1966); efa-direct itself held more
+WRITEs than the device stages until 2.3.1 rang the doorbell at the device's
+batch limit (NEWS.md). Here each NIC's batch closes within its visit, before
+its CQ is read; FABRIC_RULES (any set) refuses a CQ read with a batch open.
+
 New since chapter 13: worker() takes `batch`, and a visit submits up to
-`batch` new WRITEs instead of one (chapters/14_batch.c); --batch.
+`batch` new WRITEs instead of one, with FI_MORE on all but the last
+(chapters/14_batch.c); --batch.
 
     .venv/bin/python chapters/14_batch.py                                   # server
     .venv/bin/python chapters/14_batch.py ADDRESS --groups 2 --nics-per-gpu 2
@@ -63,6 +76,7 @@ LESSON = {"figure": "CPU per WRITE", "visible": {"than": "13", "by": 1.2},
 # ## Motivation
 #     chapter 13, per visit: post 1 WRITE, read the CQ
 #     chapter 14, per visit: post up to B WRITEs (B = 16), read the CQ
+#                            B - 1 with FI_MORE, the last without: one doorbell
 
 # %%
 from common import cli

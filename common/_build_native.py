@@ -5,8 +5,8 @@ sees of it (its structs and functions, compiled ahead of the rest), and may
 include common/engine/lane.h (the lane its worker drives, whose struct Python fills
 in). It is compiled against the same libfabric as common._fabric and shares
 its types, so an endpoint or a message built there can be passed here. Both are
-compiled with common/fabric/rules.h, so with FABRIC_RULES=efa|verbs a worker's calls are
-checked like Python's.
+compiled with common/fabric/rules.h, so with FABRIC_RULES (efa, efa-direct, verbs) a
+worker's calls are checked like Python's.
 setup.py builds them all (module common._nativeNN); `.venv/bin/python common/_build_native.py`
 builds them in place. The transfer engine's worker (common/transfer/worker.c, the engine
 under chapters 18-19) is built the same way, as common._transfer.

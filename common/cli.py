@@ -86,8 +86,9 @@ def shown(path):
 def parser(doc, **kw):
     """An ArgumentParser whose description is the first paragraph of the chapter's docstring."""
     p = Parser(description=doc.strip().split("\n\n")[0], **kw)
-    p.add_argument("-p", "--provider", help="libfabric provider (efa, verbs, shm, tcp, ...); "
-                   "default: the first of efa, verbs, shm, tcp usable here")
+    p.add_argument("-p", "--provider", help="libfabric provider (efa, verbs, shm, tcp, ...) or "
+                   "efa's fabric efa-direct; default: the first of efa, verbs, shm, tcp usable "
+                   "here")
     p.add_argument("--timeout", type=float, default=peer_timeout(),
                    help=f"seconds to wait for the peer (default %(default).3g): a peer "
                    "silent that long is taken for gone")
@@ -110,7 +111,7 @@ def pick_provider(args, caps=fi.lib.FI_MSG, hmem=False, shm=True):
     `hmem`: the run's buffers are GPU memory. `shm` False: a benchmark, whose
     endpoints keep efa off its shm path (fi.forbid_shm): said too."""
     info, why = fi.pick(args.provider, caps, hmem)
-    args.provider_used = fi.provider_of(info).split(";")[0]  # for commands we print
+    args.provider_used = fi.name_of(info)  # for commands we print
     print(f"provider: {fi.provider_of(info)} ({why}), fabric {fi.string(info.fabric_attr.name)}, "
           f"domain {fi.string(info.domain_attr.name)}")
     if not shm and args.provider_used == "efa":
@@ -152,15 +153,16 @@ def parse_size(text):
     return int(m[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[m[2].upper()]
 
 
-def count(lo, hi):
-    """An argparse type: a whole number in lo..hi."""
+def count(lo, hi=None):
+    """An argparse type: a whole number in lo..hi (no upper bound: hi None)."""
     def parse(text):
         try:
             value = int(text)
         except ValueError:
             value = None
-        if value is None or not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"expected a number {lo}..{hi}, not '{text}'")
+        if value is None or value < lo or (hi is not None and value > hi):
+            expected = f"{lo}..{hi}" if hi is not None else f"{lo} or more"
+            raise argparse.ArgumentTypeError(f"expected a number {expected}, not '{text}'")
         return value
     return parse
 
@@ -175,7 +177,8 @@ def add_pages(p, pages, buffer_size, gpu=True):
          p.add_argument("--buffers", type=int, default=2, help="buffers (default 2)"),
          p.add_argument("--buffer-size", type=parse_size, default=buffer_size,
                         help=f"bytes per buffer (default {size})"),
-         p.add_argument("--seed", type=int, default=42, help="what the pages are filled from"))
+         p.add_argument("--seed", type=count(0, (1 << 64) - 1), default=42,  # a uint64 in CONNECT
+                        help="what the pages are filled from"))
     if gpu:
         p.add_argument("--gpu", type=int, help="this side's memory on this GPU: the client's "
                        "buffers, the server's pages")
@@ -183,7 +186,7 @@ def add_pages(p, pages, buffer_size, gpu=True):
 
 
 def add_clients(p):
-    side("server", p.add_argument("--clients", type=int, default=0,
+    side("server", p.add_argument("--clients", type=count(0), default=0,
                                   help="exit after this many clients (default: serve until "
                                   "Ctrl-C)"))
 
@@ -224,10 +227,22 @@ def run(main):
         except UsageError as e:
             _last_words(f"{name}: error: {e}", EXIT_USAGE)
         except (FabricError, TimeoutError, ValueError, ConnectionError) as e:
+            if interrupted(e):
+                raise KeyboardInterrupt from e
             _last_words(f"{name}: error: {e}", EXIT_ERROR)
     except KeyboardInterrupt:  # also one that cut in while an error above was being said
         _last_words(f"{name}: interrupted, resources closed",
                     bounds.exit_code(EXIT_INTERRUPTED))
+
+
+def interrupted(error):
+    """Whether `error` was raised while a Ctrl-C or SIGTERM (KeyboardInterrupt) was unwinding
+    the stack, by a close in the clean-up, say: then the interrupt is what happened."""
+    while error is not None:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        error = error.__context__
+    return False
 
 
 def _last_words(line, code):

@@ -18,6 +18,7 @@ before it said goodbye is gone (killed, crashed), and every other rank is
 told so. Ranks ask (`check`, cheap, from their wait loops), so they stop
 within a bounded time with a clear message instead of waiting forever.
 """
+import ctypes
 import os
 import secrets
 import select
@@ -29,14 +30,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
+
+from common import shm_files
 
 FRAME = struct.Struct("<IB")   # payload length, message type
 HELLO = struct.Struct("<III")  # rank, world size, ranks per node
 JOIN, WELCOME, GATHER, GATHERED, ABORT, BYE = range(1, 7)
 LENGTH = struct.Struct("<I")
 CHECK_EVERY = 0.01  # seconds between two looks at the rendezvous from a wait loop
-SHM = Path("/dev/shm")
 
 
 class PeerGone(ConnectionError):
@@ -347,87 +348,177 @@ class Group:
 
 # --- the launcher -----------------------------------------------------------------
 
+MAX_RANKS = 128   # 16 emulated p5 nodes of 8 GPUs; each rank is a Python process of its own
+KILL_WAIT = 5.0   # seconds between SIGTERM and SIGKILL for a rank that does not stop
+STOPS = {signal.SIGINT: "was interrupted (Ctrl-C)", signal.SIGTERM: "got SIGTERM",
+         signal.SIGHUP: "got SIGHUP (its terminal closed)"}
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def owned(args, **popen):
+    """subprocess.Popen for a child that this process alone owns and signals.
+
+    - It gets SIGTERM when we die, of SIGKILL too (prctl PR_SET_PDEATHSIG), and so closes
+      what it opened (its /dev/shm files, which nobody would remove after us). The kernel
+      sends it when the *thread* that forked the child ends: call this from the main thread.
+    - It is in a process group of its own: a terminal's Ctrl-C reaches us alone and we pass
+      one signal on. Two (the terminal's and ours, right behind) could cut its clean-up
+      short: a KeyboardInterrupt as a `with` block begins to unwind closes nothing.
+    - Its stdin is /dev/null: a process outside the terminal's group that reads it is
+      stopped.
+    """
+    parent = os.getpid()
+    libc = ctypes.CDLL(None)
+
+    def in_child():  # between fork and exec: nothing that takes a lock another thread holds
+        os.setpgid(0, 0)  # (Popen's process_group=0, from Python 3.11)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0 or os.getppid() != parent:
+            os._exit(1)  # no prctl, or we died before it was set: nobody to run for
+    return subprocess.Popen(args, preexec_fn=in_child, stdin=subprocess.DEVNULL, **popen)
+
+
+class Signals:
+    """SIGINT, SIGTERM and SIGHUP as news for a loop to act on, never an exception that cuts
+    into its clean-up. A context manager; from the main thread (signal.signal's rule)."""
+
+    def __init__(self):
+        self.got = []  # the signals received, in order
+
+    def __enter__(self):
+        self.before = {s: signal.signal(s, lambda signum, _: self.got.append(signum))
+                       for s in STOPS}
+        return self
+
+    def __exit__(self, *_):
+        for s, handler in self.before.items():
+            signal.signal(s, handler)
+
+
 def spawn(argv, world, ranks_per_node=None, gpus=None, grace=10.0, out=sys.stdout,
           err=sys.stderr):
     """Run `argv` (a Python program and its arguments) as `world` ranks on this host.
 
     Each line a rank prints comes out prefixed with its rank. When a rank fails
     (non-zero exit, or killed), the others are told through the rendezvous and
-    get `grace` seconds to stop by themselves, then SIGTERM, then SIGKILL.
-    Returns the exit code: 0 when every rank succeeded, else the first failure's.
+    get `grace` seconds to stop by themselves, then SIGTERM, then SIGKILL after
+    KILL_WAIT more. SIGINT, SIGTERM or SIGHUP here is passed on to every rank,
+    once; a second one kills them at once. So the launcher ends within grace +
+    KILL_WAIT seconds of a failure or a signal, a frozen (SIGSTOPped) rank
+    included, and its ranks with it whatever ends it (owned). What a killed rank
+    left in /dev/shm is removed. Returns the exit code: 0 when every rank
+    succeeded, else the first failure's (128 + the signal's number for ours).
     """
     per_node = ranks_per_node or world
     server = RendezvousServer(world, per_node)
     host, port = server.address
-    procs, readers = [], []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node),
-                   RENDEZVOUS=f"{host}:{port}", PYTHONUNBUFFERED="1")
-        if gpus:
-            env["RANK_GPU"] = str(gpus[rank % len(gpus)])
-        procs.append(subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-        readers += [_prefixed(procs[-1].stdout, f"[{rank}] ", out),
-                    _prefixed(procs[-1].stderr, f"[{rank}] ", err)]
-    print(f"launch: {world} ranks, {per_node} per node ({world // per_node} node"
-          f"{'s' if world > per_node else ''}); pids {' '.join(str(p.pid) for p in procs)}",
-          file=err, flush=True)
-    first, stopping_since = None, None
+    job = Job(server, grace)
+    with Signals() as signals:
+        for rank in range(world):
+            if signals.got:  # no more ranks: stop those that are there
+                break
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world),
+                       LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node),
+                       RENDEZVOUS=f"{host}:{port}", PYTHONUNBUFFERED="1")
+            if gpus:
+                env["RANK_GPU"] = str(gpus[rank % len(gpus)])
+            job.procs.append(owned([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True))
+        readers = [_prefixed(stream, f"[{rank}] ", sink) for rank, p in enumerate(job.procs)
+                   for stream, sink in ((p.stdout, out), (p.stderr, err))]
+        print(f"launch: {world} ranks, {per_node} per node ({world // per_node} node"
+              f"{'s' * (world > per_node)}); pids {' '.join(str(p.pid) for p in job.procs)}",
+              file=err, flush=True)
+        while job.running():
+            job.step(signals.got)
+            time.sleep(0.02)
+    for r in readers:
+        r.join(1.0)  # the ranks are gone: what they wrote is read at once
+    killed = [p.pid for p in job.procs if p.returncode < 0]
+    shm_files.remove_left_by(killed, server.job)
+    return job.report(world, err)
 
-    def failed():
-        """The rank that failed, preferring one killed by a signal: the others that
-        exit with an error then only followed it."""
-        dead = [(rank, p.returncode) for rank, p in enumerate(procs)
+
+class Job:
+    """The ranks of one spawn, and the steps of stopping them: each step's time is set when
+    stopping begins, so a loop that calls step() ends within grace + KILL_WAIT."""
+
+    def __init__(self, server, grace):
+        self.server, self.grace = server, grace
+        self.procs = []
+        self.first = None      # (rank or None, exit code) of what ended the job
+        self.since = None      # when stopping began
+        self.term_at = self.kill_at = None  # when the ranks get SIGTERM, and SIGKILL
+        self.passed_on = 0     # how many of our signals were seen
+
+    def running(self):
+        return any(p.poll() is None for p in self.procs)
+
+    def step(self, got):
+        now = time.monotonic()
+        if len(got) > self.passed_on:
+            self._signalled(got[0], now)
+            self.passed_on = len(got)
+        if self.first is None:  # a rank's end names the cause better than the rendezvous
+            self.first = self.failed()
+        if (self.first or self.server.failure) and self.since is None:
+            self._stopping(now)
+        if self.term_at is not None and now >= self.term_at:
+            self._send(signal.SIGTERM)
+            self.term_at = None
+            if self.kill_at is None:
+                self.kill_at = now + KILL_WAIT
+        if self.kill_at is not None and now >= self.kill_at:
+            self._send(signal.SIGKILL)
+
+    def _stopping(self, now):
+        self.since, self.term_at = now, now + self.grace
+
+    def _signalled(self, signum, now):
+        """Our first signal goes on to every rank, once (the rendezvous is not told: its
+        ABORT landing in a rank's clean-up would cut it short too); a second kills."""
+        if self.passed_on:
+            self.kill_at = now
+            return
+        self._send(signum)
+        if self.first is None:
+            self.first = (None, 128 + signum)
+            self._stopping(now)
+
+    def _send(self, signum):
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+                if signum != signal.SIGKILL:
+                    p.send_signal(signal.SIGCONT)  # a stopped rank acts on it only then
+
+    def failed(self):
+        """The rank that failed, preferring one killed by a signal: the others that exit
+        with an error then only followed it."""
+        dead = [(rank, p.returncode) for rank, p in enumerate(self.procs)
                 if p.poll() not in (None, 0)]
         dead.sort(key=lambda d: d[1] > 0)
         if dead:
-            server.abort(f"rank {dead[0][0]} {_how(dead[0][1])}")
+            self.server.abort(f"rank {dead[0][0]} {_how(dead[0][1])}")
         return dead[0] if dead else None
 
-    try:
-        while any(p.poll() is None for p in procs):
-            first = first or failed()
-            if (first or server.failure) and stopping_since is None:
-                stopping_since = time.monotonic()
-            if stopping_since is not None and time.monotonic() - stopping_since > grace:
-                _stop(procs)
-            time.sleep(0.02)
-        first = first or failed() or ((None, 1) if server.failure else None)
-    except KeyboardInterrupt:
-        server.abort("the launcher was interrupted (Ctrl-C)")
-        stopping_since = stopping_since or time.monotonic()
-        _stop(procs)
-        first = first or (None, 130)
-    for r in readers:
-        r.join(grace)
-    _remove_leftovers(server.job, [p.pid for p in procs if p.returncode and p.returncode < 0])
-    if first is None:
-        return 0
-    rank, rc = first
-    elapsed = time.monotonic() - stopping_since if stopping_since else 0.0
-    what = f"rank {rank} {_how(rc)}" if rank is not None else server.failure
-    print(f"launch: {what}; all {world} ranks stopped {elapsed:.1f} s later", file=err, flush=True)
-    return rc if rc > 0 else 1
+    def report(self, world, err):
+        first = self.first or self.failed() or ((None, 1) if self.server.failure else None)
+        if first is None:
+            return 0
+        rank, rc = first
+        elapsed = time.monotonic() - self.since if self.since else 0.0
+        what = (f"rank {rank} {_how(rc)}" if rank is not None else
+                f"the launcher {STOPS[rc - 128]}" if rc > 128 else self.server.failure)
+        stopped = f"all {len(self.procs)} ranks stopped" if len(self.procs) == world else \
+            f"the {len(self.procs)} of {world} ranks started stopped"
+        print(f"launch: {what}; {stopped} {elapsed:.1f} s later", file=err, flush=True)
+        return rc if rc > 0 else 1
 
 
 def _how(rc):
     if rc < 0:
         return f"was killed by {signal.Signals(-rc).name}"
     return f"exited with code {rc}"
-
-
-def _stop(procs):
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()  # SIGTERM: the chapters close their libfabric objects on it
-    deadline = time.monotonic() + 5
-    for p in procs:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def _prefixed(stream, prefix, sink):
@@ -438,13 +529,3 @@ def _prefixed(stream, prefix, sink):
     t = threading.Thread(target=copy, daemon=True)
     t.start()
     return t
-
-
-def _remove_leftovers(job, killed_pids):
-    """What killed ranks could not remove: this job's shared-memory files (named
-    after `job`), and the shm provider's, which it names after the pid."""
-    if not SHM.is_dir():
-        return
-    for path in SHM.iterdir():
-        if job in path.name or any(path.name.startswith(f"{pid}:") for pid in killed_pids):
-            path.unlink(missing_ok=True)

@@ -14,12 +14,21 @@ What it looks at, and why:
 - libfabric: the library the binding loads (version, path). Where the AWS EFA
   installer put one (/opt/amazon/efa), that is the one to use: setup.sh picks
   it by default.
+- binding: the libfabric the binding was compiled against; one older at run time
+  refuses its API version (fi_getinfo: -FI_ENOSYS, src/fabric.c).
+- one libfabric: after loading what a serving engine would (torch, NCCL's net
+  plugin), more than one libfabric.so in the process (/proc/self/maps), as when
+  aws-ofi-nccl brings its own: efa can then list nothing, or NCCL fall back to TCP.
 - efa, verbs: the NICs on the PCI bus (sysfs: Amazon 1d0f:efa*, Mellanox 15b3),
   the kernel's RDMA devices for them (/sys/class/infiniband), the provider in
   this libfabric (`fi_info -l`) and a device it can open (fi_getinfo). The
   first layer that is missing is the one to fix. For efa, the fabrics: from
   libfabric 2.0 efa-direct (the device alone) is listed beside efa (RDM, with
   libfabric's own protocols on top; prov/efa/src/efa_prov.c).
+- fabric: per chapter, the provider, fabric and domain its hints (caps, mr_mode)
+  pick here, by the chapters' own fi.pick; efa 2.x lists efa-direct before efa
+  (prov/efa/src/efa_prov.c) to hints with mode FI_CONTEXT2 (prov/util/src/util_attr.c
+  drops it otherwise), -p efa takes efa, -p efa-direct efa-direct (common/fabric FABRICS).
 - RDMA read/write on efa: efa-direct claims FI_RMA only when the device does
   RDMA read, RDMA write and unsolicited-write receive
   (prov/efa/src/efa_prov_info.c); without them, efa's RDM fabric emulates a
@@ -34,6 +43,9 @@ What it looks at, and why:
   (/sys/module/nvidia_peermem). Where GPUDirect RDMA writes are not ordered for
   the GPU (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING), a NIC's
   writes must be flushed before a kernel reads them.
+- dmabuf context: the dmabuf export needs a current CUDA context on the thread
+  that registers (cuCtxGetCurrent); without one it fails, and efa's registration
+  with it (EFAULT, or "Operation not supported": prov/efa/src/efa_mr.c).
 - GPU-NIC-NUMA map: chapter 08's layout (common/engine/topo.py): how many NICs each
   GPU gets and whether any sits on another NUMA node than its GPU.
 - locked memory: efa and verbs pin every registered buffer, which counts
@@ -49,6 +61,7 @@ What it looks at, and why:
     .venv/bin/python scripts/doctor.py --sysfs DIR --dev DIR   # a described machine (tests)
 """
 import ctypes.util
+import importlib.util
 import os
 import re
 import resource
@@ -126,8 +139,79 @@ def libfabric(machine):
 
 def loaded_from():
     """The path of the libfabric.so this process has loaded ('?' if none)."""
-    maps = read("/proc/self/maps", "")
-    return next((line.split()[-1] for line in maps.splitlines() if "/libfabric.so" in line), "?")
+    return next(iter(libfabrics(read("/proc/self/maps", ""))), "?")
+
+
+LIBFABRIC = re.compile(r"libfabric(-[0-9a-f]+)?\.so(\.\d+)*")
+
+
+def libfabrics(maps):
+    """The libfabric.so files mapped, per `maps` (the text of /proc/PID/maps), each once;
+    also those a wheel bundles renamed (auditwheel: libfabric-<hash>.so.1)."""
+    found = []
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address perms offset device inode path
+        path = fields[5] if len(fields) == 6 else ""
+        if LIBFABRIC.fullmatch(os.path.basename(path)) and path not in found:
+            found.append(path)
+    return found
+
+
+def binding_line(fi, path, built=None):
+    """The libfabric the binding was compiled against (its headers' FI_MAJOR/MINOR_VERSION,
+    `built` in the tests) beside the one loaded: an older one refuses every fi_getinfo of
+    the newer API with -FI_ENOSYS (src/fabric.c, "Requested version is newer than
+    library"), so nothing after this line could be trusted."""
+    built = built or (fi.lib.FI_MAJOR_VERSION, fi.lib.FI_MINOR_VERSION)
+    loaded = fi.version()
+    text = f"built against libfabric {'%d.%d' % built}, {'%d.%d' % loaded} loaded"
+    if loaded >= built:
+        return (OK, "binding", text)
+    prefix = Path(path).parent.parent
+    return (FIX, "binding", f"{text}: an older libfabric refuses the binding's API version "
+            f"(fi_getinfo: -FI_ENOSYS); build it against the one loaded (LIBFABRIC_PREFIX="
+            f"{prefix} bash scripts/setup.sh), or load the {'%d.%d' % built} one "
+            "(LD_LIBRARY_PATH to its lib)")
+
+
+def load_like_a_serving_engine():
+    """What a serving engine loads beside us, loaded here: torch (with it, NCCL) where it is
+    installed, then NCCL's net plugin, found as NCCL finds it at its first communicator
+    (NCCL_NET_PLUGIN, else libnccl-net.so: src/plugin/plugin_open.cc); aws-ofi-nccl's brings
+    its own libfabric. The names of what loaded."""
+    loaded = []
+    if importlib.util.find_spec("torch"):
+        try:
+            import torch  # noqa: F401 (loaded for what it maps)
+            loaded.append("torch")
+        except Exception as e:  # a broken torch is the engine's problem: say it, go on
+            loaded.append(f"no torch (importing it: {type(e).__name__})")
+    name = os.environ.get("NCCL_NET_PLUGIN", "")
+    for plugin in ([f"libnccl-net-{name}.so", name] if name else ["libnccl-net.so"]):
+        try:
+            ctypes.CDLL(plugin, mode=os.RTLD_LOCAL | os.RTLD_NOW)
+        except OSError:
+            continue
+        loaded.append(plugin)
+        break
+    return loaded
+
+
+def libfabric_copies_line(ours, mapped, loaded):
+    """One libfabric in the process, or the paths of them all: two give efa's fi_getinfo
+    an empty list or NCCL a silent fall back to TCP. `ours`: the binding's; `mapped`:
+    libfabrics() after load_like_a_serving_engine(), which loaded `loaded`."""
+    beside = f"with {', '.join(loaded)} loaded" if loaded else \
+        "nothing else here loads one (no torch, no NCCL net plugin)"
+    others = [p for p in mapped if p != ours]
+    if not others:
+        return (OK, "one libfabric", f"{ours} alone in this process, {beside}")
+    one = next((p for p in mapped if Path(p).is_relative_to(EFA_INSTALLER)), others[0])
+    return (FIX, "one libfabric", f"{len(mapped)} in this process, {beside}: {ours} (the "
+            f"binding's) and {', '.join(others)}: efa can answer fi_getinfo with an empty "
+            f"list, or NCCL fall back to TCP; use one: LIBFABRIC_PREFIX="
+            f"{Path(one).parent.parent} bash scripts/setup.sh, and LD_LIBRARY_PATH="
+            f"{Path(one).parent}")
 
 
 def nic_lines(fi, machine, provider):
@@ -190,6 +274,47 @@ def rdma_write_line(fi, info):
             "messages, slower")
 
 
+# What each chapter asks fi_getinfo for, with fi.hints' mr_mode (fi.MR_MODE), through
+# fi.pick (cli.peer) when no -p is given: 04-05 their messages, 08 chapter 08's FI_RMA,
+# the rest CAPS (06, 07, common/engine/multinet.py, common/moe, common/transfer).
+CHAPTER_CAPS = (("chapters 04-05", "FI_MSG"), ("chapters 06-07, 09-19", "FI_MSG FI_RMA"),
+                ("chapter 08", "FI_RMA"))
+
+
+def fabric_lines(fi):
+    """Per chapter, the provider, fabric and domain its hints pick here."""
+    return [fabric_line(fi, chapters, sum(getattr(fi.lib, c) for c in caps.split()))
+            for chapters, caps in CHAPTER_CAPS]
+
+
+def fabric_line(fi, chapters, caps):
+    asked = f"{chapters} ({fi.tostr(caps, fi.lib.FI_TYPE_CAPS)})"
+    try:
+        info, why = fi.pick(None, caps)
+    except (ValueError, fi.FabricError) as e:
+        return (FIX, "fabric", f"{asked}: {e}")
+    fabric = fi.string(info.fabric_attr.name)
+    text = (f"{asked}: {fi.provider_of(info)} ({why}), fabric {fabric}, domain "
+            f"{fi.string(info.domain_attr.name)}")
+    for provider, wanted in fi.FABRICS.items():  # efa 2.x: efa-direct first, then efa
+        listed = fabrics_listed(fi, provider, caps)
+        if any(name != wanted for name in listed):
+            text += (f"; {provider} lists {', '.join(listed)} for these hints, the chapters "
+                     f"take {wanted}, and {fi.DIRECT} with -p {fi.DIRECT} (common/fabric FABRICS)")
+    return (OK, "fabric", text)
+
+
+def fabrics_listed(fi, provider, caps):
+    """The fabrics `provider` offers for `caps`, in its order (efa's: prov/efa/src/efa_prov.c),
+    to hints with efa-direct's mode too (DIRECT_MODE), or it would not be listed."""
+    try:
+        head = fi.getinfo(fi.hints(provider, caps=caps, fabric=False,
+                                   mode=fi.MODE | fi.DIRECT_MODE))
+    except fi.FabricError:
+        return []
+    return list(dict.fromkeys(fi.string(i.fabric_attr.name) for i in fi.each(head)))
+
+
 # --- GPUs --------------------------------------------------------------------
 
 def gpu_line(machine):
@@ -208,7 +333,7 @@ def gpu_line(machine):
 def gpu_memory_lines(fi, providers):
     """A real registration of GPU 0 memory with each of `providers` (one line each)."""
     from common.fabric import memory
-    lines = []
+    lines, context = [], None
     for provider in providers:
         granted = offered(fi, provider, fi.lib.FI_MSG | fi.lib.FI_RMA | fi.lib.FI_HMEM)
         if granted is None:
@@ -222,6 +347,7 @@ def gpu_memory_lines(fi, providers):
                 fabric = own(fi.fabric_open(granted))
                 domain = own(fi.domain_open(fabric, granted))
                 buf = memory.Buffer(1 << 16, gpu=0)
+                context = context or dmabuf_context_line(fi)  # as it is at registration
                 mr, how = memory.register_device(domain, buf.ptr, buf.size, memory.WRITE_TARGET,
                                                  1, buf.iface, buf.device)
                 own(mr)
@@ -230,7 +356,40 @@ def gpu_memory_lines(fi, providers):
             continue
         lines.append((OK, "GPU memory", f"{provider} registers GPU 0 memory (FI_HMEM): "
                       + how.removeprefix("GPU memory registered ")))
-    return lines
+    return lines + [context] * bool(context)
+
+
+def dmabuf_here(fi):
+    """Whether GPU memory is registered by dmabuf here: the binding was built with
+    FI_MR_DMABUF (common/fabric/memory.py) and CUDA exports dmabufs."""
+    return bool(fi.lib.tut_has_dmabuf()) and cuda_attribute(cuda_driver.DMA_BUF_SUPPORTED) == 1
+
+
+def dmabuf_context_line(fi, current=None):
+    """Is a CUDA context current on the thread about to register GPU memory by dmabuf?
+    Without one, CUDA's dmabuf export fails (CUDA_ERROR_INVALID_CONTEXT): the
+    application's own for FI_MR_DMABUF, and libfabric's too (src/hmem_cuda.c,
+    cuda_get_dmabuf_fd, makes no context of its own). efa then registers by address,
+    EFAULT without nvidia_peermem (libfabric issue 12019), or in 2.6.0 fails with
+    "Operation not supported" (prov/efa/src/efa_mr.c, efa_mr_reg_ibv_mr; efa_hmem.c
+    gives CUDA no dmabuf fallback); verbs falls back to ibv_reg_mr
+    (prov/verbs/src/verbs_mr.c, vrb_reg_hmem_dmabuf). None where dmabuf is not in play.
+    `current()`: cuda_driver.current_context, or a test's."""
+    if not dmabuf_here(fi):
+        return None
+    try:
+        current = (current or cuda_driver.current_context)()
+    except ValueError as e:
+        return (ABSENT, "dmabuf context", f"cannot ask the CUDA driver ({e})")
+    if current:
+        return (OK, "dmabuf context", "a CUDA context is current where GPU memory is "
+                "registered (cuCtxGetCurrent), as the dmabuf export needs; so must it be on "
+                "each thread of yours that registers")
+    return (FIX, "dmabuf context", "no CUDA context is current on the thread about to "
+            "register GPU memory: its dmabuf export fails (CUDA_ERROR_INVALID_CONTEXT), "
+            "then efa's registration (EFAULT, or Operation not supported): make the GPU's "
+            "primary context current on that thread first (cudaSetDevice(gpu), or "
+            "cuDevicePrimaryCtxRetain and cuCtxSetCurrent)")
 
 
 def cuda_attribute(which, gpu=0):
@@ -334,6 +493,14 @@ def examine(machine):
     """Every line, in order."""
     line, fi = libfabric(machine)
     lines = [line]
+    if fi:
+        ours = loaded_from()
+        loaded = load_like_a_serving_engine()
+        binding = binding_line(fi, ours)
+        lines += [binding,
+                  libfabric_copies_line(ours, libfabrics(read("/proc/self/maps", "")), loaded)]
+        if binding[0] == FIX:
+            fi = None  # every fi_getinfo would fail: the lines that need one would mislead
     nics = {}  # provider -> its fi_info, for the real NICs usable here
     for provider in REAL_NICS if fi else ():
         line, info = nic_lines(fi, machine, provider)
@@ -347,6 +514,7 @@ def examine(machine):
         lines.append((OK, "shm, tcp", f"usable: {', '.join(local)}") if local else
                      (FIX, "shm, tcp", "neither is usable: reinstall libfabric (bash "
                       "scripts/setup.sh)"))
+        lines += fabric_lines(fi)
     real_nic = bool(nics) or any(machine.nics_on_bus(p) for p in REAL_NICS)
     line, buses = gpu_line(machine)
     lines.append(line)
@@ -390,3 +558,6 @@ if __name__ == "__main__":
         sys.exit(main())
     except BrokenPipeError:  # piped into `head`: the reader has what it wanted
         os._exit(0)
+    except KeyboardInterrupt:  # Ctrl-C (or, once the binding is loaded, SIGTERM)
+        print("doctor.py: interrupted", file=sys.stderr)
+        sys.exit(130)

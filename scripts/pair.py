@@ -2,14 +2,16 @@
 
 Starts the server, reads the address it prints, runs each client against it,
 then waits for the server to finish (or stops it with Ctrl-C, as you would).
-The server is also stopped on any failure, so nothing is left running.
+Each line either side prints comes out as it comes, after its name ("server: ",
+"client 1: "). The server is also stopped on any failure, and both sides on
+Ctrl-C of this script (within 2 s), so nothing is left running or in /dev/shm.
 
     .venv/bin/python scripts/pair.py 04                          # default provider
     .venv/bin/python scripts/pair.py 05 -p tcp --clients 3 -- "some text"
     .venv/bin/python scripts/pair.py 04 -p shm --server-args="--timeout 5" -- "hi" --timeout 3
     .venv/bin/python scripts/pair.py 18 --limit 600 --server-args="--tokens 16384" -- --tokens 16384
 
-Also a library: tests and the tour call run_pair().
+Also a library: tests and the tour call run_pair(), and read each side's output after.
 """
 import argparse
 import os
@@ -25,9 +27,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from common import usage  # noqa: E402
+from common import shm_files, usage  # noqa: E402
+from common.launch import owned  # noqa: E402
 from common.patience import patience  # noqa: E402
 ADDRESS = re.compile(r"^server address: ([0-9a-f]+)$", re.MULTILINE)
+INTERRUPTED_WAIT = 1.5  # seconds both sides get to close after our Ctrl-C: all ends in 2 s
 
 
 def chapter_path(number):
@@ -68,84 +72,148 @@ class Pair:
 
 
 class _Collector(threading.Thread):
-    """Reads one stream of a process to the end without blocking the caller."""
+    """Reads one stream of a process to the end without blocking the caller; each line
+    also goes to `echo` (a stream) as it comes, after `prefix`."""
 
-    def __init__(self, stream):
+    def __init__(self, stream, prefix="", echo=None):
         super().__init__(daemon=True)
-        self.stream, self.lines = stream, []
+        self.stream, self.prefix, self.echo, self.lines = stream, prefix, echo, []
         self.start()
 
     def run(self):
         for line in self.stream:
             self.lines.append(line)
+            if self.echo is not None:
+                self.echo.write(self.prefix + line)
+                self.echo.flush()
 
     @property
     def text(self):
         return "".join(self.lines)
 
 
+class _Process:
+    """One side: started as ours (common.launch.owned: it dies with us, and only we signal
+    it), its output collected as it comes."""
+
+    def __init__(self, run, name, env, echo):
+        self.run, self.name, self.said = run, name, ""
+        self.proc = owned(run.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=env, cwd=ROOT)
+        out, err = echo or (None, None)
+        self.out = _Collector(self.proc.stdout, f"{name}: ", out)
+        self.err = _Collector(self.proc.stderr, f"{name}: ", err)
+
+    def say(self, line):
+        """A line of ours about this side: in its Run's err, and to our reader."""
+        self.said += line + "\n"
+        if self.err.echo is not None:
+            self.err.echo.write(f"{self.name}: {line}\n")
+
+    def say_if_killed(self):
+        """One line for our reader if Ctrl-C was not enough."""
+        if self.proc.returncode == -signal.SIGKILL:
+            self.say(f"killed: not closed within {INTERRUPTED_WAIT:g} s of Ctrl-C")
+
+    def finish(self, grace):
+        """Its end as the Run's exit code and output; what it left in /dev/shm if killed."""
+        self.out.join(grace)
+        self.err.join(grace)
+        self.run.rc, self.run.out = self.proc.returncode, self.out.text
+        self.run.err = self.said + self.err.text
+        if self.proc.returncode < 0:  # a killed process removed nothing
+            shm_files.remove_left_by([self.proc.pid])
+
+
 def stop(proc, grace):
-    """Ctrl-C first (the chapter closes its resources), then a kill if it ignores it.
+    """Ctrl-C first (the chapter closes its resources), then a kill if it ignores it (and
+    what it left in /dev/shm removed).
 
     Returns whether the process was still running.
     """
-    if proc.poll() is not None:
-        return False
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    return True
+    return bool(stop_all([proc], grace))
+
+
+def stop_all(procs, grace):
+    """stop() for each of `procs` at once: all are signalled, then those still running
+    `grace` s later killed. Returns those that were running."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        p.send_signal(signal.SIGINT)
+        p.send_signal(signal.SIGCONT)  # a stopped process acts on it only then
+    deadline = time.monotonic() + grace
+    for p in running:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            shm_files.remove_left_by([p.pid])
+    return running
 
 
 def run_pair(chapter, provider=None, server_args=(), client_args=((),), env=None,
-             timeout=60.0, grace=10.0, keep_going=False):
+             timeout=60.0, grace=10.0, keep_going=False, echo=None):
     """Start the server, run one client per entry of `client_args`, stop the server.
 
     Returns a Pair with each process's arguments, exit code and output. A
     server that prints no address within `timeout` gets no client; after a
     client fails, no further client runs unless `keep_going`. Both limits are
     for a quiet machine and stretch with this one's load.
+    echo: (out, err) streams that each side's lines go to as they come, named.
+    A KeyboardInterrupt here stops both sides within INTERRUPTED_WAIT s, then
+    goes on to the caller.
     """
     timeout, grace = patience(timeout), patience(grace)
     path = chapter_path(chapter)
     common = ["-p", provider] if provider else []
     env = local_env(env)
-    server = Run([sys.executable, str(path), *common, *server_args])
-    proc = subprocess.Popen(server.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=ROOT)
-    out, err = _Collector(proc.stdout), _Collector(proc.stderr)
-    pair = Pair(server)
+    server = _Process(Run([sys.executable, str(path), *common, *server_args]), "server",
+                      env, echo)
+    pair, client = Pair(server.run), None
     try:
         deadline = time.monotonic() + timeout
-        while not ADDRESS.search(out.text) and proc.poll() is None and time.monotonic() < deadline:
+        while not ADDRESS.search(server.out.text) and server.proc.poll() is None \
+                and time.monotonic() < deadline:
             time.sleep(0.02)
-        found = ADDRESS.search(out.text)
+        found = ADDRESS.search(server.out.text)
         for args in client_args if found else ():
-            client = Run([sys.executable, str(path), *common, found[1], *args])
+            client = _Process(Run([sys.executable, str(path), *common, found[1], *args]),
+                              f"client {len(pair.clients) + 1}", env, echo)
             try:
-                done = subprocess.run(client.args, capture_output=True, text=True, env=env,
-                                      cwd=ROOT, timeout=timeout)
-                client.rc, client.out, client.err = done.returncode, done.stdout, done.stderr
-            except subprocess.TimeoutExpired as e:
-                client.rc, client.err = -signal.SIGKILL, f"client killed after {timeout:g} s\n"
-                client.out = e.stdout.decode() if e.stdout else ""
-            pair.clients.append(client)
-            if client.rc != 0 and not keep_going:
+                client.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                client.proc.kill()
+                client.proc.wait()
+                client.say(f"killed: still running after {timeout:.1f} s (the limit)")
+            client.finish(grace)
+            pair.clients.append(client.run)
+            client = None
+            if pair.clients[-1].rc != 0 and not keep_going:
                 break
         if len(pair.clients) == len(client_args) and (keep_going or pair.clients[-1].rc == 0):
             try:
-                proc.wait(grace)  # a server told how many clients to serve exits by itself
+                server.proc.wait(grace)  # a server told how many clients to serve exits
             except subprocess.TimeoutExpired:
                 pass
+    except BaseException:  # Ctrl-C (or SIGTERM, as main() turns it): both sides, now
+        sides = [side for side in (client, server) if side is not None]
+        stop_all([side.proc for side in sides], INTERRUPTED_WAIT)
+        for side in sides:
+            side.say_if_killed()
+        raise
     finally:
-        pair.stopped = stop(proc, grace)
-        out.join(grace)
-        err.join(grace)
-    server.rc, server.out, server.err = proc.returncode, out.text, err.text
+        pair.stopped = stop(server.proc, grace)
+        server.finish(grace)
     return pair
+
+
+class Signalled(BaseException):
+    """SIGTERM, as KeyboardInterrupt is SIGINT: run_pair stops both sides on either."""
+
+
+def _terminated(signum, _):
+    raise Signalled(signum)
 
 
 def seconds(text):
@@ -171,15 +239,22 @@ def main():
     split = argv.index("--") if "--" in argv else len(argv)
     args = p.parse_args(argv[:split])
     args.client_args = argv[split + 1:]  # everything after -- goes to the client
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         pair = run_pair(args.chapter, args.provider, shlex.split(args.server_args),
-                        [args.client_args] * args.clients, timeout=args.limit)
+                        [args.client_args] * args.clients, timeout=args.limit,
+                        echo=(sys.stdout, sys.stderr))
     except FileNotFoundError as e:
         sys.exit(f"pair: {e}")
+    except (KeyboardInterrupt, Signalled) as e:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # said once, whatever comes next
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        how = "interrupted" if isinstance(e, KeyboardInterrupt) else "got SIGTERM"
+        print(f"pair: {how}; server and clients stopped", file=sys.stderr, flush=True)
+        return 130 if isinstance(e, KeyboardInterrupt) else 143
     for name, run in [("server", pair.server)] + [(f"client {i + 1}", c)
                                                     for i, c in enumerate(pair.clients)]:
         print(f"--- {name}: {shlex.join(run.args[1:])} -> exit {run.rc}")
-        sys.stdout.write(run.out + run.err)
     if not pair.clients:
         print("--- no client ran: the server printed no address")
     return 0 if pair.ok else 1

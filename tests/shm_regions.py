@@ -1,7 +1,7 @@
 """Which /dev/shm regions our own test processes made, so that only those count as leaks.
 
-libfabric's shm provider names each endpoint's region "<pid>:<uid>:<n>" after the
-process that created it (prov/shm/src/smr_ep.c, smr_endpoint_name). Other programs on the
+libfabric's shm provider names each endpoint's region after the process that created it
+(common/shm_files.py knows the names). Other programs on the
 machine (a reader's benchmark, a chapter server left running) make regions of their own
 while the suite runs; those are not ours to judge.
 
@@ -13,25 +13,16 @@ foreign process that made a region and died within that instant.
 """
 import ctypes
 import os
-import re
 import select
 import struct
 import threading
 import uuid
 from pathlib import Path
 
-SHM = Path("/dev/shm")
-NAME = re.compile(rb"^(\d+):\d+:\d+")
+from common.shm_files import SHM, creator, regions as files
+
 IN_CREATE, IN_MOVED_TO = 0x100, 0x80
 EVENT = struct.Struct("iIII")  # struct inotify_event without its name
-
-
-def files(pid=None):
-    """The shm provider's regions in /dev/shm now (those of process `pid` only, if given)."""
-    if not SHM.is_dir():
-        return set()
-    names = {p.name for p in SHM.iterdir() if NAME.match(p.name.encode())}
-    return names if pid is None else {n for n in names if n.startswith(f"{pid}:")}
 
 
 class Watcher:
@@ -76,10 +67,10 @@ class Watcher:
             _, _, _, size = EVENT.unpack_from(data, at)
             name = data[at + EVENT.size:at + EVENT.size + size].rstrip(b"\0")
             at += EVENT.size + size
-            match = NAME.match(name)
-            if match and self.ours(int(match[1])) is False:
+            pid = creator(name.decode(errors="replace"))
+            if pid is not None and self.ours(pid) is False:
                 self.foreign.add(name.decode())
-            if match:
+            if pid is not None:
                 self.seen.add(name.decode())
 
     def left(self):
@@ -91,4 +82,4 @@ class Watcher:
                 os.close(fd)
             self.thread = None
         return {name for name in files() - self.before - self.foreign
-                if self.ours(int(NAME.match(name.encode())[1])) is not False}
+                if self.ours(creator(name)) is not False}

@@ -91,3 +91,26 @@ def test_pair_refuses_bad_flags_in_one_line(args, pattern):
     done = subprocess.run([sys.executable, str(chapter_path(4).parents[1] / "scripts" / "pair.py"),
                            *args], capture_output=True, text=True, env=local_env(), timeout=LIMIT)
     assert_one_line_error(done, pattern)
+
+
+COUNTS = [  # (chapters that have the flag, arguments, the error)
+    ([5, 6, 7, 9, 15], ["--clients", "-1"], "--clients: expected a number 0 or more, not '-1'"),
+    ([5, 6, 7, 9, 15], ["--clients", "two"], "--clients: expected a number 0 or more, not 'two'"),
+    ([6, 7, 9, 15], [SHM_DEAD, "--seed", "-1"], "--seed: expected a number 0..18446744073709551615"),
+    ([7, 9, 15], [SHM_DEAD, "--iters", "0"], "--iters must be"),
+    ([7, 9, 15], [SHM_DEAD, "--iters", "-1"], "--iters must be"),
+    ([6, 7, 9, 15], [SHM_DEAD, "--pages", ""], "--pages must name pages"),
+    ([6, 7, 9, 15], [SHM_DEAD, "--page-size", "0"], "0 < page size"),
+    ([6, 7, 9, 15], [SHM_DEAD, "--buffers", "0"], "at least one buffer"),
+    ([6, 7, 9, 15], [SHM_DEAD, "--buffer-size", "0"], "<= buffer size"),
+]
+
+
+@pytest.mark.parametrize("chapter,args,pattern", [(c, args, pattern) for chapters, args, pattern
+                                                  in COUNTS for c in chapters])
+def test_counts_out_of_range_are_usage_errors(chapter, args, pattern):
+    """A count below its least (a negative --clients once served forever and exited 0):
+    one line, exit 2."""
+    done, _ = run(chapter, "-p", "shm", *args)
+    assert_one_line_error(done, pattern)
+    assert done.returncode == 2

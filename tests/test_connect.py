@@ -147,10 +147,11 @@ def test_pages_that_do_not_fit_one_send_are_refused_at_start():
 
 CLIENT_ARGS = {5: ["hello"], 6: ["--pages", "0-3"],
                7: ["--iters", "500", "--buffer-size", "4M", "--pages", "0-63"],
-               9: ["--iters", "500", "--buffer-size", "4M", "--pages", "0-63",
-                   "--nics-per-gpu", "2"]}
+               **{n: ["--iters", "500", "--buffer-size", "4M", "--pages", "0-63",
+                      "--nics-per-gpu", "2"] for n in range(9, 16)}}
 VERIFIED = {5: "got back 'olleh'", 6: "verified 4 pages", 7: "verified 64 pages",
-            9: "verified 1 x 64 pages"}
+            **{n: "verified 1 x 64 pages" for n in range(9, 16)}}
+NEIGHBOURS = [(5, 6), (6, 7), (7, 9), *((n, n + 1) for n in range(9, 15))]  # 08 has no server
 
 
 def run_client(chapter, provider, address):
@@ -163,6 +164,15 @@ def run_client(chapter, provider, address):
 def test_a_client_of_another_chapter_is_refused_by_name(server, client, provider):
     """Both sides say which chapters met; the server goes on to serve its own client (the
     one of --clients 1: a client it refused is not one it served)."""
+    refused_then_served(server, client, provider)
+
+
+@pytest.mark.parametrize("server,client", [*NEIGHBOURS, *((b, a) for a, b in NEIGHBOURS)])
+def test_neighbours_refuse_each_others_clients(server, client):
+    refused_then_served(server, client, "shm")
+
+
+def refused_then_served(server, client, provider):
     proc, out = start(server, ["-p", provider, "--clients", "1", "--timeout", "30"],
                       ADDRESS.pattern)
     try:
@@ -180,6 +190,25 @@ def test_a_client_of_another_chapter_is_refused_by_name(server, client, provider
         proc.kill()
     assert proc.returncode == 0, err
     assert f"client 1: refused: {why}" in err.splitlines()
+
+
+@pytest.mark.parametrize("client", [5, 7])
+def test_04_says_a_connect_is_not_its_text(client):
+    """04's server takes one text; a later chapter's CONNECT is said to be one, in one line
+    (04 cannot answer: it never learns its client's address), and its client gives up."""
+    proc, out = start(4, ["-p", "shm"], ADDRESS.pattern)
+    try:
+        wrong = subprocess.run([sys.executable, str(chapter_path(client)), "-p", "shm",
+                                "--timeout", "3", ADDRESS.search(out)[1], *CLIENT_ARGS[client]],
+                               capture_output=True, text=True, env=local_env(), timeout=120)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and "received" not in rest, rest
+    assert err.splitlines() == [
+        f"04_hello.py: error: received a CONNECT from chapter {client:02d}'s client, not a "
+        f"text: run chapter {client:02d}'s server for that client"]
+    assert wrong.returncode == 1 and "Traceback" not in wrong.stderr, wrong.stderr
 
 
 def test_a_message_that_is_no_connect_is_ignored_not_served():

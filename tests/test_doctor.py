@@ -3,6 +3,7 @@
 import importlib.util
 import re
 import resource
+import shutil
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from common.fabric import cuda_driver
 from scripts import doctor
 from scripts.doctor import ABSENT, FIX, OK, Machine
 from scripts.pair import ROOT, local_env
-from tests import fake_sysfs
+from tests import fake_info, fake_sysfs
 from tests.gpu import needs_gpu
 
 LINE = re.compile(r"^(ok  |--  |FIX ) \S.{13} \S")
@@ -187,3 +188,138 @@ def test_on_a_gpu_machine_shm_registers_gpu_memory():
     assert any(re.match(r"ok +GPU +\d+ CUDA devices", line) for line in lines)
     assert any(re.fullmatch(r"ok   GPU memory     shm registers GPU 0 memory \(FI_HMEM\): by "
                             r"(dmabuf|address \(no dmabuf: .*\))", line) for line in lines), lines
+
+
+def test_the_binding_built_against_a_newer_libfabric_than_the_one_loaded_is_a_fix():
+    loaded = fi.version()
+    assert doctor.binding_line(fi, "/x/lib/libfabric.so.1", loaded) == (
+        OK, "binding", "built against libfabric %d.%d, %d.%d loaded" % (loaded * 2))
+    assert doctor.binding_line(fi, "/x/lib/libfabric.so.1", (1, 0))[0] == OK  # older: fine
+    line = doctor.binding_line(fi, "/x/lib/libfabric.so.1", (loaded[0] + 1, 0))
+    assert line[0] == FIX and line[2].startswith(
+        "built against libfabric %d.0, %d.%d loaded: an older libfabric refuses the binding's "
+        "API version (fi_getinfo: -FI_ENOSYS); build it against the one loaded "
+        "(LIBFABRIC_PREFIX=/x bash scripts/setup.sh)" % (loaded[0] + 1, *loaded))
+
+
+MAPS = """\
+7f0000000000-7f0000001000 r--p 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libfabric.so.1.20.0
+7f0000001000-7f0000002000 r-xp 00001000 08:01 1 /usr/lib/x86_64-linux-gnu/libfabric.so.1.20.0
+7f0000002000-7f0000003000 rw-p 00000000 00:00 0
+7f0000003000-7f0000004000 r--p 00000000 08:01 2 /usr/lib/x86_64-linux-gnu/libfabric-extra.so
+7f0000004000-7f0000005000 r--p 00000000 08:01 3 /opt/amazon/ofi-nccl/lib/libnccl-net.so
+"""
+EFA_LIB = "7f0000006000-7f0000007000 r-xp 00000000 08:01 4 /opt/amazon/efa/lib/libfabric.so.1\n"
+WHEELS = "7f0000008000-7f0000009000 r-xp 00000000 08:01 5 /w/nixl.libs/libfabric-0a1b2c3d.so.1\n"
+
+
+def test_a_second_libfabric_in_the_process_is_a_fix_naming_both():
+    ours = "/usr/lib/x86_64-linux-gnu/libfabric.so.1.20.0"
+    assert doctor.libfabrics(MAPS) == [ours]
+    line = doctor.libfabric_copies_line(ours, doctor.libfabrics(MAPS), [])
+    assert line == (OK, "one libfabric", f"{ours} alone in this process, nothing else here "
+                    "loads one (no torch, no NCCL net plugin)")
+    assert doctor.libfabrics(MAPS + WHEELS)[1] == "/w/nixl.libs/libfabric-0a1b2c3d.so.1"
+    mapped = doctor.libfabrics(MAPS + EFA_LIB)
+    assert mapped == [ours, "/opt/amazon/efa/lib/libfabric.so.1"]
+    line = doctor.libfabric_copies_line(ours, mapped, ["torch", "libnccl-net.so"])
+    assert line == (FIX, "one libfabric", f"2 in this process, with torch, libnccl-net.so "
+                    f"loaded: {ours} (the binding's) and /opt/amazon/efa/lib/libfabric.so.1: "
+                    "efa can answer fi_getinfo with an empty list, or NCCL fall back to TCP; "
+                    "use one: LIBFABRIC_PREFIX=/opt/amazon/efa bash scripts/setup.sh, and "
+                    "LD_LIBRARY_PATH=/opt/amazon/efa/lib")
+
+
+def test_here_the_process_has_one_libfabric_with_what_an_engine_loads():
+    lines, _ = lines_of(run().stdout)
+    assert lines["one libfabric"] == (OK, lines["one libfabric"][1])
+    assert lines["one libfabric"][1].startswith(doctor.loaded_from() + " alone in this process")
+
+
+def with_plugin(tmp_path, code):
+    """The doctor run with NCCL_NET_PLUGIN, as NCCL takes it: a library whose loading does
+    `code` (C, in its constructor)."""
+    (tmp_path / "plugin.c").write_text("#include <dlfcn.h>\n#include <signal.h>\n"
+                                       "__attribute__((constructor)) static void load(void) "
+                                       f"{{ {code}; }}\n")
+    plugin = tmp_path / "libnccl-net-test.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", plugin, tmp_path / "plugin.c", "-ldl"],
+                   check=True, timeout=60)
+    return plugin, subprocess.run([sys.executable, str(ROOT / "scripts" / "doctor.py")],
+                                  capture_output=True, text=True, timeout=60,
+                                  env={**local_env(), "NCCL_NET_PLUGIN": str(plugin)})
+
+
+@pytest.mark.skipif(not shutil.which("cc"), reason="needs a C compiler")
+def test_a_net_plugin_that_loads_its_own_libfabric_is_found_in_the_process(tmp_path):
+    """A second libfabric: a copy, opened by its path (as a RUNPATH's or a bundled one)."""
+    copy = tmp_path / "lib" / "libfabric.so.1"
+    copy.parent.mkdir()
+    shutil.copy(doctor.loaded_from(), copy)
+    plugin, done = with_plugin(tmp_path, f'dlopen("{copy}", RTLD_NOW | RTLD_LOCAL)')
+    lines, _ = lines_of(done.stdout)
+    assert lines["one libfabric"][0] == FIX and done.returncode == 1
+    assert lines["one libfabric"][1].startswith(
+        f"2 in this process, with {plugin} loaded: {doctor.loaded_from()} (the binding's) "
+        f"and {copy}: ")
+
+
+@pytest.mark.skipif(not shutil.which("cc"), reason="needs a C compiler")
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    """Ctrl-C while the doctor loads what an engine would: the plugin sends it itself."""
+    _, done = with_plugin(tmp_path, "raise(SIGINT)")
+    assert done.returncode == 130 and done.stderr == "doctor.py: interrupted\n"
+
+
+@pytest.mark.parametrize("current,status", [(lambda: True, OK), (lambda: False, FIX)])
+def test_registering_gpu_memory_by_dmabuf_needs_a_current_cuda_context(monkeypatch, current,
+                                                                       status):
+    monkeypatch.setattr(doctor, "dmabuf_here", lambda fi: True)
+    line = doctor.dmabuf_context_line(fi, current)
+    assert line[:2] == (status, "dmabuf context")
+    if status == FIX:
+        assert "(CUDA_ERROR_INVALID_CONTEXT)" in line[2]
+        assert line[2].endswith("make the GPU's primary context current on that thread first "
+                                "(cudaSetDevice(gpu), or cuDevicePrimaryCtxRetain and "
+                                "cuCtxSetCurrent)")
+
+
+def test_without_dmabuf_the_cuda_context_is_not_asked(monkeypatch):
+    monkeypatch.setattr(doctor, "cuda_attribute", {cuda_driver.DMA_BUF_SUPPORTED: 0}.get)
+    assert doctor.dmabuf_context_line(fi, lambda: pytest.fail("asked")) is None
+
+
+def fake_getinfo(entries):
+    """fi.getinfo over fake_info entries, filtered as libfabric 2.1's core filters them by
+    provider, fabric name (src/fabric.c) and caps."""
+    def getinfo(hint, flags=0):
+        provider, fabric = fi.string(hint.fabric_attr.prov_name), fi.string(hint.fabric_attr.name)
+        chosen = [e for e in entries if provider in ("", e.provider)
+                  and fabric in ("", e.fabric) and hint.caps & ~e.caps == 0]
+        if not chosen:
+            raise fi.FabricError("fi_getinfo", -fi.lib.FI_ENODATA)
+        return fake_info.infos(*chosen)
+    return getinfo
+
+
+def fabric_text(lines, chapters):
+    return next(text for _, topic, text in lines if text.startswith(chapters + " ("))
+
+
+def test_each_chapter_is_told_the_fabric_its_hints_pick(monkeypatch):
+    rdm, direct = (fake_info.Entry("rdmap79s0-rdm", fabric=name, pci="0000:4f:00.0")
+                   for name in ("efa", "efa-direct"))
+    monkeypatch.setattr(fi, "getinfo", fake_getinfo([direct, rdm]))  # libfabric 2.x's order
+    lines = doctor.fabric_lines(fi)
+    assert [line[:2] for line in lines] == [(OK, "fabric")] * 3
+    assert fabric_text(lines, "chapters 06-07, 09-19") == (
+        "chapters 06-07, 09-19 (FI_MSG, FI_RMA): efa (default), fabric efa, domain "
+        "rdmap79s0-rdm; efa lists efa-direct, efa for these hints, the chapters take efa, "
+        "and efa-direct with -p efa-direct (common/fabric FABRICS)")
+    monkeypatch.setattr(fi, "getinfo", fake_getinfo([rdm]))  # libfabric 1.x: efa alone
+    assert fabric_text(doctor.fabric_lines(fi), "chapter 08") == (
+        "chapter 08 (FI_RMA): efa (default), fabric efa, domain rdmap79s0-rdm")
+    no_rma = fake_info.Entry("shm", fabric="shm", provider="shm", caps=fi.lib.FI_MSG)
+    monkeypatch.setattr(fi, "getinfo", fake_getinfo([no_rma]))
+    lines = {text.split(" (")[0]: status for status, _, text in doctor.fabric_lines(fi)}
+    assert lines == {"chapters 04-05": OK, "chapters 06-07, 09-19": FIX, "chapter 08": FIX}

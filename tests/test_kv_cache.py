@@ -82,7 +82,8 @@ def test_a_side_killed_mid_transfer_is_said_by_the_other_in_one_line(victim, sur
     (["--cache-pages", "2", "--tokens", "1024"], "a request of 1024 tokens needs 8"),
     (["--model", "huge"], "argument --model: invalid choice"),
     (["--tokens", "0"], "expected a number 1.."),
-    (["-p", "shm", "abcd"], "not an engine's address (2 bytes)"),
+    (["-p", "shm", "abcd"], "error: not an engine's address (2 bytes): copy the whole address "
+                            "that the server printed"),
     (["zz"], "address must be an even number of hex digits"),
 ])
 def test_bad_input_is_one_line(args, pattern):

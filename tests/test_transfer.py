@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import common.fabric as fi
-from common.fabric import cuda_driver
+from common.fabric import cuda_driver, lib
 from common.patience import patience
 from scripts.pair import ROOT, local_env
 from tests.gpu import needs_gpu
@@ -143,6 +143,32 @@ def test_bad_input_is_refused_in_one_line_and_nothing_is_posted(engine):
             call()
         one_line(excinfo, pattern)
     assert eng.stats()["posted"] == 0
+
+
+class SendsNothing:
+    """The cffi lib, but fi_sendmsg answers `rc` and sends nothing."""
+
+    def __init__(self, rc):
+        self.rc = rc
+
+    def __getattr__(self, name):
+        return (lambda *_: self.rc) if name == "fi_sendmsg" else getattr(lib, name)
+
+
+@pytest.mark.parametrize("rc,line", [
+    (-lib.FI_EAGAIN, "no control message to peer 0 could be sent within 0.5 s (the provider's "
+                     "queue stayed full): is the peer still running?"),
+    (0, "a control message to peer 0 did not complete within 0.5 s: is the peer still "
+        "running?"),
+])
+def test_a_control_message_that_does_not_go_is_said_plainly(monkeypatch, rc, line):
+    with fi.Closer() as own:
+        eng = Engine(own, provider="shm", timeout=0.5)
+        me = eng.connect(eng.address())
+        monkeypatch.setattr(transfer, "lib", SendsNothing(rc))
+        with pytest.raises(TimeoutError) as excinfo:
+            eng.send(me, b"hello")
+    assert str(excinfo.value) == line
 
 
 def test_bad_engine_arguments_are_refused_before_anything_opens():

@@ -14,7 +14,8 @@ struct lane {
 /* One NIC ("lane") as the C workers of chapters 11-15 drive it.
  *
  * What every worker does with a lane is here: post() one WRITE, taking a
- * free context; submit() new WRITEs, at once while nothing waits; drain() the
+ * free context; submit() new WRITEs, at once while nothing waits (submit_more(): in
+ * batches, chapter 14); drain() the
  * ring of WRITEs refused with -FI_EAGAIN, oldest first; send each NIC's last
  * WRITE with immediate data once its others have completed; reap()
  * completions, giving contexts back; run_lanes() visits the lanes in turn.
@@ -74,13 +75,21 @@ static inline int send_last(struct lane *l)
 }
 
 /* Up to `batch` new WRITEs, posted at once while none waits (refused ones wait in the
-   ring, in order); then the last one when its time has come. */
-static inline int submit(struct lane *l, unsigned batch)
+   ring, in order); then the last one when its time has come. `more` (FI_MORE, chapter 14)
+   goes on each WRITE posted but the last one the visit can post: as many as there are
+   free contexts, since a WRITE post() holds back for want of one never reaches the
+   provider and could not close the batch. A refusal closes it too (man fi_rma(3): the
+   provider flushes what it held back when a post fails). */
+static inline int submit_more(struct lane *l, unsigned batch, uint64_t more)
 {
-    for (unsigned n = 0; n < batch && l->submitted < l->iters - 1
-                         && l->pend_len < l->pend_cap; n++) {
+    size_t todo = batch, left = l->submitted < l->iters - 1 ? l->iters - 1 - l->submitted : 0;
+    todo = todo < left ? todo : left;
+    todo = todo < l->pend_cap - l->pend_len ? todo : l->pend_cap - l->pend_len;
+    size_t posts = l->pend_len ? 0 : todo < l->nfree ? todo : l->nfree;
+    for (size_t n = 0; n < todo; n++) {
         size_t msg = l->submitted % l->nmsgs;
-        int rc = l->pend_len ? -FI_EAGAIN : post(l, msg, FI_COMPLETION);
+        uint64_t flags = FI_COMPLETION | (n + 1 < posts ? more : 0);
+        int rc = l->pend_len ? -FI_EAGAIN : post(l, msg, flags);
         if (rc == -FI_EAGAIN)
             l->pending[(l->pend_head + l->pend_len++) % l->pend_cap] = msg;
         else if (rc)
@@ -88,6 +97,11 @@ static inline int submit(struct lane *l, unsigned batch)
         l->submitted++;
     }
     return send_last(l);
+}
+
+static inline int submit(struct lane *l, unsigned batch)
+{
+    return submit_more(l, batch, 0);
 }
 
 /* Read completions; each gives its context back. Returns WRITEs completed, or < 0. */

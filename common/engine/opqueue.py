@@ -40,6 +40,15 @@ def write_messages(source, page_size, pages, which, regions, desc, dest):
     return [messages + i for i in range(n)], keep
 
 
+def verified(checked, asked, total, iters, page_size, wrong):
+    """The client's line on its check: `checked` pages of the `total` it asked for (`asked`
+    names them, "64" or "2 x 64"), which are those that `iters` WRITEs cycling over them
+    reach: only the first ones when there are fewer WRITEs than pages."""
+    what = f"{asked} pages" if checked == total else f"{checked} of {asked} pages"
+    reach = "" if checked == total else f", the ones {iters} WRITEs reach"
+    return f"verified {what} ({checked * page_size} bytes){reach}: {wrong} wrong bytes"
+
+
 class OpQueue:
     """Operations handed to the provider, or waiting in order for room after -FI_EAGAIN.
 
@@ -126,9 +135,14 @@ class OpQueue:
         return len(self.busy) - len(self.free)
 
     def drain(self, timeout):
-        """After a failure: wait (bounded) for what is in flight, so no completion of
-        ours lands on the next client's queue, and no WRITE reads freed memory: bounded
-        by bounds.tidy, which leaves closing its time within the process's bounds."""
+        """After a client's failure: wait (bounds.tidy) for what is in flight, so no completion
+        of ours lands on the next client's queue, and no WRITE reads freed memory.
+
+        Never after Ctrl-C (KeyboardInterrupt): it mostly lands just after fi_writemsg or
+        fi_cq_read returns, where the call spends its time, before this queue has noted
+        what the call did, so a drain would meet "a second completion" or wait in vain
+        for completions already read. The process is ending then, and closing the
+        endpoint discards what is still posted (man/fi_endpoint.3.md, fi_close)."""
         self.pending.clear()
         timeout = bounds.tidy(timeout)
         with bounds.Deadline(timeout, f"{self.in_flight()} operations in flight did not "

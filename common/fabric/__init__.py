@@ -22,7 +22,7 @@ try:
 except ImportError as e:  # not built, or libfabric.so gone since
     sys.exit(f"libfabric binding unavailable ({e}): run 'bash scripts/setup.sh'")
 from common import bounds
-from common.fabric import rules  # FABRIC_RULES=efa|verbs: every call checked as those NICs would
+from common.fabric import rules  # FABRIC_RULES=efa|efa-direct|verbs: calls checked as those NICs would
 
 # The API version our headers describe; libfabric 2.x still serves 1.x callers.
 API_VERSION = (lib.FI_MAJOR_VERSION << 16) | lib.FI_MINOR_VERSION
@@ -85,8 +85,8 @@ def tostr(value, kind):
 # We ask for no mode bits: the fabrics we use need none (efa's RDM fabric clears
 # FI_CONTEXT2, prov/efa/src/efa_prov_info.c; rxm strips FI_RX_CQ_DATA,
 # prov/rxm/src/rxm_init.c; shm and tcp ask for nothing). A mode offered is a
-# burden accepted: FI_CONTEXT2 is what lets efa-direct in, FI_RX_CQ_DATA would
-# oblige us to post a receive for every immediate. Every operation still has
+# burden accepted: FI_CONTEXT2 is what lets efa-direct in (DIRECT_MODE), FI_RX_CQ_DATA
+# would oblige us to post a receive for every immediate. Every operation still has
 # a fi_context2 of its own: that is how its completion names it.
 MODE = 0
 
@@ -94,8 +94,16 @@ MODE = 0
 # efa lists "efa-direct" before "efa" from libfabric 2.1 (prov/efa/src/efa_prov.c).
 # efa-direct sizes the device CQ to exactly what we ask (prov/efa/src/efa_cq.h) and
 # neither splits a SEND nor keeps it within the MTU (efa_msg.c); the RDM fabric "efa"
-# does both, as the series' demo and pplx-garden get it. Every chapter uses "efa".
+# does both, as the series' demo and pplx-garden get it. -p efa is "efa".
 FABRICS = {"efa": "efa"}
+# -p names that are a fabric of a provider: (provider, fabric), as fi_info names them.
+# efa-direct is the device alone, each call one work request (chapter 07 says what it demands).
+DIRECT = "efa-direct"
+NAMED_FABRICS = {DIRECT: ("efa", DIRECT)}
+# efa-direct lists entries only for callers that give every operation a struct
+# fi_context2 for the provider's own use (efa_prov_info.c; prov/efa/src/efa.h
+# efa_fill_context writes it): ours all have one.
+DIRECT_MODE = lib.FI_CONTEXT2
 
 
 def hints(provider=None, ep_type=lib.FI_EP_RDM, caps=lib.FI_MSG, mr_mode=MR_MODE, mode=MODE,
@@ -106,21 +114,23 @@ def hints(provider=None, ep_type=lib.FI_EP_RDM, caps=lib.FI_MSG, mr_mode=MR_MODE
     if info == ffi.NULL:
         raise FabricError("fi_allocinfo", -lib.FI_ENOMEM)
     info.caps = caps
-    info.mode = mode
+    # FABRIC_RULES=efa-direct: the hints -p efa-direct gives, on whatever provider runs
+    info.mode = mode | (DIRECT_MODE if DIRECT in (provider, rules.MODE) else 0)
     info.ep_attr.type = ep_type
     info.domain_attr.mr_mode = mr_mode
     if provider:
+        provider, name = NAMED_FABRICS.get(provider, (provider, fabric and FABRICS.get(provider)))
         info.fabric_attr.prov_name = lib.strdup(provider.encode())  # freed by fi_freeinfo
-        if fabric and provider in FABRICS:  # 2.1's core drops other fabrics' entries
-            # (src/fabric.c); 1.x's does not, but its efa has no efa-direct
-            info.fabric_attr.name = lib.strdup(FABRICS[provider].encode())
+        if name:  # 2.1's core drops other fabrics' entries (src/fabric.c); 1.x's does
+            # not, but its efa has no efa-direct
+            info.fabric_attr.name = lib.strdup(name.encode())
     return info
 
 
 def getinfo(hint, flags=0):
     """fi_getinfo: the list of (provider, domain) pairs that satisfy the hints."""
     out = ffi.new("struct fi_info **")
-    rules.restrict(hint)
+    check("fi_getinfo", rules.restrict(hint))
     rc = lib.fi_getinfo(API_VERSION, ffi.NULL, ffi.NULL, flags, hint, out)
     _take_back_signals()
     check("fi_getinfo", rc)
@@ -182,6 +192,13 @@ def provider_of(info):
     return string(info.fabric_attr.prov_name)
 
 
+def name_of(info):
+    """The -p name that picks `info`: its fabric's where that is one (efa-direct), else its
+    provider's (the first of a layered one's, e.g. verbs for verbs;ofi_rxm)."""
+    fabric = (provider_of(info).split(";")[0], string(info.fabric_attr.name))
+    return next((name for name, pair in NAMED_FABRICS.items() if pair == fabric), fabric[0])
+
+
 def pick(provider=None, caps=lib.FI_MSG, hmem=False):
     """The fi_info list for `provider`, or for the first of DEFAULT_PROVIDERS that works here.
 
@@ -223,16 +240,18 @@ def no_hmem(provider):
 
 def _pick(provider, caps):
     if provider:
-        if not set(provider.split(";")) <= KNOWN_PROVIDERS:
+        if provider not in NAMED_FABRICS and not set(provider.split(";")) <= KNOWN_PROVIDERS:
             raise ValueError(f"unknown provider '{provider}' (libfabric has: "
-                             f"{', '.join(sorted(KNOWN_PROVIDERS))})")
+                             f"{', '.join(sorted(KNOWN_PROVIDERS))}; and efa's fabric "
+                             f"{DIRECT})")
         try:
             return getinfo(hints(provider, caps=caps)), "asked for"
         except FabricError as e:
             if e.rc != -lib.FI_ENODATA:
                 raise
             raise ValueError(f"provider '{provider}' has no usable device here "
-                             f"(usable: {', '.join(usable(caps)) or 'none'})") from None
+                             f"(usable: {', '.join(usable(caps)) or 'none'})"
+                             + (no_direct(caps) if provider == DIRECT else "")) from None
     for name in DEFAULT_PROVIDERS:
         try:
             info = getinfo(hints(name, caps=caps))
@@ -241,6 +260,16 @@ def _pick(provider, caps):
         skipped = DEFAULT_PROVIDERS[:DEFAULT_PROVIDERS.index(name)]
         return info, (f"default: no {'/'.join(skipped)} device here" if skipped else "default")
     raise ValueError(f"none of {', '.join(DEFAULT_PROVIDERS)} is usable here")
+
+
+def no_direct(caps):
+    """Why efa-direct may list nothing: no device, its age, or (with FI_RMA) a device without
+    RDMA or unsolicited write receive, whose immediates would each need a posted receive
+    (FI_RX_CQ_DATA, which we do not offer: prov/efa/src/efa_user_info.c)."""
+    rma = (", and for WRITEs RDMA read, write and unsolicited write receive (-p efa "
+           "emulates what is missing)" if caps & lib.FI_RMA else "")
+    return (f": efa-direct needs an EFA device and libfabric >= 2.1{rma}; scripts/doctor.py "
+            "says what this host has")
 
 
 def providers():

@@ -38,7 +38,7 @@ enum fi_ep_type { FI_EP_UNSPEC, FI_EP_MSG, FI_EP_DGRAM, FI_EP_RDM, ... };
 enum fi_av_type { FI_AV_UNSPEC, FI_AV_MAP, FI_AV_TABLE, ... };
 enum fi_cq_format { FI_CQ_FORMAT_UNSPEC, FI_CQ_FORMAT_CONTEXT, FI_CQ_FORMAT_MSG,
                     FI_CQ_FORMAT_DATA, FI_CQ_FORMAT_TAGGED, ... };
-enum fi_wait_obj { FI_WAIT_NONE, FI_WAIT_UNSPEC, ... };
+enum fi_wait_obj { FI_WAIT_NONE, FI_WAIT_UNSPEC, FI_WAIT_FD, FI_WAIT_MUTEX_COND, ... };
 enum fi_hmem_iface { FI_HMEM_SYSTEM, FI_HMEM_CUDA, ... };
 enum fi_type { FI_TYPE_INFO, FI_TYPE_EP_TYPE, FI_TYPE_CAPS, FI_TYPE_ADDR_FORMAT,
                FI_TYPE_MR_MODE, FI_TYPE_PROTOCOL, FI_TYPE_MODE, ... };
@@ -112,6 +112,7 @@ struct fi_msg_rma { const struct iovec *msg_iov; void **desc; size_t iov_count; 
 #define FI_FENCE ...
 #define FI_COMPLETION ...
 #define FI_INJECT ...
+#define FI_MORE ...
 #define FI_DELIVERY_COMPLETE ...
 #define FI_HMEM ...
 #define FI_HMEM_DEVICE_ONLY ...
@@ -199,6 +200,7 @@ int tut_nic_pci(const struct fi_info *info, char *buf, size_t len);
 int tut_wait_data(struct fid_cq **cqs, size_t n, uint64_t *data, uint8_t *got, int *stop,
                   size_t *failed);
 const char *tut_rules_text(long rc);  /* common/fabric/rules.h: the rule a call broke, or NULL */
+long tut_rules_hints(const struct fi_info *hints);  /* rules.h: efa-direct's hints rule */
 char *strdup(const char *s);
 void free(void *ptr);
 """
@@ -214,7 +216,7 @@ SOURCE = r"""
 #include <rdma/fi_cm.h>
 #include <rdma/fi_rma.h>
 #include <rdma/fi_errno.h>
-#include "rules.h"  /* FABRIC_RULES=efa|verbs: every call checked as those NICs would */
+#include "rules.h"  /* FABRIC_RULES=efa|efa-direct|verbs: every call checked as those NICs would */
 
 /* fi_mr_attr grew unions and fields in 2.x; filling it in C keeps one
    Python code path for 1.17 and 2.x. With dmabuf_fd >= 0 the memory is given

@@ -131,6 +131,9 @@ def gone(error):
 
 
 def report(n, error):
-    """The server's one line about client `n`, which it stopped serving on `error`."""
+    """The server's one line about client `n`, which it stopped serving on `error`; unless
+    `error` came out of the clean-up of a Ctrl-C: then that goes on, and ends the server."""
+    if cli.interrupted(error):
+        raise KeyboardInterrupt from error
     what = "refused" if isinstance(error, Refused) else "gone" if gone(error) else "failed"
     print(f"client {n}: {what}: {error}", file=sys.stderr, flush=True)

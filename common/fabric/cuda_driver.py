@@ -2,10 +2,11 @@
 
 libcuda.so.1 comes with the NVIDIA driver, so it is there wherever a GPU is, and loaded
 already where cupy runs. The calls: cuLaunchKernel (common/moe/kernel_call.py), a dmabuf fd
-for a range of GPU memory (registration by dmabuf, common/fabric/memory.py), and what chapter
-16's proxy and the transfer engine need before they tell a GPU that a NIC's WRITE has
-landed in its memory (flush_scope: the device's GPUDirect RDMA write ordering, and the
-flush where it falls short). Numbers are cuda.h's.
+for a range of GPU memory and whether the thread has the current context its export needs
+(registration by dmabuf, common/fabric/memory.py), and what chapter 16's proxy and the
+transfer engine need before they tell a GPU that a NIC's WRITE has landed in its memory
+(flush_scope: the device's GPUDirect RDMA write ordering, and the flush where it falls
+short). Numbers are cuda.h's.
 """
 import os
 
@@ -21,6 +22,7 @@ int cuInit(unsigned flags);
 int cuDeviceGetAttribute(int *value, int attribute, int device);
 int cuFlushGPUDirectRDMAWrites(int target, int scope);
 int cuGetErrorName(int error, const char **name);
+int cuCtxGetCurrent(void **ctx);
 """)
 DMA_BUF_FD = 1                 # CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
 WRITES_ORDERING = 118          # CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING
@@ -84,6 +86,16 @@ def attribute(which, device):
     value = ffi.new("int *")
     check("cuDeviceGetAttribute", function("cuDeviceGetAttribute")(value, which, device))
     return value[0]
+
+
+def current_context():
+    """Whether the calling thread has a current CUDA context (cuCtxGetCurrent). The dmabuf
+    export needs one: without it the driver answers CUDA_ERROR_INVALID_CONTEXT. A new thread
+    has none until it calls cudaSetDevice (CUDA 12 on) or cuCtxSetCurrent."""
+    check("cuInit", function("cuInit")(0))
+    ctx = ffi.new("void **")
+    check("cuCtxGetCurrent", function("cuCtxGetCurrent")(ctx))
+    return ctx[0] != ffi.NULL
 
 
 def flush_address():

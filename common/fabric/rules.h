@@ -1,4 +1,4 @@
-/* Checks as EFA and verbs would check: FABRIC_RULES=efa or verbs, on shm and tcp.
+/* Checks as EFA and verbs would check: FABRIC_RULES=efa, efa-direct or verbs, on shm and tcp.
  *
  * shm and tcp accept calls that an EFA device or a verbs NIC refuses, so code
  * that only ever ran on them may be wrong for the NICs that matter. This header
@@ -25,6 +25,34 @@
  *   wait objects efa: FI_WAIT_NONE only (efa_cq.c, rdm/efa_rdm_cq.c: -FI_ENOSYS).
  *   fabrics      an fi_info entry's twin of another fabric and address format for the
  *                same domain name (common/fabric/rules.py adds them) must not be opened.
+ * efa-direct, efa's rules and what one work request per call demands (libfabric 2.6.0's
+ * prov/efa; docs/efa_fabric_comparison.md):
+ *   hints        mode FI_CONTEXT2, mr_mode FI_MR_LOCAL | FI_MR_ALLOCATED | FI_MR_PROV_KEY |
+ *                FI_MR_VIRT_ADDR, and FI_MR_HMEM with FI_HMEM, or fi_getinfo lists no
+ *                efa-direct entry (efa_prov_info.c, efa_user_info.c; 2.2 enforces the MR bits).
+ *   contexts     FI_CONTEXT2: the provider writes the operation's state into its context
+ *                (efa.h efa_fill_context), so every SEND, receive and WRITE has one.
+ *   iovs         at most 2 buffers per SEND or WRITE (efa_msg.c, efa_rma.c: sge_list[2],
+ *                the device's max_sq_sge); nothing splits or stages them.
+ *   WRITE size   at most the device's max_rdma_size, about 1 GiB (efa_rma.c asserts it);
+ *                efa's RDM fabric splits a larger one.
+ *   RMA inject   0 bytes only (efa_rma.c efa_rma_inject_write; efa_base_ep.c sets
+ *                inject_rma_size to 0).
+ *   AV           a WRITE's target has its initiator in its AV before the first WRITE
+ *                (the device's limit: docs/efa_fabric_comparison.md); seen here where the
+ *                WRITE's immediate arrives, at an endpoint whose AV is still empty.
+ *   wait objects FI_WAIT_UNSPEC or FI_WAIT_FD for a blocking read, from 2.3 (efa_cq.c,
+ *                man/fi_efa.7.md), or none.
+ *   Not checked: a context twice in flight (each of ours comes from a free list), the
+ *                order of WRITEs (efa-direct keeps none: ours wait for completions),
+ *                and a receive per immediate (FI_RX_CQ_DATA, 2.4, where the device has no
+ *                unsolicited write receive: we do not offer it, so efa-direct lists no
+ *                FI_RMA entry there, efa_user_info.c).
+ * Every rule set:
+ *   FI_MORE      a batch posted with FI_MORE ("more to come at once": the provider may hold
+ *                its doorbell, efa_data_path_direct_entry.h) is closed by a post without it
+ *                before the CQ is read; a refused post closes it too (the provider must
+ *                flush then: man/fi_rma.3.md).
  * Offsets instead of addresses (no FI_MR_VIRT_ADDR) need no check here: common/fabric/rules.py
  * leaves the bit out of the hints, and shm and tcp then really take offsets.
  */
@@ -38,16 +66,19 @@
 #include <rdma/fi_eq.h>
 #include <rdma/fi_rma.h>
 
-enum { RULES_OFF, RULES_EFA, RULES_VERBS };
+enum { RULES_OFF, RULES_EFA, RULES_VERBS, RULES_EFA_DIRECT };
 #define RULES_BROKEN (-0x4000)
 enum { RULE_DESC = 1, RULE_DESC_RANGE, RULE_DESC_CLOSED, RULE_KEY, RULE_MTU, RULE_IMM,
-       RULE_RMA_IOV, RULE_CQ_FULL, RULE_WAIT, RULE_TWIN };
+       RULE_RMA_IOV, RULE_CQ_FULL, RULE_WAIT, RULE_TWIN, RULE_HINTS, RULE_CONTEXT, RULE_IOV,
+       RULE_RMA_SIZE, RULE_RMA_INJECT, RULE_AV, RULE_WAIT_DIRECT, RULE_MORE };
 #define RULES_EFA_MTU 8928  /* an EFA device's largest SEND, as issue 15 gives it (fi_info's
                                link mtu: ibv_port_attr.max_msg_sz, efa_prov_info.c) */
 #define RULES_KEY_TAG 0x5EC0000000000000ULL  /* in the top 16 bits: shm/tcp keys are small */
 #define RULES_KEY_MASK 0xFFFF000000000000ULL
 #define RULES_TWIN "-twin"                    /* ends a twin's fabric name */
 #define RULES_MAX_IOV 4
+#define RULES_DIRECT_IOV 2            /* efa_msg.c, efa_rma.c: "efa device support up to 2 iov" */
+#define RULES_DIRECT_RDMA (1ULL << 30) /* max_rdma_size, "~ 1 GB": efa_fabric_comparison.md */
 enum { RULES_CQ = 0x52437121, RULES_EP = 0x52457021, RULES_MR = 0x524d7221,
        RULES_MR_CLOSED = 0x524d7230 };
 
@@ -67,27 +98,84 @@ static inline const char *tut_rules_text(long rc)
     case RULE_WAIT: return "a CQ with a wait object (EFA CQs: FI_WAIT_NONE only)";
     case RULE_TWIN: return "an fi_info entry of another fabric or address format for the "
                            "same domain (take the entry of the endpoint it goes with)";
+    case RULE_HINTS: return "hints without mode FI_CONTEXT2 or mr_mode FI_MR_LOCAL, "
+                            "FI_MR_ALLOCATED, FI_MR_PROV_KEY, FI_MR_VIRT_ADDR (FI_MR_HMEM with "
+                            "FI_HMEM): efa-direct lists nothing for them";
+    case RULE_CONTEXT: return "an operation without a context (FI_CONTEXT2: the provider keeps "
+                              "its state there)";
+    case RULE_IOV: return "more than 2 buffers in one SEND or WRITE (the device's max_sq_sge)";
+    case RULE_RMA_SIZE: return "a WRITE larger than 1 GiB, the device's max_rdma_size";
+    case RULE_RMA_INJECT: return "an injected WRITE of more than 0 bytes (efa-direct's "
+                                 "inject_rma_size is 0)";
+    case RULE_AV: return "a WRITE arrived at an endpoint whose AV has no peer in it (the "
+                         "target must insert its initiator first)";
+    case RULE_WAIT_DIRECT: return "a CQ wait object other than FI_WAIT_UNSPEC or FI_WAIT_FD";
+    case RULE_MORE: return "the CQ read with a batch left open: the last post of a batch "
+                           "goes without FI_MORE, or the provider may never ring the doorbell";
     }
     return NULL;
 }
 
-/* efa, verbs or off: FABRIC_RULES, read once (common/fabric/rules.py has refused other values). */
+/* efa, efa-direct, verbs or off: FABRIC_RULES, read once (common/fabric/rules.py has
+   refused other values). */
 static inline int tut_rules(void)
 {
     static int mode = -1;
     if (mode < 0) {
         const char *env = getenv("FABRIC_RULES");
         mode = !env ? RULES_OFF : !strcmp(env, "efa") ? RULES_EFA
+               : !strcmp(env, "efa-direct") ? RULES_EFA_DIRECT
                : !strcmp(env, "verbs") ? RULES_VERBS : RULES_OFF;
     }
     return mode;
 }
 
+static inline int rules_direct(void) { return tut_rules() == RULES_EFA_DIRECT; }
+
+/* The rules both of efa's fabrics have: the device's MTU and CQ. */
+static inline int rules_efa(void) { return tut_rules() == RULES_EFA || rules_direct(); }
+
+/* efa-direct only: what fi_getinfo's hints must offer for it to list an entry. */
+static inline long tut_rules_hints(const struct fi_info *hints)
+{
+    const uint64_t mr = FI_MR_LOCAL | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_VIRT_ADDR;
+    if (!rules_direct() || !hints)
+        return 0;
+    uint64_t need = mr | (hints->caps & FI_HMEM ? FI_MR_HMEM : 0);
+    uint64_t has = hints->domain_attr ? (uint64_t)hints->domain_attr->mr_mode : 0;
+    return (hints->mode & FI_CONTEXT2) && (has & need) == need ? 0 : RULES_BROKEN - RULE_HINTS;
+}
+
 /* What the checks remember, hung on each object's fid.context (ours is always NULL):
    every module of the binding finds them there, whoever opened the object. */
-struct rules_cq { uint32_t magic; size_t size, in_flight; enum fi_cq_format format; };
-struct rules_ep { uint32_t magic; struct rules_cq *tx, *rx; };
+struct rules_ep;
+struct rules_cq { uint32_t magic; size_t size, in_flight; enum fi_cq_format format;
+                  size_t open_batches; struct rules_ep *rx_ep; };
+/* shm keeps no context on an AV (prov/util/src/util_av.c), so an AV's record is in a table
+   of the module that opened it (from Python: common/_fabric) */
+struct rules_av { struct fid_av *av; size_t count; };
+#define RULES_AVS 1024
+static struct rules_av rules_avs[RULES_AVS];
+/* open: a batch posted with FI_MORE and not closed yet, per direction (1 tx, 2 rx) */
+struct rules_ep { uint32_t magic; struct rules_cq *tx, *rx; struct rules_av *av; int open; };
 struct rules_mr { uint32_t magic; void *desc; uintptr_t base; size_t len; };
+
+/* The record of `av` in this module's table; with `add`, a new one if it has none (NULL
+   when the table is full: that AV goes unchecked). */
+static inline struct rules_av *rules_av_of(struct fid_av *av, int add)
+{
+    struct rules_av *empty = NULL;
+    for (size_t i = 0; i < RULES_AVS; i++) {
+        if (rules_avs[i].av == av)
+            return &rules_avs[i];
+        if (!empty && !rules_avs[i].av)
+            empty = &rules_avs[i];
+    }
+    if (!add || !empty)
+        return NULL;
+    *empty = (struct rules_av){av, 0};
+    return empty;
+}
 
 static inline void *rules_of(struct fid *fid, uint32_t magic)
 {
@@ -126,17 +214,34 @@ static inline int rules_cq_room(struct fid_ep *ep, int tx)
 {
     struct rules_ep *e = rules_of(&ep->fid, RULES_EP);
     struct rules_cq *cq = e ? (tx ? e->tx : e->rx) : NULL;
-    if (tut_rules() == RULES_EFA && cq && cq->size &&
+    if (rules_efa() && cq && cq->size &&
         __atomic_load_n(&cq->in_flight, __ATOMIC_RELAXED) >= cq->size)
         return RULES_BROKEN - RULE_CQ_FULL;
     return 0;
 }
 
+/* The provider answered a post (`rc`): a batch opens with FI_MORE, and closes with a post
+   without it or a refusal, which the provider must flush (man/fi_rma.3.md). */
+static inline void rules_batch(struct rules_ep *e, int tx, uint64_t flags, ssize_t rc)
+{
+    struct rules_cq *cq = tx ? e->tx : e->rx;
+    int bit = tx ? 1 : 2, open = rc == 0 && (flags & FI_MORE);
+    if (!cq || open == !!(e->open & bit))
+        return;
+    e->open ^= bit;
+    if (open)
+        __atomic_add_fetch(&cq->open_batches, 1, __ATOMIC_RELAXED);
+    else
+        __atomic_sub_fetch(&cq->open_batches, 1, __ATOMIC_RELAXED);
+}
+
 /* An operation went (rc 0): its completion will take an entry of the CQ. */
-static inline ssize_t rules_count(struct fid_ep *ep, int tx, ssize_t rc)
+static inline ssize_t rules_count(struct fid_ep *ep, int tx, uint64_t flags, ssize_t rc)
 {
     struct rules_ep *e = rules_of(&ep->fid, RULES_EP);
     struct rules_cq *cq = e ? (tx ? e->tx : e->rx) : NULL;
+    if (e)
+        rules_batch(e, tx, flags, rc);
     if (cq && rc == 0)
         __atomic_add_fetch(&cq->in_flight, 1, __ATOMIC_RELAXED);
     return rc;
@@ -154,15 +259,25 @@ enum { RULES_SEND, RULES_RECV, RULES_WRITE };
    the provider's descriptors of its buffers. */
 static inline int rules_operation(struct fid_ep *ep, int op, const struct iovec *iov,
                                   void **desc, size_t count, uint64_t flags, uint64_t data,
-                                  void **real)
+                                  void *context, void **real)
 {
     size_t len = 0;
     for (size_t i = 0; i < count; i++)
         len += iov[i].iov_len;
-    if (op == RULES_SEND && tut_rules() == RULES_EFA && len > RULES_EFA_MTU)
+    if (op == RULES_SEND && rules_efa() && len > RULES_EFA_MTU)
         return RULES_BROKEN - RULE_MTU;
     if (op != RULES_RECV && flags & FI_REMOTE_CQ_DATA && data >> 32)
         return RULES_BROKEN - RULE_IMM;
+    if (rules_direct()) {
+        if (!context)
+            return RULES_BROKEN - RULE_CONTEXT;
+        if (op != RULES_RECV && count > RULES_DIRECT_IOV)
+            return RULES_BROKEN - RULE_IOV;
+        if (op == RULES_WRITE && len > RULES_DIRECT_RDMA)
+            return RULES_BROKEN - RULE_RMA_SIZE;
+        if (op == RULES_WRITE && flags & FI_INJECT && len)
+            return RULES_BROKEN - RULE_RMA_INJECT;
+    }
     int rc = rules_descs(iov, desc, count, real);
     return rc ? rc : rules_cq_room(ep, op != RULES_RECV);
 }
@@ -175,11 +290,11 @@ static inline ssize_t rules_msg(struct fid_ep *ep, const struct fi_msg *msg, uin
     void *desc[RULES_MAX_IOV];
     struct fi_msg copy = *msg;
     int rc = rules_operation(ep, op, msg->msg_iov, msg->desc, msg->iov_count, flags, msg->data,
-                             desc);
+                             msg->context, desc);
     if (rc)
         return rc;
     copy.desc = desc;
-    return rules_count(ep, op == RULES_SEND, post(ep, &copy, flags));
+    return rules_count(ep, op == RULES_SEND, flags, post(ep, &copy, flags));
 }
 
 static inline ssize_t tut_sendmsg(struct fid_ep *ep, const struct fi_msg *msg, uint64_t flags)
@@ -207,21 +322,30 @@ static inline ssize_t tut_writemsg(struct fid_ep *ep, const struct fi_msg_rma *m
     if ((msg->rma_iov[0].key & RULES_KEY_MASK) != RULES_KEY_TAG)
         return RULES_BROKEN - RULE_KEY;
     int rc = rules_operation(ep, RULES_WRITE, msg->msg_iov, msg->desc, msg->iov_count, flags,
-                             msg->data, desc);
+                             msg->data, msg->context, desc);
     if (rc)
         return rc;
     rma = msg->rma_iov[0];
     rma.key &= ~RULES_KEY_MASK;  /* the provider's own key again */
     copy.desc = desc;
     copy.rma_iov = &rma;
-    return rules_count(ep, 1, fi_writemsg(ep, &copy, flags));
+    return rules_count(ep, 1, flags, fi_writemsg(ep, &copy, flags));
+}
+
+/* An injected operation went or was refused: a post without FI_MORE, closing a batch. */
+static inline ssize_t rules_injected(struct fid_ep *ep, ssize_t rc)
+{
+    struct rules_ep *e = tut_rules() ? rules_of(&ep->fid, RULES_EP) : NULL;
+    if (e)
+        rules_batch(e, 1, 0, rc);
+    return rc;
 }
 
 static inline ssize_t tut_inject(struct fid_ep *ep, const void *buf, size_t len, fi_addr_t dest)
 {
-    if (tut_rules() == RULES_EFA && len > RULES_EFA_MTU)  /* no descriptor, no completion */
+    if (rules_efa() && len > RULES_EFA_MTU)  /* no descriptor, no completion */
         return RULES_BROKEN - RULE_MTU;
-    return fi_inject(ep, buf, len, dest);
+    return rules_injected(ep, fi_inject(ep, buf, len, dest));
 }
 
 /* An injected WRITE: no descriptor, no completion (so no CQ room), but a WRITE's key and
@@ -235,10 +359,13 @@ static inline ssize_t rules_inject_write(struct fid_ep *ep, const void *buf, siz
             return RULES_BROKEN - RULE_KEY;
         if (flags & FI_REMOTE_CQ_DATA && data >> 32)
             return RULES_BROKEN - RULE_IMM;
+        if (rules_direct() && len)
+            return RULES_BROKEN - RULE_RMA_INJECT;
         key &= ~RULES_KEY_MASK;  /* the provider's own key again */
     }
-    return flags & FI_REMOTE_CQ_DATA ? fi_inject_writedata(ep, buf, len, data, dest, addr, key)
-                                     : fi_inject_write(ep, buf, len, dest, addr, key);
+    return rules_injected(ep, flags & FI_REMOTE_CQ_DATA
+                          ? fi_inject_writedata(ep, buf, len, data, dest, addr, key)
+                          : fi_inject_write(ep, buf, len, dest, addr, key));
 }
 
 static inline ssize_t tut_inject_write(struct fid_ep *ep, const void *buf, size_t len,
@@ -254,12 +381,29 @@ static inline ssize_t tut_inject_writedata(struct fid_ep *ep, const void *buf, s
     return rules_inject_write(ep, buf, len, data, dest, addr, key, FI_REMOTE_CQ_DATA);
 }
 
+/* No batch of an endpoint of `r` left open with FI_MORE (0), or the rule broken. */
+static inline int rules_closed(struct rules_cq *r)
+{
+    return r && __atomic_load_n(&r->open_batches, __ATOMIC_RELAXED) ? RULES_BROKEN - RULE_MORE
+                                                                    : 0;
+}
+
+/* efa-direct: a peer's WRITE (its immediate) reached an endpoint that knows no peer. */
+static inline int rules_unknown_initiator(struct rules_cq *r)
+{
+    struct rules_av *av = r->rx_ep ? r->rx_ep->av : NULL;
+    return rules_direct() && av && !av->count;
+}
+
 /* Entries read that were our operations' (not a peer's immediate) leave the CQ. */
 static inline ssize_t tut_cq_read(struct fid_cq *cq, void *buf, size_t count)
 {
+    struct rules_cq *r = tut_rules() ? rules_of(&cq->fid, RULES_CQ) : NULL;
+    int broken = rules_closed(r);
+    if (broken)
+        return broken;
     ssize_t n = fi_cq_read(cq, buf, count);
-    struct rules_cq *r = n > 0 && tut_rules() ? rules_of(&cq->fid, RULES_CQ) : NULL;
-    if (!r)
+    if (!r || n <= 0)
         return n;
     size_t stride = r->format == FI_CQ_FORMAT_DATA ? sizeof(struct fi_cq_data_entry)
                   : r->format == FI_CQ_FORMAT_TAGGED ? sizeof(struct fi_cq_tagged_entry)
@@ -267,7 +411,10 @@ static inline ssize_t tut_cq_read(struct fid_cq *cq, void *buf, size_t count)
     size_t ours = 0;
     for (ssize_t i = 0; i < n; i++) {
         uint64_t f = stride ? ((struct fi_cq_msg_entry *)((char *)buf + i * stride))->flags : 0;
-        ours += !(f & FI_REMOTE_CQ_DATA) || (f & FI_RECV);
+        int peers = (f & FI_REMOTE_CQ_DATA) && !(f & FI_RECV);
+        if (peers && rules_unknown_initiator(r))
+            return RULES_BROKEN - RULE_AV;
+        ours += !peers;
     }
     rules_reaped(r, ours);
     return n;
@@ -276,9 +423,12 @@ static inline ssize_t tut_cq_read(struct fid_cq *cq, void *buf, size_t count)
 static inline ssize_t tut_cq_readerr(struct fid_cq *cq, struct fi_cq_err_entry *buf,
                                      uint64_t flags)
 {
+    struct rules_cq *r = tut_rules() ? rules_of(&cq->fid, RULES_CQ) : NULL;
+    int broken = rules_closed(r);
+    if (broken)
+        return broken;
     ssize_t n = fi_cq_readerr(cq, buf, flags);
-    struct rules_cq *r = n > 0 && tut_rules() ? rules_of(&cq->fid, RULES_CQ) : NULL;
-    if (r)
+    if (r && n > 0)
         rules_reaped(r, 1);
     return n;
 }
@@ -290,10 +440,13 @@ static inline int tut_cq_open(struct fid_domain *domain, struct fi_cq_attr *attr
         return fi_cq_open(domain, attr, cq, context);
     if (tut_rules() == RULES_EFA && attr->wait_obj != FI_WAIT_NONE)
         return RULES_BROKEN - RULE_WAIT;
+    if (rules_direct() && attr->wait_obj != FI_WAIT_NONE && attr->wait_obj != FI_WAIT_UNSPEC
+        && attr->wait_obj != FI_WAIT_FD)
+        return RULES_BROKEN - RULE_WAIT_DIRECT;
     struct rules_cq *r = calloc(1, sizeof *r);
     if (!r)
         return -FI_ENOMEM;
-    *r = (struct rules_cq){RULES_CQ, attr->size, 0, attr->format};
+    *r = (struct rules_cq){RULES_CQ, attr->size, 0, attr->format, 0, NULL};
     int rc = fi_cq_open(domain, attr, cq, r);
     if (rc)
         free(r);
@@ -322,12 +475,46 @@ static inline int tut_ep_bind(struct fid_ep *ep, struct fid *bfid, uint64_t flag
     struct rules_ep *e = tut_rules() ? rules_of(&ep->fid, RULES_EP) : NULL;
     struct rules_cq *cq = e && bfid->fclass == FI_CLASS_CQ ? rules_of(bfid, RULES_CQ) : NULL;
     int rc = fi_ep_bind(ep, bfid, flags);
+    if (e && !rc && bfid->fclass == FI_CLASS_AV)
+        e->av = rules_av_of((struct fid_av *)bfid, 0);
     if (cq && !rc) {
         if (flags & FI_TRANSMIT)
             e->tx = cq;
-        if (flags & FI_RECV)
+        if (flags & FI_RECV) {
             e->rx = cq;
+            cq->rx_ep = e;
+        }
     }
+    return rc;
+}
+
+/* An AV remembers how many peers it holds (efa-direct's AV rule). */
+static inline int tut_av_open(struct fid_domain *domain, struct fi_av_attr *attr,
+                              struct fid_av **av, void *context)
+{
+    int rc = fi_av_open(domain, attr, av, context);
+    if (tut_rules() && !rc)
+        rules_av_of(*av, 1);
+    return rc;
+}
+
+static inline int tut_av_insert(struct fid_av *av, const void *addr, size_t count,
+                                fi_addr_t *fi_addr, uint64_t flags, void *context)
+{
+    int rc = fi_av_insert(av, addr, count, fi_addr, flags, context);
+    struct rules_av *r = tut_rules() && rc > 0 ? rules_av_of(av, 0) : NULL;
+    if (r)
+        r->count += (size_t)rc;
+    return rc;
+}
+
+static inline int tut_av_remove(struct fid_av *av, fi_addr_t *fi_addr, size_t count,
+                                uint64_t flags)
+{
+    int rc = fi_av_remove(av, fi_addr, count, flags);
+    struct rules_av *r = tut_rules() && !rc ? rules_av_of(av, 0) : NULL;
+    if (r)
+        r->count -= count < r->count ? count : r->count;
     return rc;
 }
 
@@ -383,6 +570,16 @@ static inline uint64_t tut_mr_key(struct fid_mr *mr)
     return tut_rules() && !(key & RULES_KEY_MASK) ? key | RULES_KEY_TAG : key;
 }
 
+/* A closed endpoint's open batches and its CQ's pointer to it go with it. */
+static inline void rules_ep_gone(struct rules_ep *e)
+{
+    rules_batch(e, 1, 0, 0);
+    rules_batch(e, 0, 0, 0);
+    if (e->rx && e->rx->rx_ep == e)
+        e->rx->rx_ep = NULL;
+    free(e);
+}
+
 /* A closed registration's record stays, marked: a descriptor used after it says so.
    An endpoint's and a CQ's go with them. */
 static inline int tut_close(struct fid *fid)
@@ -390,11 +587,16 @@ static inline int tut_close(struct fid *fid)
     size_t fclass = fid->fclass;  /* read before the object is gone */
     void *r = !tut_rules() ? NULL : fclass == FI_CLASS_MR ? rules_of(fid, RULES_MR)
             : fclass == FI_CLASS_CQ ? rules_of(fid, RULES_CQ)
+            : fclass == FI_CLASS_AV ? rules_av_of((struct fid_av *)fid, 0)
             : fclass == FI_CLASS_EP ? rules_of(fid, RULES_EP) : NULL;
     int rc = fi_close(fid);
     if (r && !rc) {
         if (fclass == FI_CLASS_MR)
             ((struct rules_mr *)r)->magic = RULES_MR_CLOSED;
+        else if (fclass == FI_CLASS_EP)
+            rules_ep_gone(r);
+        else if (fclass == FI_CLASS_AV)
+            ((struct rules_av *)r)->av = NULL;  /* its row is free again */
         else
             free(r);
     }
@@ -417,3 +619,6 @@ static inline int tut_close(struct fid *fid)
 #define fi_mr_desc tut_mr_desc
 #define fi_mr_key tut_mr_key
 #define fi_close tut_close
+#define fi_av_open tut_av_open
+#define fi_av_insert tut_av_insert
+#define fi_av_remove tut_av_remove

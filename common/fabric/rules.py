@@ -1,9 +1,11 @@
-"""FABRIC_RULES=efa|verbs: the chapters on shm or tcp, held to what an EFA device or a
-verbs NIC accepts (tests/test_rules.py runs chapters 04-16 so).
+"""FABRIC_RULES=efa|efa-direct|verbs: the chapters on shm or tcp, held to what an EFA device
+(through efa's RDM fabric, or efa-direct's one work request per call) or a verbs NIC accepts
+(tests/test_rules.py runs chapters 04-16 and 19 so).
 
 Each call is checked in C (common/fabric/rules.h), compiled into every module of the binding,
 so the C workers are checked like Python. This module does the rest, for
-common/fabric/__init__.py: it leaves FI_MR_VIRT_ADDR out of the hints (efa and verbs have it,
+common/fabric/__init__.py: it holds fi_getinfo's hints to what efa-direct lists entries for
+(tut_rules_hints in rules.h), then leaves FI_MR_VIRT_ADDR out of them (efa and verbs have it,
 but the path with offsets must hold too: tcp here takes offsets, and so does shm
 without the bit), follows every fi_info entry with a twin of another fabric and
 address format for the same domain name (efa and efa-direct share one,
@@ -18,7 +20,7 @@ import sys
 
 from common._fabric import ffi, lib
 
-MODES = ("efa", "verbs")
+MODES = ("efa", "efa-direct", "verbs")
 MODE = os.environ.get("FABRIC_RULES") or None
 if MODE not in (None, *MODES):
     sys.exit(f"FABRIC_RULES={MODE}: expected one of {', '.join(MODES)}")
@@ -26,9 +28,13 @@ TWIN = "-twin"  # ends a twin's fabric name (RULES_TWIN in common/fabric/rules.h
 
 
 def restrict(hint):
-    """Hints as the rules have them: without FI_MR_VIRT_ADDR, so that shm too takes offsets."""
-    if MODE:
-        hint.domain_attr.mr_mode &= ~lib.FI_MR_VIRT_ADDR
+    """Hints as the rules have them: without FI_MR_VIRT_ADDR, so that shm too takes offsets.
+    Returns 0, or the code of a broken rule (hints efa-direct would list nothing for)."""
+    if not MODE or hint == ffi.NULL:
+        return 0
+    broken = lib.tut_rules_hints(hint)
+    hint.domain_attr.mr_mode &= ~lib.FI_MR_VIRT_ADDR
+    return broken
 
 
 def text(rc):

@@ -231,6 +231,10 @@ class Engine:
         w.nics, w.slots, w.ring_size, w.imm_size, w.nap_us = n, slots, RING, IMM_TABLE, NAP_US
         self._regions = fi.Closer()  # the regions' registrations: closed once the worker stops
         self._held = []  # ... and their arrays: a peer may WRITE into them until then
+        # A callback of its own, not a step of _stop: a Ctrl-C that cuts into the worker's
+        # join must not skip them, or the domain is closed under them (fi_close: -EBUSY)
+        own.callback(self._held.clear)
+        own.callback(self._regions.close)
         self._signal = self.register(np.zeros(SIGNAL, np.uint8))
         self.rc, self.error = None, None
         self._thread = threading.Thread(target=self._run, args=(worker_cores(gpu),),
@@ -284,8 +288,6 @@ class Engine:
     def _stop(self):
         self._w.stop = 1
         bounds.join([self._thread], "the transfer engine")
-        self._regions.close()
-        self._held.clear()
 
     # --- addresses and regions ---------------------------------------------------------
 
@@ -329,8 +331,8 @@ class Engine:
             if len(control) != length or any(not n for n in names) or not count:
                 raise ValueError
         except (struct.error, ValueError, TypeError):
-            raise ValueError(f"not an engine's address ({len(address)} bytes): "
-                             "use Engine.address()") from None
+            raise ValueError(f"not an engine's address ({len(address)} bytes): copy the "
+                             "whole address that the server printed") from None
         return ident, control, names, signal
 
     def register(self, array):
@@ -548,10 +550,12 @@ class Engine:
         self._sent = False
         self._until(lambda: fi.posted("fi_sendmsg", lib.fi_sendmsg(
             self._cep, msg, lib.FI_COMPLETION | lib.FI_REMOTE_CQ_DATA)), self.timeout,
-            lambda: f"control message to peer {peer.index} accepted within {self.timeout:g} s")
+            lambda: f"no control message to peer {peer.index} could be sent within "
+                    f"{self.timeout:g} s (the provider's queue stayed full): is the peer "
+                    "still running?")
         self._until(lambda: self._sent, self.timeout,
-                    lambda: f"control message to peer {peer.index} completed within "
-                            f"{self.timeout:g} s")
+                    lambda: f"a control message to peer {peer.index} did not complete within "
+                            f"{self.timeout:g} s: is the peer still running?")
 
     def recv(self, timeout=None):
         """(the Peer that sent it, or None if not connected yet, the bytes) of the next

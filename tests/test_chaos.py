@@ -1,0 +1,158 @@
+"""scripts/chaos.py: its flags, its table, that its checks catch a process that breaks a
+bound (fake programs that do), and a short seeded run of real chapters."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from scripts import chaos
+from scripts.pair import ROOT, local_env
+
+CHAOS = [sys.executable, str(ROOT / "scripts" / "chaos.py")]
+
+# A stand-in for a chapter: the server prints an address, the client runs until stopped.
+# Each side does what its --do says: "fail" (the peer is gone: one line, exit 1, after a
+# second), "hang", "ignore-term" (then hang), "leave-shm" or "leave-child" (then fail).
+FAKE = r'''
+import os, signal, subprocess, sys, time
+args = sys.argv[1:]
+do = args[args.index("--do") + 1]
+server = "0abc" not in args
+if server:
+    print("server address: 0abc", flush=True)
+else:
+    print("client: started", flush=True)
+if do == "ignore-term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if do == "leave-shm":
+    open(f"/dev/shm/{os.getpid()}:0:0", "w").close()
+if do == "leave-child":
+    subprocess.Popen(["sleep", "60"], start_new_session=True)
+if do in ("hang", "ignore-term"):
+    time.sleep(600)
+time.sleep(1)
+sys.exit("fake: the peer is gone")
+'''
+
+
+def fake_trial(tmp_path, monkeypatch, server, client, victim, fault):
+    program = tmp_path / "fake.py"
+    program.write_text(FAKE)
+    monkeypatch.setattr(chaos, "TIMEOUT", 1.0)
+    monkeypatch.setitem(chaos.SPECS, "99", chaos.Spec(
+        "pair", ["--do", server], ["--do", client], 0.5, from_output=True, program=program))
+    return chaos.run_trial(chaos.Trial(1, "99", "shm", victim, fault, 0.2, 0))
+
+
+def test_a_well_behaved_pair_survives(tmp_path, monkeypatch):
+    trial = fake_trial(tmp_path, monkeypatch, "fail", "hang", "client", "SIGKILL")
+    assert trial.survived, trial.problems
+
+
+def test_a_process_that_ignores_sigterm_is_a_failure(tmp_path, monkeypatch):
+    trial = fake_trial(tmp_path, monkeypatch, "fail", "ignore-term", "client", "SIGTERM")
+    assert not trial.survived
+    assert any(p.startswith("client: did not end within") for p in trial.problems), \
+        trial.problems
+
+
+def test_a_survivor_that_hangs_after_its_peer_died_is_a_failure(tmp_path, monkeypatch):
+    trial = fake_trial(tmp_path, monkeypatch, "hang", "hang", "client", "SIGKILL")
+    problem, = trial.problems
+    assert problem.startswith("server: still running")
+
+
+def test_what_a_trial_leaves_is_reported_and_removed(tmp_path, monkeypatch):
+    trial = fake_trial(tmp_path, monkeypatch, "leave-shm", "hang", "client", "SIGKILL")
+    problem, = trial.problems
+    name = re.fullmatch(r"left in /dev/shm: (\d+:0:0) \(server\)", problem)[1]
+    assert not os.path.exists(f"/dev/shm/{name}")
+    trial = fake_trial(tmp_path, monkeypatch, "leave-child", "hang", "client", "SIGKILL")
+    problem, = trial.problems
+    assert problem.startswith("left running: pid ") and "sleep" in problem
+
+
+def test_a_trial_is_the_same_for_the_same_seed_and_number():
+    args = (["07", "16"], ["shm", "tcp"], list(chaos.FAULTS), list(chaos.VICTIMS))
+    assert chaos.choose(5, 1, *args) == chaos.choose(5, 1, *args)
+    assert {chaos.choose(n, 1, *args).chapter for n in range(1, 30)} == {"07", "16"}
+    only = chaos.choose(3, 1, ["07", "16"], ["tcp"], ["SIGSTOP"], ["launcher"])
+    assert (only.chapter, only.provider, only.fault, only.victim) == \
+        ("16", "tcp", "SIGSTOP", "launcher")
+
+
+def test_the_table_counts_survivors_per_chapter_fault_and_provider():
+    def trial(chapter, fault, provider, problems=(), missed=False):
+        t = chaos.Trial(1, chapter, provider, "client", fault, 0.0, 0, missed=missed)
+        t.problems = list(problems)
+        return t
+    trials = [trial("07", "SIGKILL", "shm"), trial("07", "SIGKILL", "shm", ["client: hung"]),
+              trial("16", "SIGSTOP", "tcp"), trial("16", "SIGSTOP", "tcp", missed=True)]
+    lines = chaos.table(trials, ["SIGKILL", "SIGSTOP"], ["shm", "tcp"]).splitlines()
+    assert lines[0].split() == ["ch", "KILL/shm", "KILL/tcp", "STOP/shm", "STOP/tcp"]
+    assert lines[1].split() == ["07", "1/2", "-", "-", "-"]
+    assert lines[2].split() == ["16", "-", "-", "-", "1/1"]  # a miss is no trial of a bound
+    assert chaos.figure(trials) == "faults survived 2/3"
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--chapters", "03"], "choose from 04,05"),
+    (["--faults", "SIGHUP"], "choose from SIGINT"),
+    (["--providers", "efa"], "choose from shm,tcp"),
+    (["--trials", "0"], "not a positive number"),
+    (["--minutes", "soon"], "not a positive number"),
+    (["--json", "../x"], "a label is a plain name"),
+    (["--chapters", "07", "--victims", "rank"], "no chapter of 07 has a rank"),
+    (["--bogus"], "unrecognized arguments")])
+def test_bad_flags_are_one_line_and_exit_2(args, says):
+    done = subprocess.run([*CHAOS, *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    line, = done.stderr.strip().splitlines()
+    assert line.startswith("chaos.py: error: ") and says in line, line
+
+
+def test_ctrl_c_ends_it_within_2_s_and_kills_its_trial(tmp_path):
+    token_before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen([*CHAOS, "--chapters", "07", "--providers", "shm", "--faults",
+                             "SIGSTOP", "--victims", "server"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=local_env())
+    time.sleep(3)
+    children = chaos_children(proc.pid)
+    assert children, "no trial running yet"
+    proc.send_signal(signal.SIGINT)
+    started = time.monotonic()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and time.monotonic() - started < chaos.patience(2)
+    assert err.strip().splitlines() == ["chaos: interrupted; the trial's processes are killed"]
+    assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]
+    assert not {f for f in set(os.listdir("/dev/shm")) - token_before
+                if f.split(":")[0] in map(str, children)}
+
+
+def chaos_children(pid):
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1] \
+                    .split()[1] == str(pid):
+                found.append(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_seeded_run_survives_every_fault():
+    done = subprocess.run([*CHAOS, *SURVIVED], capture_output=True, text=True, timeout=240,
+                          env=local_env())
+    figure = re.search(r"^faults survived (\d+)/(\d+)", done.stdout, re.MULTILINE)
+    assert figure and figure[1] == figure[2] and int(figure[2]) > 0, done.stdout + done.stderr
+    assert done.returncode == 0
+
+
+# Faults that this code survives, at most 2 minutes of trials (the last one started by then).
+SURVIVED = ["--seed", "2", "--trials", "8", "--minutes", "2", "--chapters", "16",
+            "--faults", "SIGINT,SIGKILL,SIGSTOP"]

@@ -1,0 +1,97 @@
+"""scripts/pair.py: each side's lines as they come, named; Ctrl-C of pair.py (at a terminal,
+or of pair.py alone) stops both sides within its bound; a client killed with SIGKILL leaves
+nothing in /dev/shm."""
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from common import shm_files
+from common.patience import patience
+from scripts.pair import INTERRUPTED_WAIT, ROOT, local_env
+
+PAIR = str(ROOT / "scripts" / "pair.py")
+LIMIT = patience(60)  # seconds for chapter 07's server and client to start on 2 busy cores
+
+
+def start_07():
+    """pair.py on chapter 07 (its client runs for long), in a session of its own as a shell
+    starts a job; returns it once the client has said something, and both sides' pids."""
+    proc = subprocess.Popen([sys.executable, PAIR, "07", "-p", "shm"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=local_env(), cwd=ROOT,
+                            start_new_session=True)
+    lines, deadline = [], time.monotonic() + LIMIT
+    while not any(line.startswith("client 1: ") for line in lines):
+        assert time.monotonic() < deadline, f"nothing from the client within {LIMIT:g} s"
+        if select.select([proc.stdout], [], [], 0.1)[0]:
+            lines.append(proc.stdout.readline())
+            assert lines[-1], f"the client said nothing while it ran: {lines}"
+    assert lines[0].startswith("server: "), lines
+    return proc, children(proc.pid)
+
+
+def children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def assert_nothing_left(pids):
+    assert not [p for p in pids if alive(p)], "a side outlived pair.py"
+    left = shm_files.remove_left_by(pids)  # removed, so that a failure here leaves nothing
+    assert not left, f"left in /dev/shm: {sorted(left)}"
+
+
+@pytest.mark.parametrize("whom", ["group", "pair"])
+def test_ctrl_c_stops_both_sides_at_once(whom):
+    proc, sides = start_07()
+    try:
+        assert len(sides) == 2, sides
+        signalled = time.monotonic()
+        if whom == "group":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=LIMIT)
+        elapsed = time.monotonic() - signalled
+    finally:
+        proc.kill()
+        for pid in sides:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 130 and "Traceback" not in out + err, out + err
+    assert err.splitlines()[-1] == "pair: interrupted; server and clients stopped"
+    # each side closes within INTERRUPTED_WAIT or is killed (a busy machine)
+    for side in ("server", "client 1"):
+        assert f"{side}: 07_queue.py: interrupted, resources closed" in err \
+            or f"{side}: killed: not closed within" in err, err
+    assert elapsed < INTERRUPTED_WAIT + patience(1), elapsed
+    assert_nothing_left(sides)
+
+
+def test_a_killed_client_leaves_nothing():
+    """A client killed by SIGKILL removes nothing itself: pair.py removes its shm region."""
+    proc, sides = start_07()
+    try:
+        server, client = sides
+        os.kill(client, signal.SIGKILL)
+        out, err = proc.communicate(timeout=LIMIT)
+    finally:
+        proc.kill()
+        for pid in sides:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 1 and "Traceback" not in out + err, out + err
+    assert f"-> exit {-signal.SIGKILL}" in out.splitlines()[-1], out
+    assert_nothing_left(sides)
