@@ -38,7 +38,7 @@ LESSON = {"figure": "check", "shows": "one message, SENT and RECEIVED"}
 # %%
 import time
 
-from common import cli
+from common import bounds, cli
 from common.fabric import connect, ffi, lib
 import common.fabric as fi
 
@@ -101,18 +101,20 @@ def client(info, args, addr, message):
         buf[0:len(message)] = message
         ctx = ffi.new("struct fi_context2 *")
         entries = fi.cq_entries(1)
-        deadline = time.monotonic() + args.timeout
-        # -FI_EAGAIN: the provider cannot take it yet (tcp connects lazily);
-        # polling the CQ lets it make progress, then we try again.
-        while not fi.sendmsg(ep, buf, len(message), desc, server_addr, ctx):
-            fi.cq_read(cq, entries)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server did not take the message within {args.timeout:g} s: "
-                                   "is it running?")
-        while not fi.cq_read(cq, entries):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no send completion within {args.timeout:g} s: "
-                                   "is the server running?")
+        # The watchdog's deadline too: a provider call that never returns still ends us
+        # (common/bounds.py).
+        with bounds.Deadline(args.timeout, f"no send completion within {args.timeout:g} s: "
+                             "is the server running?") as deadline:
+            # -FI_EAGAIN: the provider cannot take it yet (tcp connects lazily);
+            # polling the CQ lets it make progress, then we try again.
+            while not fi.sendmsg(ep, buf, len(message), desc, server_addr, ctx):
+                fi.cq_read(cq, entries)
+                if time.monotonic() > deadline.at:
+                    raise TimeoutError(f"server did not take the message within "
+                                       f"{args.timeout:g} s: is it running?")
+            while not fi.cq_read(cq, entries):
+                if time.monotonic() > deadline.at:
+                    raise TimeoutError(deadline.what)
         print(f"sent {len(message)} bytes: {message.decode()}")
 
 

@@ -114,7 +114,7 @@ LESSON = {"figure": "refused", "visible": {"at_least": 1},
 import struct
 import time
 
-from common import bench, cli
+from common import bench, bounds, cli
 from common.fabric import connect, memory
 from common.engine.opqueue import HEARTBEAT, Heartbeat, OpQueue, verified, write_messages
 from common.fabric import lib
@@ -211,28 +211,30 @@ def write_all(queue, beat, messages, iters, page_size, timeout):
     """Post `iters` WRITEs cycling over the pages, wait for their completions;
     returns when the first was posted."""
     progress = bench.Progress("WRITEs completed", iters, page_size)
-    start = last_completion = time.perf_counter()
+    start = time.perf_counter()
     submitted = 0
-    while queue.completed < iters:
-        # The last WRITE carries the immediate data, once all the others have completed:
-        # completions, not posting order, say that a page is there.
-        if submitted < iters - 1:
-            while submitted < iters - 1 and len(queue.pending) < BURST:
-                queue.write(messages[submitted % len(messages)])
+    stalled = bounds.Deadline(timeout, lambda: f"no WRITE completed for {timeout:g} s "
+                              f"({queue.completed} of {iters} done): is the client still there?")
+    with stalled:  # also when the provider call itself never returns
+        while queue.completed < iters:
+            # The last WRITE carries the immediate data, once all the others have completed:
+            # completions, not posting order, say that a page is there.
+            if submitted < iters - 1:
+                while submitted < iters - 1 and len(queue.pending) < BURST:
+                    queue.write(messages[submitted % len(messages)])
+                    submitted += 1
+            elif submitted == iters - 1 and queue.completed == iters - 1:
+                last = messages[submitted % len(messages)]
+                last.data = iters
+                queue.write(last, lib.FI_COMPLETION | lib.FI_REMOTE_CQ_DATA)
                 submitted += 1
-        elif submitted == iters - 1 and queue.completed == iters - 1:
-            last = messages[submitted % len(messages)]
-            last.data = iters
-            queue.write(last, lib.FI_COMPLETION | lib.FI_REMOTE_CQ_DATA)
-            submitted += 1
-        now = time.perf_counter()
-        if queue.progress():
-            last_completion = now
-        elif now - last_completion > timeout:
-            raise TimeoutError(f"no WRITE completed for {timeout:g} s "
-                               f"({queue.completed} of {iters} done): is the client still there?")
-        if beat.maybe(queue, queue.completed):
-            progress.update(queue.completed)
+            now = time.monotonic()
+            if queue.progress():
+                stalled.at = now + timeout
+            elif now > stalled.at:
+                raise TimeoutError(stalled.what())
+            if beat.maybe(queue, queue.completed):
+                progress.update(queue.completed)
     progress.close()
     return start
 

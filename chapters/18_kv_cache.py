@@ -101,7 +101,7 @@ import time
 
 import numpy as np
 
-from common import bench, cli, records
+from common import bench, bounds, cli, records
 import common.fabric as fi
 from common.fabric import memory
 from common.transfer import Engine
@@ -478,7 +478,7 @@ def cancelled(eng, request):
 
 def stop(eng, server, watcher, request, layer):
     watcher.cancelled = True
-    watcher.join()  # its WRITEs in flight completed: no more bytes land in those pages
+    bounds.join([watcher], "the transfer watcher")  # its WRITEs in flight completed: no more bytes land in those pages
     if watcher.error:
         raise watcher.error
     eng.send(server, CANCELLED + struct.pack("<I", request))

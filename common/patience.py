@@ -4,7 +4,10 @@ A peer with a core to itself answers within milliseconds. On a machine with more
 runnable threads than cores (a 2-core laptop running the test suite beside a benchmark
 and a forgotten server) each thread gets a share of a core, and a wait measured on the
 wall clock has to stretch by that share, or a slow peer is taken for a dead one.
-Standard library only: the scripts and tests that start chapters use it too.
+For the scripts and tests that start chapters and wait for them (standard library
+only). A chapter's own --timeout is what its user gave, or 10 s, so that a dead peer is
+said when promised (common/bounds.py); the test suite asks for its default stretched
+(common/cli.py, STRETCH).
 """
 import os
 

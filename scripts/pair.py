@@ -159,7 +159,7 @@ def run_pair(chapter, provider=None, server_args=(), client_args=((),), env=None
     Returns a Pair with each process's arguments, exit code and output. A
     server that prints no address within `timeout` gets no client; after a
     client fails, no further client runs unless `keep_going`. Both limits are
-    for a quiet machine and stretch with this one's load, as the chapters' do.
+    for a quiet machine and stretch with this one's load.
     echo: (out, err) streams that each side's lines go to as they come, named.
     A KeyboardInterrupt here stops both sides within INTERRUPTED_WAIT s, then
     goes on to the caller.

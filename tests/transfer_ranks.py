@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 import common.fabric as fi  # noqa: E402
+from common import bounds  # noqa: E402
 from common import launch  # noqa: E402
 from common.patience import patience  # noqa: E402
 from common.transfer import Engine  # noqa: E402
@@ -175,6 +176,7 @@ def main():
     p.add_argument("--watch", action="store_true")
     p.add_argument("--gpu", type=int, default=None)
     args = p.parse_args()
+    bounds.watch()
     with launch.Group(launch.place_from_environment(), timeout=patience(60)) as group, \
             fi.Closer() as own:
         eng = Engine(own, provider=args.provider, gpu=args.gpu, nics=args.nics,

@@ -10,7 +10,7 @@ import struct
 import threading
 import time
 
-from common import bench, cli
+from common import bench, bounds, cli
 from common.engine import topo
 from common.fabric import connect, memory
 from common.fabric import ffi, lib
@@ -235,22 +235,25 @@ def write_all(lanes, control, beat, page_size, timeout):
     """Every lane's WRITEs, one thread visiting each lane in turn; returns the start time."""
     total = sum(lane.iters for lane in lanes)
     progress = bench.Progress("WRITEs completed", total, page_size)
-    start = last_completion = time.perf_counter()
+    start = time.perf_counter()
     busy = [lane for lane in lanes if lane.iters]
-    while busy:
-        for lane in busy:
-            memory.current(lane.gpu)
-            lane.post_some()
-            if lane.queue.progress():
-                last_completion = time.perf_counter()
-        busy = [lane for lane in busy if lane.queue.completed < lane.iters]
-        control.queue.progress()
-        done = sum(lane.queue.completed for lane in lanes)
-        if time.perf_counter() - last_completion > timeout:
-            raise TimeoutError(f"no WRITE completed for {timeout:g} s ({done} of {total} "
-                               "done): is the client still there?")
-        if beat.maybe(control.queue, done):
-            progress.update(done)
+    stalled = bounds.Deadline(timeout, lambda: f"no WRITE completed for {timeout:g} s "
+                              f"({sum(lane.queue.completed for lane in lanes)} of {total} "
+                              "done): is the client still there?")
+    with stalled:  # also when the provider call itself never returns
+        while busy:
+            for lane in busy:
+                memory.current(lane.gpu)
+                lane.post_some()
+                if lane.queue.progress():
+                    stalled.at = time.monotonic() + timeout
+            busy = [lane for lane in busy if lane.queue.completed < lane.iters]
+            control.queue.progress()
+            done = sum(lane.queue.completed for lane in lanes)
+            if time.monotonic() > stalled.at:
+                raise TimeoutError(stalled.what())
+            if beat.maybe(control.queue, done):
+                progress.update(done)
     progress.close()
     return start
 
@@ -338,7 +341,7 @@ def wait_immediates(control, inbox, lanes, args):
         rc = lib.tut_wait_data(cqs, len(mine), data + first, got + first, stop, failed)
         if rc < 0:
             errors.append(fi.native_error(rc, mine[failed[0]].cq, "fi_cq_read (tut_wait_data)"))
-    threads = [threading.Thread(target=wait, args=(first,))
+    threads = [threading.Thread(target=wait, args=(first,), name=f"the waiter of NIC {first}")
                for first in range(0, len(lanes), per_group)]
     for t in threads:
         t.start()
@@ -356,8 +359,7 @@ def wait_immediates(control, inbox, lanes, args):
             time.sleep(0.001)  # the waiting threads do the work; this one only listens
     finally:
         stop[0] = 1
-        for t in threads:
-            t.join()
+        bounds.join(threads, "the threads waiting for immediate data")
         progress.close()
     if errors:
         raise errors[0]

@@ -11,6 +11,7 @@ import struct
 import time
 
 import common.fabric as fi
+from common import bounds
 from common.fabric import ffi, lib
 
 WRITE, SEND = 1, 2               # what an operation in flight is
@@ -131,17 +132,18 @@ class OpQueue:
     def next_message(self, inbox, timeout):
         """The next message in `inbox` (an fi.Inbox on this endpoint), reading the CQ
         through the queue meanwhile, so that WRITE completions are counted, not lost."""
-        deadline = time.monotonic() + timeout
-        while fi.key(inbox.ctx) not in self.poller.done:
-            if not self.progress() and time.monotonic() > deadline:
-                raise TimeoutError(f"the client did not confirm its data within {timeout:g} s")
+        late = f"the client did not confirm its data within {timeout:g} s"
+        with bounds.Deadline(timeout, late) as deadline:
+            while fi.key(inbox.ctx) not in self.poller.done:
+                if not self.progress() and time.monotonic() > deadline.at:
+                    raise TimeoutError(late)
         return inbox.take(self.poller.done.pop(fi.key(inbox.ctx)))
 
     def in_flight(self):
         return len(self.busy) - len(self.free)
 
     def drain(self, timeout):
-        """After a client's failure: wait (bounded) for what is in flight, then read the CQ
+        """After a client's failure: wait (bounds.tidy) for what is in flight, then read the CQ
         until it is empty, so no completion of ours lands on the next client's queue, and no
         WRITE reads freed memory. Empty, not only idle: from libfabric 2.5 shm answers a WRITE
         whose copy into a gone peer fails with -FI_EAGAIN and, each time, an error entry
@@ -153,9 +155,14 @@ class OpQueue:
         what the call did, so a drain would meet "a second completion" or wait in vain
         for completions already read. The process is ending then, and closing the
         endpoint discards what is still posted (man/fi_endpoint.3.md, fi_close)."""
-        deadline = time.monotonic() + timeout
         self.pending.clear()
-        while time.monotonic() < deadline:
+        timeout = bounds.tidy(timeout)
+        with bounds.Deadline(timeout, f"{self.in_flight()} operations in flight did not "
+                             f"complete within {timeout:g} s") as deadline:
+            self._drain(deadline)
+
+    def _drain(self, deadline):
+        while time.monotonic() < deadline.at:
             try:
                 if not self._read() and not self.in_flight():
                     return

@@ -8,6 +8,7 @@ NIC, once the first is done.
 """
 import time
 
+from common import bounds
 from common.fabric import memory
 
 
@@ -35,9 +36,10 @@ def one_write(lane, control, timeout, k):
     start = time.perf_counter()
     memory.current(lane.gpu)
     lane.queue.write(lane.messages[0])
-    deadline = time.monotonic() + timeout
-    while not lane.queue.progress():
-        control.queue.progress()  # heartbeats keep going meanwhile
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"warmup WRITE on NIC {k} not completed in {timeout:g} s")
+    late = f"warmup WRITE on NIC {k} not completed in {timeout:g} s"
+    with bounds.Deadline(timeout, late) as deadline:
+        while not lane.queue.progress():
+            control.queue.progress()  # heartbeats keep going meanwhile
+            if time.monotonic() > deadline.at:
+                raise TimeoutError(late)
     return time.perf_counter() - start

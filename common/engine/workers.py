@@ -10,7 +10,7 @@ runs one group's lanes until they are done, `*stop` is set, or a call fails.
 import threading
 import time
 
-from common import bench
+from common import bench, bounds
 import common.fabric as fi
 
 
@@ -79,8 +79,7 @@ def run(threads, lanes, control, beat, page_size, timeout, done, halt, errors):
             time.sleep(0.0005)  # the workers do the work; this thread only watches
     finally:
         halt()
-        for t in threads:
-            t.join()
+        bounds.join(threads, "the workers")
         progress.close()
     if errors:
         raise errors[0]
@@ -95,5 +94,5 @@ def threads_for(lanes, work, errors):
             work(k, mine)
         except Exception as e:
             errors.append(e)
-    return [threading.Thread(target=guarded, args=(k, mine))
+    return [threading.Thread(target=guarded, args=(k, mine), name=f"worker {k}")
             for k, mine in enumerate(by_group(lanes))]

@@ -21,6 +21,7 @@ try:
     from common._fabric import ffi, lib
 except ImportError as e:  # not built, or libfabric.so gone since
     sys.exit(f"libfabric binding unavailable ({e}): run 'bash scripts/setup.sh'")
+from common import bounds
 from common.fabric import rules  # FABRIC_RULES=efa|efa-direct|verbs: calls checked as those NICs would
 
 # The API version our headers describe; libfabric 2.x still serves 1.x callers.
@@ -140,6 +141,7 @@ _interrupting = True  # False once the process is saying its last words (cli.run
 
 
 def _interrupted(signum, frame):
+    bounds.noted(signum)  # which one: the exit code says it (bounds.exit_code)
     if _interrupting:
         raise KeyboardInterrupt
 
@@ -438,11 +440,18 @@ def close(obj):
 
 
 class Closer(contextlib.ExitStack):
-    """Owns libfabric objects and closes them in reverse order of opening, also on error."""
+    """Owns libfabric objects and closes them in reverse order of opening, also on error:
+    within bounds.CLOSE_BOUND, or the watchdog ends the process (shm's fi_close spins
+    forever on a region lock that a peer killed while holding it)."""
 
     def __call__(self, obj):
         self.callback(close, obj)
         return obj
+
+    def __exit__(self, *exc):
+        with bounds.Deadline(bounds.CLOSE_BOUND, "closing the fabric's objects took more "
+                             f"than {bounds.CLOSE_BOUND:g} s"):
+            return super().__exit__(*exc)
 
 
 def open_endpoint(own, info, cq_size=None, av_count=16, shm=True):
@@ -620,6 +629,12 @@ class Poller:
             self.done[key(entry.op_context)] = entry.len
 
     def _until(self, ready, timeout, what, idle=False):
+        if bounds.signalled() and _interrupting:  # its KeyboardInterrupt was taken for a
+            raise KeyboardInterrupt               # client's failure: it still ends the run
+        with bounds.armed(timeout, lambda: f"no {what} within {timeout:g} s"):
+            self._wait(ready, timeout, what, idle)
+
+    def _wait(self, ready, timeout, what, idle):
         deadline = None if timeout is None else time.monotonic() + timeout
         nap = 0.0
         while not ready():
@@ -639,11 +654,12 @@ class Poller:
     def until_posted(self, post, timeout, what):
         """Call `post` until the provider takes the operation (it returns False on
         -FI_EAGAIN: queue full, or tcp still connecting), polling for progress meanwhile."""
-        deadline = time.monotonic() + timeout
-        while not post():
-            self.poll()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no {what} within {timeout:g} s: is the peer running?")
+        late = f"no {what} within {timeout:g} s: is the peer running?"
+        with bounds.Deadline(timeout, late) as deadline:
+            while not post():
+                self.poll()
+                if time.monotonic() > deadline.at:
+                    raise TimeoutError(late)
 
     def send(self, own, domain, ep, data, dest, key, timeout, what, hint=""):
         """SEND the bytes `data` from a buffer registered for it (with requested `key`),

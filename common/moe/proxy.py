@@ -12,6 +12,7 @@ import struct
 import threading
 import time
 
+from common import bounds
 from common.engine import multinet, topo
 from common.fabric import cuda_driver, memory
 from common._native16 import ffi, lib as native
@@ -77,7 +78,7 @@ class Proxy:
             p.flush = ffi.cast("int (*)(int, int)", cuda_driver.flush_address())
             p.flush_scope = scope
         self.rc, self.error, self.gpu = None, None, mem.gpu
-        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread = threading.Thread(target=self._run, daemon=True, name="proxy")
         self.thread.start()
         own.callback(self.stop)  # before the endpoint closes (the Closer runs backwards)
 
@@ -91,9 +92,10 @@ class Proxy:
 
     def submit(self, group, local, remote, length, peer, imm):
         """Queue one WRITE; waits (bounded) while the ring is full."""
-        deadline = time.monotonic() + self.timeout
-        while self.p.head[0] - native.m16_completed(self.p) >= RING:
-            self.check(group, deadline, "room in the proxy's ring")
+        with bounds.Deadline(self.timeout, "no room in the proxy's ring within "
+                             f"{self.timeout:g} s") as deadline:
+            while self.p.head[0] - native.m16_completed(self.p) >= RING:
+                self.check(group, deadline.at, "room in the proxy's ring")
         native.m16_submit(self.p, local, remote, length, peer, imm)
 
     def check(self, group, deadline, what):
@@ -123,13 +125,14 @@ class Proxy:
 
     def drain(self, group):
         """Wait until every WRITE we queued has completed: its source may be reused."""
-        deadline = time.monotonic() + self.timeout
-        while native.m16_completed(self.p) < self.p.head[0]:
-            self.check(group, deadline, "completion of our WRITEs")
+        with bounds.Deadline(self.timeout, "no completion of our WRITEs within "
+                             f"{self.timeout:g} s") as deadline:
+            while native.m16_completed(self.p) < self.p.head[0]:
+                self.check(group, deadline.at, "completion of our WRITEs")
 
     def stop(self):
         self.p.stop = 1
-        self.thread.join()
+        bounds.join([self.thread], "the proxy")
 
 
 NICS = struct.Struct("<H")  # how many NICs a rank's proxy has; then a PEER for each

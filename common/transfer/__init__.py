@@ -31,6 +31,7 @@ import zlib
 import numpy as np
 
 import common.fabric as fi
+from common import bounds
 from common.fabric import cuda_driver, lib, memory
 
 try:
@@ -286,7 +287,7 @@ class Engine:
 
     def _stop(self):
         self._w.stop = 1
-        self._thread.join()
+        bounds.join([self._thread], "the transfer engine")
 
     # --- addresses and regions ---------------------------------------------------------
 
@@ -617,6 +618,10 @@ class Engine:
         watchers meanwhile; sched_yield first, then sleeps that grow to 1 ms but stay under
         a sixteenth of the wait so far: a wait of 1.3 ms that slept up to 1 ms at a time
         was seen 285 us late (Transfer.phases, 64 KiB x 100 pages on the 2-core VM)."""
+        with bounds.Deadline(timeout, why):
+            self._wait(ready, timeout, why)
+
+    def _wait(self, ready, timeout, why):
         start = time.monotonic()
         deadline = start + timeout
         spins, nap = 0, 0.0

@@ -1,0 +1,194 @@
+"""How soon every process ends, and the watchdog that holds it to that even when a provider
+call never returns.
+
+The bounds, the same for a server, a client and a rank:
+
+- SIGINT (Ctrl-C) or SIGTERM: the process ends within STOP_BOUND (2 s) of the first one,
+  exit 130 or 143, one line on stderr. The main thread turns it into KeyboardInterrupt
+  and closes what it opened (common/cli.py); if it has not ended STOP_GRACE after the
+  signal (it is inside a provider call that does not return: Python runs signal handlers
+  only between bytecodes), the watchdog ends it.
+- A dead or frozen peer: every wait for a peer has a deadline, the chapter's --timeout
+  from its start (or from the peer's last sign of life), and raises TimeoutError there.
+  A survivor then waits for its operations in flight (TIDY_BOUND) and closes what it
+  opened (CLOSE_BOUND + SLACK), and ends (a client) or is ready for its next client (a
+  server): within --timeout + 5 s. A provider call that never returns is the watchdog's: SLACK
+  past the deadline it says which wait that was and ends the process, exit 1. (shm
+  spins forever in fi_cq_read or fi_close on the lock of a region whose owner was killed
+  holding it: pthread_spin_lock(&smr->lock), prov/shm/src/smr.h.)
+- Worker threads, stopped after a failure or a signal, are joined within JOIN_BOUND;
+  one that does not stop (it spins in the provider) ends the process the same way.
+
+Why these numbers: a clean close takes milliseconds, so 2 s is prompt for a person and
+for a launcher stopping its ranks while leaving the clean way room on a busy machine;
+SLACK tells a call that never returns from one a loaded machine made late; SLACK, and
+TIDY_BOUND + CLOSE_BOUND + SLACK, fit in the 5 s after --timeout. --timeout itself is
+what the user asked for or 10 s, not stretched by the machine's load: only a test suite,
+whose machine is busy by design, asks chapters to stretch it (cli.STRETCH).
+
+The watchdog is a daemon thread (watch(), started by cli.run): it reads the wakeup fd
+that Python's C-level signal handler writes to from whatever thread the signal came to,
+so it sees the first signal even while the main thread is stuck in a cffi call (which
+releases the GIL). Before os._exit it removes this process's shm regions (what
+shm's own handler would have done, and a clean close does) and flushes stdout.
+Standard library only, and nothing in the hot loops: a wait arms its Deadline once.
+"""
+import contextlib
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+STOP_BOUND = 2.0    # seconds from the first SIGINT/SIGTERM to the end of the process
+STOP_GRACE = 1.5    # ... of which the clean way (everything closed) may take this much
+SLACK = 3.0         # seconds a wait may overrun its deadline before its call is taken as stuck
+CLOSE_BOUND = 1.0   # seconds closing a Closer's objects should take (+ SLACK: the watchdog)
+TIDY_BOUND = 1.0    # seconds a survivor may wait for its operations in flight before that
+JOIN_BOUND = 1.0    # seconds a stopped worker thread has to return
+CLOSING = 0.5       # seconds kept for closing, out of STOP_GRACE, by a wait on the way out
+TICK = 0.25         # how often the watchdog looks at the armed deadlines
+EXIT_STUCK = 1
+
+_armed = {}         # id -> Deadline, while it is armed
+_signalled = []     # the first SIGINT/SIGTERM's (number, time.monotonic()), once one came
+_watching = False
+
+
+def noted(signum):
+    """Record a SIGINT/SIGTERM (called by the Python-level handler; the watchdog too)."""
+    if not _signalled:
+        _signalled.append((signum, time.monotonic()))
+
+
+def signalled():
+    """Whether a SIGINT or SIGTERM came: the process is on its way out."""
+    return bool(_signalled)
+
+
+def exit_code(default=130):
+    """128 + the number of the first signal seen (130 SIGINT, 143 SIGTERM), else `default`."""
+    return 128 + _signalled[0][0] if _signalled else default
+
+
+class Deadline:
+    """A wait that must be over by `at` (time.monotonic()). Armed while its `with` block
+    runs: the watchdog ends the process SLACK past it. `what` (a string, or a function
+    that says it) names the wait in that last line. A wait moves `at` on when the peer
+    gives a sign of life."""
+    __slots__ = ("at", "what")
+
+    def __init__(self, timeout, what):
+        self.at = time.monotonic() + timeout
+        self.what = what
+
+    def __enter__(self):
+        _armed[id(self)] = self
+        return self
+
+    def __exit__(self, *exc):
+        _armed.pop(id(self), None)
+
+
+def armed(timeout, what):
+    """A Deadline for `timeout` seconds, or, for a wait without one (None), a block that
+    arms nothing."""
+    return Deadline(timeout, what) if timeout is not None else contextlib.nullcontext()
+
+
+def tidy(timeout):
+    """How long a wait that only tidies up after a failure (operations in flight completing)
+    may take: `timeout`, but at most TIDY_BOUND, and once a signal said stop, no more
+    than what is left of STOP_GRACE less CLOSING: closing must keep its time within the
+    bound."""
+    if not _signalled:
+        return min(timeout, TIDY_BOUND)
+    return max(0.0, min(timeout, _signalled[0][1] + STOP_GRACE - CLOSING - time.monotonic()))
+
+
+def join(threads, what, bound=JOIN_BOUND):
+    """Join `threads` (already told to stop) within `bound` seconds in all. One still
+    running is stuck where Python cannot reach it (in a provider call): say so, after the
+    error being raised if there is one (why they were stopped), and end the process, as
+    nothing else can stop that thread."""
+    until = time.monotonic() + bound
+    for t in threads:
+        t.join(max(0.0, until - time.monotonic()))
+    stuck = [t.name for t in threads if t.is_alive()]
+    if stuck:
+        raised = sys.exc_info()[1]
+        why = f"{raised}; then " if raised and str(raised) else ""
+        end(f"error: {why}{what}: {', '.join(stuck)} did not stop within {bound:g} s (stuck "
+            "in a provider call): exiting without closing", exit_code(EXIT_STUCK))
+
+
+def end(line, code):
+    """Say `line` (after the program's name) and end the process now, with `code`,
+    leaving no shm region of ours behind: for a process whose main thread, or one it must
+    wait for, is inside a call that does not return."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    os.write(2, f"{os.path.basename(sys.argv[0])}: {line}\n".encode(errors="replace"))
+    remove_shm_regions()
+    os._exit(code)
+
+
+SHM = Path("/dev/shm")
+
+
+def remove_shm_regions(pid=None):
+    """Unlink the shm provider's regions of this process: libfabric names each endpoint's
+    "<pid>:<uid>:<n>" (prov/shm/src/smr_ep.c, smr_endpoint_name), and a process ended by
+    os._exit runs neither fi_close nor shm's signal handler, which unlink them."""
+    prefix = f"{pid or os.getpid()}:"
+    try:
+        names = [p for p in SHM.iterdir() if p.name.startswith(prefix)]
+    except OSError:  # no /dev/shm here: no shm regions either
+        return
+    for path in names:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+
+def watch():
+    """Start the watchdog (once, from the main thread, after the signal handlers are ours):
+    it ends the process STOP_GRACE after the first SIGINT/SIGTERM if it is still running,
+    and SLACK past an armed Deadline."""
+    global _watching
+    if _watching:
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)  # the C handler must never block on it
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    threading.Thread(target=_watch, args=(read,), daemon=True, name="watchdog").start()
+    _watching = True
+
+
+def _watch(fd):
+    while True:
+        tick = TICK if not _signalled else _signalled[0][1] + STOP_GRACE - time.monotonic()
+        ready, _, _ = select.select([fd], [], [], max(0.0, min(TICK, tick)))
+        if ready:
+            for signum in os.read(fd, 64):
+                if signum in (signal.SIGINT, signal.SIGTERM):
+                    noted(signum)
+        now = time.monotonic()
+        if _signalled and now > _signalled[0][1] + STOP_GRACE:
+            name = signal.Signals(_signalled[0][0]).name
+            end(f"interrupted ({name}), but a call did not return within {STOP_GRACE:g} s: "
+                "exiting without closing", exit_code())
+        late = next((d for d in list(_armed.values()) if now > d.at + SLACK), None)
+        if late is not None:
+            end(f"error: {_said(late)}, and the provider call did not return within "
+                f"{SLACK:g} s more: exiting without closing", EXIT_STUCK)
+
+
+def _said(deadline):
+    what = deadline.what
+    return what() if callable(what) else what

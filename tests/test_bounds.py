@@ -1,0 +1,200 @@
+"""Every process ends within its bound (common/bounds.py): after SIGINT or SIGTERM of
+either side mid-transfer, after its peer was killed, and when a provider call never
+returns (faked by tests/stuck.py). Real chapter 07 processes on shm and tcp."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from common import bounds, cli
+from scripts.pair import ADDRESS, chapter_path, local_env
+from tests import shm_regions
+from tests.test_bad_input import SHM_DEAD
+
+# Seconds a process may be seen ending after its bound on this 2-core machine with
+# other suites beside it (load 8): each of the signal, the watchdog's wake-up and this
+# test's wait may find both cores taken. Measured there: at most 0.3 s past a bound.
+STOP_MARGIN = 1.0
+PEER_MARGIN = 3.0  # the same for a dead peer, whose survivor also closes what it opened
+SMALL = ["--buffer-size", "4M", "--pages", "0-63", "--iters", "100000000"]
+STUCK = str(Path(__file__).with_name("stuck.py"))
+
+
+def own_timeout():
+    """The environment of a chapter whose --timeout is its own, not the suite's stretched
+    one (tests/conftest.py): the bounds promised are the chapter's."""
+    env = local_env()
+    env.pop(cli.STRETCH, None)
+    return env
+
+
+def start(args, until):
+    """Chapter 07 with `args`, once it has printed a line starting with `until`."""
+    proc = subprocess.Popen([sys.executable, str(chapter_path(7)), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=own_timeout())
+    out, deadline = "", time.monotonic() + 30
+    while until not in out and time.monotonic() < deadline and proc.poll() is None:
+        out += proc.stdout.readline()
+    assert until in out, out + proc.stderr.read()
+    return proc, out
+
+
+def pair(provider):
+    """A server and a client of chapter 07, WRITEs streaming from one into the other."""
+    server, out = start(["-p", provider], "server address:")
+    client, _ = start(["-p", provider, ADDRESS.search(out)[1], *SMALL], "memory:")
+    time.sleep(2)  # the CONNECT is in and the WRITEs stream
+    return server, client
+
+
+def ended(proc, within):
+    """(exit code, stderr, seconds) of `proc`, which must end within `within` s from now."""
+    start = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=within + 30)  # late is a failure, not a hang
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"still running {within + 30:g} s later (bound {within:g} s)")
+    return proc.returncode, err, time.monotonic() - start
+
+
+def stop(*procs):
+    """End what a test started, ours or not yet ended: Ctrl-C, else kill (and its regions)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                bounds.remove_shm_regions(proc.pid)
+
+
+def one_line(err, text):
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and text in lines[0] and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("side", ["server", "client"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_ends_either_side_mid_transfer_at_once(provider, side, signum):
+    server, client = pair(provider)
+    try:
+        proc = server if side == "server" else client
+        proc.send_signal(signum)
+        code, err, took = ended(proc, bounds.STOP_BOUND)
+        assert code == 128 + signum, err
+        one_line(err, "interrupted")
+        assert took < bounds.STOP_BOUND + STOP_MARGIN, f"{took:.2f} s: {err}"
+        assert not shm_regions.files(proc.pid)
+    finally:
+        stop(client, server)
+
+
+def test_a_client_outlives_its_killed_server(provider):
+    """kill -9 of the server mid-transfer: the client ends within --timeout + 5 s, also
+    when the dead server held shm's lock on a region (its fi_cq_read then never returns)."""
+    server, client = pair(provider)
+    try:
+        server.kill()
+        server.wait()
+        bounds.remove_shm_regions(server.pid)
+        code, err, took = ended(client, cli.PEER_TIMEOUT + 5)
+        assert code == 1, err
+        one_line(err, "error: no heartbeat from the server within")
+        assert took < cli.PEER_TIMEOUT + 5 + PEER_MARGIN, f"{took:.2f} s: {err}"
+        assert not shm_regions.files(client.pid)
+    finally:
+        stop(client, server)
+
+
+def test_a_dead_shm_address_is_given_up_at_the_chapters_own_timeout():
+    """Not at a timeout stretched by this machine's load: --timeout means what it says."""
+    client = subprocess.Popen([sys.executable, str(chapter_path(7)), "-p", "shm", SHM_DEAD,
+                               *SMALL], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=own_timeout())
+    try:
+        code, err, took = ended(client, cli.PEER_TIMEOUT + 5)
+        assert code == 1
+        one_line(err, f"within {cli.PEER_TIMEOUT:g} s")
+        assert took < cli.PEER_TIMEOUT + 5 + PEER_MARGIN, f"{took:.2f} s: {err}"
+    finally:
+        stop(client)
+
+
+def stuck(*args):
+    proc = subprocess.Popen([sys.executable, STUCK, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=local_env())
+    assert proc.stdout.readline() == "waiting\n", proc.stderr.read()
+    time.sleep(0.2)  # from its print into the call that hangs
+    return proc
+
+
+def test_a_wait_whose_provider_call_never_returns_ends_past_its_deadline():
+    proc = stuck("wait", "1")
+    try:
+        code, err, took = ended(proc, 1 + bounds.SLACK)
+        assert code == bounds.EXIT_STUCK
+        one_line(err, "no heartbeat from the server within 1 s, and the provider call did "
+                      "not return")
+        assert took < 1 + bounds.SLACK + STOP_MARGIN
+    finally:
+        stop(proc)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_ends_a_process_stuck_in_a_provider_call(signum):
+    proc = stuck("idle")
+    try:
+        proc.send_signal(signum)
+        code, err, took = ended(proc, bounds.STOP_BOUND)
+        assert code == 128 + signum
+        one_line(err, f"interrupted ({signal.Signals(signum).name}), but a call did not return")
+        assert took < bounds.STOP_BOUND + STOP_MARGIN
+    finally:
+        stop(proc)
+
+
+def test_closing_that_never_returns_ends_the_process():
+    """Chapter 15's client hung so in fi_close after its server was killed."""
+    proc = stuck("close")
+    try:
+        bound = bounds.CLOSE_BOUND + bounds.SLACK
+        code, err, took = ended(proc, bound)
+        assert code == bounds.EXIT_STUCK
+        one_line(err, "closing the fabric's objects took more than")
+        assert took < bound + STOP_MARGIN
+    finally:
+        stop(proc)
+
+
+def test_a_worker_thread_that_does_not_stop_ends_the_process():
+    """The transfer engine's worker stuck in the provider: its join is bounded, and the
+    process's shm regions are removed on the way out."""
+    proc = stuck("join")
+    try:
+        code, err, took = ended(proc, bounds.JOIN_BOUND)
+        assert code == bounds.EXIT_STUCK
+        one_line(err, "the transfer engine: the worker thread did not stop within")
+        assert took < bounds.JOIN_BOUND + STOP_MARGIN
+        assert not shm_regions.files(proc.pid)
+    finally:
+        stop(proc)
+
+
+def test_only_this_processs_shm_regions_are_removed():
+    mine, other = (Path(f"/dev/shm/{os.getpid()}{tail}:0:99") for tail in ("", "1"))
+    for path in (mine, other):
+        path.touch()
+    try:
+        bounds.remove_shm_regions()
+        assert not mine.exists() and other.exists()
+    finally:
+        for path in (mine, other):
+            path.unlink(missing_ok=True)
