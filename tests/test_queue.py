@@ -194,9 +194,9 @@ def client_gone_server_survives(chapter, provider, server_args=(), client_args=(
         done = subprocess.run([sys.executable, str(chapter_path(chapter)), "-p", provider,
                                address, "--iters", "500", *SMALL, *client_args],
                               capture_output=True, text=True, env=local_env(), timeout=60)
-        assert done.returncode == 0, done.stderr
-        assert re.search(r"verified .*64 pages .*: 0 wrong bytes", done.stdout)
         _, err = server.communicate(timeout=30)
+        assert done.returncode == 0, f"the next client: {done.stderr}the server: {err}"
+        assert re.search(r"verified .*64 pages .*: 0 wrong bytes", done.stdout)
     finally:
         for proc in procs:
             proc.kill()
