@@ -3,23 +3,42 @@ import os
 import pytest
 
 from common import cli
-from tests import fake_info
-from tests.shm_regions import Watcher
+from tests import fake_info, processes
+from tests.budget import Budget
+from tests.shm_regions import SHM, Watcher
 
 PROVIDERS = ["shm", "tcp"]
+EXIT = 15  # seconds, quiet machine, for what a test started to end after it (a launcher's
+#            ranks told through the rendezvous that it is gone stop within their own bound)
 
 os.environ.setdefault("FI_TCP_IFACE", "lo")  # keep tcp on loopback in this process too
 os.environ[cli.STRETCH] = "1"  # the chapters we start wait as long as this busy machine needs
 
 
 @pytest.fixture(scope="session", autouse=True)
-def nothing_left_in_dev_shm():
+def watcher():
     """After every run of every chapter, no shm region of ours may be left behind
-    (other programs' regions, made while the suite runs, are theirs: tests/shm_regions.py)."""
+    (other programs' regions, made while the suite runs, are theirs: tests/shm_regions.py),
+    and no process the suite started may still run. What is found is removed, then named."""
     watcher = Watcher()
+    yield watcher
+    left = processes.wait_gone(watcher.token, Budget(EXIT).seconds)
+    processes.stop(watcher.token, left)
+    regions = watcher.left()
+    for name in regions:
+        (SHM / name).unlink(missing_ok=True)
+    assert not left, f"still running after the suite: {processes.report(left)}"
+    assert not regions, f"left in /dev/shm: {sorted(regions)}"
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_running(watcher):
+    """Each test's processes end with it (or within EXIT seconds): the test that left one
+    running is the one that fails, and the process is stopped."""
     yield
-    left = watcher.left()
-    assert not left, f"left in /dev/shm: {sorted(left)}"
+    left = processes.wait_gone(watcher.token, Budget(EXIT).seconds)
+    processes.stop(watcher.token, left)
+    assert not left, f"still running after the test: {processes.report(left)}"
 
 
 @pytest.fixture(autouse=True)

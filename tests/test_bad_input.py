@@ -6,19 +6,19 @@ import time
 
 import pytest
 
-from common.patience import patience
 from scripts.pair import ADDRESS, chapter_path, local_env
 from tests import fake_info
+from tests.budget import Budget
 
-LIMIT = patience(10)  # seconds, for every case below, on a quiet machine
+LIMIT = 10  # seconds, for every case below, on a quiet machine
 SHM_DEAD = b"fi_shm://999999999:0:0\0".hex()          # a process that does not exist
 TCP_DEAD = "02000001" + "7f000001" + "00" * 8           # 127.0.0.1 port 1: nobody there
 
 
 def run(chapter, *args):
+    """The chapter's exit within LIMIT seconds (TimeoutExpired past them), and how long it took."""
     start = time.monotonic()
-    done = subprocess.run([sys.executable, str(chapter_path(chapter)), *args],
-                          capture_output=True, text=True, env=local_env(), timeout=LIMIT)
+    done = Budget(LIMIT).run([sys.executable, str(chapter_path(chapter)), *args], env=local_env())
     return done, time.monotonic() - start
 
 
@@ -45,15 +45,15 @@ def assert_one_line_error(done, pattern):
 def test_rejected_with_one_line(chapter, args, pattern):
     if "efa" in args:
         fake_info.skip_where_present("efa")
-    done, elapsed = run(chapter, *args)
+    done, _ = run(chapter, *args)
     assert_one_line_error(done, pattern)
-    assert done.returncode in (1, 2) and elapsed < LIMIT
+    assert done.returncode in (1, 2)
 
 
 @pytest.mark.parametrize("chapter", [4, 5])
 @pytest.mark.parametrize("provider,address", [("shm", SHM_DEAD), ("tcp", TCP_DEAD)])
 def test_client_without_server_gives_up(chapter, provider, address):
-    done, elapsed = run(chapter, "-p", provider, "--timeout", "2", address, "anyone?")
+    done, _ = run(chapter, "-p", provider, "--timeout", "2", address, "anyone?")
     assert_one_line_error(done, "error:")
     assert done.returncode == 1
 
@@ -75,13 +75,12 @@ def test_server_ctrl_c_is_a_clean_exit(chapter, provider):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=local_env())
     try:
-        out = ""
-        deadline = time.monotonic() + LIMIT
-        while not ADDRESS.search(out) and time.monotonic() < deadline:
+        out, budget = "", Budget(LIMIT)
+        while not ADDRESS.search(out) and budget.left() > 0:
             out += proc.stdout.readline()
         assert ADDRESS.search(out), out
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=LIMIT)
+        _, err = budget.communicate(proc)
     finally:
         proc.kill()
     assert proc.returncode == 130
@@ -91,8 +90,8 @@ def test_server_ctrl_c_is_a_clean_exit(chapter, provider):
 @pytest.mark.parametrize("args,pattern", [(["04", "--limit", "0"], "not a number of seconds"),
                                           (["04", "--nope"], "unrecognized arguments")])
 def test_pair_refuses_bad_flags_in_one_line(args, pattern):
-    done = subprocess.run([sys.executable, str(chapter_path(4).parents[1] / "scripts" / "pair.py"),
-                           *args], capture_output=True, text=True, env=local_env(), timeout=LIMIT)
+    done = Budget(LIMIT).run([sys.executable, str(chapter_path(4).parents[1] / "scripts" /
+                              "pair.py"), *args], env=local_env())
     assert_one_line_error(done, pattern)
 
 

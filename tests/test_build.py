@@ -1,7 +1,6 @@
 """The libfabric the binding is built against: the one asked for, and with efa and verbs
 (scripts/build_libfabric.sh) their own code runs up to "no device" on every machine."""
 import os
-import subprocess
 import sys
 
 import pytest
@@ -9,6 +8,7 @@ import pytest
 import common.fabric as fi
 from scripts.doctor import loaded_from
 from scripts.pair import chapter_path, local_env
+from tests.budget import Budget
 from tests.test_bad_input import LIMIT, assert_one_line_error
 
 # The first chapter, the queue, many NICs, the C workers, the MoE ranks.
@@ -33,6 +33,6 @@ def test_a_real_provider_without_its_device_is_one_line(provider, chapter):
                     "verbs): build one with scripts/build_libfabric.sh")
     if provider in fi.usable():
         pytest.skip(f"{provider} has a device here")
-    done = subprocess.run([sys.executable, str(chapter_path(chapter)), "-p", provider],
-                          capture_output=True, text=True, env=local_env(), timeout=LIMIT)
+    done = Budget(LIMIT).run([sys.executable, str(chapter_path(chapter)), "-p", provider],
+                             env=local_env())
     assert_one_line_error(done, f"provider '{provider}' has no usable device here")

@@ -6,14 +6,14 @@ import sys
 
 import pytest
 
-from common.patience import patience
 from scripts.pair import chapter_path, local_env, run_pair
 from tests import fake_info
+from tests.budget import Budget
 
 
 def run_chapter(number, *args, timeout=60):
-    return subprocess.run([sys.executable, str(chapter_path(number)), *args],
-                          capture_output=True, text=True, env=local_env(), timeout=patience(timeout))
+    return Budget(timeout).run([sys.executable, str(chapter_path(number)), *args],
+                               env=local_env())
 
 
 # The fi_info tool of the same libfabric the binding was built against.

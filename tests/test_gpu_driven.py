@@ -4,7 +4,6 @@ tests are skipped where there is no GPU; the flags are checked anywhere."""
 import importlib.util
 import json
 import re
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ from common import launch
 from common.moe import harness
 from common.moe import reference as ref
 from scripts.pair import ROOT, chapter_path, local_env
+from tests.budget import Budget
 from tests.gpu import needs_gpu
 from tests.test_bad_input import assert_one_line_error, run
 from tests.test_moe import BAD_BATCHES, LAUNCH, LIMIT, SMALL, check_lines
@@ -71,8 +71,7 @@ def gpus():
 def launched(ranks, per_node, *args):
     command = [sys.executable, LAUNCH, "-n", str(ranks), "--ranks-per-node", str(per_node),
                "--gpus", gpus(), CHAPTER, "-p", "shm", *SMALL, *args]
-    return subprocess.run(command, capture_output=True, text=True, env=local_env(),
-                          timeout=LIMIT, cwd=ROOT)
+    return Budget(LIMIT).run(command, env=local_env(), cwd=ROOT)
 
 
 @needs_gpu
@@ -239,8 +238,7 @@ def test_gpu_decode_benchmark_against_nccl_and_in_graphs(tmp_path):
     command = [sys.executable, LAUNCH, "-n", "2" if two else "1", "--gpus", gpus(), CHAPTER,
                *(["--baseline", "nccl"] if two else []), "--counts", "device", "--graph",
                "--check", "none", "--tokens", "1,8", "--iters", "20", "--json", str(path)]
-    done = subprocess.run(command, capture_output=True, text=True, env=local_env(),
-                          timeout=LIMIT, cwd=ROOT)
+    done = Budget(LIMIT).run(command, env=local_env(), cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads(path.read_text())
     assert (data["chapter"], data["counts"], data["graph"]) == ("17_gpu_driven", "device", True)

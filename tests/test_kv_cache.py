@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from common.patience import patience
 from scripts.pair import ADDRESS, chapter_path, local_env, run_pair
 from tests import shm_regions
+from tests.budget import Budget
 from tests.test_bad_input import assert_one_line_error, run
 
 SMALL = ["--tokens", "300", "--layers", "4", "--page-tokens", "64"]
@@ -65,7 +65,7 @@ def test_a_side_killed_mid_transfer_is_said_by_the_other_in_one_line(victim, sur
         time.sleep(0.3)
         killed.send_signal(signal.SIGKILL)
         killed.wait()
-        _, err = survivor.communicate(timeout=patience(60))
+        _, err = Budget(60).communicate(survivor)
     finally:
         for proc in (client, server):
             proc.kill()

@@ -16,8 +16,8 @@ import common.fabric as fi
 from common import launch
 from common.moe import harness
 from common.moe import reference as ref
-from common.patience import patience
 from scripts.pair import ROOT, chapter_path, local_env
+from tests.budget import Budget
 from tests.gpu import needs_gpu
 from tests.test_bad_input import assert_one_line_error, run
 
@@ -26,14 +26,13 @@ LAUNCH = str(ROOT / "scripts" / "launch.py")
 TOKENS, TOPK = 6, 3
 SMALL = ["--max-tokens", str(TOKENS), "--hidden", "128", "--experts", "16", "--topk", str(TOPK),
          "--private-tokens", "2"]
-LIMIT = patience(120)  # seconds for a whole launch, 8 ranks on 2 cores included
+LIMIT = 120  # seconds for a whole launch, 8 ranks on 2 cores included
 
 
 def launched(ranks, per_node, *args, provider=None):
     command = [sys.executable, LAUNCH, "-n", str(ranks), "--ranks-per-node", str(per_node),
                CHAPTER, *(["-p", provider] if provider else []), *args]
-    return subprocess.run(command, capture_output=True, text=True, env=local_env(), timeout=LIMIT,
-                          cwd=ROOT)
+    return Budget(LIMIT).run(command, env=local_env(), cwd=ROOT)
 
 
 def check_lines(out):
@@ -109,9 +108,9 @@ def test_a_rank_killed_mid_run_stops_the_others(per_node):
     try:
         pids = re.search(r"pids ([\d ]+)$", proc.stderr.readline())
         assert pids, "the launcher names its ranks' pids"
-        started = time.monotonic()
+        budget = Budget(LIMIT)
         while "benchmark" not in proc.stdout.readline():  # the ranks are in the loop
-            assert time.monotonic() - started < LIMIT
+            assert budget.left() > 0
         victim = int(pids[1].split()[1])
         killed = time.monotonic()
         subprocess.run(["kill", "-KILL", str(victim)], check=True)
@@ -310,7 +309,8 @@ def test_ranks_meet_without_our_launcher(launcher):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env=local_env(env(r))) for r in range(2)]
     try:
-        results = [p.communicate(timeout=LIMIT) for p in procs]
+        budget = Budget(LIMIT)
+        results = [budget.communicate(p) for p in procs]
     finally:
         for p in procs:
             p.kill()
@@ -347,9 +347,8 @@ def test_tiny_provider_queues_make_the_proxy_wait_not_fail():
     """Provider queues of two make fi_writemsg say -FI_EAGAIN; the proxy posts later."""
     command = [sys.executable, LAUNCH, "-n", "8", "--ranks-per-node", "4", CHAPTER, "-p", "shm",
                *SMALL, "--check", "random,overflow", "--iters", "3"]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=LIMIT,
-                          env=local_env({"FI_SHM_TX_SIZE": "2", "FI_SHM_RX_SIZE": "2",
-                                         "FI_SHM_DISABLE_CMA": "1"}))
+    done = Budget(LIMIT).run(command, cwd=ROOT, env=local_env({
+        "FI_SHM_TX_SIZE": "2", "FI_SHM_RX_SIZE": "2", "FI_SHM_DISABLE_CMA": "1"}))
     assert done.returncode == 0, done.stdout + done.stderr
     assert len(check_lines(done.stdout)) == 4
     eagain = re.search(r"proxy of rank 0: (\d+) WRITEs, -FI_EAGAIN (\d+) times", done.stdout)
@@ -405,8 +404,7 @@ def test_gpu_every_case_matches_the_reference(ranks, per_node):
     command = [sys.executable, LAUNCH, "-n", str(ranks), "--ranks-per-node", str(per_node),
                "--gpus", gpus(), CHAPTER, "-p", "shm", "--device", "cuda", *SMALL,
                "--iters", "0"]
-    done = subprocess.run(command, capture_output=True, text=True, env=local_env(),
-                          timeout=LIMIT, cwd=ROOT)
+    done = Budget(LIMIT).run(command, env=local_env(), cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = check_lines(done.stdout)
     assert set(lines) == {(d, c) for d in ("fp8", "bf16") for c in ref.CASES}
@@ -419,17 +417,15 @@ def test_gpu_every_case_matches_the_reference(ranks, per_node):
     (["-n", "2", "--gpus", "0,x", CHAPTER], "--gpus takes numbers like 0,1"),
 ])
 def test_launcher_bad_input_is_one_line(args, pattern):
-    done = subprocess.run([sys.executable, LAUNCH, *args], capture_output=True, text=True,
-                          env=local_env(), timeout=LIMIT, cwd=ROOT)
+    done = Budget(LIMIT).run([sys.executable, LAUNCH, *args], env=local_env(), cwd=ROOT)
     assert_one_line_error(done, pattern)
 
 
 def test_a_rank_that_never_comes_is_reported():
     """torchrun-style: rank 0 of 2 alone; it serves the rendezvous, waits, says why it stops."""
     start = time.monotonic()
-    done = subprocess.run([sys.executable, CHAPTER, "--iters", "0", "--check", "none",
-                           "--timeout", "2"], capture_output=True, text=True, cwd=ROOT,
-                          timeout=LIMIT, env=local_env({
+    done = Budget(LIMIT).run([sys.executable, CHAPTER, "--iters", "0", "--check", "none",
+                              "--timeout", "2"], cwd=ROOT, env=local_env({
                               "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                               "MASTER_PORT": str(free_port() - 1)}))
     assert time.monotonic() - start < 15
@@ -447,9 +443,9 @@ def test_torchrun_style_rank_0_killed_stops_the_other():
         env=local_env({"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})) for r in range(2)]
     try:
-        started = time.monotonic()
+        budget = Budget(LIMIT)
         while "benchmark" not in procs[0].stdout.readline():
-            assert time.monotonic() - started < LIMIT
+            assert budget.left() > 0
         procs[0].kill()
         killed = time.monotonic()
         _, err = procs[1].communicate(timeout=30)

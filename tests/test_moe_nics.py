@@ -4,7 +4,6 @@ run on virtual NICs (shm, tcp) end to end; and the GPUDirect flush before a stam
 it is needed (faked device attributes) and the C side that calls it."""
 import functools
 import re
-import subprocess
 import sys
 import threading
 from collections import Counter
@@ -17,6 +16,7 @@ from common.engine import topo
 from common.fabric import cuda_driver
 from scripts.pair import ROOT, chapter_path, local_env
 from tests import fake_sysfs
+from tests.budget import Budget
 from tests.gpu import needs_gpu
 from tests.test_bad_input import assert_one_line_error, run
 from tests.test_moe import CHAPTER, LAUNCH, LIMIT, SMALL, check_lines, gpus
@@ -137,8 +137,7 @@ def test_proxies_on_two_virtual_nics_each_pass_every_check(provider):
     command = [sys.executable, LAUNCH, "-n", "4", "--ranks-per-node", "2", CHAPTER,
                "-p", provider, *SMALL, "--nics", "2", "--check", "random,overflow,silent-rank",
                "--iters", "1"]
-    done = subprocess.run(command, capture_output=True, text=True, env=local_env(),
-                          timeout=LIMIT, cwd=ROOT)
+    done = Budget(LIMIT).run(command, env=local_env(), cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert len(check_lines(done.stdout)) == 6
     assert re.search(rf"^\[0\] provider: ({provider}\S*); proxy of rank 0: 2 virtual NICs, "
@@ -243,8 +242,7 @@ def test_gpu_proxies_on_two_virtual_nics_register_by_dmabuf(chapter, device):
     command = [sys.executable, LAUNCH, "-n", "2", "--ranks-per-node", "1", "--gpus", gpus(),
                str(chapter_path(chapter)), "-p", "shm", *device, *SMALL, "--nics", "2",
                "--check", "random,overflow", "--iters", "0"]
-    done = subprocess.run(command, capture_output=True, text=True, env=local_env(),
-                          timeout=LIMIT, cwd=ROOT)
+    done = Budget(LIMIT).run(command, env=local_env(), cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert len(check_lines(done.stdout)) == 4
     how = "by dmabuf" if fi.lib.tut_has_dmabuf() else "by address (no dmabuf: built against"

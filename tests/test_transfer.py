@@ -17,8 +17,8 @@ import pytest
 
 import common.fabric as fi
 from common.fabric import cuda_driver, lib
-from common.patience import patience
 from scripts.pair import ROOT, local_env
+from tests.budget import Budget
 from tests.gpu import needs_gpu
 
 transfer = pytest.importorskip("common.transfer")  # skipped only if the worker is not built
@@ -26,13 +26,17 @@ from common.transfer import Engine, TransferError  # noqa: E402
 
 LAUNCH = str(ROOT / "scripts" / "launch.py")
 RANKS = str(ROOT / "tests" / "transfer_ranks.py")
-LIMIT = patience(180)  # seconds for a whole launch, 8 tcp ranks on 2 busy cores included
+LIMIT = 180  # seconds for a whole launch, 8 tcp ranks on 2 busy cores included
 
 
-def launched(ranks, *args, grace=10):
-    return subprocess.run([sys.executable, LAUNCH, "-n", str(ranks), "--grace", str(grace),
-                           RANKS, *args], capture_output=True, text=True, env=local_env(),
-                          timeout=LIMIT, cwd=ROOT)
+def launched(ranks, *args, grace=10, timeout=10):
+    """The ranks' waits (`timeout` for each transfer, a minute to meet) and the launcher's
+    `grace`, all granted from one budget: each ends before the launch is stopped."""
+    budget = Budget(LIMIT)
+    return budget.run([sys.executable, LAUNCH, "-n", str(ranks), "--grace",
+                       str(budget.grant(grace)), RANKS, *args, "--timeout",
+                       str(budget.grant(timeout)), "--join", str(budget.grant(60))],
+                      env=local_env(), cwd=ROOT)
 
 
 @pytest.mark.parametrize("provider,nics,spread", [
@@ -72,8 +76,7 @@ def test_a_peer_killed_mid_transfer_is_seen(provider, watch):
     """Without watching the group, the survivor sees it by itself: tcp fails the WRITEs,
     shm's never complete (a timeout); watching, at once (PeerGone). A grace longer than
     the timeout: the launcher's SIGTERM would end the survivor before it says so."""
-    done = launched(2, "kill", "-p", provider, "--timeout", "2", *(["--watch"] * watch),
-                    grace=patience(60))
+    done = launched(2, "kill", "-p", provider, *(["--watch"] * watch), timeout=2, grace=60)
     assert done.returncode != 0
     assert "[1] got the first round; dying" in done.stdout, done.stdout + done.stderr
     line = re.search(r"^\[0\] survivor: .*$", done.stdout, re.M)
@@ -91,7 +94,7 @@ def test_a_peer_killed_mid_transfer_is_seen(provider, watch):
 @pytest.fixture
 def engine():
     with fi.Closer() as own:
-        eng = Engine(own, provider="shm", nics=2, timeout=patience(10))
+        eng = Engine(own, provider="shm", nics=2, timeout=Budget(10).seconds)
         yield own, eng
 
 
@@ -188,7 +191,7 @@ def test_registered_memory_lives_as_long_as_its_registration():
     import gc
     import weakref
     with fi.Closer() as own:
-        eng = Engine(own, provider="shm", timeout=patience(10))
+        eng = Engine(own, provider="shm", timeout=Budget(10).seconds)
         array = np.zeros(4096, np.uint8)
         held = weakref.ref(array)
         eng.remote(eng.register(array).descriptor())
@@ -255,7 +258,7 @@ def test_the_inject_size_is_the_smallest_nics_and_none_on_efa():
 def to_itself(provider):
     """(engine, peer: itself) on `provider` (one NIC) for injected WRITEs."""
     with fi.Closer() as own:
-        eng = Engine(own, provider=provider, timeout=patience(10))
+        eng = Engine(own, provider=provider, timeout=Budget(10).seconds)
         yield eng, eng.connect(eng.address())
 
 
@@ -371,9 +374,9 @@ def test_an_error_entry_with_no_context_fails_the_engine_once_it_injected(error_
     rc = []
     worker = threading.Thread(target=lambda: rc.append(native.tx_run(w)), daemon=True)
     worker.start()
-    worker.join(patience(2) if injected else 0.2)
+    worker.join(Budget(2).seconds if injected else 0.2)
     w.stop = 1  # a worker that goes on ends here
-    worker.join(patience(10))
+    worker.join(Budget(10).seconds)
     native.tx_free(w)
     assert ffi.string(w.remote_error) == b"the target has no such key"
     if not injected:
@@ -413,7 +416,7 @@ def test_the_worker_runs_on_the_cores_it_is_given(monkeypatch):
         pytest.skip("one core: a pinned worker and a free one look alike")
     monkeypatch.setattr(transfer, "worker_cores", lambda gpu: {allowed[0]})
     with fi.Closer() as own:
-        eng = Engine(own, provider="shm", timeout=patience(10))
+        eng = Engine(own, provider="shm", timeout=Budget(10).seconds)
         eng.signal(eng.connect(eng.address()), 1).wait()  # the worker has started its loop
         assert os.sched_getaffinity(eng._thread.native_id) == {allowed[0]}
         assert sorted(os.sched_getaffinity(0)) == allowed
@@ -424,7 +427,7 @@ def test_a_gpu_engine_runs_near_its_gpu_and_writes_torch_cuda_tensors():
     """On a GPU machine, two ranks on GPU 0: torch CUDA tensors registered without a copy
     and written page by page, each worker on cores of the GPU's NUMA node."""
     pytest.importorskip("torch")
-    done = launched(2, "torch", "--gpu", "0", "--timeout", "30")
+    done = launched(2, "torch", "--gpu", "0", timeout=30)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     assert out.count("torch: registered without a copy: True") == 2, out
@@ -436,7 +439,7 @@ def test_writes_to_itself_and_the_arrival_table_when_full(monkeypatch):
     """A full table says so (the values that did not fit are lost, not miscounted)."""
     monkeypatch.setattr(transfer, "IMM_TABLE", 4)
     with fi.Closer() as own:
-        eng = Engine(own, provider="shm", timeout=patience(10))
+        eng = Engine(own, provider="shm", timeout=Budget(10).seconds)
         me = eng.connect(eng.address())
         data = np.random.default_rng(3).integers(0, 256, 6 * 512, dtype=np.uint8)
         src, out = eng.register(data), np.zeros(6 * 512, np.uint8)
@@ -445,7 +448,7 @@ def test_writes_to_itself_and_the_arrival_table_when_full(monkeypatch):
             eng.write_pages(me, src, [imm], dst, [5 - imm], 512, imm=100 + imm).wait()
         assert int(np.count_nonzero(out.reshape(6, 512)[::-1] != data.reshape(6, 512))) == 0
         for imm in range(4):
-            eng.expect(100 + imm, 1, patience(5))
+            eng.expect(100 + imm, 1, Budget(5).seconds)
         with pytest.raises(TimeoutError) as excinfo:
             eng.expect(104, 1, 0.2)
         one_line(excinfo, "0 of 1 WRITEs with immediate 104 arrived within 0.2 s; the arrival "
@@ -458,7 +461,8 @@ def test_a_failed_write_raises_the_providers_text():
     WRITEs fail with the provider's text) or the target drops it (shm): a TransferError or
     the timeout, never a success."""
     with fi.Closer() as own:
-        eng = Engine(own, provider="tcp", timeout=patience(5))
+        budget = Budget(10)
+        eng = Engine(own, provider="tcp", timeout=budget.grant(5))
         me = eng.connect(eng.address())
         src = eng.register(np.zeros(4096, np.uint8))
         good = eng.register(np.zeros(4096, np.uint8)).descriptor()
@@ -466,8 +470,8 @@ def test_a_failed_write_raises_the_providers_text():
         bad[-8:] = (12345).to_bytes(8, "little")  # a key no registration has
         t = eng.write(me, src, 0, eng.remote(bytes(bad)), 0, 4096, imm=9)
         with pytest.raises((TransferError, TimeoutError)):
-            t.wait(patience(3))
-            eng.expect(9, 1, patience(3))
+            t.wait(budget.grant(3))
+            eng.expect(9, 1, budget.grant(3))
 
 
 # --- the GPUDirect flush: after the count arrived, before expect() returns -----------------
@@ -553,7 +557,7 @@ def test_gpu_a_shm_engine_does_not_flush_and_the_real_flush_succeeds(monkeypatch
     flushed, real = [], cuda_driver.flush
     monkeypatch.setattr(cuda_driver, "flush", lambda scope: flushed.append(scope) or real(scope))
     with fi.Closer() as own:
-        eng = Engine(own, provider="shm", gpu=0, timeout=patience(10))
+        eng = Engine(own, provider="shm", gpu=0, timeout=Budget(10).seconds)
         assert eng.flush_scope is None
         me = eng.connect(eng.address())
         eng.signal(me, 1).wait()
@@ -572,12 +576,10 @@ def test_the_benchmark_checks_its_pages_and_reports_each_case(tmp_path, inject, 
     with --inject, shm's 4 KiB pages are injected and the record says so (under EFA's
     rules too: an injected WRITE's key is one fi_mr_key returned, common/fabric/rules.h)."""
     path = tmp_path / "bench.json"
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "transfer_bench.py"), "-p",
-                           "shm", "--page-sizes", "4K", "--pages", "10", "--repeats", "1",
-                           "--no-fabtests", "--json", str(path), *["--inject"] * inject],
-                          capture_output=True, text=True,
-                          env=local_env(rules and {"FABRIC_RULES": rules}),
-                          timeout=patience(120), cwd=ROOT)
+    done = Budget(120).run([sys.executable, str(ROOT / "scripts" / "transfer_bench.py"), "-p",
+                            "shm", "--page-sizes", "4K", "--pages", "10", "--repeats", "1",
+                            "--no-fabtests", "--json", str(path), *["--inject"] * inject],
+                           env=local_env(rules and {"FABRIC_RULES": rules}), cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     assert re.search(r"4096 B x +10 pages: .* Gbps .*0 wrong bytes", done.stdout), done.stdout
     record = json.loads(path.read_text())
@@ -589,9 +591,8 @@ def test_the_benchmark_checks_its_pages_and_reports_each_case(tmp_path, inject, 
 @pytest.mark.parametrize("window, said", [("0", "must be positive"),
                                           ("1025", "more than the 64 MiB buffer")])
 def test_a_window_the_buffer_cannot_hold_is_refused_in_one_line(window, said):
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "transfer_bench.py"), "-p",
+    done = Budget(60).run([sys.executable, str(ROOT / "scripts" / "transfer_bench.py"), "-p",
                            "shm", "--page-sizes", "4K,64K", "--window", window],
-                          capture_output=True, text=True, env=local_env(), timeout=patience(60),
-                          cwd=ROOT)
+                          env=local_env(), cwd=ROOT)
     assert done.returncode == 2 and said in done.stderr, done.stdout + done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr

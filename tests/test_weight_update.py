@@ -4,24 +4,23 @@ quantisation, the check counts a flipped byte; runs of trainers and inference ra
 and tcp exact after two updates and the naive way; a rank gone mid-update; bad input."""
 import importlib.util
 import re
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 from common.moe import reference as ref
-from common.patience import patience
 from common.weights import BLOCK
 from common.weights.model import MODELS, inference_tensors, lay_out, parameters, values
 from common.weights.ops import HostOps, e4m3
 from scripts.pair import ROOT, local_env
+from tests.budget import Budget
 from tests.gpu import needs_gpu
 
 pytest.importorskip("common.transfer")  # skipped only if the engine's worker is not built
 CHAPTER = ROOT / "chapters" / "19_weight_update.py"
 LAUNCH = str(ROOT / "scripts" / "launch.py")
-LIMIT = patience(240)  # seconds for a whole job on 2 busy cores
+LIMIT = 240  # seconds for a whole job on 2 busy cores
 TINY = dict(MODELS["tiny"])
 
 
@@ -143,10 +142,9 @@ def test_the_check_counts_a_flipped_byte(ch19):
 
 
 def launched(ranks, *args, gpus=None):
-    return subprocess.run([sys.executable, LAUNCH, "-n", str(ranks),
+    return Budget(LIMIT).run([sys.executable, LAUNCH, "-n", str(ranks),
                            *(["--gpus", gpus] if gpus else []), str(CHAPTER), "--model", "tiny",
-                           *args], capture_output=True, text=True, env=local_env(),
-                          timeout=LIMIT, cwd=ROOT)
+                           *args], env=local_env(), cwd=ROOT)
 
 
 def exact(done, inference):
@@ -199,8 +197,7 @@ def test_bad_input_is_one_line_on_every_rank(args, pattern):
 
 
 def test_alone_it_says_how_to_start_the_job():
-    done = subprocess.run([sys.executable, str(CHAPTER)], capture_output=True, text=True,
-                          env=local_env(), timeout=LIMIT, cwd=ROOT)
+    done = Budget(LIMIT).run([sys.executable, str(CHAPTER)], env=local_env(), cwd=ROOT)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "it takes trainers and inference ranks: " in lines[0], lines

@@ -188,8 +188,10 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
             backlog.append(message)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     except Exception as e:  # this client failed (not Ctrl-C: opqueue.drain says why)
+        # one timeout for them all, not one each: the next client's CONNECT waits meanwhile
+        deadline = time.monotonic() + args.timeout
         for lane in lanes + [control]:
-            lane.queue.drain(args.timeout)
+            lane.queue.drain(max(0.0, deadline - time.monotonic()))
         if not started and isinstance(e, (fi.FabricError, ValueError)):
             connect.refuse(own, control.domain, control.ep, control.poller, client, e,
                            args.timeout)

@@ -1,0 +1,78 @@
+"""The processes the suite started that are still running: those whose environment carries
+its token (tests/shm_regions.py puts it there; every child inherits it).
+
+A process named here is stopped through a pidfd opened before its environment is read
+again, so that a pid reused by someone else's process in between is never signalled.
+"""
+import os
+import select
+import signal
+import time
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+def running(token):
+    """{pid: command line} of the live processes whose environment holds `token`, except
+    this one (pytest). A zombie's environment reads empty: it is not running."""
+    found = {}
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if token in (entry / "environ").read_bytes().split(b"\0"):
+                found[int(entry.name)] = command(entry)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def command(entry):
+    return (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def wait_gone(token, seconds):
+    """What is still running after `seconds`: processes given time to end by themselves
+    (a launcher's ranks stop within their bound after it is gone)."""
+    deadline = time.monotonic() + seconds
+    left = running(token)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = running(token)
+    return left
+
+
+def stop(token, pids, seconds=5.0):
+    """SIGTERM, then SIGKILL after `seconds`, to each of `pids` that still holds `token`."""
+    fds = []
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:  # already gone
+            continue
+        try:  # the pidfd pins this very process: is it still one of ours?
+            ours = token in (PROC / str(pid) / "environ").read_bytes().split(b"\0")
+        except OSError:
+            ours = False
+        if ours:
+            send(fd, signal.SIGTERM)
+            fds.append(fd)
+        else:
+            os.close(fd)
+    deadline = time.monotonic() + seconds
+    for fd in fds:  # a pidfd reads ready once its process has ended
+        if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            send(fd, signal.SIGKILL)
+        os.close(fd)
+
+
+def send(fd, sig):
+    try:
+        signal.pidfd_send_signal(fd, sig)
+    except ProcessLookupError:  # it ended (and was reaped) meanwhile
+        pass
+
+
+def report(left):
+    return "; ".join(f"pid {pid}: {cmd}" for pid, cmd in sorted(left.items()))
