@@ -34,6 +34,7 @@ shm's own handler would have done, and a clean close does) and flushes stdout.
 Standard library only, and nothing in the hot loops: a wait arms its Deadline once.
 """
 import contextlib
+import linecache
 import os
 import select
 import signal
@@ -154,6 +155,45 @@ def remove_shm_regions(pid=None):
             path.unlink()
         except OSError:
             pass
+
+
+def quiet_start():
+    """From the project's first import on: a SIGINT or SIGTERM that comes while the program
+    is still at its top-level imports (numpy and the binding take seconds on a busy
+    machine) ends it with 128 + the signal and one line, not a traceback or a silent death.
+    Elsewhere they do what Python's defaults do; the binding's handler (common/fabric)
+    replaces these once it is loaded. Handlers a program set itself are left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _starting)
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _starting)
+
+
+def _starting(signum, frame):
+    noted(signum)
+    if importing(frame):
+        end("interrupted before it started", exit_code())
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    signal.signal(signum, signal.SIG_DFL)  # SIGTERM's default: the process ends by it
+    os.kill(os.getpid(), signum)
+
+
+def importing(frame):
+    """Whether the program is still at one of its top-level imports (before cli.run, where a
+    KeyboardInterrupt would end it with a traceback): the outermost frame is a module's
+    code, at an import statement."""
+    while frame.f_back is not None:
+        frame = frame.f_back
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip()
+    return frame.f_code.co_name == "<module>" and line.startswith(("import ", "from "))
+
+
+def watching():
+    """Whether watch() runs: the program is in its main() (cli.run)."""
+    return _watching
 
 
 def watch():

@@ -198,3 +198,27 @@ def test_only_this_processs_shm_regions_are_removed():
     finally:
         for path in (mine, other):
             path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_a_chapter_starts_is_its_exit_and_one_line(sig):
+    """At any moment of a chapter's start: Python importing numpy and the binding, libfabric
+    loading its providers (Debian's PSM then installs handlers that exit(1)), main() opening
+    the fabric. A signal there once gave exit 1 with nothing said, or a traceback and 130 for
+    SIGTERM. Before the chapter's first import of the project, the interpreter's own start
+    and the standard library's imports (milliseconds) are Python's: its traceback, or the
+    signal's own death, there mention none of ours."""
+    wrong = []
+    for delay in [0.05 * k for k in range(1, 21)]:
+        proc = subprocess.Popen([sys.executable, str(chapter_path(6)), "-p", "shm", SHM_DEAD,
+                                 "--timeout", "5"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, env=own_timeout())
+        time.sleep(delay)
+        proc.send_signal(sig)
+        rc, err, _ = ended(proc, bounds.STOP_BOUND + STOP_MARGIN)
+        lines = err.strip().splitlines()
+        if rc == -sig and "common/" not in err:
+            continue  # Python's start, before the chapter's first line of ours ran
+        if rc != 128 + sig or len(lines) != 1 or "Traceback" in err:
+            wrong.append((delay, rc, err))
+    assert not wrong, wrong

@@ -17,11 +17,16 @@ import sys
 import threading
 import time
 
+from common import bounds
+
+# Loading libfabric loads its providers, and Debian's PSM installs SIGINT/SIGTERM handlers
+# that call exit(1): a Ctrl-C then would end the process with 1, skipping everything
+# (_take_back_signals). Held off until ours are back, the signal then comes to ours.
+_held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 try:
     from common._fabric import ffi, lib
 except ImportError as e:  # not built, or libfabric.so gone since
     sys.exit(f"libfabric binding unavailable ({e}): run 'bash scripts/setup.sh'")
-from common import bounds
 from common.fabric import rules  # FABRIC_RULES=efa|efa-direct|verbs: calls checked as those NICs would
 
 # The API version our headers describe; libfabric 2.x still serves 1.x callers.
@@ -131,8 +136,12 @@ def getinfo(hint, flags=0):
     """fi_getinfo: the list of (provider, domain) pairs that satisfy the hints."""
     out = ffi.new("struct fi_info **")
     check("fi_getinfo", rules.restrict(hint))
-    rc = lib.fi_getinfo(API_VERSION, ffi.NULL, ffi.NULL, flags, hint, out)
-    _take_back_signals()
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:  # the first fi_getinfo loads the providers (see _held above)
+        rc = lib.fi_getinfo(API_VERSION, ffi.NULL, ffi.NULL, flags, hint, out)
+    finally:
+        _take_back_signals()
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
     check("fi_getinfo", rc)
     return ffi.gc(rules.with_twins(out[0]), lib.fi_freeinfo)
 
@@ -142,6 +151,8 @@ _interrupting = True  # False once the process is saying its last words (cli.run
 
 def _interrupted(signum, frame):
     bounds.noted(signum)  # which one: the exit code says it (bounds.exit_code)
+    if not bounds.watching() and bounds.importing(frame):  # a program before its main(): nothing
+        bounds.end("interrupted before it started", bounds.exit_code())  # is open to close
     if _interrupting:
         raise KeyboardInterrupt
 
@@ -166,6 +177,10 @@ def _take_back_signals():
 
 
 _take_back_signals()  # loading the binding is enough for PSM's handlers to be installed
+for _early in signal.sigpending() & {signal.SIGINT, signal.SIGTERM}:  # came while it loaded:
+    bounds.noted(_early)                                          # nothing is open to close
+    bounds.end("interrupted while libfabric loaded", bounds.exit_code())
+signal.pthread_sigmask(signal.SIG_SETMASK, _held)
 
 
 def dupinfo(info):
