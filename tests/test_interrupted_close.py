@@ -19,7 +19,7 @@ def test_engine_interrupted_while_its_worker_stops(monkeypatch):
             eng.register(np.zeros(4096, np.uint8))
             join = eng._thread.join
 
-            def interrupted_join():
-                join()  # the worker is gone (nothing is closed under it), then the signal
+            def interrupted_join(timeout=None):  # as common/bounds.join calls it
+                join(timeout)  # the worker is gone (nothing is closed under it), then the signal
                 raise KeyboardInterrupt
             monkeypatch.setattr(eng._thread, "join", interrupted_join)
