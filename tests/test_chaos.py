@@ -11,6 +11,7 @@ import pytest
 
 from scripts import chaos
 from scripts.pair import ROOT, local_env
+from tests.budget import Budget
 
 CHAOS = [sys.executable, str(ROOT / "scripts" / "chaos.py")]
 
@@ -109,24 +110,25 @@ def test_the_table_counts_survivors_per_chapter_fault_and_provider():
     (["--chapters", "07", "--victims", "rank"], "no chapter of 07 has a rank"),
     (["--bogus"], "unrecognized arguments")])
 def test_bad_flags_are_one_line_and_exit_2(args, says):
-    done = subprocess.run([*CHAOS, *args], capture_output=True, text=True, timeout=60)
+    done = Budget(60).run([*CHAOS, *args])
     assert done.returncode == 2 and done.stdout == ""
     line, = done.stderr.strip().splitlines()
     assert line.startswith("chaos.py: error: ") and says in line, line
 
 
 def test_ctrl_c_ends_it_within_2_s_and_kills_its_trial(tmp_path):
+    budget = Budget(30)
     token_before = set(os.listdir("/dev/shm"))
     proc = subprocess.Popen([*CHAOS, "--chapters", "07", "--providers", "shm", "--faults",
                              "SIGSTOP", "--victims", "server"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=local_env())
-    time.sleep(3)
+    time.sleep(budget.grant(3))
     children = chaos_children(proc.pid)
     assert children, "no trial running yet"
     proc.send_signal(signal.SIGINT)
     started = time.monotonic()
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130 and time.monotonic() - started < chaos.patience(2)
+    _, err = budget.communicate(proc)
+    assert proc.returncode == 130 and time.monotonic() - started < budget.grant(2)
     assert err.strip().splitlines() == ["chaos: interrupted; the trial's processes are killed"]
     assert not [pid for pid in children if os.path.exists(f"/proc/{pid}")]
     assert not {f for f in set(os.listdir("/dev/shm")) - token_before
@@ -146,8 +148,7 @@ def chaos_children(pid):
 
 
 def test_a_seeded_run_survives_every_fault():
-    done = subprocess.run([*CHAOS, *SURVIVED], capture_output=True, text=True, timeout=240,
-                          env=local_env())
+    done = Budget(240).run([*CHAOS, *SURVIVED], env=local_env())
     figure = re.search(r"^faults survived (\d+)/(\d+)", done.stdout, re.MULTILINE)
     assert figure and figure[1] == figure[2] and int(figure[2]) > 0, done.stdout + done.stderr
     assert done.returncode == 0

@@ -9,19 +9,24 @@ from pathlib import Path
 
 import pytest
 
-from common.patience import patience
 from scripts.pair import ADDRESS, chapter_path, local_env
+from tests.budget import Budget
 
 CHAPTERS = [7, 9, 10]
 SMALL = ["--buffer-size", "4M", "--pages", "0-63"]  # 64 pages of 64 KiB
 INTERRUPTED = Path(__file__).with_name("interrupted_server.py")
+STARTED = 20  # seconds, quiet machine, for a process to print its first lines (numpy's import)
+TIMEOUT = 10  # seconds, quiet machine: both sides' --timeout
+# Both sides started, a second of WRITEs, the server's end (twice its --timeout), a clean-up.
+LIMIT = 2 * STARTED + 1 + 2 * TIMEOUT + TIMEOUT
 
 
-def started(args, until):
-    """A process of ours, once it has printed a line matching `until`, and what it printed."""
+def started(args, until, within):
+    """A process of ours, once it has printed a line matching `until` (looked for during
+    `within` seconds), and what it printed."""
     proc = subprocess.Popen([sys.executable, *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=local_env())
-    out, deadline = "", time.monotonic() + patience(20)
+    out, deadline = "", time.monotonic() + within
     while not re.search(until, out, re.MULTILINE) and time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line:
@@ -39,13 +44,15 @@ def interrupted_mid_run(chapter, server, interrupt=None):
     and return (exit code, stderr, seconds from the client's start to the exit, the server's
     --timeout). The server may take twice its --timeout to end, so that a drain waiting in
     vain for its peer shows as such."""
-    timeout = patience(10)
+    budget = Budget(LIMIT)
+    timeout, within = budget.grant(TIMEOUT), budget.grant(STARTED)
     proc, out = started([*server, chapter_path(chapter), "-p", "shm", "--timeout", timeout],
-                        ADDRESS.pattern)
+                        ADDRESS.pattern, within)
     client = None
     try:
         client, _ = started([chapter_path(chapter), "-p", "shm", ADDRESS.search(out)[1],
-                             "--iters", 100_000_000, *SMALL, "--timeout", timeout], "^memory:")
+                             "--iters", 100_000_000, *SMALL, "--timeout", timeout], "^memory:",
+                            within)
         sent = time.monotonic()  # the earliest an interrupt injected mid-run can come
         time.sleep(1)
         if interrupt:

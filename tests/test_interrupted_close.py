@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import common.fabric as fi
-from common.patience import patience
+from tests.budget import Budget
 
 transfer = pytest.importorskip("common.transfer")  # skipped only if the worker is not built
 
@@ -15,11 +15,11 @@ def test_engine_interrupted_while_its_worker_stops(monkeypatch):
     the domain was closed with them still open."""
     with pytest.raises(KeyboardInterrupt):
         with fi.Closer() as own:
-            eng = transfer.Engine(own, provider="shm", timeout=patience(10))
+            eng = transfer.Engine(own, provider="shm", timeout=Budget(10).seconds)
             eng.register(np.zeros(4096, np.uint8))
             join = eng._thread.join
 
-            def interrupted_join():
-                join()  # the worker is gone (nothing is closed under it), then the signal
+            def interrupted_join(timeout=None):  # as common/bounds.join calls it
+                join(timeout)  # the worker is gone (nothing is closed under it), then the signal
                 raise KeyboardInterrupt
             monkeypatch.setattr(eng._thread, "join", interrupted_join)

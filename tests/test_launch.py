@@ -13,8 +13,8 @@ import pytest
 
 from common import shm_files
 from common.launch import KILL_WAIT
-from common.patience import patience
 from scripts.pair import ROOT, chapter_path, local_env
+from tests.budget import Budget
 from tests.test_bad_input import assert_one_line_error
 
 LAUNCH = str(ROOT / "scripts" / "launch.py")
@@ -22,20 +22,21 @@ LAUNCH = str(ROOT / "scripts" / "launch.py")
 # so signals that come close together are all pending when it looks
 MOE = [str(chapter_path(16)), "-p", "shm", "--iters", "1000000", "--check"]
 SLEEPER = "import time\ntime.sleep(600)\n"  # a rank that never looks at the rendezvous
-LIMIT = patience(120)  # seconds for 4 ranks to start on a busy 2-core machine
+LIMIT = 120  # seconds, quiet machine, for 4 ranks to start on a busy 2-core machine
+STARTED_AND_STOPPED = 2 * LIMIT  # a test that starts ranks, then waits LIMIT for their end
 
 
-def start(*args, grace=10):
+def start(budget, *args, grace=10):
     """The launcher in a session of its own (as a shell starts a job): its process group
     is what a terminal's Ctrl-C reaches. Returns it and its ranks' pids, once they are in
-    the benchmark loop."""
+    the benchmark loop (within LIMIT seconds of `budget`)."""
     proc = subprocess.Popen([sys.executable, LAUNCH, "--grace", str(grace), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=local_env(), cwd=ROOT, start_new_session=True)
     pids = [int(p) for p in re.search(r"pids ([\d ]+)$", proc.stderr.readline())[1].split()]
-    started = time.monotonic()
+    deadline = time.monotonic() + budget.grant(LIMIT)
     while "benchmark" not in proc.stdout.readline():
-        assert time.monotonic() - started < LIMIT and proc.poll() is None
+        assert time.monotonic() < deadline and proc.poll() is None
     return proc, pids
 
 
@@ -63,14 +64,15 @@ def test_ctrl_c_closes_every_rank(whom):
     region (16 MiB) behind, though each said 'resources closed'. (A check first: a rank's
     first endpoint installs shm's own signal handler, which removes the regions, until the
     next fi_getinfo takes the signals back; common/fabric/__init__.py.)"""
-    proc, pids = start("-n", "4", "--ranks-per-node", "2", *MOE, "random")
+    budget = Budget(STARTED_AND_STOPPED)
+    proc, pids = start(budget, "-n", "4", "--ranks-per-node", "2", *MOE, "random")
     time.sleep(1)  # past the first barrier, into the rounds (where the regions were left)
     try:
         if whom == "group":
             os.killpg(proc.pid, signal.SIGINT)
         else:
             proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=LIMIT)
+        _, err = budget.communicate(proc)
     finally:
         proc.kill()
     assert proc.returncode == 130 and "Traceback" not in err, err
@@ -85,8 +87,9 @@ def test_ranks_die_with_a_killed_launcher(program, tmp_path):
     """SIGKILL leaves the launcher no word to say: the kernel tells its ranks (SIGTERM, set
     by prctl in each), which close what they opened, whether or not they would have seen
     the rendezvous close."""
+    budget = Budget(STARTED_AND_STOPPED)
     if program == "chapter":
-        proc, pids = start("-n", "2", "--ranks-per-node", "1", *MOE, "none")
+        proc, pids = start(budget, "-n", "2", "--ranks-per-node", "1", *MOE, "none")
     else:
         (tmp_path / "sleeper.py").write_text(SLEEPER)
         proc = subprocess.Popen([sys.executable, LAUNCH, "-n", "2", str(tmp_path / "sleeper.py")],
@@ -95,7 +98,7 @@ def test_ranks_die_with_a_killed_launcher(program, tmp_path):
     try:
         proc.kill()
         proc.wait()
-        assert_all_gone(pids, patience(10))
+        assert_all_gone(pids, budget.grant(10))
     finally:
         for p in pids:
             if alive(p):
@@ -105,18 +108,18 @@ def test_ranks_die_with_a_killed_launcher(program, tmp_path):
 def test_a_frozen_rank_does_not_hold_the_launcher():
     """A rank stopped by SIGSTOP acts on no signal until SIGCONT: the launcher sends one
     after each, and SIGKILL (which acts on it anyway) bounds the rest."""
-    grace = 1
-    proc, pids = start("-n", "2", *MOE, "none", grace=grace)
+    grace, budget = 1, Budget(STARTED_AND_STOPPED)
+    proc, pids = start(budget, "-n", "2", *MOE, "none", grace=grace)
     try:
         os.kill(pids[1], signal.SIGSTOP)
         signalled = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=LIMIT)
+        _, err = budget.communicate(proc)
         elapsed = time.monotonic() - signalled
     finally:
         proc.kill()
     assert proc.returncode == 130 and "Traceback" not in err, err
-    assert elapsed < patience(grace + KILL_WAIT + 5), elapsed
+    assert elapsed < budget.grant(grace + KILL_WAIT + 5), elapsed
     assert_all_gone(pids, 0)
 
 
@@ -137,8 +140,8 @@ SPAWN_INTERRUPTED = textwrap.dedent("""
 
 
 def test_ctrl_c_while_spawning_stops_what_was_started():
-    done = subprocess.run([sys.executable, "-c", SPAWN_INTERRUPTED], capture_output=True,
-                          text=True, cwd=ROOT, env=local_env(), timeout=LIMIT)
+    done = Budget(LIMIT).run([sys.executable, "-c", SPAWN_INTERRUPTED], cwd=ROOT,
+                             env=local_env())
     pids = [int(p) for p in re.findall(r"^rank pid (\d+)$", done.stderr, re.MULTILINE)]
     ours = "".join(line for line in done.stderr.splitlines(True) if not line.startswith("["))
     assert done.returncode == 130 and "Traceback" not in ours, done.stderr  # a rank's may be
@@ -154,6 +157,5 @@ def test_ctrl_c_while_spawning_stops_what_was_started():
     (["-n", "2", "--grace", "-1", "x.py"], "--grace must be 0 to 600 seconds"),
 ])
 def test_bad_world_is_one_line(args, pattern):
-    done = subprocess.run([sys.executable, LAUNCH, *args], capture_output=True, text=True,
-                          env=local_env(), timeout=LIMIT, cwd=ROOT)
+    done = Budget(LIMIT).run([sys.executable, LAUNCH, *args], env=local_env(), cwd=ROOT)
     assert_one_line_error(done, pattern)

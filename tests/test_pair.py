@@ -11,22 +11,25 @@ import time
 import pytest
 
 from common import shm_files
-from common.patience import patience
 from scripts.pair import INTERRUPTED_WAIT, ROOT, local_env
+from tests.budget import Budget
 
 PAIR = str(ROOT / "scripts" / "pair.py")
-LIMIT = patience(60)  # seconds for chapter 07's server and client to start on 2 busy cores
+LIMIT = 60  # seconds, quiet machine, for chapter 07's server and client to start on 2 busy cores
+STARTED_AND_STOPPED = 2 * LIMIT  # a test starts them, then waits LIMIT for pair.py's end
 
 
-def start_07():
+def start_07(budget):
     """pair.py on chapter 07 (its client runs for long), in a session of its own as a shell
-    starts a job; returns it once the client has said something, and both sides' pids."""
+    starts a job; returns it once the client has said something (within LIMIT seconds of
+    `budget`), and both sides' pids."""
     proc = subprocess.Popen([sys.executable, PAIR, "07", "-p", "shm"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=local_env(), cwd=ROOT,
                             start_new_session=True)
-    lines, deadline = [], time.monotonic() + LIMIT
+    within = budget.grant(LIMIT)
+    lines, deadline = [], time.monotonic() + within
     while not any(line.startswith("client 1: ") for line in lines):
-        assert time.monotonic() < deadline, f"nothing from the client within {LIMIT:g} s"
+        assert time.monotonic() < deadline, f"nothing from the client within {within:.0f} s"
         if select.select([proc.stdout], [], [], 0.1)[0]:
             lines.append(proc.stdout.readline())
             assert lines[-1], f"the client said nothing while it ran: {lines}"
@@ -55,7 +58,8 @@ def assert_nothing_left(pids):
 
 @pytest.mark.parametrize("whom", ["group", "pair"])
 def test_ctrl_c_stops_both_sides_at_once(whom):
-    proc, sides = start_07()
+    budget = Budget(STARTED_AND_STOPPED)
+    proc, sides = start_07(budget)
     try:
         assert len(sides) == 2, sides
         signalled = time.monotonic()
@@ -63,7 +67,7 @@ def test_ctrl_c_stops_both_sides_at_once(whom):
             os.killpg(proc.pid, signal.SIGINT)
         else:
             proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=LIMIT)
+        out, err = budget.communicate(proc)
         elapsed = time.monotonic() - signalled
     finally:
         proc.kill()
@@ -76,17 +80,18 @@ def test_ctrl_c_stops_both_sides_at_once(whom):
     for side in ("server", "client 1"):
         assert f"{side}: 07_queue.py: interrupted, resources closed" in err \
             or f"{side}: killed: not closed within" in err, err
-    assert elapsed < INTERRUPTED_WAIT + patience(1), elapsed
+    assert elapsed < INTERRUPTED_WAIT + budget.grant(1), elapsed
     assert_nothing_left(sides)
 
 
 def test_a_killed_client_leaves_nothing():
     """A client killed by SIGKILL removes nothing itself: pair.py removes its shm region."""
-    proc, sides = start_07()
+    budget = Budget(STARTED_AND_STOPPED)
+    proc, sides = start_07(budget)
     try:
         server, client = sides
         os.kill(client, signal.SIGKILL)
-        out, err = proc.communicate(timeout=LIMIT)
+        out, err = budget.communicate(proc)
     finally:
         proc.kill()
         for pid in sides:
