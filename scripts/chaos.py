@@ -551,25 +551,13 @@ def listed(choices, upper=False):
     return parse
 
 
-def positive(kind):
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = 0
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"not a positive number: '{text}'")
-        return value
-    return parse
-
-
 def parser():
     p = usage.Parser(prog="chaos.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trials", type=positive(int), default=20, help="how many trials")
-    p.add_argument("--minutes", type=positive(float), default=10.0,
+    p.add_argument("--trials", type=usage.positive(int), default=20, help="how many trials")
+    p.add_argument("--minutes", type=usage.positive(float), default=10.0,
                    help="start no trial after this many minutes")
     p.add_argument("--seed", type=int, default=0, help="the seed the trials are chosen from")
-    p.add_argument("--only", type=positive(int), metavar="K", help="run trial K alone")
+    p.add_argument("--only", type=usage.positive(int), metavar="K", help="run trial K alone")
     p.add_argument("--chapters", type=listed(tuple(SPECS)), default=list(SPECS))
     p.add_argument("--providers", type=listed(PROVIDERS), default=list(PROVIDERS))
     p.add_argument("--faults", type=listed(tuple(FAULTS), upper=True), default=list(FAULTS))

@@ -13,7 +13,6 @@ Ctrl-C of this script (within 2 s), so nothing is left running or in /dev/shm.
 
 Also a library: tests and the tour call run_pair(), and read each side's output after.
 """
-import argparse
 import os
 import re
 import shlex
@@ -216,23 +215,14 @@ def _terminated(signum, _):
     raise Signalled(signum)
 
 
-def seconds(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: '{text}'")
-    return value
-
-
 def main():
     p = usage.Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("chapter", help="chapter number, e.g. 04")
     p.add_argument("-p", "--provider")
     p.add_argument("--clients", type=int, default=1, help="how many clients to run in turn")
     p.add_argument("--server-args", default="", help="extra server arguments, one string")
-    p.add_argument("--limit", type=seconds, default=60.0, metavar="S",
+    p.add_argument("--limit", type=usage.positive(float, "a number of seconds"), default=60.0,
+                   metavar="S",
                    help="seconds the server may take to print its address and each client "
                         "to run (default 60; stretched when the machine is busy)")
     argv = sys.argv[1:]

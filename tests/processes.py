@@ -28,6 +28,15 @@ def running(token):
     return found
 
 
+def alive(pid):
+    """Whether process `pid` runs (a zombie has ended: only its parent has not read it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def command(entry):
     return (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
 

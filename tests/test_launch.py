@@ -15,6 +15,7 @@ from common import shm_files
 from common.launch import KILL_WAIT
 from scripts.pair import ROOT, chapter_path, local_env
 from tests.budget import Budget
+from tests.processes import alive
 from tests.test_bad_input import assert_one_line_error
 
 LAUNCH = str(ROOT / "scripts" / "launch.py")
@@ -38,14 +39,6 @@ def start(budget, *args, grace=10):
     while "benchmark" not in proc.stdout.readline():
         assert time.monotonic() < deadline and proc.poll() is None
     return proc, pids
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def assert_all_gone(pids, within):

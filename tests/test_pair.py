@@ -13,6 +13,7 @@ import pytest
 from common import shm_files
 from scripts.pair import INTERRUPTED_WAIT, ROOT, local_env
 from tests.budget import Budget
+from tests.processes import alive
 
 PAIR = str(ROOT / "scripts" / "pair.py")
 LIMIT = 60  # seconds, quiet machine, for chapter 07's server and client to start on 2 busy cores
@@ -40,14 +41,6 @@ def start_07(budget):
 def children(pid):
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(c) for c in f.read().split()]
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def assert_nothing_left(pids):
