@@ -65,6 +65,7 @@ class Spec:
     client: list = field(default_factory=list)  # client (or each rank's) arguments
     window: float = 3.0        # the fault lands within this many seconds of the start...
     from_output: bool = False  # ...of the client's first line (else of its launch)
+    begun: str = None          # ...or of the server's line with this: the peers are joined
     again: list = None         # a server serving more: the second client's arguments
     program: Path = None       # what runs, if not the chapter's file (the tests' fakes)
 
@@ -88,7 +89,8 @@ SPECS = {
     **{c: engine(4_000_000) for c in ("11", "12", "13", "14", "15")},
     "16": Spec("ranks", ["-n", "4", "--ranks-per-node", "2"],
                ["--check", "random", "--iters", "20", "--tokens", "64"], 8.0),
-    "18": Spec("pair", ["--tokens", "4096"], ["--tokens", "4096"], 4.0),
+    "18": Spec("pair", ["--tokens", "4096"], ["--tokens", "4096"], 4.0,
+               begun="decoder: request"),
     "19": Spec("ranks", ["-n", "3"], ["--updates", "3", "--naive", "no"], 8.0),
 }
 
@@ -419,6 +421,8 @@ def pair_trial(run, trial, spec, bound):
     client = run.start("client", [sys.executable, path, *common, address, *spec.client])
     if spec.from_output:
         wait_for(lambda: client.out or not client.alive(), patience(30))
+    if spec.begun:  # before it, the server waits for a client, not for a peer
+        wait_for(lambda: spec.begun in "".join(server.out) or not client.alive(), patience(30))
     victim, peer = (server, client) if trial.victim == "server" else (client, server)
     since = land(run, victim, trial, time.monotonic())
     if since is None:
