@@ -65,9 +65,9 @@ class Spec:
     client: list = field(default_factory=list)  # client (or each rank's) arguments
     window: float = 3.0        # the fault lands within this many seconds of the start...
     from_output: bool = False  # ...of the client's first line (else of its launch)
-    begun: str = None          # ...or of the server's line with this: the peers are joined
     again: list = None         # a server serving more: the second client's arguments
     program: Path = None       # what runs, if not the chapter's file (the tests' fakes)
+    begun: str = None          # the window opens at the server's line with this (peers joined)
 
 
 PAGES = ["--page-size", "4K", "--buffer-size", "1M", "--pages", "0-63"]
