@@ -41,7 +41,8 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
+
+from common import shm_files
 
 STOP_BOUND = 2.0    # seconds from the first SIGINT/SIGTERM to the end of the process
 STOP_GRACE = 1.5    # ... of which the clean way (everything closed) may take this much
@@ -134,27 +135,8 @@ def end(line, code):
     except (OSError, ValueError):
         pass
     os.write(2, f"{os.path.basename(sys.argv[0])}: {line}\n".encode(errors="replace"))
-    remove_shm_regions()
+    shm_files.remove_left_by([os.getpid()])  # what fi_close or shm's own handler would
     os._exit(code)
-
-
-SHM = Path("/dev/shm")
-
-
-def remove_shm_regions(pid=None):
-    """Unlink the shm provider's regions of this process: libfabric names each endpoint's
-    "<pid>:<uid>:<n>" (prov/shm/src/smr_ep.c, smr_endpoint_name), and a process ended by
-    os._exit runs neither fi_close nor shm's signal handler, which unlink them."""
-    prefix = f"{pid or os.getpid()}:"
-    try:
-        names = [p for p in SHM.iterdir() if p.name.startswith(prefix)]
-    except OSError:  # no /dev/shm here: no shm regions either
-        return
-    for path in names:
-        try:
-            path.unlink()
-        except OSError:
-            pass
 
 
 def quiet_start():
