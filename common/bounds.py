@@ -34,7 +34,7 @@ shm's own handler would have done, and a clean close does) and flushes stdout.
 Standard library only, and nothing in the hot loops: a wait arms its Deadline once.
 """
 import contextlib
-import linecache
+import dis
 import os
 import select
 import signal
@@ -166,11 +166,12 @@ def _starting(signum, frame):
 def importing(frame):
     """Whether the program is still at one of its top-level imports (before cli.run, where a
     KeyboardInterrupt would end it with a traceback): the outermost frame is a module's
-    code, at an import statement."""
+    code, at an import instruction (its line may be the continuation of a long one)."""
     while frame.f_back is not None:
         frame = frame.f_back
-    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip()
-    return frame.f_code.co_name == "<module>" and line.startswith(("import ", "from "))
+    return frame.f_code.co_name == "<module>" and any(
+        i.offset == frame.f_lasti and i.opname.startswith("IMPORT")
+        for i in dis.get_instructions(frame.f_code))
 
 
 def watching():

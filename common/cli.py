@@ -218,9 +218,9 @@ def run(main):
     """Run a chapter's main(), turning every expected failure into one line and an exit code,
     each within its bound (common/bounds.py: the watchdog ends what cannot end itself)."""
     name = os.path.basename(sys.argv[0])
-    bounds.watch()
     try:
         try:
+            bounds.watch()
             sys.exit(main())
         except BrokenPipeError:  # piped into `head`: the reader has what it wanted
             os._exit(0)
