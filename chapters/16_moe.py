@@ -100,6 +100,7 @@ LESSON = {"figure": "check", "shows": "dispatch and combine exact on 4 ranks / 2
 #                 the peer's proxy turns the immediate into the same stamp
 
 # %%
+import common  # first: a Ctrl-C during the imports below is one line (common/bounds.py)
 import os
 import time
 

@@ -104,6 +104,7 @@ LESSON = {"figure": "check", "shows": "dispatch and combine exact, driven by the
 #     the host: five launches a layer, or one graph replay; no wait unless asked
 
 # %%
+import common  # first: a Ctrl-C during the imports below is one line (common/bounds.py)
 import os
 import time
 

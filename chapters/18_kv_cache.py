@@ -93,6 +93,7 @@ LESSON = {"figure": "check", "shows": "a prompt's KV cache arrives whole and ver
 #     (or CANCEL -> the prefiller stops, waits for its WRITEs, CANCELLED -> pages freed)
 
 # %%
+import common  # first: a Ctrl-C during the imports below is one line (common/bounds.py)
 import json
 import os
 import struct

@@ -105,6 +105,7 @@ LESSON = {"figure": "check", "shows": "every fp8 weight and scale exact after tw
 #       3. barrier  <---------------------------->   barrier, then serve the new weights
 
 # %%
+import common  # first: a Ctrl-C during the imports below is one line (common/bounds.py)
 import contextlib
 import json
 import os

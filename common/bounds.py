@@ -139,18 +139,18 @@ def end(line, code):
     os._exit(code)
 
 
-def quiet_start():
+def quiet_start(found):
     """From the project's first import on: a SIGINT or SIGTERM that comes while the program
     is still at its top-level imports (numpy and the binding take seconds on a busy
     machine) ends it with 128 + the signal and one line, not a traceback or a silent death.
     Elsewhere they do what Python's defaults do; the binding's handler (common/fabric)
-    replaces these once it is loaded. Handlers a program set itself are left alone."""
+    replaces these once it is loaded. `found`: the handlers the program had (common/__init__
+    took them over while this module imported); one it set itself is given back."""
     if threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _starting)
-    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _starting)
+    for signum, handler in found.items():  # Python's defaults, or the program's own
+        default = handler in (signal.default_int_handler, signal.SIG_DFL)
+        signal.signal(signum, _starting if default else handler)
 
 
 def _starting(signum, frame):
