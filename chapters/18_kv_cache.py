@@ -32,7 +32,7 @@ Transcript (2-core x86_64 VM, no GPU, Debian's libfabric 1.17, load average 0.2;
 addresses shortened; the code of efbdba2):
 
     $ .venv/bin/python scripts/pair.py 18 -p shm
-    --- server: /work/main/chapters/18_kv_cache.py -p shm -> exit 0
+    --- server: chapters/18_kv_cache.py -p shm -> exit 0
     provider: shm; 1 virtual NIC, each a domain of shm (no NIC with a PCI address here)
     decoder: KV cache of 16 pages a (layer, K|V), 8 layers, 32768 B a page (8 MiB); model small (8 layers, hidden 512, 1 KV head(s) of 128, 1024 tokens, 128 a page)
     server address: 5458...
@@ -42,7 +42,7 @@ addresses shortened; the code of efbdba2):
     watcher, counter to first post: p50 80 us, p99 1478 us
     time to first token: 212.7 ms prefill alone, 251.6 ms with the transfer (1024 tokens, 8 layers)
     checked 128 pages and the context: 0 wrong bytes
-    --- client 1: /work/main/chapters/18_kv_cache.py -p shm 5458... -> exit 0
+    --- client 1: chapters/18_kv_cache.py -p shm 5458... -> exit 0
     provider: shm; 1 virtual NIC, each a domain of shm (no NIC with a PCI address here)
     prefiller: 8 layers, hidden 512, 1 KV head(s) of 128, 1024 tokens, 128 a page
     prefiller: 8 layers sent, 128 pages; {'posted': 129, 'completed': 129, 'eagain': 2, 'arrived': 0, 'injected': 0, 'nics': 1}; the decoder found 0 wrong bytes
@@ -62,7 +62,7 @@ Transcript (one H200 of a 16-core Xeon VM, the code of efbdba2 run from a workin
 the addresses shortened):
 
     $ .venv/bin/python scripts/pair.py 18 -p shm --server-args="--gpu 0 --tokens 4096" -- --gpu 0 --tokens 4096 --json FILE
-    --- server: /work/main/chapters/18_kv_cache.py -p shm --gpu 0 --tokens 4096 -> exit 0
+    --- server: chapters/18_kv_cache.py -p shm --gpu 0 --tokens 4096 -> exit 0
     provider: shm; 1 virtual NIC, each a domain of shm (no NIC with a PCI address here)
     decoder: KV cache of 64 pages a (layer, K|V), 94 layers, 32768 B a page (376 MiB); model qwen3-235b-tp4 (94 layers, hidden 4096, 1 KV head(s) of 128, 4096 tokens, 128 a page)
     server address: 5458...
@@ -72,7 +72,7 @@ the addresses shortened):
     watcher, counter to first post: p50 39 us, p99 82 us
     time to first token: 692.4 ms prefill alone, 742.4 ms with the transfer (4096 tokens, 94 layers)
     checked 6016 pages and the context: 0 wrong bytes
-    --- client 1: /work/main/chapters/18_kv_cache.py -p shm 5458... --gpu 0 --tokens 4096 --json FILE -> exit 0
+    --- client 1: chapters/18_kv_cache.py -p shm 5458... --gpu 0 --tokens 4096 --json FILE -> exit 0
     provider: shm; 1 virtual NIC, each a domain of shm (no NIC with a PCI address here)
     prefiller: 94 layers, hidden 4096, 1 KV head(s) of 128, 4096 tokens, 128 a page
     prefiller: 94 layers sent, 6016 pages; {'posted': 6017, 'completed': 6017, 'eagain': 19, 'arrived': 0, 'injected': 0, 'nics': 1}; the decoder found 0 wrong bytes

@@ -1,7 +1,7 @@
 """NIXL as a peer: the same paged WRITEs as common/transfer, moved by NIXL's UCX backend.
 
-    /work/nixlenv/bin/python scripts/nixl_pages.py                      # 1K..64K x 100, 10000
-    /work/nixlenv/bin/python scripts/nixl_pages.py --page-size 4K --pages 100 --repeats 3 --json
+    nixlenv/bin/python scripts/nixl_pages.py                      # 1K..64K x 100, 10000
+    nixlenv/bin/python scripts/nixl_pages.py --page-size 4K --pages 100 --repeats 3 --json
     PYTHONPATH=<the NIXL folder> python3 scripts/nixl_pages.py --gpu 0 --json   # GPU 0 memory
 
 The question a reader of chapters 18-19 asks: what would NIXL (what Dynamo and
@@ -67,7 +67,7 @@ notif_s, prep_s, wrong_bytes).
 
 Needs nixl (nixl-cu13 or nixl-cu12 from PyPI; its _api needs numpy, its
 nixl_ep torch) and no libfabric; the repo's .venv has no nixl, so it runs from
-a venv of its own: `python3 -m venv /work/nixlenv && /work/nixlenv/bin/pip
+a venv of its own: `python3 -m venv nixlenv && nixlenv/bin/pip
 install nixl-cu13` (on a CPU-only box torch CPU is enough: `pip install
 --no-deps` its wheel, then filelock fsspec jinja2 networkx sympy
 typing-extensions numpy "setuptools>=77.0.3").
@@ -106,7 +106,7 @@ figures by 2-4x from run to run (64K x 10000 gave 42.3 Gbps in a run a minute
 before); libfabric shm's fi_rma_bw -o write here (results/baselines/
 vm-2core-shm-host.json): 14.8 Gbps at 4K, 38.7 at 16K, 56.7 at 64K:
 
-    $ /work/nixlenv/bin/python scripts/nixl_pages.py --json /tmp/nx/final.json
+    $ nixlenv/bin/python scripts/nixl_pages.py --json FILE
     nixl 1.5.1 (nixl_cu13), UCX 1.23.0, UCX_TLS=(all), progress thread off, 3 repeats after 1 warmup, host memory
       page  pages      Gbps     Mpps      min-max Gbps  notif us  prep ms  wrong
         1K    100     1.237    0.151    0.147-3.076       5572.0     0.22      0
@@ -120,7 +120,7 @@ vm-2core-shm-host.json): 14.8 Gbps at 4K, 38.7 at 16K, 56.7 at 64K:
        64K    100    40.141    0.077   29.822-46.430      1293.5     0.15      0
        64K  10000    12.679    0.024    9.737-13.074    413470.0     9.53      0
     ucx: put: cma/memory; am: tcp/lo  (UCX_PROTO_INFO of the initiator)
-    wrote /tmp/nx/final.json
+    wrote FILE
 """
 import argparse
 import importlib
@@ -140,7 +140,7 @@ sys.path.insert(0, str(ROOT))
 from common import records  # noqa: E402 (the standard library only: no libfabric here)
 
 MODULES = ("nixl", "nixl_cu13", "nixl_cu12")  # the meta package, or one of its wheels
-INSTALL = "python3 -m venv /work/nixlenv && /work/nixlenv/bin/pip install nixl-cu13"
+INSTALL = "python3 -m venv nixlenv && nixlenv/bin/pip install nixl-cu13"
 # POLITE: both sides poll (check_xfer_state, get_new_notifs) with a sched_yield() between
 # polls: where spinning threads outnumber the cores (the 2-core VM: two processes and NIXL's
 # progress threads), a spinning side takes the time slices the other one needs.
@@ -656,7 +656,7 @@ def main(argv=None):
     if module is None:
         print(f"nixl_pages.py: nixl is not importable by {sys.executable} (python "
               f"{sys.version.split()[0]}): {INSTALL} (nixl-cu12 for CUDA 12), then run this "
-              f"with /work/nixlenv/bin/python", file=sys.stderr)
+              f"with nixlenv/bin/python", file=sys.stderr)
         return 1
     try:
         args.allocator, args.gpu_name = (None, None) if args.gpu is None else \

@@ -2,7 +2,7 @@
 and the target finds every byte; without nixl the script says how to get it, in one line.
 
 The repo's .venv has no nixl: these tests run the script with the interpreter that has it,
-this one or NIXL_PYTHON (e.g. NIXL_PYTHON=/work/nixlenv/bin/python .venv/bin/pytest
+this one or NIXL_PYTHON (e.g. NIXL_PYTHON=nixlenv/bin/python .venv/bin/pytest
 tests/test_nixl_pages.py)."""
 import importlib.util
 import json
