@@ -20,6 +20,14 @@ LIMIT = 60  # seconds, quiet machine, for chapter 07's server and client to star
 STARTED_AND_STOPPED = 2 * LIMIT  # a test starts them, then waits LIMIT for pair.py's end
 
 
+def kill_all(proc, sides):
+    """pair.py and both its sides, whatever the test saw: none may outlive it."""
+    proc.kill()
+    for pid in sides:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def start_07(budget):
     """pair.py on chapter 07 (its client runs for long), in a session of its own as a shell
     starts a job; returns it once the client has said something (within LIMIT seconds of
@@ -63,10 +71,7 @@ def test_ctrl_c_stops_both_sides_at_once(whom):
         out, err = budget.communicate(proc)
         elapsed = time.monotonic() - signalled
     finally:
-        proc.kill()
-        for pid in sides:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_all(proc, sides)
     assert proc.returncode == 130 and "Traceback" not in out + err, out + err
     assert err.splitlines()[-1] == "pair: interrupted; server and clients stopped"
     # each side closes within INTERRUPTED_WAIT or is killed (a busy machine)
@@ -86,10 +91,7 @@ def test_a_killed_client_leaves_nothing():
         os.kill(client, signal.SIGKILL)
         out, err = budget.communicate(proc)
     finally:
-        proc.kill()
-        for pid in sides:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_all(proc, sides)
     assert proc.returncode == 1 and "Traceback" not in out + err, out + err
     assert f"-> exit {-signal.SIGKILL}" in out.splitlines()[-1], out
     assert_nothing_left(sides)
