@@ -150,16 +150,22 @@ def serve(own, domain, ep, av, poller, request, args):
 
     storage = ffi.new("struct fi_context2[]", npages)  # one context per WRITE in flight
     contexts = [storage + j for j in range(npages)]
-    for j, page in enumerate(pages):
-        base, _, key = regions[page // per_buffer]
-        last = j == npages - 1
-        if last:  # all other pages completed first: the immediate means "everything is there"
-            poller.wait_all(contexts[0:j], args.timeout, "WRITE completions")
-        poller.until_posted(lambda: fi.writemsg(
-            ep, source.ptr + j * page_size, page_size, desc, client,
-            base + (page % per_buffer) * page_size, key, contexts[j],
-            data=npages if last else None), args.timeout, "WRITE accepted")
-    poller.wait_all(contexts[npages - 1:npages], args.timeout, "last WRITE completion")
+    posted = 0
+    try:
+        for j, page in enumerate(pages):
+            base, _, key = regions[page // per_buffer]
+            last = j == npages - 1
+            if last:  # all other pages completed first: the immediate means "all is there"
+                poller.wait_all(contexts[0:j], args.timeout, "WRITE completions")
+            poller.until_posted(lambda: fi.writemsg(
+                ep, source.ptr + j * page_size, page_size, desc, client,
+                base + (page % per_buffer) * page_size, key, contexts[j],
+                data=npages if last else None), args.timeout, "WRITE accepted")
+            posted += 1
+        poller.wait_all(contexts[npages - 1:npages], args.timeout, "last WRITE completion")
+    except (fi.FabricError, TimeoutError):  # the client failed: the rest of its WRITEs
+        poller.settle(contexts[:posted], args.timeout)  # end here, not on the next one's CQ
+        raise
     print(f"wrote {npages} pages of {page_size} bytes from {source.kind}, "
           f"the last with immediate data {npages}", flush=True)
 

@@ -86,3 +86,28 @@ def test_06_gpu_buffers():
     for out in (pair.clients[0].out, pair.server.out):
         assert sum(line.startswith("GPU memory registered by") for line in out.splitlines()) == 1
         assert how in out
+
+
+def test_a_failed_clients_entries_are_settled_before_the_next_one(monkeypatch):
+    """06's server, after a client failed mid-WRITEs: the rest of that client's completions,
+    errors and a context-less error entry (2.5+ shm) among them, are read off the CQ then,
+    so the wait for the next client's CONNECT meets none of them (it died of one before)."""
+    ctx = [fi.ffi.new("struct fi_context2 *") for _ in range(3)]
+    connect = fi.ffi.new("struct fi_context2 *")
+    queue = [("error", ctx[0]), ("done", ctx[1]), ("error", fi.ffi.NULL), ("error", ctx[2]),
+             ("done", connect)]
+
+    def cq_read(_cq, entries):
+        if not queue:
+            return 0
+        what, context = queue.pop(0)
+        if what == "error":
+            raise fi.CompletionError(-5, "peer gone", context)
+        entries[0].op_context, entries[0].flags, entries[0].len = context, 0, 64
+        return 1
+
+    monkeypatch.setattr(fi, "cq_read", cq_read)
+    poller = fi.Poller(None)
+    poller.settle(ctx, 5.0)
+    assert poller.wait([connect], 5.0, "CONNECT") == (connect, 64)
+    assert not poller.done

@@ -703,6 +703,24 @@ class Poller:
         for c in contexts:
             del self.done[key(c)]
 
+    def settle(self, contexts, timeout):
+        """After a peer's failure: read the CQ until each of `contexts` (operations posted to
+        it) has completed or failed and the CQ is empty, for at most bounds.tidy(timeout), so
+        that no entry of theirs fails a later wait for someone else and no operation reads
+        memory freed after this. Errors are expected here: each is the peer's failure again,
+        or, from libfabric 2.5, shm's entry without a context for a copy into a gone peer
+        (smr_rma_fast, prov/shm/src/smr_rma.c)."""
+        pending = {key(c) for c in contexts}
+        deadline = time.monotonic() + bounds.tidy(timeout)
+        while time.monotonic() < deadline:
+            try:
+                if not self.poll() and not pending - self.done.keys():
+                    break
+            except CompletionError as e:
+                pending.discard(key(e.context))
+        for k in pending:
+            self.done.pop(k, None)
+
     def wait_remote_data(self, timeout, what):
         """The immediate data of the next WRITE that carried some."""
         self._until(lambda: self.remote_data, timeout, what)
