@@ -711,13 +711,17 @@ class Poller:
         or, from libfabric 2.5, shm's entry without a context for a copy into a gone peer
         (smr_rma_fast, prov/shm/src/smr_rma.c)."""
         pending = {key(c) for c in contexts}
-        deadline = time.monotonic() + bounds.tidy(timeout)
-        while time.monotonic() < deadline:
-            try:
-                if not self.poll() and not pending - self.done.keys():
-                    break
-            except CompletionError as e:
-                pending.discard(key(e.context))
+        timeout = bounds.tidy(timeout)
+        # armed as OpQueue.drain is: a provider call that spins on a dead peer's lock (1.17's
+        # shm) is the watchdog's to end, not a hang
+        with bounds.Deadline(timeout, f"operations to a failed peer did not end within "
+                             f"{timeout:g} s") as deadline:
+            while time.monotonic() < deadline.at:
+                try:
+                    if not self.poll() and not pending - self.done.keys():
+                        break
+                except CompletionError as e:
+                    pending.discard(key(e.context))
         for k in pending:
             self.done.pop(k, None)
 
