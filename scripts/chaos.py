@@ -434,23 +434,23 @@ def pair_trial(run, trial, spec, bound):
         return
     signalled_ok(run, victim, trial.fault, since)
     if peer is server and spec.again is not None:
-        return serves_next(run, trial, server, client, path, address, spec, since)
+        return serves_next(run, trial, server, client, path, address, spec, since, bound)
     survivor_ok(run, peer, bound, since)
 
 
-def serves_next(run, trial, server, client, path, address, spec, since):
+def serves_next(run, trial, server, client, path, address, spec, since, bound):
     """A server told to serve more clients: a second client must succeed. Chapter 04's server
     serves one message: if it had it before the fault, it has ended well, and no second
     client is due."""
     if not server.wait(0.1) or server.rc != 0:
-        second_client(run, trial, server, path, address, spec, since)
+        second_client(run, trial, server, path, address, spec, since, bound)
     client.kill()
 
 
-def second_client(run, trial, server, path, address, spec, since):
+def second_client(run, trial, server, path, address, spec, since, bound):
     """Started at once, it waits for the server as long as the server's bound allows: the
     server may still be waiting out the first client's --timeout."""
-    wait = max(TIMEOUT, since + patience(TIMEOUT) + 5 - time.monotonic())
+    wait = max(TIMEOUT, since + bound - time.monotonic())
     second = run.start("second client", [sys.executable, path, "-p", trial.provider,
                                           "--timeout", f"{wait:.1f}", address, *spec.again])
     if not second.wait(patience(30)):
