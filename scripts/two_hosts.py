@@ -68,13 +68,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baseline import ROOT, chapter_list, measure, prefix, rma_bw_command, rma_bw_gbps, \
     rma_bw_tool, tool_env, tools_libfabric  # noqa: E402
 from bench import chapter_args  # noqa: E402
-from pair import ADDRESS, chapter_path, stop  # noqa: E402
-from common import bench, cli  # noqa: E402
+from pair import ADDRESS, chapter_path, stop_all  # noqa: E402
+from common import bench, bounds, cli  # noqa: E402
 from common.engine import multinet, topo  # noqa: E402
 from common.fabric import memory  # noqa: E402
 from common.fabric import lib  # noqa: E402
 from common.model.journey import blog_percent  # noqa: E402
-from common.launch import Group, PeerGone, Place, place_from_environment  # noqa: E402
+from common.launch import Group, PeerGone, Place, owned, place_from_environment  # noqa: E402
 import common.fabric as fi  # noqa: E402
 
 CHAPTERS = "7,9,10,11,12,13,14,15"
@@ -297,14 +297,15 @@ def shown(command):
 
 
 class Program:
-    """One program of a step on this host; its output goes to a file read as it grows."""
+    """One program of a step on this host; its output goes to a file read as it grows. It
+    ends with this host's run however that ends: stopped by us, or sent SIGTERM by the
+    kernel when we die (common.launch.owned)."""
 
     def __init__(self, command, folder, env):
         self.command = command
         fd, self.log = tempfile.mkstemp(dir=folder, suffix=".log")
         with os.fdopen(fd, "w") as out:
-            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         cwd=ROOT)
+            self.proc = owned(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
     def output(self):
         return Path(self.log).read_text(errors="replace")
@@ -345,9 +346,9 @@ class Steps:
         with tempfile.TemporaryDirectory() as folder:
             try:
                 yield folder
-            finally:
-                for p in self.running:
-                    stop(p.proc, GRACE)
+            finally:  # after Ctrl-C or SIGTERM, within this host's own bound (bounds.tidy)
+                stop_all([p.proc for p in self.running],
+                         bounds.tidy(GRACE) if bounds.signalled() else GRACE)
 
     def start(self, command, folder, env=None):
         """Start a program and remember it. A Ctrl-C or SIGTERM that comes meanwhile waits
@@ -383,8 +384,7 @@ class Steps:
         """Rank 0, once rank 1 has reported: wait for its own programs, or stop them at once
         when rank 1 failed (they would wait for it in vain)."""
         if theirs["error"]:
-            for p in programs:
-                stop(p.proc, GRACE)
+            stop_all([p.proc for p in programs], GRACE)
             return [p.outcome(stopped=True) for p in programs]
         watch(self.group, programs, self.args.timeout)
         return [p.outcome() for p in programs]
