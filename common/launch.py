@@ -514,10 +514,10 @@ def spawn(argv, world, ranks_per_node=None, gpus=None, grace=10.0, out=sys.stdou
     rank succeeded, else the first failure's (128 + the signal's number for ours).
     """
     per_node = ranks_per_node or world
-    server = RendezvousServer(world, per_node)
-    host, port = server.address
-    job = Job(server, grace)
-    with Signals() as signals:
+    with Signals() as signals:  # from the first step to the last line: ours, not Python's
+        server = RendezvousServer(world, per_node)
+        host, port = server.address
+        job = Job(server, grace)
         for rank in range(world):
             if signals.got:  # no more ranks: stop those that are there
                 break
@@ -537,11 +537,12 @@ def spawn(argv, world, ranks_per_node=None, gpus=None, grace=10.0, out=sys.stdou
         while job.running():
             job.step(signals.got)
             time.sleep(0.02)
-    for r in readers:
-        r.join(1.0)  # the ranks are gone: what they wrote is read at once
-    killed = [p.pid for p in job.procs if p.returncode < 0]
-    shm_files.remove_left_by(killed, server.job)
-    return job.report(world, err)
+        for r in readers:
+            r.join(1.0)  # the ranks are gone: what they wrote is read at once
+        killed = [p.pid for p in job.procs if p.returncode < 0]
+        shm_files.remove_left_by(killed, server.job)
+        job.step(signals.got)  # a signal that came as the ranks ended is said too
+        return job.report(world, err)
 
 
 class Job:

@@ -210,6 +210,35 @@ def test_a_frozen_rendezvous_is_seen_by_the_ranks():
         kept[0].close()
 
 
+# A rank that leaves a child holding its output: the launcher, its ranks ended, still reads
+# what they wrote (a second for each stream) when SIGTERM comes.
+LINGERER = "import subprocess\nprint(subprocess.Popen(['sleep', '30']).pid, flush=True)\n"
+
+
+def test_sigterm_as_the_ranks_end_is_said_by_the_launcher(tmp_path):
+    budget = Budget(LIMIT)
+    (tmp_path / "lingerer.py").write_text(LINGERER)
+    proc = subprocess.Popen([sys.executable, LAUNCH, "-n", "2", str(tmp_path / "lingerer.py")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=local_env(), cwd=ROOT)
+    children = []
+    try:
+        pids = [int(p) for p in re.search(r"pids ([\d ]+)$", proc.stderr.readline())[1].split()]
+        children = [int(proc.stdout.readline().split()[1]) for _ in pids]
+        while any(alive(p) for p in pids):
+            assert time.monotonic() < budget.deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _, err = budget.communicate(proc)
+    finally:
+        proc.kill()
+        for child in children:
+            os.kill(child, signal.SIGKILL)
+    assert proc.returncode == 143, (proc.returncode, err)
+    line, = err.strip().splitlines()
+    assert line.startswith("launch: the launcher got SIGTERM; all 2 ranks stopped"), line
+
+
 # Spawns like the launcher, but Ctrl-C lands while the third rank is being started.
 SPAWN_INTERRUPTED = textwrap.dedent("""
     import os, signal, subprocess, sys
