@@ -197,8 +197,8 @@ def test_a_frozen_rendezvous_is_seen_by_the_ranks():
             conn.recv(launch.FRAME.size + launch.HELLO.size)
             conn.sendall(launch.FRAME.pack(1, launch.WELCOME) + b"x")
             return conn
-        server = threading.Thread(target=lambda: kept.append(welcome()))
         kept = []
+        server = threading.Thread(target=lambda: kept.append(welcome()))
         server.start()
         start = time.monotonic()
         with pytest.raises(launch.PeerGone, match=f"the rendezvous gave no sign of life for "
