@@ -584,8 +584,10 @@ def main():
     gpu = place.gpu if place.gpu is not None else place.rank % place.ranks_per_node
     ops = CudaOps(gpu, KERNELS) if args.device == "cuda" else HostOps()
     # the rendezvous waits longer: ranks lay out gigabytes and check them between updates
-    # (a rank that dies is still seen at once: its connection closes)
-    with launch.Group(place, RENDEZVOUS * args.timeout) as group, fi.Closer() as own:
+    # (a rank that dies is still seen at once: its connection closes; one frozen, once
+    # silent for --timeout)
+    with launch.Group(place, RENDEZVOUS * args.timeout, args.timeout) as group, \
+            fi.Closer() as own:
         return run(own, group, args, trainers, model, inference_model, ops,
                    gpu if args.device == "cuda" else None)
 

@@ -17,6 +17,14 @@ holds MASTER_PORT). The server also watches: a rank whose connection closes
 before it said goodbye is gone (killed, crashed), and every other rank is
 told so. Ranks ask (`check`, cheap, from their wait loops), so they stop
 within a bounded time with a clear message instead of waiting forever.
+
+A frozen rank (SIGSTOP, a host that stopped answering) closes nothing, so each
+side also says that it lives, every ALIVE_EVERY seconds, from a thread of its
+own: a rank that gave no sign of life for as long as it said at its join it
+may be silent (its --timeout) stops the job as a dead one does, and a rank that
+hears nothing from the rendezvous that long stops by itself. Before its join a
+rank cannot say it; our launcher says it for each rank whose process runs (not
+stopped), so one frozen at its start is seen the same way.
 """
 import ctypes
 import os
@@ -34,10 +42,11 @@ from dataclasses import dataclass
 from common import shm_files
 
 FRAME = struct.Struct("<IB")   # payload length, message type
-HELLO = struct.Struct("<III")  # rank, world size, ranks per node
-JOIN, WELCOME, GATHER, GATHERED, ABORT, BYE = range(1, 7)
+HELLO = struct.Struct("<IIId")  # rank, world size, ranks per node, seconds it may be silent
+JOIN, WELCOME, GATHER, GATHERED, ABORT, BYE, ALIVE = range(1, 8)
 LENGTH = struct.Struct("<I")
 CHECK_EVERY = 0.01  # seconds between two looks at the rendezvous from a wait loop
+ALIVE_EVERY = 0.5   # seconds between two signs of life (at most a quarter of the silence)
 
 
 class PeerGone(ConnectionError):
@@ -151,9 +160,22 @@ class RendezvousServer(threading.Thread):
         self.ranks = {}        # rank -> socket
         self.gathered = {}     # rank -> payload of the allgather in progress
         self.left = set()      # ranks that said goodbye
+        self.heard = {}        # rank -> when it last gave a sign of life (time.monotonic())
+        self.silence = {}      # rank -> seconds it may be silent, as it said at its join
+        self.silent = None     # the rank that fell silent, once one did
         self.failure = None    # the first reason the job stopped
         self.lock = threading.Lock()
         self.start()
+
+    def alive(self, rank):
+        """A sign of life of a rank that has not joined yet, from whoever sees its process
+        run (the launcher): once another rank joined, it may be as silent as that one."""
+        if rank not in self.silence:
+            self.heard[rank] = time.monotonic()
+
+    def waiting_for(self):
+        """The ranks that have not joined yet."""
+        return set(range(self.world)) - set(self.silence)
 
     def abort(self, why):
         """Tell every rank (now, and any that joins later) that the job is over.
@@ -168,20 +190,26 @@ class RendezvousServer(threading.Thread):
                     pass
 
     def run(self):
-        started = time.monotonic()
+        started = beat = time.monotonic()
         sockets = {self.listener: None}  # socket -> rank (None: not joined yet)
-        while True:
-            if len(self.left) == self.world:
-                break
+        while not self._over():
+            now = time.monotonic()
             if len(self.ranks) < self.world and self.failure is None \
-                    and time.monotonic() - started > self.join_timeout:
+                    and now - started > self.join_timeout:
                 self.abort(f"only {len(self.ranks)} of {self.world} ranks joined the "
                            f"rendezvous within {self.join_timeout:g} s")
-            readable, _, _ = select.select(list(sockets), [], [], 0.1)
+            self._find_silent(now)
+            if now >= beat:
+                self._say_alive()
+                beat = now + self._every()
+            readable, _, _ = select.select(list(sockets), [], [], min(0.1, self._every()))
             for sock in readable:
                 if sock is self.listener:
                     conn, _ = self.listener.accept()
                     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    # a frame that stops halfway (its sender frozen) or a send that finds
+                    # no room must not hold the server: that connection counts as closed
+                    conn.settimeout(self.join_timeout)
                     sockets[conn] = None
                     continue
                 try:
@@ -189,6 +217,8 @@ class RendezvousServer(threading.Thread):
                 except (EOFError, OSError):
                     kind, payload = None, b""
                 rank = sockets[sock]
+                if rank is not None:
+                    self.heard[rank] = time.monotonic()
                 if kind is None:  # closed: gone without a goodbye, unless it said one
                     del sockets[sock]
                     sock.close()
@@ -208,8 +238,42 @@ class RendezvousServer(threading.Thread):
         for sock in sockets:
             sock.close()
 
+    def _over(self):
+        """Every rank said goodbye, or the job stopped and those still connected are silent
+        (frozen): nobody is left to serve, and rank 0 serving it need not wait longer."""
+        if len(self.left) == self.world:
+            return True
+        now = time.monotonic()
+        return self.failure is not None and all(
+            now - self.heard[r] > self.silence[r] for r in set(self.ranks) - self.left)
+
+    def _every(self):
+        return min([ALIVE_EVERY] + [s / 4 for s in self.silence.values()])
+
+    def _say_alive(self):
+        with self.lock:
+            for sock in list(self.ranks.values()):
+                try:
+                    _send(sock, ALIVE)
+                except OSError:  # that rank is gone: its close is read next
+                    pass
+
+    def _find_silent(self, now):
+        """Stop the job once a rank still there gave no sign of life for as long as it said
+        it may be silent (one not joined yet: as long as the first to join said)."""
+        if self.failure is not None or not self.silence:
+            return
+        usual = next(iter(self.silence.values()))
+        for rank, last in list(self.heard.items()):
+            limit = self.silence.get(rank, usual)
+            if rank not in self.left and now - last > limit:
+                self.silent = rank
+                self.abort(f"rank {rank} gave no sign of life for {limit:g} s (frozen, or "
+                           "its host is gone)")
+                return
+
     def _join(self, sock, payload):
-        rank, world, per_node = HELLO.unpack(payload)
+        rank, world, per_node, silence = HELLO.unpack(payload)
         problem = None
         if world != self.world or per_node != self.ranks_per_node:
             problem = (f"rank {rank} expects {world} ranks, {per_node} per node; this job has "
@@ -224,6 +288,8 @@ class RendezvousServer(threading.Thread):
             return None
         with self.lock:
             self.ranks[rank] = sock
+            self.heard[rank], self.silence[rank] = time.monotonic(), silence
+            sock.settimeout(silence)
             _send(sock, WELCOME, self.job.encode())
         return rank
 
@@ -243,15 +309,20 @@ class RendezvousServer(threading.Thread):
 # --- a rank's side ---------------------------------------------------------------
 
 class Group:
-    """This rank's view of the job: its Place, and the rendezvous to gather and barrier on."""
+    """This rank's view of the job: its Place, and the rendezvous to gather and barrier on.
+    `timeout`: how long a gather may take; `silence` (default: that): how long a rank, or
+    the rendezvous, may give no sign of life before it is taken for frozen."""
 
-    def __init__(self, place, timeout=30.0):
+    def __init__(self, place, timeout=30.0, silence=None):
         self.place, self.timeout = place, timeout
+        self.silence = timeout if silence is None else silence
         self.rank, self.world = place.rank, place.world
         self.node, self.nodes, self.gpu = place.node, place.nodes, place.gpu
         self.ranks_per_node = place.ranks_per_node
         self.server = self.sock = None
         self.next_check = 0.0
+        self.lock = threading.Lock()  # our sends: the main thread's and the heartbeat's
+        self.closing = threading.Event()
         if self.world == 1:
             self.job = secrets.token_hex(4)
             return
@@ -263,9 +334,12 @@ class Group:
                 raise ValueError(f"cannot serve the rendezvous on port {place.rendezvous[1]} "
                                  f"(MASTER_PORT + 1): {e.strerror}") from None
         self.sock = self._connect(place.rendezvous, timeout)
-        _send(self.sock, JOIN, HELLO.pack(place.rank, place.world, place.ranks_per_node))
+        self.heard = time.monotonic()  # the rendezvous's last sign of life
+        self._say(JOIN, HELLO.pack(place.rank, place.world, place.ranks_per_node,
+                                   self.silence))
         kind, payload = self._reply(timeout, "a welcome from the rendezvous")
         self.job = payload.decode()
+        threading.Thread(target=self._beat, daemon=True, name="rendezvous heartbeat").start()
         # Everyone is here before anyone starts; a missing rank is the server's to report.
         self.barrier(timeout + 5)
 
@@ -283,28 +357,54 @@ class Group:
                                    f"{timeout:g} s ({e.strerror or e})") from None
                 time.sleep(0.05)
 
+    def _say(self, kind, payload=b""):
+        with self.lock:
+            if self.sock is not None:
+                _send(self.sock, kind, payload)
+
+    def _beat(self):
+        """Say that this rank lives, until it closes: nothing else tells a frozen rank from
+        a busy one."""
+        while not self.closing.wait(min(ALIVE_EVERY, self.silence / 4)):
+            try:
+                self._say(ALIVE)
+            except OSError:  # the rendezvous is gone: the main thread hears it
+                return
+
     def _reply(self, timeout, what):
         """The next message from the server; an ABORT, a closed socket or silence raise."""
         deadline = time.monotonic() + timeout
         while True:
-            readable, _, _ = select.select([self.sock], [], [], 0.1)
+            readable, _, _ = select.select([self.sock], [], [], min(0.1, self.silence / 4))
             if readable:
-                try:
-                    kind, payload = _recv(self.sock)
-                except (EOFError, OSError):
-                    raise PeerGone("the rendezvous closed (its host, rank 0 or the launcher, "
-                                   "is gone)") from None
-                if kind == ABORT:
-                    raise PeerGone(f"stopping: {payload.decode()}")
-                return kind, payload
-            if time.monotonic() > deadline:
+                message = self._read()
+                if message is not None:
+                    return message
+            now = time.monotonic()
+            if now - self.heard > self.silence:
+                raise PeerGone(f"the rendezvous gave no sign of life for {self.silence:g} s "
+                               "(its host, rank 0 or the launcher, is frozen or gone)")
+            if now > deadline:
                 raise TimeoutError(f"no {what} within {timeout:g} s")
+
+    def _read(self):
+        """One message from the server, None for a sign of life; an ABORT or a closed
+        socket raise."""
+        try:
+            kind, payload = _recv(self.sock)
+        except (EOFError, OSError):
+            raise PeerGone("the rendezvous closed (its host, rank 0 or the launcher, "
+                           "is gone)") from None
+        self.heard = time.monotonic()
+        if kind == ABORT:
+            raise PeerGone(f"stopping: {payload.decode()}")
+        return None if kind == ALIVE else (kind, payload)
 
     def allgather(self, payload, timeout=None):
         """Every rank's `payload` (bytes), in rank order."""
         if self.world == 1:
             return [payload]
-        _send(self.sock, GATHER, payload)
+        self._say(GATHER, payload)
         _, reply = self._reply(timeout or self.timeout, "allgather from every rank")
         return _unpack_list(reply)
 
@@ -320,20 +420,25 @@ class Group:
         if now < self.next_check:
             return
         self.next_check = now + CHECK_EVERY
-        if select.select([self.sock], [], [], 0)[0]:
-            self._reply(0, "message")  # only ABORT, or a close, can come unasked
+        while select.select([self.sock], [], [], 0)[0]:
+            self._read()  # only signs of life, an ABORT or a close come unasked
 
     def close(self):
         """Say goodbye (so that leaving is not mistaken for dying) and disconnect."""
-        if self.sock is not None:
-            try:
-                _send(self.sock, BYE)
-            except OSError:
-                pass
-            self.sock.close()
-            self.sock = None
+        try:
+            self._say(BYE)
+        except OSError:
+            pass
+        self._disconnect()
         if self.server is not None:
             self.server.join(self.timeout)
+
+    def _disconnect(self):
+        self.closing.set()
+        with self.lock:
+            if self.sock is not None:
+                self.sock.close()
+                self.sock = None
 
     def __enter__(self):
         return self
@@ -341,9 +446,8 @@ class Group:
     def __exit__(self, kind, *_):
         if kind is None:
             self.close()
-        elif self.sock is not None:  # failing: close without a goodbye, so others stop too
-            self.sock.close()
-            self.sock = None
+        else:  # failing: close without a goodbye, so others stop too
+            self._disconnect()
 
 
 # --- the launcher -----------------------------------------------------------------
@@ -402,17 +506,18 @@ def spawn(argv, world, ranks_per_node=None, gpus=None, grace=10.0, out=sys.stdou
     (non-zero exit, or killed), the others are told through the rendezvous and
     get `grace` seconds to stop by themselves, then SIGTERM, then SIGKILL after
     KILL_WAIT more. SIGINT, SIGTERM or SIGHUP here is passed on to every rank,
-    once; a second one kills them at once. So the launcher ends within grace +
-    KILL_WAIT seconds of a failure or a signal, a frozen (SIGSTOPped) rank
-    included, and its ranks with it whatever ends it (owned). What a killed rank
-    left in /dev/shm is removed. Returns the exit code: 0 when every rank
-    succeeded, else the first failure's (128 + the signal's number for ours).
+    once; a second one kills them at once. A rank frozen (SIGSTOPped) fails the
+    job once it was silent for its --timeout (the rendezvous's silence). So the
+    launcher ends within grace + KILL_WAIT seconds of a failure or a signal, a
+    frozen rank included, and its ranks with it whatever ends it (owned). What a
+    killed rank left in /dev/shm is removed. Returns the exit code: 0 when every
+    rank succeeded, else the first failure's (128 + the signal's number for ours).
     """
     per_node = ranks_per_node or world
-    server = RendezvousServer(world, per_node)
-    host, port = server.address
-    job = Job(server, grace)
-    with Signals() as signals:
+    with Signals() as signals:  # from the first step to the last line: ours, not Python's
+        server = RendezvousServer(world, per_node)
+        host, port = server.address
+        job = Job(server, grace)
         for rank in range(world):
             if signals.got:  # no more ranks: stop those that are there
                 break
@@ -423,6 +528,7 @@ def spawn(argv, world, ranks_per_node=None, gpus=None, grace=10.0, out=sys.stdou
                 env["RANK_GPU"] = str(gpus[rank % len(gpus)])
             job.procs.append(owned([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True))
+            server.alive(rank)
         readers = [_prefixed(stream, f"[{rank}] ", sink) for rank, p in enumerate(job.procs)
                    for stream, sink in ((p.stdout, out), (p.stderr, err))]
         print(f"launch: {world} ranks, {per_node} per node ({world // per_node} node"
@@ -431,11 +537,12 @@ def spawn(argv, world, ranks_per_node=None, gpus=None, grace=10.0, out=sys.stdou
         while job.running():
             job.step(signals.got)
             time.sleep(0.02)
-    for r in readers:
-        r.join(1.0)  # the ranks are gone: what they wrote is read at once
-    killed = [p.pid for p in job.procs if p.returncode < 0]
-    shm_files.remove_left_by(killed, server.job)
-    return job.report(world, err)
+        for r in readers:
+            r.join(1.0)  # the ranks are gone: what they wrote is read at once
+        killed = [p.pid for p in job.procs if p.returncode < 0]
+        shm_files.remove_left_by(killed, server.job)
+        job.step(signals.got)  # a signal that came as the ranks ended is said too
+        return job.report(world, err)
 
 
 class Job:
@@ -449,6 +556,7 @@ class Job:
         self.since = None      # when stopping began
         self.term_at = self.kill_at = None  # when the ranks get SIGTERM, and SIGKILL
         self.passed_on = 0     # how many of our signals were seen
+        self.next_look = 0.0   # when to look at the processes of the ranks not joined yet
 
     def running(self):
         return any(p.poll() is None for p in self.procs)
@@ -458,8 +566,11 @@ class Job:
         if len(got) > self.passed_on:
             self._signalled(got[0], now)
             self.passed_on = len(got)
-        if self.first is None:  # a rank's end names the cause better than the rendezvous
-            self.first = self.failed()
+        if now >= self.next_look:
+            self._look(now)
+        if self.first is None:  # a rank's end names the cause better than the rendezvous,
+            # but for a frozen rank: the others' ends only follow the rendezvous's word
+            self.first = (None, 1) if self.server.silent is not None else self.failed()
         if (self.first or self.server.failure) and self.since is None:
             self._stopping(now)
         if self.term_at is not None and now >= self.term_at:
@@ -469,6 +580,15 @@ class Job:
                 self.kill_at = now + KILL_WAIT
         if self.kill_at is not None and now >= self.kill_at:
             self._send(signal.SIGKILL)
+
+    def _look(self, now):
+        """A rank that has not joined yet cannot say it lives: its process running (not
+        stopped) says it for it."""
+        self.next_look = now + ALIVE_EVERY
+        waiting = self.server.waiting_for()
+        for rank, p in enumerate(self.procs):
+            if rank in waiting and p.poll() is None and runs(p.pid):
+                self.server.alive(rank)
 
     def _stopping(self, now):
         self.since, self.term_at = now, now + self.grace
@@ -513,6 +633,17 @@ class Job:
             f"the {len(self.procs)} of {world} ranks started stopped"
         print(f"launch: {what}; {stopped} {elapsed:.1f} s later", file=err, flush=True)
         return rc if rc > 0 else 1
+
+
+def runs(pid):
+    """Whether process `pid` runs: not stopped (SIGSTOP, a debugger) nor a zombie, by its
+    state in /proc (proc(5)); where there is no /proc, taken as running."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("T", "t", "Z", "X")
 
 
 def _how(rc):

@@ -4,14 +4,16 @@ a stated bound, and nothing is left in /dev/shm."""
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
 
-from common import shm_files
+from common import launch, shm_files
 from common.launch import KILL_WAIT
 from scripts.pair import ROOT, chapter_path, local_env
 from tests.budget import Budget
@@ -114,6 +116,127 @@ def test_a_frozen_rank_does_not_hold_the_launcher():
     assert proc.returncode == 130 and "Traceback" not in err, err
     assert elapsed < budget.grant(grace + KILL_WAIT + 5), elapsed
     assert_all_gone(pids, 0)
+
+
+# A rank that waits at the rendezvous as a chapter does between its steps: a gather may
+# take long (60 s), a rank may be silent only SILENCE s (its --timeout). Rank 1 stops itself
+# (SIGSTOP) at its start, before it joins, or once it joined.
+MEETER = textwrap.dedent("""
+    import common
+    import os, signal, sys
+    from common import cli, launch
+    def main():
+        place = launch.place_from_environment()
+        if place.rank == 1 and sys.argv[1] == "start":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        with launch.Group(place, 60, float(sys.argv[2])) as group:
+            if place.rank == 1:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            group.barrier()
+    cli.run(main)
+""")
+SILENCE = 2
+
+
+def stopped(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("when", ["start", "joined"])
+def test_a_frozen_rank_stops_the_job_once_silent_for_its_timeout(when, tmp_path):
+    """A frozen rank closes no connection: the rendezvous takes one silent for as long as
+    the ranks may be (their --timeout) for gone, even before it joined (its process is
+    stopped), and the others end within that + 5 s, not when their gather would (60 s)."""
+    grace, budget = 1, Budget(LIMIT)
+    (tmp_path / "meeter.py").write_text(MEETER)
+    proc = subprocess.Popen([sys.executable, LAUNCH, "-n", "3", "--grace", str(grace),
+                             str(tmp_path / "meeter.py"), when, str(SILENCE)],
+                            stderr=subprocess.PIPE, text=True, env=local_env(), cwd=ROOT)
+    try:
+        pids = [int(p) for p in re.search(r"pids ([\d ]+)$", proc.stderr.readline())[1].split()]
+        while not stopped(pids[1]):
+            assert time.monotonic() < budget.deadline and proc.poll() is None
+            time.sleep(0.02)
+        frozen = time.monotonic()
+        ends = {}
+        while len(ends) < 2:
+            for rank in (0, 2):
+                if rank not in ends and not alive(pids[rank]):
+                    ends[rank] = time.monotonic() - frozen
+            assert time.monotonic() < budget.deadline
+            time.sleep(0.02)
+        _, err = budget.communicate(proc)
+        elapsed = time.monotonic() - frozen
+    finally:
+        proc.kill()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    silent = f"rank 1 gave no sign of life for {SILENCE} s (frozen, or its host is gone)"
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    for rank in (0, 2):
+        assert f"[{rank}] meeter.py: error: stopping: {silent}\n" in err, err
+        assert ends[rank] < budget.grant(SILENCE + 5), ends
+    assert f"launch: {silent}; all 3 ranks stopped" in err, err
+    assert elapsed < budget.grant(SILENCE + 5 + grace + KILL_WAIT), elapsed
+    assert_all_gone(pids, 0)
+
+
+def test_a_frozen_rendezvous_is_seen_by_the_ranks():
+    """A rendezvous that welcomed a rank and then went silent (its host, rank 0 or the
+    launcher, frozen) ends the rank's gather once silent for the rank's --timeout."""
+    budget = Budget(LIMIT)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        place = launch.Place(0, 2, 2, None, listener.getsockname(), False, "test")
+        def welcome():
+            conn, _ = listener.accept()
+            conn.recv(launch.FRAME.size + launch.HELLO.size)
+            conn.sendall(launch.FRAME.pack(1, launch.WELCOME) + b"x")
+            return conn
+        kept = []
+        server = threading.Thread(target=lambda: kept.append(welcome()))
+        server.start()
+        start = time.monotonic()
+        with pytest.raises(launch.PeerGone, match=f"the rendezvous gave no sign of life for "
+                                                   f"{SILENCE} s \\(its host, rank 0 or the "
+                                                   "launcher, is frozen or gone\\)"):
+            launch.Group(place, budget.grant(60), SILENCE)
+        assert time.monotonic() - start < budget.grant(SILENCE + 5)
+        server.join()
+        kept[0].close()
+
+
+# A rank that leaves a child holding its output: the launcher, its ranks ended, still reads
+# what they wrote (a second for each stream) when SIGTERM comes.
+LINGERER = "import subprocess\nprint(subprocess.Popen(['sleep', '30']).pid, flush=True)\n"
+
+
+def test_sigterm_as_the_ranks_end_is_said_by_the_launcher(tmp_path):
+    budget = Budget(LIMIT)
+    (tmp_path / "lingerer.py").write_text(LINGERER)
+    proc = subprocess.Popen([sys.executable, LAUNCH, "-n", "2", str(tmp_path / "lingerer.py")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=local_env(), cwd=ROOT)
+    children = []
+    try:
+        pids = [int(p) for p in re.search(r"pids ([\d ]+)$", proc.stderr.readline())[1].split()]
+        children = [int(proc.stdout.readline().split()[1]) for _ in pids]
+        while any(alive(p) for p in pids):
+            assert time.monotonic() < budget.deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _, err = budget.communicate(proc)
+    finally:
+        proc.kill()
+        for child in children:
+            os.kill(child, signal.SIGKILL)
+    assert proc.returncode == 143, (proc.returncode, err)
+    line, = err.strip().splitlines()
+    assert line.startswith("launch: the launcher got SIGTERM; all 2 ranks stopped"), line
 
 
 # Spawns like the launcher, but Ctrl-C lands while the third rank is being started.

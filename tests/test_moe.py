@@ -2,6 +2,7 @@
 one and two emulated nodes; bad input; a rank killed mid-run."""
 import importlib.util
 import json
+import os
 import re
 import signal
 import socket
@@ -19,6 +20,7 @@ from common.moe import reference as ref
 from scripts.pair import ROOT, chapter_path, local_env
 from tests.budget import Budget
 from tests.gpu import needs_gpu
+from tests.processes import alive
 from tests.test_bad_input import assert_one_line_error, run
 
 CHAPTER = str(chapter_path(16))
@@ -479,7 +481,37 @@ def test_a_hung_rank_is_named_and_the_job_ends(per_node):
     finally:
         proc.kill()
     assert proc.returncode == 1 and elapsed < 20, (elapsed, err)
-    # in a stamp wait it names the rank; in a rendezvous barrier, the rendezvous says so
-    assert re.search(r"^\[0\] 16_moe.py: error: no (\w[\w ]* from rank 1|allgather from "
-                     r"every rank) within 2 s$", err, re.MULTILINE), err
-    assert "launch: rank 0 exited with code 1" in err or "launch: rank 1 was killed" in err
+    # in a stamp wait it names the rank; in a rendezvous barrier, the rendezvous does
+    assert re.search(r"^\[0\] 16_moe.py: error: (no \w[\w ]* from rank 1 within 2 s|stopping: "
+                     r"rank 1 gave no sign of life for 2 s \(frozen, or its host is gone\))$",
+                     err, re.MULTILINE), err
+    assert re.search(r"^launch: rank (0 exited with code 1|1 was killed|1 gave no sign of "
+                     r"life)", err, re.MULTILINE), err
+
+
+def test_a_rank_frozen_at_its_start_is_named_and_the_job_ends():
+    """A rank stopped (SIGSTOP) while it still imports never joins: the launcher sees its
+    process stopped, and the others stop within --timeout + 5 s, naming it, not when the
+    first barrier gives up on it (--timeout + 5 s after their own join)."""
+    timeout, grace, budget = 3, 1, Budget(LIMIT)
+    proc = subprocess.Popen([sys.executable, LAUNCH, "-n", "4", "--grace", str(grace),
+                             CHAPTER, "-p", "shm", *SMALL, "--check", "none", "--iters", "10",
+                             "--timeout", str(timeout)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=local_env(), cwd=ROOT)
+    try:
+        pids = [int(p) for p in re.search(r"pids ([\d ]+)$", proc.stderr.readline())[1].split()]
+        os.kill(pids[2], signal.SIGSTOP)  # before any rank could import numpy
+        frozen = time.monotonic()
+        _, err = budget.communicate(proc)
+        elapsed = time.monotonic() - frozen
+    finally:
+        proc.kill()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    silent = f"rank 2 gave no sign of life for {timeout} s (frozen, or its host is gone)"
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    for rank in (0, 1, 3):
+        assert f"[{rank}] 16_moe.py: error: stopping: {silent}\n" in err, err
+    assert f"launch: {silent}; all 4 ranks stopped" in err, err
+    assert elapsed < budget.grant(timeout + 5 + grace + launch.KILL_WAIT), elapsed

@@ -1,14 +1,21 @@
 """Chapter 19: the routing table covers every inference byte exactly once for uneven
 shardings, shards quantised with their neighbours' edge maxima equal the whole tensor's
 quantisation, the check counts a flipped byte; runs of trainers and inference ranks on shm
-and tcp exact after two updates and the naive way; a rank gone mid-update; bad input."""
+and tcp exact after two updates and the naive way; a rank gone mid-update, or frozen
+between two; bad input."""
 import importlib.util
+import os
 import re
+import signal
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
+from common import shm_files
+from common.launch import KILL_WAIT
 from common.moe import reference as ref
 from common.weights import BLOCK
 from common.weights.model import MODELS, inference_tensors, lay_out, parameters, values
@@ -16,6 +23,7 @@ from common.weights.ops import HostOps, e4m3
 from scripts.pair import ROOT, local_env
 from tests.budget import Budget
 from tests.gpu import needs_gpu
+from tests.processes import alive
 
 pytest.importorskip("common.transfer")  # skipped only if the engine's worker is not built
 CHAPTER = ROOT / "chapters" / "19_weight_update.py"
@@ -177,6 +185,36 @@ def test_a_rank_gone_mid_update_is_said_by_the_others(side, says):
     assert re.search(rf"killing myself mid-update 2 \(--fail {side}\)", done.stdout), done.stdout
     assert re.search(says, done.stderr), done.stderr
     assert "Traceback" not in done.stderr and "was killed by SIGKILL" in done.stderr
+
+
+def test_a_rank_frozen_between_updates_stops_the_job_within_the_bound():
+    """Between two updates the ranks meet at the rendezvous, which may wait long for a rank
+    busy with gigabytes (30 x --timeout); a frozen trainer (SIGSTOP) is silent, and its
+    silence for --timeout is what stops the others, not that wait."""
+    timeout, grace, budget = 5, 2, Budget(LIMIT)
+    proc = subprocess.Popen([sys.executable, LAUNCH, "-n", "3", "--grace", str(grace),
+                             str(CHAPTER), "-p", "shm", "--timeout", str(timeout), "--updates",
+                             "3", "--naive", "no"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=local_env(), cwd=ROOT)
+    try:
+        pids = [int(p) for p in re.search(r"pids ([\d ]+)$", proc.stderr.readline())[1].split()]
+        while not proc.stdout.readline().startswith("[0] update 1 "):
+            assert budget.left() > 0 and proc.poll() is None
+        os.kill(pids[1], signal.SIGSTOP)  # trainer 1, filling its shards for update 2
+        frozen = time.monotonic()
+        _, err = budget.communicate(proc)
+        elapsed = time.monotonic() - frozen
+    finally:
+        proc.kill()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert "launch: rank 1 gave no sign of life for 5 s (frozen, or its host is gone); all 3 " \
+           "ranks stopped" in err, err
+    assert elapsed < budget.grant(timeout + 5 + grace + KILL_WAIT), elapsed
+    left = shm_files.remove_left_by(pids)
+    assert not left, f"left in /dev/shm: {sorted(left)}"
 
 
 @pytest.mark.parametrize("args,pattern", [
