@@ -89,7 +89,9 @@ LESSON = {"figure": "check", "shows": "a prompt's KV cache arrives whole and ver
 #                                                      watcher: paged WRITEs, imm (req, 0)
 #     expect(imm (req, 0), pages) <------------------  ... while layer 1 computes ...
 #     ...                                            layer L-1, then the context: 1 WRITE
-#     expect(context); check every byte -- DONE --->  timings back to the decoder
+#     expect(context) -------------------- DONE --->  timings back to the decoder
+#     check every byte, layer by layer -- CHECKING ->  (each layer: the decoder is there)
+#                                      -- CHECKED -->  the wrong bytes found
 #     (or CANCEL -> the prefiller stops, waits for its WRITEs, CANCELLED -> pages freed)
 
 # %%
@@ -118,7 +120,8 @@ MODELS = {
     "small": dict(layers=8, hidden=512, q_dim=256, kv_heads=1, head_dim=128, ffn=768),
 }
 CONTEXT = 255  # the immediate's layer field for the last token's hidden state
-REQUEST, CANCEL, CANCELLED, DONE, CHECKED = b"REQ", b"CAN", b"CAD", b"DON", b"CHK"
+REQUEST, CANCEL, CANCELLED, DONE, CHECKING, CHECKED = (
+    b"REQ", b"CAN", b"CAD", b"DON", b"CKG", b"CHK")
 
 
 # %% [markdown]
@@ -221,7 +224,10 @@ def decoder(args, s, xp):
         ttft = now() - started
         eng.send(peer, DONE + struct.pack("<d", ttft))
         _, report = eng.recv(args.timeout)
-        wrong = check(s, args.seed, xp, cache, slots, first, context)
+        # the check computes the prompt again, longer than --timeout for a long prompt: a
+        # sign of life after each layer keeps the prefiller's wait for the verdict bounded
+        wrong = check(s, args.seed, xp, cache, slots, first, context,
+                      lambda: eng.send(peer, CHECKING))
         eng.send(peer, CHECKED + struct.pack("<Q", wrong))
         say(s, json.loads(report), ttft, wrong)
         return 1 if wrong else 0
@@ -239,14 +245,16 @@ def cancel(eng, peer, request, layer, args):
     return 0
 
 
-def check(s, seed, xp, cache, slots, first, context):
-    """Wrong bytes in the request's pages and context, against the same layers run here."""
+def check(s, seed, xp, cache, slots, first, context, checked):
+    """Wrong bytes in the request's pages and context, against the same layers run here;
+    `checked()` after each layer."""
     layers, out = Layers(s, seed, xp), xp.empty((2, s.pages, s.page_bytes), xp.uint8)
     wrong = 0
     for layer in range(s.layers):
         layers.step(layer, out)
         got = cache[s.page_set(layer, first, s.pages, slots)]
         wrong += int((got != out.reshape(2 * s.pages, -1)).sum())
+        checked()
     return wrong + int((context.view(xp.uint8) != layers.context().view(xp.uint8)).sum())
 
 
@@ -408,8 +416,7 @@ def prefiller(args, s, xp, addr):
         stage = xp.zeros((s.layers, 2, s.pages, s.page_bytes), xp.uint8)
         staged, counter = eng.register(stage), Counter(s.layers, xp)
         eng.send(server, REQUEST + eng.address())
-        _, message = eng.recv(args.timeout)
-        ask = json.loads(message[len(REQUEST):])
+        ask = json.loads(heard(eng, args.timeout, "the request")[len(REQUEST):])
         if ask["tokens"] != s.tokens:
             raise ValueError(f"the decoder runs {ask['tokens']} tokens, we {s.tokens}: give "
                              "both the same --tokens")
@@ -422,6 +429,8 @@ def prefiller(args, s, xp, addr):
         for layer in range(s.layers):  # on a GPU this only queues: the kernels bump
             layers.step(layer, stage[layer])
             counter.bump(layer + 1)
+            if watcher.error:  # the decoder is gone: computing on would only delay saying so
+                raise watcher.error
             if cancelled(eng, request):
                 return stop(eng, server, watcher, request, layer)
         context = xp.ascontiguousarray(layers.context())
@@ -435,7 +444,7 @@ def prefiller(args, s, xp, addr):
         memory.synchronize(args.gpu)  # the context's last kernels
         eng.write(server, ctx, 0, context_at, 0, context.nbytes,
                   imm=imm(request, CONTEXT)).wait(args.timeout)
-        _, answer = eng.recv(args.timeout)
+        answer = heard(eng, args.timeout, "the decoder's DONE")
         if not answer.startswith(DONE):
             raise ValueError(f"the decoder answered {answer[:3]!r}")
         counter.calibrate()  # the second reading of both clocks: the GPU is idle now
@@ -443,7 +452,9 @@ def prefiller(args, s, xp, addr):
         watch = [posted - bumped for posted, bumped in zip(watcher.posted, compute)]
         figures = summary(s, start, compute, watcher.posted, watcher.done, watch, alone)
         eng.send(server, json.dumps(figures).encode())
-        _, verdict = eng.recv(args.timeout * 10)  # the decoder checks every byte
+        verdict = heard(eng, args.timeout, "the decoder's check")
+        while verdict == CHECKING:  # one layer checked: the wait starts again
+            verdict = heard(eng, args.timeout, "the decoder's check")
         wrong = struct.unpack("<Q", verdict[len(CHECKED):])[0]
         print(f"prefiller: {s.layers} layers sent, {2 * s.layers * s.pages} pages; "
               f"{eng.stats()}; the decoder found {wrong} wrong bytes", flush=True)
@@ -467,6 +478,14 @@ def record(path, args, eng, s, figures, layers_of, done, wrong):
         "page_bytes": s.page_bytes, "pages_per_layer": 2 * s.pages, **figures,
         "ttft_s": struct.unpack("<d", done[len(DONE):])[0], "wrong_bytes": wrong,
         "per_layer": layers_of})
+
+
+def heard(eng, timeout, what):
+    """The decoder's next message, within `timeout`; a wait that ends says for what."""
+    try:
+        return eng.recv(timeout)[1]
+    except TimeoutError as e:
+        raise TimeoutError(f"{what}: {e} (is the decoder still there?)") from None
 
 
 def cancelled(eng, request):

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ from tests.budget import Budget
 from tests.test_bad_input import assert_one_line_error, run
 
 SMALL = ["--tokens", "300", "--layers", "4", "--page-tokens", "64"]
+FROZEN = Path(__file__).parent / "frozen_decoder.py"
 
 
 @pytest.mark.parametrize("provider", ["shm", "tcp"])
@@ -36,9 +38,10 @@ def test_a_cancelled_request_is_confirmed_before_its_pages_are_free():
     assert "cancelled by the decoder" in pair.clients[0].out
 
 
-def start_decoder(*args):
-    server = subprocess.Popen([sys.executable, str(chapter_path(18)), "-p", "shm", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=local_env())
+def start_decoder(*args, program=chapter_path(18)):
+    server = subprocess.Popen([sys.executable, str(program), "-p", "shm", *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=local_env())
     lines = []
     for line in server.stdout:
         lines.append(line)
@@ -75,6 +78,30 @@ def test_a_side_killed_mid_transfer_is_said_by_the_other_in_one_line(victim, sur
     assert survivor.returncode == 1
     lines = err.strip().splitlines()
     assert len(lines) == 1 and survivor_says in lines[0], err
+
+
+def test_a_decoder_frozen_while_it_checks_is_said_by_the_prefiller_within_its_timeout():
+    """The decoder checks every byte (it computes the prompt again) while the prefiller waits
+    for the verdict: that wait, too, ends --timeout after the decoder's last sign of life."""
+    budget = Budget(60)
+    timeout = budget.grant(5)
+    args = [*SMALL, "--timeout", f"{timeout:g}"]
+    server, address = start_decoder(*args, program=FROZEN)
+    client = subprocess.Popen([sys.executable, str(chapter_path(18)), "-p", "shm", *args,
+                               address], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, env=local_env())
+    try:
+        _, err = budget.communicate(client)
+    finally:
+        for proc in (client, server):
+            proc.kill()
+            proc.wait()
+        for name in shm_regions.files(server.pid):  # what a killed process cannot remove
+            (shm_regions.SHM / name).unlink(missing_ok=True)
+    assert client.returncode == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"within {timeout:g} s" in lines[0] and \
+        "is the decoder still there?" in lines[0], err
 
 
 @pytest.mark.parametrize("args,pattern", [

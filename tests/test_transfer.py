@@ -474,6 +474,20 @@ def test_a_failed_write_raises_the_providers_text():
             eng.expect(9, 1, budget.grant(3))
 
 
+def test_a_failed_write_ends_a_program_in_one_line():
+    """What a chapter's survivor raises when tcp fails its WRITEs to a peer that died: cli.run
+    says it in one line, as any fabric error, not a traceback."""
+    program = ("from common import cli\n"
+               "from common.transfer import TransferError\n"
+               "def main():\n"
+               "    raise TransferError('WRITE on NIC 0 failed: Connection reset by peer')\n"
+               "cli.run(main)\n")
+    done = Budget(30).run([sys.executable, "-c", program], env=local_env(), cwd=ROOT)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "-c: error: WRITE on NIC 0 failed: Connection reset by peer"], done.stderr
+
+
 # --- the GPUDirect flush: after the count arrived, before expect() returns -----------------
 
 def recorded_flushes(monkeypatch, eng, rc=0):

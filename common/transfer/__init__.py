@@ -55,8 +55,14 @@ REGION = struct.Struct("<4sQQH")    # magic, address, size, NIC count
 NIC_KEY = struct.Struct("<QQ")      # per NIC: remote base, key
 
 
-class TransferError(RuntimeError):
-    """A WRITE failed; the text is the provider's (fi_cq_strerror) or the call's."""
+class TransferError(fi.FabricError):
+    """A WRITE failed; the text is the provider's (fi_cq_strerror) or the call's. A
+    FabricError, so that a chapter says it in one line (cli.run): tcp fails the WRITEs in
+    flight to a peer that died."""
+
+    def __init__(self, text, rc=0):
+        RuntimeError.__init__(self, text)  # the whole text: no call of ours to name first
+        self.call, self.rc, self.text = "a WRITE", rc, text
 
 
 class Peer:
@@ -131,7 +137,8 @@ class Transfer:
         if native.tx_status(c):
             raise TransferError(f"WRITE on NIC {c.failed_nic} failed: "
                                 f"{_ffi.string(c.error).decode(errors='replace')} "
-                                f"(ret {c.status}; {c.skipped} of {c.count} not posted)")
+                                f"(ret {c.status}; {c.skipped} of {c.count} not posted)",
+                                c.status)
 
 
 class Group:
@@ -611,7 +618,7 @@ class Engine:
                 f"({_ffi.string(w.remote_error).decode(errors='replace')})"
                 }.get(w.failed_call, "the worker")
         return TransferError(f"the transfer worker stopped on NIC {w.failed_nic}: {what}: "
-                             f"{fi.strerror(self.rc)} (ret {self.rc})")
+                             f"{fi.strerror(self.rc)} (ret {self.rc})", self.rc)
 
     def _until(self, ready, timeout, why):
         """Wait for `ready()`, reading the control CQ and looking at the worker and the

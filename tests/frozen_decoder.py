@@ -1,0 +1,28 @@
+"""Chapter 18's decoder as it is, but frozen (SIGSTOP to itself) as it starts to check the
+bytes that arrived: the prefiller has sent its timings and waits for the verdict, which
+never comes, as from a decoder stopped or frozen at that moment.
+
+    python tests/frozen_decoder.py ARGS...   (the decoder's arguments)
+"""
+import importlib.util
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts.pair import chapter_path  # noqa: E402
+
+spec = importlib.util.spec_from_file_location("kv_cache", chapter_path(18))
+chapter = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(chapter)
+checking = chapter.check
+
+
+def frozen(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGSTOP)
+    return checking(*args, **kwargs)
+
+
+chapter.check = frozen
+chapter.cli.run(chapter.main)
