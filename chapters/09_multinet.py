@@ -7,7 +7,10 @@ To use the 32 NICs of a p5, each GPU's buffers are registered on each of its
 key, the server spreads a GPU's WRITEs round robin over that GPU's NICs, and
 one thread reads all the CQs. Each NIC's last WRITE carries immediate data,
 once that NIC's other WRITEs have completed, so the client waits for one
-immediate per NIC. Chapter 08's topology says which NICs are a GPU's.
+immediate per NIC. Before the first WRITE, the client puts each of the
+server's lanes in the AV of the lane it writes to (efa-direct's device takes
+a WRITE only from an initiator its target knows). Chapter 08's topology says
+which NICs are a GPU's.
 
 On a host without NICs (shm, tcp), --nics-per-gpu N opens N domains of the
 local provider as "virtual NICs", so the program has the shape it has on a
@@ -72,6 +75,8 @@ LESSON = {"figure": "check", "shows": "every NIC carries its share, with its own
 #     each group's buffers registered on its N lanes
 #     CONNECT(control address, G x N lane addresses,
 #             G x N x B (addr, size, key), pages) ---->  G x N lanes of its own
+#     each lane's AV: the server's lane   <---- G x N lane addresses
+#     "lanes in AVs" --------------------------------->
 #                                         <---- lane n of group g: WRITE its pages,
 #                                               round robin; last one + immediate
 #     one immediate per lane; LANDED ----------------->  stop the clock

@@ -1,16 +1,21 @@
 """-p efa-direct: efa's fabric of the device alone, as fi_info names it (common/fabric
-NAMED_FABRICS): the hints that pick it, the name a chapter prints for it, and one line where
-this host has none."""
+NAMED_FABRICS): the hints that pick it, the name a chapter prints for it, one line where
+this host has none, and the AVs of 09-15's client, which must hold the server's lanes."""
 import argparse
 import subprocess
 import sys
 
+import pytest
+
 import common.fabric as fi
 from common import cli
 from common.fabric import lib
-from scripts.pair import chapter_path, local_env
+from scripts.pair import ADDRESS, ROOT, chapter_path, local_env
 from tests import fake_info
+from tests.budget import Budget
 from tests.test_bad_input import assert_one_line_error
+from tests.test_queue import start
+from tests.test_rules import AV, SMALL
 
 
 def test_hints_name_the_provider_and_the_fabric_and_offer_fi_context2():
@@ -35,19 +40,48 @@ def test_a_chapter_prints_the_name_that_picks_its_fabric(monkeypatch, capsys):
     assert fi.name_of(fake_info.infos(fake_info.Entry("x", provider="verbs;ofi_rxm"))) == "verbs"
 
 
-def test_chapters_09_to_15_refuse_it_in_one_line():
-    """Their client never inserts the server's NICs: efa-direct's device would drop the
-    WRITEs (tests/test_rules.py shows the rule caught in their runs)."""
-    for chapter in (9, 14):
-        done = subprocess.run([sys.executable, str(chapter_path(chapter)), "-p", "efa-direct"],
-                              capture_output=True, text=True, env=local_env({}), timeout=60)
-        assert_one_line_error(done, "-p efa-direct: chapters 09-15 cannot follow it")
-        assert done.returncode == 2
-
-
 def test_no_efa_direct_here_is_one_line():
-    for chapter in (4, 6):
+    """09-15 too: they follow it (tests/test_rules.py runs them under its rules)."""
+    for chapter in (4, 6, 9, 14):
         done = subprocess.run([sys.executable, str(chapter_path(chapter)), "-p", "efa-direct"],
                               capture_output=True, text=True, env=local_env({}), timeout=60)
         assert_one_line_error(done, "provider 'efa-direct' has no usable device here")
         assert "efa-direct needs an EFA device and libfabric >= 2.1" in done.stderr
+
+
+# A chapter's client that answers the server's lane addresses without putting them in its
+# lanes' AVs: what efa-direct's device would drop the WRITEs of (common/engine/multinet.py).
+CARELESS = """\
+import runpy, sys
+from common.engine import multinet
+
+def careless(own, control, inbox, lanes, server, timeout):
+    _, length = control.poller.wait([inbox.ctx], timeout, "lane addresses from the server")
+    inbox.take(length)
+    control.poller.send(own, control.domain, control.ep, multinet.INSERTED, server, 1004,
+                        timeout, "word of the lanes in our AVs")
+
+multinet.insert_lanes = careless
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("chapter", [9, 14])
+def test_a_client_that_skips_the_lanes_in_its_avs_breaks_the_rule(chapter, provider,
+                                                                   monkeypatch):
+    """FABRIC_RULES=efa-direct sees it where the first immediate lands; the real client,
+    which inserts them, keeps the rule (tests/test_rules.py)."""
+    monkeypatch.setenv("FABRIC_RULES", "efa-direct")
+    budget = Budget(90)
+    server, out = start(chapter, ["-p", provider, "--clients", "1",
+                                  "--timeout", f"{budget.grant(5):g}"], ADDRESS.pattern)
+    try:
+        client = budget.run([sys.executable, "-c", CARELESS, str(chapter_path(chapter)),
+                             "-p", provider, ADDRESS.search(out)[1], "--groups", "2",
+                             "--nics-per-gpu", "2", *SMALL], env=local_env(), cwd=ROOT)
+        budget.communicate(server)
+    finally:
+        server.kill()
+    assert_one_line_error(client, AV)
+    assert server.returncode == 0  # --clients 1: a client that failed was served too

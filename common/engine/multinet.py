@@ -22,6 +22,7 @@ HEADER = struct.Struct("<QQQIHHH")  # seed, page size, WRITEs, page runs, buffer
 REGION = struct.Struct("<QQQ")      # NICs per group | remote addr, size, key
 NAME = struct.Struct("<H")  # each address's length before it: shm's ":9:0" and ":10:0" differ
 LANDED = struct.Struct("<Q")
+INSERTED = b"lanes in AVs"  # client -> server: each of its lanes' AVs holds the server's lane
 BURST = 1  # new WRITEs per lane per visit: one, as in the series; chapter 14 posts more
 
 
@@ -162,6 +163,7 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
                 lane.group = g
                 lane.peer = fi.av_insert(lane.av, names[len(lanes)])
                 lanes.append(lane)
+        introduce(own, control, inbox, client, lanes, backlog, args.timeout)
         regions = [REGION.unpack_from(request, at + i * REGION.size)
                    for i in range(groups * per_group * nbufs)]
         pages = connect.unpack_pages(request, at + len(regions) * REGION.size, runs)
@@ -199,6 +201,41 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
     report(args, lanes, sources, iters, page_size, elapsed, cpu)
     if compare:
         compare(elapsed)
+
+
+# The client's lanes are the targets of the server's WRITEs, and efa-direct's device takes
+# an RMA only from an initiator already in the target's AV ("Peer AV entry on the RMA
+# target side", prov/efa/docs/efa_fabric_comparison.md). So the server answers CONNECT
+# with its lanes' addresses, the client puts each in the AV of the lane it writes to and
+# says so, and only then does the server write. Every provider takes the step: one round
+# trip per client, before the clock, and the AVs of efa's RDM fabric need it as well once
+# FI_OPT_EFA_HOMOGENEOUS_PEERS skips its handshake (the same page).
+def introduce(own, control, inbox, client, lanes, backlog, timeout):
+    """Send the client our lanes' addresses; return once it has them in its AVs.
+    Another client's CONNECT, come meanwhile, waits in `backlog`."""
+    control.poller.send(own, control.domain, control.ep,
+                        pack_names([fi.getname(lane.ep) for lane in lanes]), client, 1004,
+                        timeout, "lane addresses")
+    while (message := control.queue.next_message(inbox, timeout, "our lanes in its AVs")
+           ) != INSERTED:
+        backlog.append(message)
+
+
+def insert_lanes(own, control, inbox, lanes, server, timeout):
+    """The server's answer to CONNECT (or its refusal): its lanes' addresses, each put in
+    the AV of our lane it writes to; then the server is told that it may write."""
+    _, length = control.poller.wait([inbox.ctx], timeout, "lane addresses from the server")
+    message = connect.heard(inbox.take(length))
+    try:
+        names, end = unpack_names(message, 0, len(lanes))
+    except struct.error:
+        end = None
+    if end != len(message):
+        raise ValueError(f"the server's answer to CONNECT is not {len(lanes)} lane addresses")
+    for lane, name in zip(lanes, names):
+        fi.av_insert(lane.av, name)
+    control.poller.send(own, control.domain, control.ep, INSERTED, server, 1004, timeout,
+                        "word of the lanes in our AVs")
 
 
 def build_messages(own, lane, source, regions, pages, page_size, n, per_group):
@@ -292,7 +329,8 @@ def client(info, args, addr, infos):
     groups, per_group = len(infos), len(infos[0])
     with fi.Closer() as own:
         control = Lane(own, info)
-        inbox = fi.Inbox(own, control.domain, control.ep, len(connect.REFUSED) + connect.WHY)
+        # the server's lane addresses: no more than CONNECT's own (connect.fits in run)
+        inbox = fi.Inbox(own, control.domain, control.ep, fi.max_send(info))
         server_addr = fi.av_insert(control.av, addr)
         lanes = [Lane(own, i, args.gpus[g] if args.gpus else None)
                  for g, group in enumerate(infos) for i in group]
@@ -309,7 +347,7 @@ def client(info, args, addr, infos):
                             request(args, fi.getname(control.ep),
                                     [fi.getname(lane.ep) for lane in lanes], regions),
                             server_addr, 1001, args.timeout, "CONNECT", ": is the server running?")
-
+        insert_lanes(own, control, inbox, lanes, server_addr, args.timeout)
         data = wait_immediates(control, inbox, lanes, args)
         for bs in buffers:
             memory.synchronize(bs[0].gpu)
@@ -416,15 +454,6 @@ def parse(doc, add_args=None):
     return args
 
 
-# efa-direct's device takes a WRITE only from a peer in the target's AV (the initiator
-# inserted before the first WRITE: prov/efa/docs/efa_fabric_comparison.md); efa's RDM
-# fabric needs no such thing. Our client puts only the server's control address in an AV,
-# never the server's NICs (FABRIC_RULES=efa-direct shows it).
-NO_DIRECT = ("-p efa-direct: chapters 09-15 cannot follow it: their client never puts the "
-             "server's NICs in its AVs, and efa-direct's target must hold its initiator before "
-             "the first WRITE; use -p efa")
-
-
 def run(doc, chapter, warmup=None, engine=None, add_args=None, lesson=None):
     """A chapter's main(): server or client, as chapter 09 shows them. Later chapters
     pass `warmup` (run before the clock), `engine` (what posts the WRITEs: write_all
@@ -432,8 +461,6 @@ def run(doc, chapter, warmup=None, engine=None, add_args=None, lesson=None):
     whose client run the server prints as the client command."""
     args = parse(doc, add_args)
     args.chapter, args.number, args.lesson = chapter, int(chapter[:2]), lesson
-    if args.provider == fi.DIRECT:
-        raise cli.UsageError(NO_DIRECT)
     info, addr = cli.peer(args, CAPS, hmem=bool(args.gpus), shm=False)
     if addr is None:
         return server(info, args, warmup, engine and (lambda *a: engine(args, *a)))

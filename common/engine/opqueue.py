@@ -129,10 +129,11 @@ class OpQueue:
                 self.sends -= 1
         return n
 
-    def next_message(self, inbox, timeout):
+    def next_message(self, inbox, timeout, what="its data"):
         """The next message in `inbox` (an fi.Inbox on this endpoint), reading the CQ
-        through the queue meanwhile, so that WRITE completions are counted, not lost."""
-        late = f"the client did not confirm its data within {timeout:g} s"
+        through the queue meanwhile, so that WRITE completions are counted, not lost;
+        `what` the client confirms, in a timeout's message."""
+        late = f"the client did not confirm {what} within {timeout:g} s"
         with bounds.Deadline(timeout, late) as deadline:
             while fi.key(inbox.ctx) not in self.poller.done:
                 if not self.progress() and time.monotonic() > deadline.at:

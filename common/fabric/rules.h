@@ -40,7 +40,12 @@
  *                inject_rma_size to 0).
  *   AV           a WRITE's target has its initiator in its AV before the first WRITE
  *                (the device's limit: docs/efa_fabric_comparison.md); seen here where the
- *                WRITE's immediate arrives, at an endpoint whose AV is still empty.
+ *                WRITE's immediate arrives, at an endpoint whose AV is still empty. No
+ *                more can be seen: the initiator's process has no view of the target's
+ *                AV, the target's CQ no entry for a WRITE without immediate, and
+ *                tcp;ofi_rxm names no initiator of one with (rxm_cq.c, FI_ADDR_NOTAVAIL).
+ *                That the insert comes before the first WRITE is the protocol's to keep
+ *                (09-15: common/engine/multinet.py, introduce).
  *   wait objects FI_WAIT_UNSPEC or FI_WAIT_FD for a blocking read, from 2.3 (efa_cq.c,
  *                man/fi_efa.7.md), or none.
  *   Not checked: a context twice in flight (each of ours comes from a free list), the
