@@ -135,7 +135,19 @@ def end(line, code):
     except (OSError, ValueError):
         pass
     os.write(2, f"{os.path.basename(sys.argv[0])}: {line}\n".encode(errors="replace"))
-    shm_files.remove_left_by([os.getpid()])  # what fi_close or shm's own handler would
+    leave(code)
+
+
+def leave(code):
+    """End the process now with `code`, its output flushed and no shm region of ours left
+    (what fi_close or shm's own handler would have removed), skipping Python's
+    finalization."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    shm_files.remove_left_by([os.getpid()])
     os._exit(code)
 
 

@@ -221,7 +221,9 @@ def run(main):
     try:
         try:
             bounds.watch()
-            sys.exit(main())
+            code = main()
+        except SystemExit as e:  # sys.exit(...) in main(): the same way out as a return
+            code = e.code
         except BrokenPipeError:  # piped into `head`: the reader has what it wanted
             os._exit(0)
         except UsageError as e:
@@ -233,6 +235,7 @@ def run(main):
     except KeyboardInterrupt:  # also one that cut in while an error above was being said
         _last_words(f"{name}: interrupted, resources closed",
                     bounds.exit_code(EXIT_INTERRUPTED))
+    _leave(code)
 
 
 def interrupted(error):
@@ -250,4 +253,16 @@ def _last_words(line, code):
     ranks sends one right behind its message, and it must not cut the line short."""
     fi.stop_interrupting()
     print(line, file=sys.stderr)
-    sys.exit(code)
+    _leave(code)
+
+
+def _leave(code):
+    """End the process with `code` (sys.exit's kinds: None, a number, a message) once main()
+    has closed what it opened, deaf to signals, and without Python's finalization: a
+    SIGTERM there (a launcher stopping ranks that have just finished) printed a traceback
+    from threading's shutdown, or, once the signal module had put the default action
+    back, killed the process (-15) after its work was done."""
+    fi.stop_interrupting()
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+    bounds.leave(1 if isinstance(code, str) else code or 0)

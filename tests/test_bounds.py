@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from common import bounds, cli, shm_files
-from scripts.pair import ADDRESS, chapter_path, local_env
+from scripts.pair import ADDRESS, ROOT, chapter_path, local_env
 from tests import shm_regions
 from tests.test_bad_input import SHM_DEAD
 
@@ -222,3 +222,23 @@ def test_a_signal_while_a_chapter_starts_is_its_exit_and_one_line(sig):
         if rc != 128 + sig or len(lines) != 1 or "Traceback" in err:
             wrong.append((delay, rc, err))
     assert not wrong, wrong
+
+
+def test_a_signal_after_main_returned_changes_nothing(tmp_path):
+    """A launcher stopping ranks that have just finished: a SIGTERM while Python finalized
+    (held open here by a thread that main() left running) printed a traceback from
+    threading's shutdown, or, later, killed the process (-15) after its work was done."""
+    finished = tmp_path / "finished.py"
+    finished.write_text(f"import sys, threading, time\nsys.path.insert(0, {str(ROOT)!r})\n"
+                        "from common import cli\n\n\ndef main():\n"
+                        "    threading.Thread(target=time.sleep, args=(5,)).start()\n"
+                        "    print('done', flush=True)\n\n\ncli.run(main)\n")
+    proc = subprocess.Popen([sys.executable, str(finished)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=own_timeout())
+    try:
+        assert proc.stdout.readline() == "done\n", proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        code, err, took = ended(proc, bounds.STOP_BOUND)
+        assert (code, err) == (0, "") and took < bounds.STOP_BOUND + STOP_MARGIN
+    finally:
+        stop(proc)
