@@ -139,15 +139,16 @@ def end(line, code):
 
 
 def leave(code):
-    """End the process now with `code`, its output flushed and no shm region of ours left
-    (what fi_close or shm's own handler would have removed), skipping Python's
-    finalization."""
+    """End the process now with `code`, its output flushed, no shm region of ours left
+    (what fi_close or shm's own handler would have removed) nor one of a peer that was
+    killed, skipping Python's finalization."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
     shm_files.remove_left_by([os.getpid()])
+    shm_files.remove_dead_peers()
     os._exit(code)
 
 

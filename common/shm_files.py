@@ -3,12 +3,15 @@
 A process that ends normally, or on Ctrl-C or SIGTERM, removes its own: libfabric's shm
 provider unlinks an endpoint's region when the endpoint closes (prov/shm/src/smr_util.c,
 smr_free), and the MoE chapters unlink their files once mapped. One that was SIGKILLed
-removes nothing, so the launchers (common/launch.py, scripts/pair.py) and the tests remove
-what it left, knowing the names:
+removes nothing, so the launchers (common/launch.py, scripts/pair.py), the tests and the
+peer that outlives it (remove_dead_peers: a client its server's, a server its client's)
+remove what it left, knowing the names:
 
 - the shm provider names each endpoint's region "<pid>:<uid>:<n>" after the process that
   created it (prov/shm/src/smr_ep.c, smr_endpoint_name);
-- a job's own files carry its name (common/moe/memory.py: "moe-<job>-<what>").
+- a job's own files carry its name (common/moe/memory.py: "moe-<job>-<what>");
+- an endpoint's address is its region's name after "fi_shm://" (smr_endpoint_name), so a
+  peer knows whose regions to look for.
 
 Standard library only: pair.py and the tests use it without loading libfabric.
 """
@@ -17,6 +20,8 @@ from pathlib import Path
 
 SHM = Path("/dev/shm")
 REGION = re.compile(r"^(\d+):\d+:\d+")
+PREFIX = b"fi_shm://"  # an shm endpoint's address (prov/shm/src/smr.h, SMR_PREFIX)
+_peers = set()  # the pids of the shm peers this process put in an address vector
 
 
 def regions(pid=None):
@@ -46,5 +51,32 @@ def remove_left_by(pids=(), job=None):
     pids = set(pids)
     names = {n for n in regions() if creator(n) in pids} | (job_files(job) if job else set())
     for name in names:
-        (SHM / name).unlink(missing_ok=True)
+        try:
+            (SHM / name).unlink(missing_ok=True)
+        except PermissionError:  # another user's (a peer of theirs): not ours to remove
+            pass
     return names
+
+
+def met(address):
+    """Note a peer's raw address (put in an address vector): if it is an shm endpoint's,
+    its process is one whose regions remove_dead_peers may have to remove."""
+    if address.startswith(PREFIX):
+        pid = creator(address[len(PREFIX):].split(b"\0", 1)[0].decode(errors="replace"))
+        if pid is not None:
+            _peers.add(pid)
+
+
+def remove_dead_peers():
+    """Remove the regions of the shm peers met so far whose process has ended (a zombie
+    too: it was killed, its parent has not read it yet); a live peer keeps its own."""
+    return remove_left_by(pid for pid in _peers if ended(pid))
+
+
+def ended(pid):
+    """Whether process `pid` has ended: gone, or a zombie (only its parent has not read it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True

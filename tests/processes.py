@@ -10,6 +10,8 @@ import signal
 import time
 from pathlib import Path
 
+from common import shm_files
+
 PROC = Path("/proc")
 
 
@@ -29,12 +31,7 @@ def running(token):
 
 
 def alive(pid):
-    """Whether process `pid` runs (a zombie has ended: only its parent has not read it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    return not shm_files.ended(pid)
 
 
 def command(entry):

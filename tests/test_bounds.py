@@ -44,9 +44,9 @@ def start(args, until):
     return proc, out
 
 
-def pair(provider):
+def pair(provider, server_args=()):
     """A server and a client of chapter 07, WRITEs streaming from one into the other."""
-    server, out = start(["-p", provider], "server address:")
+    server, out = start(["-p", provider, *server_args], "server address:")
     client, _ = start(["-p", provider, ADDRESS.search(out)[1], *SMALL], "memory:")
     time.sleep(2)  # the CONNECT is in and the WRITEs stream
     return server, client
@@ -104,14 +104,32 @@ def test_a_client_outlives_its_killed_server(provider):
     try:
         server.kill()
         server.wait()
-        shm_files.remove_left_by([server.pid])
         code, err, took = ended(client, cli.PEER_TIMEOUT + 5)
         assert code == 1, err
         one_line(err, "error: no heartbeat from the server within")
         assert took < cli.PEER_TIMEOUT + 5 + PEER_MARGIN, f"{took:.2f} s: {err}"
         assert not shm_regions.files(client.pid)
+        assert not shm_regions.files(server.pid), "the client left its dead server's regions"
     finally:
         stop(client, server)
+        shm_files.remove_left_by([server.pid])
+
+
+def test_a_server_removes_its_killed_clients_regions(provider):
+    """kill -9 of the client mid-transfer: the server says so and, with --clients 1, ends,
+    having removed what the client could not (on 1.17's shm the server may spin on the
+    dead client's lock: then its watchdog ends it, and removes them on the way out)."""
+    server, client = pair(provider, ["--clients", "1"])
+    try:
+        client.kill()
+        client.wait()
+        code, err, took = ended(server, cli.PEER_TIMEOUT + 5)
+        assert code in (0, bounds.EXIT_STUCK), err
+        assert not shm_regions.files(server.pid)
+        assert not shm_regions.files(client.pid), "the server left its dead client's regions"
+    finally:
+        stop(client, server)
+        shm_files.remove_left_by([client.pid])
 
 
 def test_a_dead_shm_address_is_given_up_at_the_chapters_own_timeout():

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from common import bounds
+from common import bounds, shm_files
 
 # Loading libfabric loads its providers, and Debian's PSM installs SIGINT/SIGTERM handlers
 # that call exit(1): a Ctrl-C then would end the process with 1, skipping everything
@@ -417,6 +417,7 @@ def av_insert(av, addr):
     n = check("fi_av_insert", lib.fi_av_insert(av, addr, 1, out, 0, ffi.NULL))
     if n != 1:
         raise FabricError("fi_av_insert", -lib.FI_EINVAL, "address rejected")
+    shm_files.met(bytes(addr))
     return out[0]
 
 

@@ -14,7 +14,7 @@ import errno
 import struct
 import sys
 
-from common import cli
+from common import cli, shm_files
 import common.fabric as fi
 
 MAGIC = b"LFtu"                    # "libfabric tutorial"
@@ -137,3 +137,4 @@ def report(n, error):
         raise KeyboardInterrupt from error
     what = "refused" if isinstance(error, Refused) else "gone" if gone(error) else "failed"
     print(f"client {n}: {what}: {error}", file=sys.stderr, flush=True)
+    shm_files.remove_dead_peers()  # a client killed with -9 removed nothing
