@@ -497,14 +497,24 @@ def cancelled(eng, request):
 
 
 def stop(eng, server, watcher, request, layer):
-    watcher.cancelled = True
-    bounds.join([watcher], "the transfer watcher")  # its WRITEs in flight completed: no more bytes land in those pages
+    wind_down(watcher)
     if watcher.error:
         raise watcher.error
     eng.send(server, CANCELLED + struct.pack("<I", request))
     print(f"prefiller: request {request} cancelled by the decoder (layer {layer} computed); "
           "its WRITEs completed, staging freed", flush=True)
     return 0
+
+
+def wind_down(watcher):
+    """Stop a watcher once its WRITEs in flight have completed: no more bytes then land in
+    the pages the decoder frees. They may take longer than a thread's usual second (big
+    layers, a busy peer): it is given as long as they complete, and fails --timeout after
+    the last; one still there past that is stuck (bounds.join ends the process)."""
+    watcher.cancelled = True
+    while watcher.is_alive() and now() - watcher.progress <= watcher.timeout:
+        watcher.join(0.05)
+    bounds.join([watcher], "the transfer watcher")
 
 
 def prefill_alone(s, seed, xp, gpu):

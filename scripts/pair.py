@@ -13,6 +13,7 @@ Ctrl-C of this script (within 2 s), so nothing is left running or in /dev/shm.
 
 Also a library: tests and the tour call run_pair(), and read each side's output after.
 """
+import importlib.util
 import os
 import re
 import shlex
@@ -39,6 +40,15 @@ def chapter_path(number):
     if not found:
         raise FileNotFoundError(f"no chapter {int(number):02d} in {ROOT / 'chapters'}")
     return found[0]
+
+
+def chapter_module(number):
+    """A chapter imported as a module (its main() not run), for tests of its parts."""
+    spec = importlib.util.spec_from_file_location(f"chapter{int(number):02d}",
+                                                  chapter_path(number))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def local_env(extra=None):

@@ -2,7 +2,6 @@
 and a server refuses another chapter's client by name, then serves the next; an idle
 server leaves the CPU to others."""
 import argparse
-import importlib.util
 import signal
 import struct
 import subprocess
@@ -16,19 +15,12 @@ from common import cli
 from common.engine import multinet
 from common.fabric import connect
 import common.fabric as fi
-from scripts.pair import ADDRESS, chapter_path, local_env, run_pair
+from scripts.pair import ADDRESS, chapter_module, chapter_path, local_env, run_pair
 from tests.test_queue import start
 
 EFA_ADDRESS = bytes(32)  # an efa endpoint name: struct efa_ep_addr (prov/efa/src/efa_base_ep.h)
 SMALL_LIMIT = 8928       # bytes: an EFA link's MTU, less than the old CONNECTs
 GIB_PAGES = 1 << 14      # 64 KiB pages in a 1 GiB buffer
-
-
-def load(chapter):
-    spec = importlib.util.spec_from_file_location(f"chapter{chapter}", chapter_path(chapter))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def series_pages(buffers):
@@ -45,7 +37,7 @@ def small_mtu(monkeypatch):
 def test_07_with_3_buffers_fits_where_its_old_connect_did_not(small_mtu):
     args = argparse.Namespace(seed=42, page_size=64 << 10, iters=1_000_000,
                               pages=series_pages(3))
-    new = load(7).request(args, EFA_ADDRESS, [(0, 1 << 30, 0)] * 3)
+    new = chapter_module(7).request(args, EFA_ADDRESS, [(0, 1 << 30, 0)] * 3)
     # the old format: header, address, a region per buffer, 4 bytes per page
     old = struct.calcsize("<QQQIHH") + len(EFA_ADDRESS) + 3 * 24 + 3000 * 4
     assert old == 12136

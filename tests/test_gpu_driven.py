@@ -12,7 +12,7 @@ import common.fabric as fi
 from common import launch
 from common.moe import harness
 from common.moe import reference as ref
-from scripts.pair import ROOT, chapter_path, local_env
+from scripts.pair import ROOT, chapter_module, chapter_path, local_env
 from tests.budget import Budget
 from tests.gpu import needs_gpu
 from tests.test_bad_input import assert_one_line_error, run
@@ -21,13 +21,6 @@ from tests.test_moe import BAD_BATCHES, LAUNCH, LIMIT, SMALL, check_lines
 CHAPTER = str(chapter_path(17))
 GRAPH_LINE = re.compile(r"^\[0\] check graph fp8: one layer captured, replayed 100 times with "
                         r"new inputs, each replay exact on (\d+) of (\d+) ranks$", re.MULTILINE)
-
-
-def chapter_module():
-    spec = importlib.util.spec_from_file_location("moe17", CHAPTER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("args,pattern", [
@@ -46,7 +39,7 @@ def test_no_cupy_is_one_line():
 
 
 def test_sizes_the_kernels_cannot_take_are_refused_up_front():
-    moe = chapter_module()
+    moe = chapter_module(17)
     with pytest.raises(ValueError, match=r"^8192 experts: the plan kernel keeps 3 ints per "
                        r"expert in one block's shared memory, 4096 experts at most$"):
         moe.check_sizes(moe.NodeLayout(1, 8192, 4, 2, 128, "fp8", 8), 2**40)
@@ -108,7 +101,7 @@ def test_gpu_one_layer_in_a_cuda_graph_replayed_100_times(ranks, per_node):
 def test_gpu_bad_batches_are_refused_and_nothing_moves(tokens, indices, pattern):
     """The route kernel checks index values: dispatch_recv says so, nothing was pushed,
     and a good batch goes on."""
-    moe = chapter_module()
+    moe = chapter_module(17)
     group = launch.Group(launch.Place(0, 1, 1, 0, None, False, "test"))
     with fi.Closer() as own:
         a2a = moe.AllToAll(own, group, max_tokens=4, experts=8, topk=2, hidden=128,
@@ -129,7 +122,7 @@ def test_gpu_counts_on_the_device():
     """counts="device": dispatch_recv hands out the whole buffers and the counts in GPU
     memory without waiting; combine takes an output for every row of them; a refused
     batch is said by combine_recv, and the next goes on."""
-    moe = chapter_module()
+    moe = chapter_module(17)
     group = launch.Group(launch.Place(0, 1, 1, 0, None, False, "test"))
     with fi.Closer() as own:
         a2a = moe.AllToAll(own, group, max_tokens=4, experts=8, topk=2, hidden=128,
@@ -157,7 +150,7 @@ def test_gpu_counts_on_the_device():
 
 @needs_gpu
 def test_gpu_a_graph_needs_counts_on_the_device():
-    moe = chapter_module()
+    moe = chapter_module(17)
     group = launch.Group(launch.Place(0, 1, 1, 0, None, False, "test"))
     with fi.Closer() as own:
         a2a = moe.AllToAll(own, group, max_tokens=4, experts=8, topk=2, hidden=128,
@@ -185,7 +178,7 @@ def test_gpu_torch_tensors_in_and_out_on_the_callers_stream_and_in_a_torch_graph
     copy), the work ordered on the caller's stream (a side stream here), and the layer
     captured by torch.cuda.graph, replayed with new inputs, each replay checked."""
     torch = torch_or_skip()
-    moe = chapter_module()
+    moe = chapter_module(17)
     group = launch.Group(launch.Place(0, 1, 1, 0, None, False, "test"))
     with fi.Closer() as own:
         a2a = moe.AllToAll(own, group, max_tokens=8, experts=16, topk=4, hidden=256,

@@ -4,12 +4,13 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from scripts.pair import ADDRESS, chapter_path, local_env, run_pair
+from scripts.pair import ADDRESS, chapter_module, chapter_path, local_env, run_pair
 from tests import shm_regions
 from tests.budget import Budget
 from tests.test_bad_input import assert_one_line_error, run
@@ -116,3 +117,28 @@ def test_a_decoder_frozen_while_it_checks_is_said_by_the_prefiller_within_its_ti
 def test_bad_input_is_one_line(args, pattern):
     done, _ = run(18, *args)
     assert_one_line_error(done, pattern)
+
+
+class SlowWatcher(threading.Thread):
+    """A cancelled watcher whose last WRITEs complete one every 0.2 s for 2 s."""
+
+    def __init__(self, timeout):
+        super().__init__(daemon=True)
+        self.timeout, self.progress, self.cancelled = timeout, time.perf_counter(), False
+
+    def run(self):
+        for _ in range(10):
+            time.sleep(0.2)
+            self.progress = time.perf_counter()
+
+
+def test_a_cancel_waits_for_writes_that_still_complete(monkeypatch):
+    """The prefiller's WRITEs in flight when a request is cancelled may take seconds: it
+    waits for them as long as they complete, instead of taking a watcher still busy after
+    a second for one stuck in the provider (which ends the process)."""
+    ch = chapter_module(18)
+    monkeypatch.setattr(ch.bounds, "end", lambda line, code: pytest.fail(line))
+    watcher = SlowWatcher(timeout=1.0)
+    watcher.start()
+    ch.wind_down(watcher)
+    assert watcher.cancelled and not watcher.is_alive()

@@ -17,7 +17,7 @@ import common.fabric as fi
 from common import launch
 from common.moe import harness
 from common.moe import reference as ref
-from scripts.pair import ROOT, chapter_path, local_env
+from scripts.pair import ROOT, chapter_module, chapter_path, local_env
 from tests.budget import Budget
 from tests.gpu import needs_gpu
 from tests.processes import alive
@@ -167,16 +167,9 @@ def test_experts_that_do_not_split_over_the_ranks():
 
 # --- the API, in this process (one rank) -------------------------------------------------
 
-def chapter_module():
-    spec = importlib.util.spec_from_file_location("moe16", CHAPTER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
 def one_rank():
-    moe = chapter_module()
+    moe = chapter_module(16)
     group = launch.Group(launch.Place(0, 1, 1, None, None, False, "test"))
     with fi.Closer() as own:
         yield moe, moe.AllToAll(own, group, max_tokens=4, experts=8, topk=2, hidden=128)
@@ -233,7 +226,7 @@ def test_wrong_combine_shapes_are_refused_and_the_round_goes_on(one_rank):
     (dict(experts=8, topk=2, combine_dtype="fp8"), "combine dtype must be bf16, not 'fp8'"),
 ])
 def test_bad_shapes_are_refused(shape, pattern):
-    moe = chapter_module()
+    moe = chapter_module(16)
     group = launch.Group(launch.Place(0, 1, 1, None, None, False, "test"))
     with fi.Closer() as own, pytest.raises(ValueError, match=re.escape(pattern)):
         moe.AllToAll(own, group, max_tokens=4, **{"hidden": 128, **shape})

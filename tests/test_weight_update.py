@@ -3,7 +3,6 @@ shardings, shards quantised with their neighbours' edge maxima equal the whole t
 quantisation, the check counts a flipped byte; runs of trainers and inference ranks on shm
 and tcp exact after two updates and the naive way; a rank gone mid-update, or frozen
 between two; bad input."""
-import importlib.util
 import os
 import re
 import signal
@@ -20,7 +19,7 @@ from common.moe import reference as ref
 from common.weights import BLOCK
 from common.weights.model import MODELS, inference_tensors, lay_out, parameters, values
 from common.weights.ops import HostOps, e4m3
-from scripts.pair import ROOT, local_env
+from scripts.pair import ROOT, chapter_module, local_env
 from tests.budget import Budget
 from tests.gpu import needs_gpu
 from tests.processes import alive
@@ -34,10 +33,7 @@ TINY = dict(MODELS["tiny"])
 
 @pytest.fixture(scope="module")
 def ch19():
-    spec = importlib.util.spec_from_file_location("weights19", CHAPTER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return chapter_module(19)
 
 
 def plan_of(ch19, trainers, inference, model=TINY, inference_model=None):
