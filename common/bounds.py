@@ -18,6 +18,14 @@ The bounds, the same for a server, a client and a rank:
   holding it: pthread_spin_lock(&smr->lock), prov/shm/src/smr.h.)
 - Worker threads, stopped after a failure or a signal, are joined within JOIN_BOUND;
   one that does not stop (it spins in the provider) ends the process the same way.
+- Where a server does not outlive its client's fault, in libfabric 1.x: a server that the
+  watchdog ended on a dead client's lock (1.17's shm) serves no next client; and on
+  `tcp;ofi_rxm` a frozen client's WRITEs hold every tx credit of the server's endpoint
+  (one pool an endpoint, tx_attr->size: prov/rxm/src/rxm_ep.c) until its process ends,
+  so the server reports it at --timeout and the next client's WRITEs wait in vain (the
+  next one is reported the same way). 2.x's own tcp takes its WRITEs from one growing
+  pool (xnet_alloc_xfer, prov/tcp/src/xnet.h; xnet_progress.c creates it unbounded),
+  and 2.1's shm ended such a wait at its deadline.
 
 Why these numbers: a clean close takes milliseconds, so 2 s is prompt for a person and
 for a launcher stopping its ranks while leaving the clean way room on a busy machine;
