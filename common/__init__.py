@@ -5,7 +5,10 @@ import sys
 
 
 def _importing(signum, frame):  # until bounds.quiet_start below: nothing is open yet
-    os.write(2, f"{os.path.basename(sys.argv[0])}: interrupted before it started\n".encode())
+    try:
+        os.write(2, f"{os.path.basename(sys.argv[0])}: interrupted before it started\n".encode())
+    except OSError:  # no one reads stderr any more (a launcher killed with -9): exit all the same
+        pass
     os._exit(128 + signum)
 
 

@@ -142,8 +142,18 @@ def end(line, code):
         sys.stdout.flush()
     except (OSError, ValueError):
         pass
-    os.write(2, f"{os.path.basename(sys.argv[0])}: {line}\n".encode(errors="replace"))
+    say(f"{os.path.basename(sys.argv[0])}: {line}\n")
     leave(code)
+
+
+def say(text):
+    """Write `text` to stderr, if it is still there: a launcher killed with -9 took the
+    pipe with it, and a write's BrokenPipeError, raised out of a signal handler, was taken
+    by the code it cut into for its own OSError (a rank retrying its rendezvous ran on)."""
+    try:
+        os.write(2, text.encode(errors="replace"))
+    except OSError:
+        pass
 
 
 def leave(code):

@@ -252,7 +252,7 @@ def _last_words(line, code):
     """Say `line` and exit with `code`, deaf to Ctrl-C from here on: a launcher that stops its
     ranks sends one right behind its message, and it must not cut the line short."""
     fi.stop_interrupting()
-    print(line, file=sys.stderr)
+    bounds.say(line + "\n")
     _leave(code)
 
 
@@ -264,5 +264,5 @@ def _leave(code):
     back, killed the process (-15) after its work was done."""
     fi.stop_interrupting()
     if isinstance(code, str):
-        print(code, file=sys.stderr)
+        bounds.say(code + "\n")
     bounds.leave(1 if isinstance(code, str) else code or 0)

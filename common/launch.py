@@ -457,6 +457,7 @@ KILL_WAIT = 5.0   # seconds between SIGTERM and SIGKILL for a rank that does not
 STOPS = {signal.SIGINT: "was interrupted (Ctrl-C)", signal.SIGTERM: "got SIGTERM",
          signal.SIGHUP: "got SIGHUP (its terminal closed)"}
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+SIG_DFL = 0  # <signal.h>: a signal's default action
 
 
 def owned(args, **popen):
@@ -476,6 +477,9 @@ def owned(args, **popen):
 
     def in_child():  # between fork and exec: nothing that takes a lock another thread holds
         os.setpgid(0, 0)  # (Popen's process_group=0, from Python 3.11)
+        # Until exec this is a copy of us, whose SIGTERM handler only notes the signal in
+        # memory that exec discards: a death of ours in that instant would go unheard
+        libc.signal(signal.SIGTERM, SIG_DFL)
         if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0 or os.getppid() != parent:
             os._exit(1)  # no prctl, or we died before it was set: nobody to run for
     return subprocess.Popen(args, preexec_fn=in_child, stdin=subprocess.DEVNULL, **popen)

@@ -158,3 +158,18 @@ def test_ctrl_c_stays_ours_from_import_on():
     finally:
         child.kill()
     assert "KeyboardInterrupt" in err and child.returncode != 1
+
+
+def test_loading_libfabric_installs_no_handler_of_its_providers():
+    """Debian's PSM (libinfinipath) installs backtrace handlers for SIGTERM, SIGINT and the
+    crash signals as libfabric loads it: a thread numpy had started took a SIGTERM there
+    and the process ran on. The binding asks it not to (IPATH_NO_BACKTRACE)."""
+    show = ("import ctypes, signal, common.fabric\n"
+            "act = (ctypes.c_void_p * 32)()\n"  # struct sigaction: the handler comes first
+            "ctypes.CDLL(None).sigaction(signal.SIGSEGV, None, act)\n"
+            "print(act[0] or 0)\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("IPATH_NO_BACKTRACE", "PYTHONFAULTHANDLER")}  # faulthandler: its own
+    done = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert done.stdout.strip() == "0", f"SIGSEGV's handler: {done.stdout}{done.stderr}"

@@ -179,6 +179,24 @@ def test_a_signal_ends_a_process_stuck_in_a_provider_call(signum):
         stop(proc)
 
 
+def test_a_stuck_process_ends_when_no_one_reads_its_stderr():
+    """A launcher killed with -9 takes its ranks' stderr with it: the watchdog's last line
+    cannot be written then (BrokenPipeError), and must not keep it from ending the process."""
+    proc = stuck("idle")
+    try:
+        proc.stderr.close()
+        proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        try:
+            code = proc.wait(bounds.STOP_BOUND + 30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("still running 30 s past its bound")
+        assert code == 128 + signal.SIGTERM
+        assert time.monotonic() - start < bounds.STOP_BOUND + STOP_MARGIN
+    finally:
+        stop(proc)
+
+
 def test_closing_that_never_returns_ends_the_process():
     """Chapter 15's client hung so in fi_close after its server was killed."""
     proc = stuck("close")

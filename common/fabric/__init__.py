@@ -19,9 +19,15 @@ import time
 
 from common import bounds, shm_files
 
-# Loading libfabric loads its providers, and Debian's PSM installs SIGINT/SIGTERM handlers
-# that call exit(1): a Ctrl-C then would end the process with 1, skipping everything
-# (_take_back_signals). Held off until ours are back, the signal then comes to ours.
+# Loading libfabric loads its providers, and Debian's PSM (libinfinipath) installs handlers
+# for SIGINT, SIGTERM and the crash signals that print a backtrace: a Ctrl-C then ended the
+# process with 1, skipping everything. Asked not to (its IPATH_NO_BACKTRACE); and, for
+# other providers' handlers, ours are put back once it has loaded (_take_back_signals)
+# while the signals are held off this thread. Held off this thread only: a thread numpy
+# had started (OpenBLAS's) still took a SIGTERM in that window, to libinfinipath's
+# handler, and the process ran on as if none had come (8 of 40 SIGTERMs sent to a rank
+# of 19 as it started; a launcher killed then left its ranks running).
+os.environ.setdefault("IPATH_NO_BACKTRACE", "1")
 _held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 try:
     from common._fabric import ffi, lib
