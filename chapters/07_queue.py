@@ -21,16 +21,17 @@ first post until the client says all the data is in its memory (LANDED);
 compared with a limit: the NIC's link speed, or fi_rma_bw on this machine
 (results/baselines/, written by scripts/baseline.py or scripts/bench.py).
 
-Whose queue is full (libfabric 2.1 and 2.6 sources): shm copies a WRITE
-without immediate data itself, by CMA, inside fi_writemsg (smr_rma_fast,
-prov/shm/src/smr_rma.c) and refuses it only when the target's command queue
-(its rx size) is full, so the count depends on the CPU the client gets and
-can be 0 on any version; a WRITE the target copies (with immediate data, or
-without CMA) also holds a slot of the writer's own tx-size queue until it is
-answered (smr_util.c). 1.x's tcp;ofi_rxm refuses when rxm's tx queue is
-full; 2.x's own tcp takes every WRITE (an unbounded pool, xnet_progress.c).
-The server prints the provider's refusals apart from the posts that waited
-because every context of ours was in flight.
+Whose queue is full: on shm every WRITE asks FI_DELIVERY_COMPLETE, so that it
+holds one of the server's own tx_attr.size slots until its CQ read sees the
+client's answer (completion() says where in shm's sources): a burst longer than
+that queue is refused on every run. Without the flag shm copies the WRITE within
+fi_writemsg and refuses only when the client lags, on some runs only. The cost:
+the client's CPU copies, a round trip per WRITE (at 64 KiB on 2 cores, 10-20%
+of the Gbps). 1.x's tcp;ofi_rxm refuses when rxm's tx credits run out
+(rxm_ep.c); 2.x's own tcp takes every WRITE (no bound: xnet_alloc_tx) and never
+refuses, and -p 'tcp;ofi_rxm' shows the lesson there. The server prints the
+provider's refusals apart from the posts held back because every context of
+ours was in flight.
 
     .venv/bin/python chapters/07_queue.py                                  # server (the writer)
     .venv/bin/python chapters/07_queue.py ADDRESS                          # client: 1,000,000 x 64 KiB
@@ -77,8 +78,14 @@ cudaMemcpyPeer's ceiling is about 3170 Gbps.
 """
 # What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
 # and says whether it showed on your machine; the server prints its run as the client command.
+# Pages over 4 KiB (SMR_INJECT_SIZE): 1.x's shm sends a smaller WRITE with
+# FI_DELIVERY_COMPLETE in segments, one such WRITE per peer at a time (smr_select_proto,
+# sar_status), which refuses nearly every post and leaves little of the throughput.
 LESSON = {"figure": "refused", "visible": {"at_least": 1},
-          "client": "--page-size 4K --buffer-size 1M --pages 0-63 --iters 100000"}
+          "client": "--page-size 64K --buffer-size 4M --pages 0-63 --iters 20000",
+          "small": "A repeat with none refused: the provider took every WRITE, as 2.x's own "
+                   "tcp does (no bound on its transfers, xnet_alloc_tx); there -p "
+                   "'tcp;ofi_rxm' shows the lesson."}
 
 # %% [markdown]
 # ## efa-direct: what a WRITE demands of the device alone (-p efa-direct)
@@ -181,7 +188,8 @@ def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
         # One WRITE message per page, built once; posting only sets its context.
         messages, _keep = write_messages(source, page_size, pages, range(npages), regions,
                                          desc, client)
-        start = write_all(queue, beat, messages, iters, page_size, args.timeout)
+        start = write_all(queue, beat, messages, iters, page_size, args.timeout,
+                          completion(info))
         # A WRITE's completion says the source may be reused, not that the data has
         # landed (shm's CUDA IPC copies are still queued on the GPU then): the clock
         # stops when the client says its memory holds everything.
@@ -207,9 +215,28 @@ def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
         print(f"result: {bench.record(path, '07_queue', args, info, memory_kind, here, f, lim)}")
 
 
-def write_all(queue, beat, messages, iters, page_size, timeout):
-    """Post `iters` WRITEs cycling over the pages, wait for their completions;
-    returns when the first was posted."""
+def completion(info):
+    """The flags of every WRITE. On shm also FI_DELIVERY_COMPLETE: without it shm
+    copies the WRITE itself inside fi_writemsg and completes it at once, refusing
+    only when the client's command queue is full (smr_rma_fast and its caller
+    smr_generic_rma, prov/shm/src/smr_rma.c), which a client that keeps up never
+    lets happen. With it the client copies the page and answers, and until the
+    writer's own fi_cq_read sees that answer the WRITE holds one of the writer's
+    tx_attr.size slots (1.17, 2.1: the response queue, smr_do_iov in smr_ep.c,
+    freed by smr_progress_resp; 2.6: a command of smr_cmd_stack, freed by
+    smr_progress_return, smr_progress.c)."""
+    shm = fi.provider_of(info) == "shm"
+    return lib.FI_COMPLETION | (lib.FI_DELIVERY_COMPLETE if shm else 0)
+
+
+def write_all(queue, beat, messages, iters, page_size, timeout, flags):
+    """Post `iters` WRITEs (with `flags`) cycling over the pages, wait for their
+    completions; returns when the first was posted.
+
+    It posts until posts wait in the queue, reading the CQ only then: the
+    provider's slots, which only those reads give back, run out within one burst
+    wherever the provider bounds them (shm with FI_DELIVERY_COMPLETE: tx_attr.size;
+    our contexts are four times that, fi.in_flight)."""
     progress = bench.Progress("WRITEs completed", iters, page_size)
     start = time.perf_counter()
     submitted = 0
@@ -221,12 +248,12 @@ def write_all(queue, beat, messages, iters, page_size, timeout):
             # completions, not posting order, say that a page is there.
             if submitted < iters - 1:
                 while submitted < iters - 1 and len(queue.pending) < BURST:
-                    queue.write(messages[submitted % len(messages)])
+                    queue.write(messages[submitted % len(messages)], flags)
                     submitted += 1
             elif submitted == iters - 1 and queue.completed == iters - 1:
                 last = messages[submitted % len(messages)]
                 last.data = iters
-                queue.write(last, lib.FI_COMPLETION | lib.FI_REMOTE_CQ_DATA)
+                queue.write(last, flags | lib.FI_REMOTE_CQ_DATA)
                 submitted += 1
             now = time.monotonic()
             if queue.progress():
