@@ -21,13 +21,18 @@ first post until the client says all the data is in its memory (LANDED);
 compared with a limit: the NIC's link speed, or fi_rma_bw on this machine
 (results/baselines/, written by scripts/baseline.py or scripts/bench.py).
 
-Whose queue is full: on shm every WRITE asks FI_DELIVERY_COMPLETE, so that it
-holds one of the server's own tx_attr.size slots until its CQ read sees the
-client's answer (completion() says where in shm's sources): a burst longer than
-that queue is refused on every run. Without the flag shm copies the WRITE within
-fi_writemsg and refuses only when the client lags, on some runs only. The cost:
-the client's CPU copies, a round trip per WRITE (at 64 KiB on 2 cores, 10-20%
-of the Gbps). 1.x's tcp;ofi_rxm refuses when rxm's tx credits run out
+Whose queue is full: shm copies a WRITE itself within fi_writemsg, by CMA,
+and refuses it only when the client lags in emptying its command queue
+(smr_rma_fast, prov/shm/src/smr_rma.c): on some runs only. The client the server
+prints asks for --delivery-complete: each WRITE with FI_DELIVERY_COMPLETE is
+copied by the client and holds one of the server's own tx_attr.size slots until
+the server's CQ read takes the client's answer (1.x, 2.1: the response queue,
+smr_do_iov and smr_progress_resp; 2.6: smr_cmd_stack and smr_progress_return),
+so a burst longer than that is refused on every run. The cost: a round trip per
+WRITE through the client's CPU (at 64 KiB on 2 cores, 10-20% of the Gbps), and
+a client that stops answering keeps its slots; before 2.5 that blocks every
+later answer too (they are taken in order), so no later client's WRITE would
+complete. Hence not the default. 1.x's tcp;ofi_rxm refuses when rxm's tx credits run out
 (rxm_ep.c); 2.x's own tcp takes every WRITE (no bound: xnet_alloc_tx) and never
 refuses, and -p 'tcp;ofi_rxm' shows the lesson there. The server prints the
 provider's refusals apart from the posts held back because every context of
@@ -82,7 +87,8 @@ cudaMemcpyPeer's ceiling is about 3170 Gbps.
 # FI_DELIVERY_COMPLETE in segments, one such WRITE per peer at a time (smr_select_proto,
 # sar_status), which refuses nearly every post and leaves little of the throughput.
 LESSON = {"figure": "refused", "visible": {"at_least": 1},
-          "client": "--page-size 64K --buffer-size 4M --pages 0-63 --iters 20000",
+          "client": "--delivery-complete --page-size 64K --buffer-size 4M --pages 0-63 "
+                    "--iters 20000",
           "small": "A repeat with none refused: the provider took every WRITE, as 2.x's own "
                    "tcp does (no bound on its transfers, xnet_alloc_tx); there -p "
                    "'tcp;ofi_rxm' shows the lesson."}
@@ -129,7 +135,8 @@ import common.fabric as fi
 
 CHAPTER = 7
 CAPS = lib.FI_MSG | lib.FI_RMA
-HEADER = struct.Struct("<QQQIH")  # seed, page size, WRITEs, page runs, buffers
+HEADER = struct.Struct("<QQQIH?")  # seed, page size, WRITEs, page runs, buffers,
+                                   # --delivery-complete
 REGION = struct.Struct("<QQQ")    # remote address, size, key: what a WRITE needs per buffer
 LANDED = struct.Struct("<Q")       # client -> server: all the data is in my memory
 BURST = 64                         # new WRITEs submitted between two reads of the CQ
@@ -169,7 +176,7 @@ def server(info, args):
 
 def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
     client, request = connect.accept(own, av, domain, ep, poller, request, CHAPTER, args.timeout)
-    seed, page_size, iters, runs, nbufs = HEADER.unpack_from(request)
+    seed, page_size, iters, runs, nbufs, delivery = HEADER.unpack_from(request)
     regions = [REGION.unpack_from(request, HEADER.size + i * REGION.size) for i in range(nbufs)]
     pages = connect.unpack_pages(request, HEADER.size + nbufs * REGION.size, runs)
     npages = len(pages)
@@ -188,8 +195,8 @@ def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
         # One WRITE message per page, built once; posting only sets its context.
         messages, _keep = write_messages(source, page_size, pages, range(npages), regions,
                                          desc, client)
-        start = write_all(queue, beat, messages, iters, page_size, args.timeout,
-                          completion(info))
+        flags = lib.FI_COMPLETION | (lib.FI_DELIVERY_COMPLETE if delivery else 0)
+        start = write_all(queue, beat, messages, iters, page_size, args.timeout, flags)
         # A WRITE's completion says the source may be reused, not that the data has
         # landed (shm's CUDA IPC copies are still queued on the GPU then): the clock
         # stops when the client says its memory holds everything.
@@ -215,28 +222,14 @@ def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
         print(f"result: {bench.record(path, '07_queue', args, info, memory_kind, here, f, lim)}")
 
 
-def completion(info):
-    """The flags of every WRITE. On shm also FI_DELIVERY_COMPLETE: without it shm
-    copies the WRITE itself inside fi_writemsg and completes it at once, refusing
-    only when the client's command queue is full (smr_rma_fast and its caller
-    smr_generic_rma, prov/shm/src/smr_rma.c), which a client that keeps up never
-    lets happen. With it the client copies the page and answers, and until the
-    writer's own fi_cq_read sees that answer the WRITE holds one of the writer's
-    tx_attr.size slots (1.17, 2.1: the response queue, smr_do_iov in smr_ep.c,
-    freed by smr_progress_resp; 2.6: a command of smr_cmd_stack, freed by
-    smr_progress_return, smr_progress.c)."""
-    shm = fi.provider_of(info) == "shm"
-    return lib.FI_COMPLETION | (lib.FI_DELIVERY_COMPLETE if shm else 0)
-
-
 def write_all(queue, beat, messages, iters, page_size, timeout, flags):
     """Post `iters` WRITEs (with `flags`) cycling over the pages, wait for their
     completions; returns when the first was posted.
 
-    It posts until posts wait in the queue, reading the CQ only then: the
-    provider's slots, which only those reads give back, run out within one burst
-    wherever the provider bounds them (shm with FI_DELIVERY_COMPLETE: tx_attr.size;
-    our contexts are four times that, fi.in_flight)."""
+    It posts until posts wait in the queue, reading the CQ only then: a
+    provider's slots that only those reads give back run out within one burst
+    (shm with FI_DELIVERY_COMPLETE: tx_attr.size; our contexts are four times
+    that, fi.in_flight)."""
     progress = bench.Progress("WRITEs completed", iters, page_size)
     start = time.perf_counter()
     submitted = 0
@@ -308,7 +301,7 @@ def request(args, me, regions):
     and how many WRITEs to cycle over them."""
     runs, pages = connect.pack_pages(args.pages)
     return connect.pack(CHAPTER, me, HEADER.pack(args.seed, args.page_size, args.iters, runs,
-                                                 len(regions))
+                                                 len(regions), args.delivery_complete)
                         + b"".join(REGION.pack(*r) for r in regions) + pages)
 
 
@@ -320,7 +313,10 @@ def main():
              p.add_argument("--iters", type=int, default=1_000_000,
                             help="WRITEs to post, cycling over the pages (default 1000000)"),
              p.add_argument("--bad-key", action="store_true",
-                            help="send a wrong key, to see how a failed WRITE is reported"))
+                            help="send a wrong key, to see how a failed WRITE is reported"),
+             p.add_argument("--delivery-complete", action="store_true",
+                            help="have the server post every WRITE with FI_DELIVERY_COMPLETE: "
+                            "on shm its queue is then full, and says so, on every run"))
     cli.side("server", p.add_argument("--json", nargs="?", const="auto", help="write the "
                                       "figures as JSON to this file (default "
                                       "results/runs/07_queue-...json)"))

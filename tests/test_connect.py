@@ -141,7 +141,7 @@ def test_pages_that_do_not_fit_one_send_are_refused_at_start():
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"07_queue.py: error: too many pages or buffers: CONNECT would be "
-        f"{connect.PREAMBLE.size + 64 + 30 + 2 * 24 + 600 * 8} bytes, and one SEND on this "
+        f"{connect.PREAMBLE.size + 64 + 31 + 2 * 24 + 600 * 8} bytes, and one SEND on this "
         f"NIC carries at most {fi.FALLBACK_MTU} (fabric.max_send)"]
 
 

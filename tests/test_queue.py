@@ -60,18 +60,20 @@ def test_07_eagain_is_queued_never_lost(provider):
 
 def test_07_lesson_run_is_refused_on_shm_every_time():
     """The run the tour judges 07 by (LESSON's client) meets -FI_EAGAIN on shm whatever
-    CPU the client gets. Each WRITE asks FI_DELIVERY_COMPLETE (chapter 07's completion()),
-    which keeps it off the path that copies within fi_writemsg (smr_rma_fast) and holds
-    one of the server's slots, tx_attr.size rounded up to a power of two, until a read of
-    its CQ takes the client's answer (1.17, 2.1: smr_do_iov, smr_progress_resp; 2.6:
-    smr_cmd_stack, smr_progress_return). write_all reads the CQ only once posts wait in
-    its queue, and has four times tx_attr.size contexts (fi.in_flight): so the first burst
-    of a run of more than twice tx_attr.size WRITEs is refused once its slots are gone."""
+    CPU the client gets. It asks --delivery-complete: the server posts each WRITE with
+    FI_DELIVERY_COMPLETE, which keeps it off the path that copies within fi_writemsg
+    (smr_rma_fast) and holds one of the server's slots, tx_attr.size rounded up to a power
+    of two, until a read of the server's CQ takes the client's answer (1.17, 2.1:
+    smr_do_iov, smr_progress_resp; 2.6: smr_cmd_stack, smr_progress_return). write_all
+    reads the CQ only once posts wait in its queue, and has four times tx_attr.size
+    contexts (fi.in_flight): the first burst of a run of more than twice tx_attr.size
+    WRITEs is refused once those slots are gone."""
     ch = load_chapter()
     flags = shlex.split(ch.LESSON["client"])
     iters = int(flags[flags.index("--iters") + 1])
     info, _ = fi.pick("shm", ch.CAPS)
-    assert iters > 2 * info.tx_attr.size and fi.in_flight(info) > 2 * info.tx_attr.size
+    assert "--delivery-complete" in flags and iters > 2 * info.tx_attr.size
+    assert fi.in_flight(info) > 2 * info.tx_attr.size
     pair = run_pair(7, "shm", ["--clients", "1"], [flags])
     assert pair.ok, pair
     done, eagain = completions(pair.server.out)
