@@ -21,18 +21,18 @@ first post until the client says all the data is in its memory (LANDED);
 compared with a limit: the NIC's link speed, or fi_rma_bw on this machine
 (results/baselines/, written by scripts/baseline.py or scripts/bench.py).
 
-Whose queue is full: shm copies a WRITE itself within fi_writemsg, by CMA,
-and refuses it only when the client lags in emptying its command queue
+Whose queue is full: shm copies a WRITE itself within fi_writemsg, by CMA, and
+refuses it only when the client lags in emptying its command queue
 (smr_rma_fast, prov/shm/src/smr_rma.c): on some runs only. The client the server
-prints asks for --delivery-complete: each WRITE with FI_DELIVERY_COMPLETE is
-copied by the client and holds one of the server's own tx_attr.size slots until
-the server's CQ read takes the client's answer (1.x, 2.1: the response queue,
-smr_do_iov and smr_progress_resp; 2.6: smr_cmd_stack and smr_progress_return),
-so a burst longer than that is refused on every run. The cost: a round trip per
-WRITE through the client's CPU (at 64 KiB on 2 cores, 10-20% of the Gbps), and
-a client that stops answering keeps its slots; before 2.5 that blocks every
-later answer too (they are taken in order), so no later client's WRITE would
-complete. Hence not the default. 1.x's tcp;ofi_rxm refuses when rxm's tx credits run out
+prints asks for --delivery-complete: a WRITE with FI_DELIVERY_COMPLETE is copied
+by the client and holds one of the server's own tx_attr.size slots until the
+server's CQ read takes the client's answer (1.x, 2.1: smr_do_iov, freed in
+smr_progress_resp; 2.6: smr_cmd_stack, smr_progress_return), so a burst longer
+than that is refused on every run. It costs a round trip per WRITE through the
+client's CPU (at 64 KiB on 2 cores, 10-20% of the Gbps), and a client that
+stops answering keeps its slots; before 2.5 that blocks every later answer too
+(they are taken in order), and no later client's WRITE completes: so it is not
+the default. 1.x's tcp;ofi_rxm refuses when rxm's tx credits run out
 (rxm_ep.c); 2.x's own tcp takes every WRITE (no bound: xnet_alloc_tx) and never
 refuses, and -p 'tcp;ofi_rxm' shows the lesson there. The server prints the
 provider's refusals apart from the posts held back because every context of
@@ -44,29 +44,29 @@ ours was in flight.
     .venv/bin/python chapters/07_queue.py --gpu 0 --json                   # server, pages on GPU 0
 
 Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host
-memory, commit b8a72b4, load average 2.5 with another test suite running beside
-it; first the client the server printed, pasted, then the series' run: 2 x 1 GiB,
-2 x 1000 pages, 1,000,000 WRITEs of 64 KiB):
+memory, other tests running beside it; first the client the server printed,
+pasted, then the series' run: 2 x 1 GiB, 2 x 1000 pages, 1,000,000 WRITEs of
+64 KiB, without --delivery-complete):
 
     $ .venv/bin/python chapters/07_queue.py -p shm --clients 2
     provider: shm (asked for), fabric shm, domain shm
     memory registration: FI_MR_VIRT_ADDR
-    server address: 66695f73686d3a2f2f31353430343a303a3000
-    run the client: .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f31353430343a303a3000 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
-    wrote 64 pages from host memory, the last WRITE with immediate data 100000
-    completions: 100000, one per WRITE; -FI_EAGAIN 5116 times
-    100000 WRITEs of 4096 bytes in 0.762 s: 4.298 Gbps, 0.131 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: bash scripts/build_libfabric.sh && LIBFABRIC_PREFIX=.deps/libfabric bash scripts/setup.sh && .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
+    server address: 66695f73686d3a2f2f31353339313a303a3000
+    run the client: .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f31353339313a303a3000 --delivery-complete --page-size 64K --buffer-size 4M --pages 0-63 --iters 20000
+    wrote 64 pages from host memory, the last WRITE with immediate data 20000
+    completions: 20000, one per WRITE; -FI_EAGAIN 32452 times (the provider's queue full), 0 posts held back (all our contexts in flight)
+    20000 WRITEs of 65536 bytes in 0.572 s: 18.318 Gbps, 0.035 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: bash scripts/build_libfabric.sh && LIBFABRIC_PREFIX=.deps/libfabric bash scripts/setup.sh && .venv/bin/python scripts/baseline.py -p shm --sizes 65536)
     wrote 2000 pages from host memory, the last WRITE with immediate data 1000000
-    completions: 1000000, one per WRITE; -FI_EAGAIN 565321 times
-    1000000 WRITEs of 65536 bytes in 20.595 s: 25.457 Gbps, 0.049 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: bash scripts/build_libfabric.sh && LIBFABRIC_PREFIX=.deps/libfabric bash scripts/setup.sh && .venv/bin/python scripts/baseline.py -p shm --sizes 65536)
+    completions: 1000000, one per WRITE; -FI_EAGAIN 679432 times (the provider's queue full), 11278 posts held back (all our contexts in flight)
+    1000000 WRITEs of 65536 bytes in 28.117 s: 18.646 Gbps, 0.036 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: bash scripts/build_libfabric.sh && LIBFABRIC_PREFIX=.deps/libfabric bash scripts/setup.sh && .venv/bin/python scripts/baseline.py -p shm --sizes 65536)
 
-    $ .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f31353430343a303a3000 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    $ .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f31353339313a303a3000 --delivery-complete --page-size 64K --buffer-size 4M --pages 0-63 --iters 20000
     provider: shm (asked for), fabric shm, domain shm
     memory registration: FI_MR_VIRT_ADDR
-    memory: 2 x 1048576 bytes of host memory
-    remote write completion: FI_REMOTE_CQ_DATA, immediate data 100000
-    verified 64 pages (262144 bytes): 0 wrong bytes
-    $ .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f31353430343a303a3000
+    memory: 2 x 4194304 bytes of host memory
+    remote write completion: FI_REMOTE_CQ_DATA, immediate data 20000
+    verified 64 pages (4194304 bytes): 0 wrong bytes
+    $ .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f31353339313a303a3000
     provider: shm (asked for), fabric shm, domain shm
     memory registration: FI_MR_VIRT_ADDR
     memory: 2 x 1073741824 bytes of host memory
@@ -76,7 +76,7 @@ it; first the client the server printed, pasted, then the series' run: 2 x 1 GiB
 (fi_rma_bw, and scripts/bench.py, cycle over 64 pages; the series' 2000 pages,
 128 MiB, no longer fit in the CPU caches, so shm's copies go at DRAM speed.)
 
-On 2 x H200 joined by NVLink at c425ffc (shm with CUDA IPC, libfabric 2.1.0 from
+On 2 x H200 joined by NVLink (shm with CUDA IPC, libfabric 2.1.0 from
 scripts/build_libfabric.sh, source pages on GPU 0, client buffers on GPU 1, 20000
 WRITEs of 16 MiB): 2856.834 Gbps, -FI_EAGAIN 231004 times, 0 wrong bytes, where
 cudaMemcpyPeer's ceiling is about 3170 Gbps.

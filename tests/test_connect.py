@@ -44,7 +44,7 @@ def small_mtu(monkeypatch):
 
 def test_07_with_3_buffers_fits_where_its_old_connect_did_not(small_mtu):
     args = argparse.Namespace(seed=42, page_size=64 << 10, iters=1_000_000,
-                              pages=series_pages(3))
+                              delivery_complete=False, pages=series_pages(3))
     new = load(7).request(args, EFA_ADDRESS, [(0, 1 << 30, 0)] * 3)
     # the old format: header, address, a region per buffer, 4 bytes per page
     old = struct.calcsize("<QQQIHH") + len(EFA_ADDRESS) + 3 * 24 + 3000 * 4
