@@ -21,16 +21,22 @@ first post until the client says all the data is in its memory (LANDED);
 compared with a limit: the NIC's link speed, or fi_rma_bw on this machine
 (results/baselines/, written by scripts/baseline.py or scripts/bench.py).
 
-Whose queue is full (libfabric 2.1 and 2.6 sources): shm copies a WRITE
-without immediate data itself, by CMA, inside fi_writemsg (smr_rma_fast,
-prov/shm/src/smr_rma.c) and refuses it only when the target's command queue
-(its rx size) is full, so the count depends on the CPU the client gets and
-can be 0 on any version; a WRITE the target copies (with immediate data, or
-without CMA) also holds a slot of the writer's own tx-size queue until it is
-answered (smr_util.c). 1.x's tcp;ofi_rxm refuses when rxm's tx queue is
-full; 2.x's own tcp takes every WRITE (an unbounded pool, xnet_progress.c).
-The server prints the provider's refusals apart from the posts that waited
-because every context of ours was in flight.
+Whose queue is full: shm copies a WRITE itself within fi_writemsg, by CMA, and
+refuses it only when the client lags in emptying its command queue
+(smr_rma_fast, prov/shm/src/smr_rma.c): on some runs only. The client the server
+prints asks for --delivery-complete: a WRITE with FI_DELIVERY_COMPLETE is copied
+by the client and holds one of the server's own tx_attr.size slots until the
+server's CQ read takes the client's answer (1.x, 2.1: smr_do_iov, freed in
+smr_progress_resp; 2.6: smr_cmd_stack, smr_progress_return), so a burst longer
+than that is refused on every run. It costs a round trip per WRITE through the
+client's CPU (at 64 KiB on 2 cores, 10-20% of the Gbps), and a client that
+stops answering keeps its slots; before 2.5 that blocks every later answer too
+(they are taken in order), and no later client's WRITE completes: so it is not
+the default. 1.x's tcp;ofi_rxm refuses when rxm's tx credits run out
+(rxm_ep.c); 2.x's own tcp takes every WRITE (no bound: xnet_alloc_tx) and never
+refuses, and -p 'tcp;ofi_rxm' shows the lesson there. The server prints the
+provider's refusals apart from the posts held back because every context of
+ours was in flight.
 
     .venv/bin/python chapters/07_queue.py                                  # server (the writer)
     .venv/bin/python chapters/07_queue.py ADDRESS                          # client: 1,000,000 x 64 KiB
@@ -38,29 +44,29 @@ because every context of ours was in flight.
     .venv/bin/python chapters/07_queue.py --gpu 0 --json                   # server, pages on GPU 0
 
 Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host
-memory, commit b8a72b4, load average 2.5 with another test suite running beside
-it; first the client the server printed, pasted, then the series' run: 2 x 1 GiB,
-2 x 1000 pages, 1,000,000 WRITEs of 64 KiB):
+memory, other tests running beside it; first the client the server printed,
+pasted, then the series' run: 2 x 1 GiB, 2 x 1000 pages, 1,000,000 WRITEs of
+64 KiB, without --delivery-complete):
 
     $ .venv/bin/python chapters/07_queue.py -p shm --clients 2
     provider: shm (asked for), fabric shm, domain shm
     memory registration: FI_MR_VIRT_ADDR
-    server address: 66695f73686d3a2f2f31353430343a303a3000
-    run the client: .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f31353430343a303a3000 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
-    wrote 64 pages from host memory, the last WRITE with immediate data 100000
-    completions: 100000, one per WRITE; -FI_EAGAIN 5116 times
-    100000 WRITEs of 4096 bytes in 0.762 s: 4.298 Gbps, 0.131 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: bash scripts/build_libfabric.sh && LIBFABRIC_PREFIX=.deps/libfabric bash scripts/setup.sh && .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
+    server address: 66695f73686d3a2f2f31353339313a303a3000
+    run the client: .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f31353339313a303a3000 --delivery-complete --page-size 64K --buffer-size 4M --pages 0-63 --iters 20000
+    wrote 64 pages from host memory, the last WRITE with immediate data 20000
+    completions: 20000, one per WRITE; -FI_EAGAIN 32452 times (the provider's queue full), 0 posts held back (all our contexts in flight)
+    20000 WRITEs of 65536 bytes in 0.572 s: 18.318 Gbps, 0.035 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: bash scripts/build_libfabric.sh && LIBFABRIC_PREFIX=.deps/libfabric bash scripts/setup.sh && .venv/bin/python scripts/baseline.py -p shm --sizes 65536)
     wrote 2000 pages from host memory, the last WRITE with immediate data 1000000
-    completions: 1000000, one per WRITE; -FI_EAGAIN 565321 times
-    1000000 WRITEs of 65536 bytes in 20.595 s: 25.457 Gbps, 0.049 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: bash scripts/build_libfabric.sh && LIBFABRIC_PREFIX=.deps/libfabric bash scripts/setup.sh && .venv/bin/python scripts/baseline.py -p shm --sizes 65536)
+    completions: 1000000, one per WRITE; -FI_EAGAIN 679432 times (the provider's queue full), 11278 posts held back (all our contexts in flight)
+    1000000 WRITEs of 65536 bytes in 28.117 s: 18.646 Gbps, 0.036 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: bash scripts/build_libfabric.sh && LIBFABRIC_PREFIX=.deps/libfabric bash scripts/setup.sh && .venv/bin/python scripts/baseline.py -p shm --sizes 65536)
 
-    $ .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f31353430343a303a3000 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
+    $ .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f31353339313a303a3000 --delivery-complete --page-size 64K --buffer-size 4M --pages 0-63 --iters 20000
     provider: shm (asked for), fabric shm, domain shm
     memory registration: FI_MR_VIRT_ADDR
-    memory: 2 x 1048576 bytes of host memory
-    remote write completion: FI_REMOTE_CQ_DATA, immediate data 100000
-    verified 64 pages (262144 bytes): 0 wrong bytes
-    $ .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f31353430343a303a3000
+    memory: 2 x 4194304 bytes of host memory
+    remote write completion: FI_REMOTE_CQ_DATA, immediate data 20000
+    verified 64 pages (4194304 bytes): 0 wrong bytes
+    $ .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f31353339313a303a3000
     provider: shm (asked for), fabric shm, domain shm
     memory registration: FI_MR_VIRT_ADDR
     memory: 2 x 1073741824 bytes of host memory
@@ -70,15 +76,22 @@ it; first the client the server printed, pasted, then the series' run: 2 x 1 GiB
 (fi_rma_bw, and scripts/bench.py, cycle over 64 pages; the series' 2000 pages,
 128 MiB, no longer fit in the CPU caches, so shm's copies go at DRAM speed.)
 
-On 2 x H200 joined by NVLink at c425ffc (shm with CUDA IPC, libfabric 2.1.0 from
+On 2 x H200 joined by NVLink (shm with CUDA IPC, libfabric 2.1.0 from
 scripts/build_libfabric.sh, source pages on GPU 0, client buffers on GPU 1, 20000
 WRITEs of 16 MiB): 2856.834 Gbps, -FI_EAGAIN 231004 times, 0 wrong bytes, where
 cudaMemcpyPeer's ceiling is about 3170 Gbps.
 """
 # What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
 # and says whether it showed on your machine; the server prints its run as the client command.
+# Pages over 4 KiB (SMR_INJECT_SIZE): 1.x's shm sends a smaller WRITE with
+# FI_DELIVERY_COMPLETE in segments, one such WRITE per peer at a time (smr_select_proto,
+# sar_status), which refuses nearly every post and leaves little of the throughput.
 LESSON = {"figure": "refused", "visible": {"at_least": 1},
-          "client": "--page-size 4K --buffer-size 1M --pages 0-63 --iters 100000"}
+          "client": "--delivery-complete --page-size 64K --buffer-size 4M --pages 0-63 "
+                    "--iters 20000",
+          "small": "A repeat with none refused: the provider took every WRITE, as 2.x's own "
+                   "tcp does (no bound on its transfers, xnet_alloc_tx); there -p "
+                   "'tcp;ofi_rxm' shows the lesson."}
 
 # %% [markdown]
 # ## efa-direct: what a WRITE demands of the device alone (-p efa-direct)
@@ -122,7 +135,8 @@ import common.fabric as fi
 
 CHAPTER = 7
 CAPS = lib.FI_MSG | lib.FI_RMA
-HEADER = struct.Struct("<QQQIH")  # seed, page size, WRITEs, page runs, buffers
+HEADER = struct.Struct("<QQQIH?")  # seed, page size, WRITEs, page runs, buffers,
+                                   # --delivery-complete
 REGION = struct.Struct("<QQQ")    # remote address, size, key: what a WRITE needs per buffer
 LANDED = struct.Struct("<Q")       # client -> server: all the data is in my memory
 BURST = 64                         # new WRITEs submitted between two reads of the CQ
@@ -162,7 +176,7 @@ def server(info, args):
 
 def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
     client, request = connect.accept(own, av, domain, ep, poller, request, CHAPTER, args.timeout)
-    seed, page_size, iters, runs, nbufs = HEADER.unpack_from(request)
+    seed, page_size, iters, runs, nbufs, delivery = HEADER.unpack_from(request)
     regions = [REGION.unpack_from(request, HEADER.size + i * REGION.size) for i in range(nbufs)]
     pages = connect.unpack_pages(request, HEADER.size + nbufs * REGION.size, runs)
     npages = len(pages)
@@ -181,7 +195,8 @@ def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
         # One WRITE message per page, built once; posting only sets its context.
         messages, _keep = write_messages(source, page_size, pages, range(npages), regions,
                                          desc, client)
-        start = write_all(queue, beat, messages, iters, page_size, args.timeout)
+        flags = lib.FI_COMPLETION | (lib.FI_DELIVERY_COMPLETE if delivery else 0)
+        start = write_all(queue, beat, messages, iters, page_size, args.timeout, flags)
         # A WRITE's completion says the source may be reused, not that the data has
         # landed (shm's CUDA IPC copies are still queued on the GPU then): the clock
         # stops when the client says its memory holds everything.
@@ -207,9 +222,14 @@ def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
         print(f"result: {bench.record(path, '07_queue', args, info, memory_kind, here, f, lim)}")
 
 
-def write_all(queue, beat, messages, iters, page_size, timeout):
-    """Post `iters` WRITEs cycling over the pages, wait for their completions;
-    returns when the first was posted."""
+def write_all(queue, beat, messages, iters, page_size, timeout, flags):
+    """Post `iters` WRITEs (with `flags`) cycling over the pages, wait for their
+    completions; returns when the first was posted.
+
+    It posts until posts wait in the queue, reading the CQ only then: a
+    provider's slots that only those reads give back run out within one burst
+    (shm with FI_DELIVERY_COMPLETE: tx_attr.size; our contexts are four times
+    that, fi.in_flight)."""
     progress = bench.Progress("WRITEs completed", iters, page_size)
     start = time.perf_counter()
     submitted = 0
@@ -221,12 +241,12 @@ def write_all(queue, beat, messages, iters, page_size, timeout):
             # completions, not posting order, say that a page is there.
             if submitted < iters - 1:
                 while submitted < iters - 1 and len(queue.pending) < BURST:
-                    queue.write(messages[submitted % len(messages)])
+                    queue.write(messages[submitted % len(messages)], flags)
                     submitted += 1
             elif submitted == iters - 1 and queue.completed == iters - 1:
                 last = messages[submitted % len(messages)]
                 last.data = iters
-                queue.write(last, lib.FI_COMPLETION | lib.FI_REMOTE_CQ_DATA)
+                queue.write(last, flags | lib.FI_REMOTE_CQ_DATA)
                 submitted += 1
             now = time.monotonic()
             if queue.progress():
@@ -281,7 +301,7 @@ def request(args, me, regions):
     and how many WRITEs to cycle over them."""
     runs, pages = connect.pack_pages(args.pages)
     return connect.pack(CHAPTER, me, HEADER.pack(args.seed, args.page_size, args.iters, runs,
-                                                 len(regions))
+                                                 len(regions), args.delivery_complete)
                         + b"".join(REGION.pack(*r) for r in regions) + pages)
 
 
@@ -293,7 +313,10 @@ def main():
              p.add_argument("--iters", type=int, default=1_000_000,
                             help="WRITEs to post, cycling over the pages (default 1000000)"),
              p.add_argument("--bad-key", action="store_true",
-                            help="send a wrong key, to see how a failed WRITE is reported"))
+                            help="send a wrong key, to see how a failed WRITE is reported"),
+             p.add_argument("--delivery-complete", action="store_true",
+                            help="have the server post every WRITE with FI_DELIVERY_COMPLETE: "
+                            "on shm its queue is then full, and says so, on every run"))
     cli.side("server", p.add_argument("--json", nargs="?", const="auto", help="write the "
                                       "figures as JSON to this file (default "
                                       "results/runs/07_queue-...json)"))

@@ -4,18 +4,15 @@ never comes, as from a decoder stopped or frozen at that moment.
 
     python tests/frozen_decoder.py ARGS...   (the decoder's arguments)
 """
-import importlib.util
 import os
 import signal
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.pair import chapter_path  # noqa: E402
+from scripts.pair import chapter_module  # noqa: E402
 
-spec = importlib.util.spec_from_file_location("kv_cache", chapter_path(18))
-chapter = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(chapter)
+chapter = chapter_module(18)
 checking = chapter.check
 
 

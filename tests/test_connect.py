@@ -36,7 +36,7 @@ def small_mtu(monkeypatch):
 
 def test_07_with_3_buffers_fits_where_its_old_connect_did_not(small_mtu):
     args = argparse.Namespace(seed=42, page_size=64 << 10, iters=1_000_000,
-                              pages=series_pages(3))
+                              delivery_complete=False, pages=series_pages(3))
     new = chapter_module(7).request(args, EFA_ADDRESS, [(0, 1 << 30, 0)] * 3)
     # the old format: header, address, a region per buffer, 4 bytes per page
     old = struct.calcsize("<QQQIHH") + len(EFA_ADDRESS) + 3 * 24 + 3000 * 4
@@ -133,7 +133,7 @@ def test_pages_that_do_not_fit_one_send_are_refused_at_start():
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"07_queue.py: error: too many pages or buffers: CONNECT would be "
-        f"{connect.PREAMBLE.size + 64 + 30 + 2 * 24 + 600 * 8} bytes, and one SEND on this "
+        f"{connect.PREAMBLE.size + 64 + 31 + 2 * 24 + 600 * 8} bytes, and one SEND on this "
         f"NIC carries at most {fi.FALLBACK_MTU} (fabric.max_send)"]
 
 

@@ -1,8 +1,8 @@
 """Chapter 07: many WRITEs through the pending queue, each completed exactly once,
 every byte checked."""
-import importlib.util
 import json
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -13,7 +13,7 @@ import pytest
 import common.fabric as fi
 import common.engine.opqueue as queue_module
 from common.cli import PEER_TIMEOUT
-from scripts.pair import ADDRESS, chapter_path, local_env, run_pair
+from scripts.pair import ADDRESS, chapter_module, chapter_path, local_env, run_pair
 from tests.budget import Budget
 from tests.gpu import has_gpu, needs_gpu
 from tests.test_bad_input import SHM_DEAD, assert_one_line_error, run
@@ -57,6 +57,29 @@ def test_07_eagain_is_queued_never_lost(provider):
     assert "verified 64 pages (4194304 bytes): 0 wrong bytes" in pair.clients[0].out
 
 
+def test_07_lesson_run_is_refused_on_shm_every_time():
+    """The run the tour judges 07 by (LESSON's client) meets -FI_EAGAIN on shm whatever
+    CPU the client gets. It asks --delivery-complete: the server posts each WRITE with
+    FI_DELIVERY_COMPLETE, which keeps it off the path that copies within fi_writemsg
+    (smr_rma_fast) and holds one of the server's slots, tx_attr.size rounded up to a power
+    of two, until a read of the server's CQ takes the client's answer (1.17, 2.1:
+    smr_do_iov, smr_progress_resp; 2.6: smr_cmd_stack, smr_progress_return). write_all
+    reads the CQ only once posts wait in its queue, and has four times tx_attr.size
+    contexts (fi.in_flight): the first burst of a run of more than twice tx_attr.size
+    WRITEs is refused once those slots are gone."""
+    ch = chapter_module(7)
+    flags = shlex.split(ch.LESSON["client"])
+    iters = int(flags[flags.index("--iters") + 1])
+    info, _ = fi.pick("shm", ch.CAPS)
+    assert "--delivery-complete" in flags and iters > 2 * info.tx_attr.size
+    assert fi.in_flight(info) > 2 * info.tx_attr.size
+    pair = run_pair(7, "shm", ["--clients", "1"], [flags])
+    assert pair.ok, pair
+    done, eagain = completions(pair.server.out)
+    assert done == iters and eagain > 0, pair.server.out
+    assert re.search(r"verified 64 pages \(\d+ bytes\): 0 wrong bytes", pair.clients[0].out)
+
+
 def test_07_default_pages_and_odd_sizes(provider):
     # No --pages: the first 1000 pages of each buffer (here all 3 of each).
     pair = run_pair(7, provider, ["--clients", "1"],
@@ -90,13 +113,6 @@ def test_07_wrong_key_is_reported_and_server_survives():
     assert "verified 64 pages (4194304 bytes): 0 wrong bytes" in pair.clients[1].out
 
 
-def load_chapter():
-    spec = importlib.util.spec_from_file_location("queue07", chapter_path(7))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 class FakeEntry:
     def __init__(self, context):
         self.op_context, self.flags, self.len, self.data = context, 0, 0, 0
@@ -105,7 +121,7 @@ class FakeEntry:
 def test_07_a_second_completion_is_caught(monkeypatch):
     """The queue's bookkeeping, without a provider: posts that say EAGAIN wait in
     order; a completion for a context not in flight is an error, not a count."""
-    ch = load_chapter()
+    ch = chapter_module(7)
     posted, answers, cq = [], iter([0, -ch.lib.FI_EAGAIN, 0, 0]), []
 
     def writemsg(ep, msg, flags):
@@ -141,7 +157,7 @@ def test_07_a_second_completion_is_caught(monkeypatch):
 
 def test_07_our_full_queue_is_not_counted_as_the_providers(monkeypatch):
     """A post held back because all our contexts are in flight is no -FI_EAGAIN."""
-    ch = load_chapter()
+    ch = chapter_module(7)
     monkeypatch.setattr(queue_module, "lib", type("Lib", (), {
         "fi_writemsg": staticmethod(lambda ep, msg, flags: 0), "FI_EAGAIN": ch.lib.FI_EAGAIN,
         "FI_COMPLETION": ch.lib.FI_COMPLETION}))
@@ -156,7 +172,7 @@ def test_07_drain_empties_the_cq_of_errors_without_a_context(monkeypatch):
     """shm from libfabric 2.5 leaves an error entry with no context for every failed post
     to a gone peer: after a failure the queue reads them all, so that the server's wait
     for its next client does not meet them."""
-    ch = load_chapter()
+    ch = chapter_module(7)
     reads = ["error", "error"]  # two errors without a context, then an empty CQ
 
     def cq_read(_, entries):
