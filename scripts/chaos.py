@@ -13,6 +13,10 @@ frozen peer, kept stopped, killed at the end of the trial). Then it checks that
   serves a second one instead, which must succeed; every rank and the launcher end;
 - no process carrying the token is left, nor a /dev/shm file of the trial's processes.
 
+A fault that comes while Python itself still starts (before the program's first import of
+ours takes the signals: python_starting) ends the victim Python's way; such a trial counts
+only if a survivor failed, and the figure says how many there were.
+
 Every wait is stretched by the machine's load, as the chapters' own are (common/patience).
 What is left after a failed trial is killed and removed, so that the next starts clean.
 Trial K of a --seed is always the same trial: `--only K` with the same flags reruns it.
@@ -179,10 +183,17 @@ class Rank:
         return True
 
     def wait(self, seconds):
+        """Whether it ended within `seconds`; if so, with its last line read: that comes
+        through the launcher, which may not have passed it on yet when the rank is gone."""
         deadline = time.monotonic() + seconds
         while self.alive() and time.monotonic() < deadline:
             time.sleep(0.02)
-        return not self.alive()
+        if self.alive():
+            return False
+        wait_for(lambda: self.stderr_lines() or not self.launcher.alive(), patience(SIGNALLED))
+        if not self.launcher.alive():
+            self.launcher.wait(0)  # read to the end
+        return True
 
     rc = None  # its exit code is the launcher's to read
 
@@ -277,16 +288,24 @@ class Trial:
     commands: list = field(default_factory=list)
     problems: list = field(default_factory=list)
     missed: bool = False  # the victim had ended before the fault
+    starting: bool = False  # ... or was still in Python's own start (python_starting)
     seconds: float = 0.0
 
     @property
     def survived(self):
-        return not self.problems and not self.missed
+        return not self.problems and not self.missed and not self.starting
+
+    @property
+    def counted(self):
+        """Whether the trial tested our bounds: a victim still in Python's own start tests
+        only the survivors, and counts if one of them failed."""
+        return not self.missed and (self.problems or not self.starting)
 
     def record(self):
         return {"trial": self.number, "chapter": self.chapter, "provider": self.provider,
                 "victim": self.victim, "fault": self.fault, "moment_s": round(self.moment, 3),
-                "survived": self.survived, "missed": self.missed, "problems": self.problems,
+                "survived": self.survived, "missed": self.missed, "starting": self.starting,
+                "problems": self.problems,
                 "commands": [records.arguments(c) for c in self.commands],
                 "seconds": round(self.seconds, 1)}
 
@@ -377,6 +396,9 @@ def signalled_ok(run, proc, fault, since):
     if not proc.wait(patience(SIGNALLED)):
         run.problem(proc, f"did not end within {patience(SIGNALLED):.1f} s of {fault}")
         return
+    if python_starting(proc, fault):
+        run.trial.starting = True
+        return
     lines = proc.stderr_lines()
     if proc.rc is not None and proc.rc != 128 + FAULTS[fault]:
         run.problem(proc, f"on {fault}, not exit {128 + FAULTS[fault]}", since)
@@ -384,6 +406,25 @@ def signalled_ok(run, proc, fault, since):
         run.problem(proc, f"a traceback on {fault}", since)
     elif len(lines) != 1:
         run.problem(proc, f"{len(lines)} lines on stderr on {fault}, not one", since)
+
+
+def python_starting(proc, fault):
+    """Whether the fault ended the victim while Python itself was still starting, before the
+    program's first import of ours gave the signals to our handlers (common/__init__): the
+    signal's default action, Python's fatal error in its own start, or a KeyboardInterrupt
+    raised at that first import (tests/test_bounds.py allows the same). Milliseconds of a
+    start, which no code of ours can reach."""
+    err = "".join(proc.err)
+    if "Fatal Python error" in err:
+        return True
+    if "Traceback" not in err:
+        return proc.rc is not None and proc.rc == -FAULTS[fault]
+    frames = re.findall(r'File "([^"]+)", line \d+, in \S+\n\s*(.*)', err)
+    ours = [(path, code) for path, code in frames
+            if path.startswith(str(ROOT)) and "site-packages" not in path]
+    return (err.rstrip().endswith("KeyboardInterrupt") and bool(ours)
+            and all(not path.startswith(str(ROOT / "common")) for path, _ in ours)
+            and re.match(r"(import|from) common\b", ours[-1][1]) is not None)
 
 
 def survivor_ok(run, proc, bound, since):
@@ -519,7 +560,7 @@ def table(trials, faults, providers):
         row = [chapter]
         for f, p in columns:
             hit = [t for t in trials if (t.chapter, t.fault, t.provider) == (chapter, f, p)
-                   and not t.missed]
+                   and t.counted]
             row.append(f"{sum(t.survived for t in hit)}/{len(hit)}" if hit else "-")
         rows.append(row)
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
@@ -527,7 +568,7 @@ def table(trials, faults, providers):
 
 
 def figure(trials):
-    counted = [t for t in trials if not t.missed]
+    counted = [t for t in trials if t.counted]
     return f"faults survived {sum(t.survived for t in counted)}/{len(counted)}"
 
 
@@ -605,7 +646,8 @@ def main(argv=None):
                                  args.faults, args.victims))
         trials.append(trial)
         verdict = "missed (the victim had ended)" if trial.missed else \
-            "survived" if trial.survived else "FAILED"
+            "survived" if trial.survived else "FAILED" if trial.counted else \
+            "missed (the victim was still in Python's own start)"
         print(f"trial {number}: {trial.chapter} {trial.provider} {trial.fault} -> "
               f"{trial.victim} at {trial.moment:.2f} s: {verdict} ({trial.seconds:.1f} s)",
               flush=True)
@@ -614,8 +656,11 @@ def main(argv=None):
         print("\n" + describe(trial, rerun))
     print("\n" + table(trials, args.faults, args.providers))
     missed = sum(t.missed for t in trials)
-    print(figure(trials) + (f" ({missed} missed: the victim had ended before its fault)"
-                            if missed else ""))
+    starting = sum(not t.missed and not t.counted for t in trials)
+    print(figure(trials) + "".join(
+        f" ({n} missed: {why})" for n, why in (
+            (missed, "the victim had ended before its fault"),
+            (starting, "the victim was still in Python's own start")) if n))
     if args.json:
         out = records.write_json(ROOT / "results" / "chaos" / f"{args.json}.json", {
             "kind": "chaos", "command": "python " + shlex.join(["scripts/chaos.py",

@@ -100,6 +100,34 @@ def test_the_table_counts_survivors_per_chapter_fault_and_provider():
     assert chaos.figure(trials) == "faults survived 2/3"
 
 
+def traceback(*frames):
+    """A KeyboardInterrupt's traceback through `frames`: (file under the root, its line)."""
+    return ["Traceback (most recent call last):\n"] + [
+        f'  File "{ROOT / path}", line 1, in <module>\n    {code}\n' for path, code in frames
+    ] + ["KeyboardInterrupt\n"]
+
+
+@pytest.mark.parametrize("rc,err,starting", [
+    (-2, traceback(("chapters/05_reverse.py", "from common import cli")), True),
+    (1, ["Fatal Python error: init_import_site: Failed to import the site module\n"], True),
+    (-15, [], True),  # the default action: nothing of ours had run
+    (-2, traceback(("chapters/05_reverse.py", "cli.run(main)"), ("common/cli.py", "main()")),
+     False),  # ours let it through: a failure
+    (130, ["05_reverse.py: interrupted, resources closed\n"], False),
+])
+def test_a_fault_in_pythons_own_start_is_told_apart(rc, err, starting):
+    proc = type("Victim", (), {"rc": rc, "err": err})()
+    assert chaos.python_starting(proc, "SIGINT" if rc in (-2, 1, 130) else "SIGTERM") is starting
+
+
+def test_a_trial_whose_victim_was_starting_counts_only_when_a_survivor_failed():
+    quiet, failed = (chaos.Trial(n, "05", "shm", "client", "SIGINT", 0.0, 0, starting=True)
+                     for n in (1, 2))
+    failed.problems = ["server: still running 15.0 s after its peer's fault"]
+    assert not quiet.counted and failed.counted
+    assert chaos.figure([quiet, failed]) == "faults survived 0/1"
+
+
 @pytest.mark.parametrize("args,says", [
     (["--chapters", "03"], "choose from 04,05"),
     (["--faults", "SIGHUP"], "choose from SIGINT"),
