@@ -343,7 +343,7 @@ class Run:
 
     def problem(self, proc, what, since=None):
         took = f" after {proc.ended - since:.1f} s" if since and proc.ended else ""
-        tail = "".join(proc.err[-3:]).strip().replace("\n", " | ")
+        tail = "".join(proc.err[-3:]).strip().replace("\n", " | ").replace(f"{ROOT}{os.sep}", "")
         rc = f", exit {proc.rc}" if getattr(proc, "rc", None) is not None else ""
         self.trial.problems.append(f"{proc.name}: {what}{took}{rc}"
                                    + (f"; stderr: {tail}" if tail else ""))
