@@ -26,6 +26,7 @@ hears nothing from the rendezvous that long stops by itself. Before its join a
 rank cannot say it; our launcher says it for each rank whose process runs (not
 stopped), so one frozen at its start is seen the same way.
 """
+import contextlib
 import ctypes
 import os
 import secrets
@@ -164,6 +165,7 @@ class RendezvousServer(threading.Thread):
         self.silence = {}      # rank -> seconds it may be silent, as it said at its join
         self.silent = None     # the rank that fell silent, once one did
         self.failure = None    # the first reason the job stopped
+        self.gone = None       # the first rank whose connection closed without a goodbye
         self.lock = threading.Lock()
         self.start()
 
@@ -225,6 +227,8 @@ class RendezvousServer(threading.Thread):
                     if rank is not None and rank not in self.left:
                         with self.lock:
                             self.ranks.pop(rank, None)
+                        if self.gone is None:
+                            self.gone = rank
                         self.abort(f"rank {rank} is gone (its connection to the rendezvous "
                                    "closed without a goodbye: killed or crashed)")
                 elif kind == JOIN:
@@ -454,6 +458,7 @@ class Group:
 
 MAX_RANKS = 128   # 16 emulated p5 nodes of 8 GPUs; each rank is a Python process of its own
 KILL_WAIT = 5.0   # seconds between SIGTERM and SIGKILL for a rank that does not stop
+JOIN_WAIT = 1.0   # seconds for a rank the rendezvous lost to end, when others ended first
 STOPS = {signal.SIGINT: "was interrupted (Ctrl-C)", signal.SIGTERM: "got SIGTERM",
          signal.SIGHUP: "got SIGHUP (its terminal closed)"}
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -616,11 +621,18 @@ class Job:
                     p.send_signal(signal.SIGCONT)  # a stopped rank acts on it only then
 
     def failed(self):
-        """The rank that failed, preferring one killed by a signal: the others that exit
-        with an error then only followed it."""
+        """The rank that failed, preferring the one the rendezvous lost first, then one
+        killed by a signal: the others that exit with an error then only followed it. A
+        killed rank's socket closes before its memory is freed: on a busy machine the
+        others, told at once, could end before it did (JOIN_WAIT for it)."""
+        gone = self.server.gone
+        if gone is not None and gone < len(self.procs) and any(
+                p.poll() not in (None, 0) for r, p in enumerate(self.procs) if r != gone):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.procs[gone].wait(JOIN_WAIT)
         dead = [(rank, p.returncode) for rank, p in enumerate(self.procs)
                 if p.poll() not in (None, 0)]
-        dead.sort(key=lambda d: d[1] > 0)
+        dead.sort(key=lambda d: (d[0] != gone, d[1] > 0))
         if dead:
             self.server.abort(f"rank {dead[0][0]} {_how(dead[0][1])}")
         return dead[0] if dead else None

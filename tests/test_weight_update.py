@@ -3,6 +3,7 @@ shardings, shards quantised with their neighbours' edge maxima equal the whole t
 quantisation, the check counts a flipped byte; runs of trainers and inference ranks on shm
 and tcp exact after two updates and the naive way; a rank gone mid-update, or frozen
 between two; bad input."""
+import math
 import os
 import re
 import signal
@@ -187,7 +188,8 @@ def test_a_rank_frozen_between_updates_stops_the_job_within_the_bound():
     """Between two updates the ranks meet at the rendezvous, which may wait long for a rank
     busy with gigabytes (30 x --timeout); a frozen trainer (SIGSTOP) is silent, and its
     silence for --timeout is what stops the others, not that wait."""
-    timeout, grace, budget = 5, 2, Budget(LIMIT)
+    budget = Budget(LIMIT)  # a rank that this busy machine starves must not look frozen
+    timeout, grace = (math.ceil(budget.grant(s)) for s in (5, 2))
     proc = subprocess.Popen([sys.executable, LAUNCH, "-n", "3", "--grace", str(grace),
                              str(CHAPTER), "-p", "shm", "--timeout", str(timeout), "--updates",
                              "3", "--naive", "no"], stdout=subprocess.PIPE,
@@ -206,8 +208,8 @@ def test_a_rank_frozen_between_updates_stops_the_job_within_the_bound():
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 1 and "Traceback" not in err, err
-    assert "launch: rank 1 gave no sign of life for 5 s (frozen, or its host is gone); all 3 " \
-           "ranks stopped" in err, err
+    assert f"launch: rank 1 gave no sign of life for {timeout} s (frozen, or its host is gone); " \
+           "all 3 ranks stopped" in err, err
     assert elapsed < budget.grant(timeout + 5 + grace + KILL_WAIT), elapsed
     left = shm_files.remove_left_by(pids)
     assert not left, f"left in /dev/shm: {sorted(left)}"
