@@ -34,6 +34,14 @@ def alive(pid):
     return not shm_files.ended(pid)
 
 
+def kill_job(launcher, pids):
+    """End a launcher and its ranks, whatever state a test left them in (one frozen, say)."""
+    launcher.kill()
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def command(entry):
     return (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
 

@@ -17,7 +17,7 @@ from common import launch, shm_files
 from common.launch import KILL_WAIT
 from scripts.pair import ROOT, chapter_path, local_env
 from tests.budget import Budget
-from tests.processes import alive
+from tests.processes import alive, kill_job
 from tests.test_bad_input import assert_one_line_error
 
 LAUNCH = str(ROOT / "scripts" / "launch.py")
@@ -172,10 +172,7 @@ def test_a_frozen_rank_stops_the_job_once_silent_for_its_timeout(when, tmp_path)
         _, err = budget.communicate(proc)
         elapsed = time.monotonic() - frozen
     finally:
-        proc.kill()
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_job(proc, pids)
     silent = f"rank 1 gave no sign of life for {SILENCE} s (frozen, or its host is gone)"
     assert proc.returncode == 1 and "Traceback" not in err, err
     for rank in (0, 2):

@@ -21,7 +21,7 @@ from common.moe import reference as ref
 from scripts.pair import ROOT, chapter_module, chapter_path, local_env
 from tests.budget import Budget
 from tests.gpu import needs_gpu
-from tests.processes import alive
+from tests.processes import kill_job
 from tests.test_bad_input import assert_one_line_error, run
 
 CHAPTER = str(chapter_path(16))
@@ -500,10 +500,7 @@ def test_a_rank_frozen_at_its_start_is_named_and_the_job_ends():
         _, err = budget.communicate(proc)
         elapsed = time.monotonic() - frozen
     finally:
-        proc.kill()
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_job(proc, pids)
     silent = f"rank 2 gave no sign of life for {timeout} s (frozen, or its host is gone)"
     assert proc.returncode == 1 and "Traceback" not in err, err
     for rank in (0, 1, 3):

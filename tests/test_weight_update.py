@@ -23,7 +23,7 @@ from common.weights.ops import HostOps, e4m3
 from scripts.pair import ROOT, chapter_module, local_env
 from tests.budget import Budget
 from tests.gpu import needs_gpu
-from tests.processes import alive
+from tests.processes import kill_job
 
 pytest.importorskip("common.transfer")  # skipped only if the engine's worker is not built
 CHAPTER = ROOT / "chapters" / "19_weight_update.py"
@@ -203,10 +203,7 @@ def test_a_rank_frozen_between_updates_stops_the_job_within_the_bound():
         _, err = budget.communicate(proc)
         elapsed = time.monotonic() - frozen
     finally:
-        proc.kill()
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_job(proc, pids)
     assert proc.returncode == 1 and "Traceback" not in err, err
     assert f"launch: rank 1 gave no sign of life for {timeout} s (frozen, or its host is gone); " \
            "all 3 ranks stopped" in err, err
