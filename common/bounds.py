@@ -126,6 +126,7 @@ def join(threads, what, bound=JOIN_BOUND):
     running is stuck where Python cannot reach it (in a provider call): say so, after the
     error being raised if there is one (why they were stopped), and end the process, as
     nothing else can stop that thread."""
+    threads = [t for t in threads if t.ident is not None]  # one not started has nothing to join
     until = time.monotonic() + bound
     for t in threads:
         t.join(max(0.0, until - time.monotonic()))

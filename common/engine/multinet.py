@@ -383,10 +383,10 @@ def wait_immediates(control, inbox, lanes, args):
             errors.append(fi.native_error(rc, mine[failed[0]].cq, "fi_cq_read (tut_wait_data)"))
     threads = [threading.Thread(target=wait, args=(first,), name=f"the waiter of NIC {first}")
                for first in range(0, len(lanes), per_group)]
-    for t in threads:
-        t.start()
     deadline = time.monotonic() + args.timeout
-    try:
+    try:  # a Ctrl-C while they start must stop those started: their CQs close next
+        for t in threads:
+            t.start()
         while any(t.is_alive() for t in threads) and not errors:
             control.poller.poll()
             if fi.key(inbox.ctx) in control.poller.done:

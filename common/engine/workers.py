@@ -63,9 +63,9 @@ def run(threads, lanes, control, beat, page_size, timeout, done, halt, errors):
     progress = bench.Progress("WRITEs completed", total, page_size)
     start = last = time.perf_counter()
     seen = 0
-    for t in threads:
-        t.start()
-    try:
+    try:  # a Ctrl-C while they start must stop those started: their CQs close next
+        for t in threads:
+            t.start()
         while any(t.is_alive() for t in threads) and not errors:
             control.queue.progress()
             now, finished = time.perf_counter(), done()

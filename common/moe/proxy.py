@@ -79,8 +79,8 @@ class Proxy:
             p.flush_scope = scope
         self.rc, self.error, self.gpu = None, None, mem.gpu
         self.thread = threading.Thread(target=self._run, daemon=True, name="proxy")
-        self.thread.start()
-        own.callback(self.stop)  # before the endpoint closes (the Closer runs backwards)
+        own.callback(self.stop)  # before the endpoint closes (the Closer runs backwards),
+        self.thread.start()      # and before it starts: a Ctrl-C may come in between
 
     def _run(self):
         try:

@@ -246,8 +246,10 @@ class Engine:
         self.rc, self.error = None, None
         self._thread = threading.Thread(target=self._run, args=(worker_cores(gpu),),
                                         daemon=True, name="transfer worker")
+        # runs first: before the registrations and endpoints close; set before the thread
+        # starts, as a Ctrl-C in between would leave it reading CQs as they close
+        own.callback(self._stop)
         self._thread.start()
-        own.callback(self._stop)  # runs first: before the registrations and endpoints close
 
     # --- setting up -------------------------------------------------------------------
 
