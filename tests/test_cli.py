@@ -83,7 +83,7 @@ def test_printed_client_command_works_in_a_plain_shell():
         stop(proc)
 
 
-@pytest.mark.parametrize("chapter,flags", [(7, "--page-size 4K"),
+@pytest.mark.parametrize("chapter,flags", [(7, "--delivery-complete --page-size 64K"),
                                            (12, "--groups 2 --nics-per-gpu 2 --page-size 4K")])
 def test_server_hint_is_the_run_that_shows_the_lesson(chapter, flags):
     proc, hint = server_hint(chapter)
