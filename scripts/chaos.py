@@ -58,6 +58,9 @@ PROVIDERS = ("shm", "tcp")
 VICTIMS = ("server", "client", "rank", "launcher")
 TIMEOUT = 5.0   # the chapters' --timeout in a trial
 SIGNALLED = 2.0  # seconds a signalled process may take to end
+# CPython's start prints this when a KeyboardInterrupt cuts into its look at argv[0] (is it
+# a zip to import from?), and runs the program on: the Ctrl-C is lost before any code of ours
+PYTHON_RAN_ON = "Failed checking if argv[0] is an import path entry"
 GRACE = 2.0      # the launcher's --grace: seconds the ranks get to stop by themselves
 
 
@@ -415,7 +418,7 @@ def python_starting(proc, fault):
     raised at that first import (tests/test_bounds.py allows the same). Milliseconds of a
     start, which no code of ours can reach."""
     err = "".join(proc.err)
-    if "Fatal Python error" in err:
+    if "Fatal Python error" in err or PYTHON_RAN_ON in err:
         return True
     if "Traceback" not in err:
         return proc.rc is not None and proc.rc == -FAULTS[fault]
