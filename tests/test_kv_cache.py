@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from common import shm_files
 from scripts.pair import ADDRESS, chapter_module, chapter_path, local_env, run_pair
-from tests import shm_regions
 from tests.budget import Budget
 from tests.test_bad_input import assert_one_line_error, run
 
@@ -52,15 +52,27 @@ def start_decoder(*args, program=chapter_path(18)):
     raise AssertionError("".join(lines) + server.stderr.read())
 
 
+def start_prefiller(address, *args):
+    return subprocess.Popen([sys.executable, str(chapter_path(18)), "-p", "shm", *args, address],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=local_env())
+
+
+def end_both(client, server, killed):
+    """Kill what still runs, and remove what the process killed by the test left."""
+    for proc in (client, server):
+        proc.kill()
+        proc.wait()
+    shm_files.remove_left_by([killed.pid])  # a process killed with -9 removes nothing
+
+
 @pytest.mark.parametrize("victim,survivor_says", [
     ("prefiller", "is the prefiller still there?"),
     ("decoder", "is the decoder still there?")])
 def test_a_side_killed_mid_transfer_is_said_by_the_other_in_one_line(victim, survivor_says):
     long = ["--tokens", "1024", "--layers", "60", "--timeout", "5"]
     server, address = start_decoder(*long)
-    client = subprocess.Popen([sys.executable, str(chapter_path(18)), "-p", "shm", *long,
-                               address], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True, env=local_env())
+    client = start_prefiller(address, *long)
     killed, survivor = (client, server) if victim == "prefiller" else (server, client)
     try:
         for line in server.stdout:  # killed once the request went out
@@ -71,11 +83,7 @@ def test_a_side_killed_mid_transfer_is_said_by_the_other_in_one_line(victim, sur
         killed.wait()
         _, err = Budget(60).communicate(survivor)
     finally:
-        for proc in (client, server):
-            proc.kill()
-            proc.wait()
-        for name in shm_regions.files(killed.pid):  # what a killed process cannot remove
-            (shm_regions.SHM / name).unlink(missing_ok=True)
+        end_both(client, server, killed)
     assert survivor.returncode == 1
     lines = err.strip().splitlines()
     assert len(lines) == 1 and survivor_says in lines[0], err
@@ -88,17 +96,11 @@ def test_a_decoder_frozen_while_it_checks_is_said_by_the_prefiller_within_its_ti
     timeout = budget.grant(5)
     args = [*SMALL, "--timeout", f"{timeout:g}"]
     server, address = start_decoder(*args, program=FROZEN)
-    client = subprocess.Popen([sys.executable, str(chapter_path(18)), "-p", "shm", *args,
-                               address], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True, env=local_env())
+    client = start_prefiller(address, *args)
     try:
         _, err = budget.communicate(client)
     finally:
-        for proc in (client, server):
-            proc.kill()
-            proc.wait()
-        for name in shm_regions.files(server.pid):  # what a killed process cannot remove
-            (shm_regions.SHM / name).unlink(missing_ok=True)
+        end_both(client, server, server)
     assert client.returncode == 1
     lines = err.strip().splitlines()
     assert len(lines) == 1 and f"within {timeout:g} s" in lines[0] and \
