@@ -33,12 +33,15 @@ def watcher():
 
 @pytest.fixture(autouse=True)
 def nothing_left_running(watcher):
-    """Each test's processes end with it (or within EXIT seconds): the test that left one
-    running is the one that fails, and the process is stopped."""
+    """Each test's processes end with it (or within EXIT seconds), and what they made in
+    /dev/shm with them: the test that left either is the one that fails, and the process
+    is stopped, the region removed."""
     yield
     left = processes.wait_gone(watcher.token, Budget(EXIT).seconds)
     processes.stop(watcher.token, left)
+    orphans = watcher.orphans()
     assert not left, f"still running after the test: {processes.report(left)}"
+    assert not orphans, f"left in /dev/shm by its ended processes: {sorted(orphans)}"
 
 
 @pytest.fixture(autouse=True)
