@@ -38,9 +38,9 @@ from common.fabric import rules  # FABRIC_RULES=efa|efa-direct|verbs: calls chec
 # The shm provider names an endpoint's region after this process's pid and refuses
 # (fi_enable: EBUSY) to reuse a region of that name whose recorded creator is alive
 # (prov/shm/src/smr_util.c, smr_retry_map): this very process, when one that had this pid
-# before, SIGKILLed, left its region and the pids came round (our tests go through
-# 32768 pids in about 40 minutes of a 2-core machine). No endpoint of ours exists yet, so a
-# region carrying our pid is such a leftover.
+# before, SIGKILLed, left its region and the pids came round (after 32768 by Linux's default
+# pid_max; one run of our tests takes some 9,400). No endpoint of ours exists yet, so a region
+# carrying our pid is such a leftover.
 shm_files.remove_left_by([os.getpid()])
 
 # The API version our headers describe; libfabric 2.x still serves 1.x callers.
