@@ -70,7 +70,7 @@ def met(address):
 def remove_dead_peers():
     """Remove the regions of the shm peers met so far whose process has ended (a zombie
     too: it was killed, its parent has not read it yet); a live peer keeps its own."""
-    return remove_left_by(pid for pid in _peers if ended(pid))
+    return remove_left_by([pid for pid in list(_peers) if ended(pid)])
 
 
 def ended(pid):
@@ -78,5 +78,5 @@ def ended(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # the second: reaped between open and read
         return True

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from common import shm_files
 from tests.shm_regions import SHM, Watcher
 
 # Makes a region named like shm's after itself, says its name, and leaves it behind once
@@ -57,3 +58,20 @@ def test_a_stopped_watcher_reads_nothing_more():
         region.unlink(missing_ok=True)
         os.close(read)
         os.close(write)
+
+
+def test_a_process_reaped_while_its_state_is_read_has_ended(monkeypatch):
+    """/proc/PID/stat opened, then the process reaped: the read raises ESRCH. That is an end
+    (it raised out of a finished rank of 16, in a suite run), not an error."""
+    class Reaped:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self):
+            raise ProcessLookupError(3, "No such process")
+    monkeypatch.setattr("builtins.open", lambda *a, **k: Reaped())
+    assert shm_files.ended(12345)
+
