@@ -78,8 +78,7 @@ class Watcher:
         are gone, what they left. Caught here, a test's leak is named with it; left until the
         pids come round again, it made a later process with the same pid fail (fi_enable:
         EBUSY, see common/fabric) and was removed by that failure, without a trace."""
-        names = {name for name in files() - self.before - self.foreign
-                 if ended(creator(name)) and self.ours(creator(name)) is not False}
+        names = {name for name in self._made() if ended(creator(name))}
         for name in names:
             (SHM / name).unlink(missing_ok=True)
         return names
@@ -92,5 +91,10 @@ class Watcher:
             for fd in (self.fd, self.stop, self.stopping):
                 os.close(fd)
             self.thread = None
+        return self._made()
+
+    def _made(self):
+        """Regions there now, made since the start by our processes (or by creators gone
+        unseen)."""
         return {name for name in files() - self.before - self.foreign
                 if self.ours(creator(name)) is not False}

@@ -74,4 +74,3 @@ def test_a_process_reaped_while_its_state_is_read_has_ended(monkeypatch):
             raise ProcessLookupError(3, "No such process")
     monkeypatch.setattr("builtins.open", lambda *a, **k: Reaped())
     assert shm_files.ended(12345)
-
