@@ -33,8 +33,10 @@ client's CPU (at 64 KiB on 2 cores, 10-20% of the Gbps), and a client that
 stops answering keeps its slots; before 2.5 that blocks every later answer too
 (they are taken in order), and no later client's WRITE completes: so it is not
 the default. 1.x's tcp;ofi_rxm refuses when rxm's tx credits run out
-(rxm_ep.c); 2.x's own tcp takes every WRITE (no bound: xnet_alloc_tx) and never
-refuses, and -p 'tcp;ofi_rxm' shows the lesson there. The server prints the
+(rxm_ep.c), and a frozen client keeps the credits of its WRITEs until its process
+ends: the server then opens its endpoint again at the same address (lends_credits).
+2.x's own tcp takes every WRITE (no bound: xnet_alloc_tx) and never refuses, and
+-p 'tcp;ofi_rxm' shows the lesson there. The server prints the
 provider's refusals apart from the posts held back because every context of
 ours was in flight.
 
@@ -148,30 +150,47 @@ BAD_KEY = 0xBAD0_0000  # --bad-key: a key no registration of ours has
 
 # %%
 def server(info, args):
-    with fi.Closer() as own:
-        domain, cq, av, ep = fi.open_endpoint(own, info, shm=False)
-        poller = fi.Poller(cq)
-        inbox = fi.Inbox(own, domain, ep, fi.max_send(info))
-        addr = fi.getname(ep).hex()
-        print(f"server address: {addr}")
-        print(cli.client_hint(args, addr, LESSON), flush=True)
-        served, backlog = 0, []  # CONNECTs that came while another client was served
-        while not args.clients or served < args.clients:
-            if not backlog:
-                _, length = poller.wait([inbox.ctx], None, "CONNECT", idle=True)
-                backlog.append(inbox.take(length))
-            request = backlog.pop(0)
-            if connect.stray(request):
-                continue
-            try:
-                with fi.Closer() as client_own:  # what one client needs, released after it
-                    serve(client_own, info, domain, ep, av, cq, poller, inbox, backlog, request,
-                          args)
-            except (fi.FabricError, TimeoutError, ValueError) as e:  # serve the next one
-                connect.report(served + 1, e)
-                if isinstance(e, connect.Refused):
-                    continue  # another chapter's client, told so: not one of --clients
-            served += 1
+    served, backlog, name = 0, [], None  # backlog: CONNECTs that came during another client
+    while not args.clients or served < args.clients:
+        with fi.Closer() as own:  # the endpoint: opened again, at its address, when renewed
+            domain, cq, av, ep = fi.open_endpoint(own, fi.at_address(info, name), shm=False)
+            poller = fi.Poller(cq)
+            inbox = fi.Inbox(own, domain, ep, fi.max_send(info))
+            if name is None:
+                name = fi.getname(ep)
+                print(f"server address: {name.hex()}")
+                print(cli.client_hint(args, name.hex(), LESSON), flush=True)
+            while not args.clients or served < args.clients:
+                if not backlog:
+                    _, length = poller.wait([inbox.ctx], None, "CONNECT", idle=True)
+                    backlog.append(inbox.take(length))
+                request = backlog.pop(0)
+                if connect.stray(request):
+                    continue
+                renew = False
+                try:
+                    with fi.Closer() as client_own:  # what one client needs, released after it
+                        serve(client_own, info, domain, ep, av, cq, poller, inbox, backlog,
+                              request, args)
+                except (fi.FabricError, TimeoutError, ValueError) as e:  # serve the next one
+                    connect.report(served + 1, e)
+                    if isinstance(e, connect.Refused):
+                        continue  # another chapter's client, told so: not one of --clients
+                    renew = lends_credits(info)
+                served += 1
+                if renew:
+                    if fi.key(inbox.ctx) in poller.done:  # a CONNECT already here: keep it
+                        backlog.append(inbox.take(poller.done.pop(fi.key(inbox.ctx))))
+                    break
+
+
+def lends_credits(info):
+    """Does a failed client leave our endpoint short? rxm (tcp;ofi_rxm, verbs;ofi_rxm) lends
+    each operation one of tx_attr.size credits until it completes (rxm_get_tx_buf,
+    prov/rxm/src/rxm_ep.c), and a frozen client's WRITEs never complete: not when its
+    address leaves our AV, not until its process ends. Closing the endpoint gives them
+    back; a new one at the same address serves the next client."""
+    return "ofi_rxm" in fi.provider_of(info)
 
 
 def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):

@@ -23,13 +23,14 @@ The bounds, the same for a server, a client and a rank:
   fatal error, or, cutting into its look at argv[0], is printed and lost by CPython,
   which runs the program on (scripts/chaos.py counts such a fault apart).
 - Where a server does not outlive its client's fault, in libfabric 1.x: a server that the
-  watchdog ended on a dead client's lock (1.17's shm) serves no next client; and on
-  `tcp;ofi_rxm` a frozen client's WRITEs hold every tx credit of the server's endpoint
-  (one pool an endpoint, tx_attr->size: prov/rxm/src/rxm_ep.c) until its process ends,
-  so the server reports it at --timeout and the next client's WRITEs wait in vain (the
-  next one is reported the same way). 2.x's own tcp takes its WRITEs from one growing
-  pool (xnet_alloc_xfer, prov/tcp/src/xnet.h; xnet_progress.c creates it unbounded),
-  and 2.1's shm ended such a wait at its deadline.
+  watchdog ended on a dead client's lock (1.17's shm) serves no next client. On rxm
+  (`tcp;ofi_rxm`, 1.x's tcp; `verbs;ofi_rxm`) a frozen client's WRITEs hold tx credits
+  of the server's endpoint (one pool an endpoint, tx_attr->size: rxm_get_tx_buf,
+  prov/rxm/src/rxm_ep.c) until its process ends, in every version: so chapter 07's
+  server, after a failed client there, opens its endpoint again at the same address
+  (07_queue.lends_credits) before it serves the next. 2.x's own tcp takes its WRITEs
+  from one growing pool (xnet_alloc_xfer, prov/tcp/src/xnet.h; xnet_progress.c creates
+  it unbounded), and 2.1's shm ended such a wait at its deadline.
 
 Why these numbers: a clean close takes milliseconds, so 2 s is prompt for a person and
 for a launcher stopping its ranks while leaving the clean way room on a busy machine;

@@ -11,6 +11,7 @@ import time
 import pytest
 
 import common.fabric as fi
+from common import shm_files
 import common.engine.opqueue as queue_module
 from common.cli import PEER_TIMEOUT
 from scripts.pair import ADDRESS, chapter_module, chapter_path, local_env, run_pair
@@ -269,3 +270,36 @@ def client_gone_server_survives(chapter, provider, server_args=(), client_args=(
 
 def test_07_client_gone_mid_run_server_survives(provider):
     client_gone_server_survives(7, provider)
+
+
+def test_07_client_frozen_mid_run_next_is_served(provider):
+    """A client frozen (SIGSTOP) while WRITEs stream into it, and the next client started
+    at once, as a person would: the server says the first failed, in one line, and serves
+    the next. On rxm (1.x's tcp) the frozen client's WRITEs hold every tx credit of the
+    server's endpoint, so the server opens a new endpoint at the same address
+    (07_queue.lends_credits); before that, the next client's WRITEs waited in vain."""
+    budget = Budget(120)
+    wait, next_wait = (f"{budget.grant(s):g}" for s in (PEER_TIMEOUT, 3 * PEER_TIMEOUT))
+    server, out = start(7, ["-p", provider, "--clients", "2", "--timeout", wait],
+                        ADDRESS.pattern)
+    procs = [server]
+    try:
+        address = ADDRESS.search(out)[1]
+        frozen, _ = start(7, ["-p", provider, address, "--iters", "100000000", *SMALL],
+                          "^memory:")
+        procs.append(frozen)
+        time.sleep(1)
+        frozen.send_signal(signal.SIGSTOP)
+        done = budget.run([sys.executable, str(chapter_path(7)), "-p", provider, address,
+                           "--iters", "500", "--timeout", next_wait, *SMALL], env=local_env())
+        _, err = budget.communicate(server)
+        assert done.returncode == 0, f"the next client: {done.stderr}the server: {err}"
+        assert re.search(r"verified .*64 pages .*: 0 wrong bytes", done.stdout)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        shm_files.remove_left_by([proc.pid for proc in procs])  # killed with -9: nothing removed
+    assert server.returncode == 0, err
+    assert re.search(r"^client 1: failed: ", err, re.MULTILINE), err
+    assert "Traceback" not in err

@@ -205,6 +205,21 @@ def dupinfo(info):
     return ffi.gc(copy, lib.fi_freeinfo)
 
 
+def at_address(info, name):
+    """A copy of `info` whose endpoint takes the address `name` (from fi_getname), so that a
+    new endpoint is reached where an old one was; `info` itself when `name` is None."""
+    if name is None:
+        return info
+    copy = dupinfo(info)
+    lib.free(copy.src_addr)  # fi_freeinfo frees what is there
+    copy.src_addr = lib.malloc(len(name))
+    if copy.src_addr == ffi.NULL:
+        raise FabricError("malloc", -lib.FI_ENOMEM)
+    ffi.memmove(copy.src_addr, name, len(name))
+    copy.src_addrlen = len(name)
+    return copy
+
+
 def each(head):
     """Walk an fi_info list (holding on to its head, which owns the list)."""
     info = head
