@@ -438,8 +438,8 @@ def survivor_ok(run, proc, bound, since):
     lines, failed = proc.stderr_lines(), proc.rc != 0  # a rank's exit code is not ours
     if proc.rc is not None and proc.rc < 0:
         run.problem(proc, f"killed by {signal.Signals(-proc.rc).name}", since)
-    elif any("Traceback" in line for line in proc.err):
-        run.problem(proc, "a traceback", since)
+    elif any("Traceback" in line for line in lines):  # its own: a launcher passes on its
+        run.problem(proc, "a traceback", since)          # ranks' lines, each judged apart
     elif WRONG.search("".join(getattr(proc, "out", [])) + "".join(proc.err)):
         run.problem(proc, "reports wrong bytes after its peer's fault", since)
     elif failed and len(lines) > 1 or proc.rc not in (None, 0) and not lines:

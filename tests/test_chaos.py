@@ -187,3 +187,30 @@ def test_a_seeded_run_survives_every_fault():
 # lines) when rank 0 is SIGKILLed (results/chaos/README.md).
 SURVIVED = ["--seed", "2", "--trials", "8", "--minutes", "2", "--chapters", "16",
             "--faults", "SIGINT,SIGKILL,SIGSTOP", "--providers", "shm"]
+
+
+class EndedLauncher(chaos.Launcher):
+    """A launcher that has ended with `rc` after writing `err` (its ranks' lines prefixed)."""
+
+    def __init__(self, rc, err):
+        self.name, self._rc, self.err, self.out, self.ended = "launcher", rc, err, [], 1.0
+
+    rc = property(lambda self: self._rc)
+
+    def wait(self, seconds):
+        return True
+
+
+@pytest.mark.parametrize("own,blamed", [
+    (["launch: rank 2 exited with code 1; all 3 ranks stopped 2.1 s later\n"], False),
+    (traceback(("scripts/launch.py", "main()")), True)])
+def test_a_launcher_is_judged_by_its_own_lines_not_its_ranks(own, blamed):
+    """Seed 45's trial 158: a rank SIGINTed in Python's own start printed Python's traceback,
+    which its launcher passed on; the launcher, whose own line was right, was blamed for it."""
+    relayed = [f"[2] {line}" for line in traceback(("chapters/19_weight_update.py",
+                                                    "from common import cli"))]
+    trial = chaos.Trial(1, "19", "shm", "rank 2", "SIGINT", 0.0, 0)
+    run = chaos.Run(trial)
+    run.watch.stopping = True  # nothing of this trial runs: its watch has nothing to see
+    chaos.survivor_ok(run, EndedLauncher(1, relayed + own), 10.0, 0.0)
+    assert any("a traceback" in p for p in trial.problems) is blamed, trial.problems
