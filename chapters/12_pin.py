@@ -8,7 +8,7 @@ single step of the series. Two details matter: pin the thread itself, not
 the process (os.sched_setaffinity(0, ...) from inside the thread), and
 allocate what the thread uses after pinning, because Linux places a page on
 the NUMA node of the core that first touches it. One socket and an idle
-scheduler leave little to win: LESSON says where the figure moves.
+scheduler leave little to win (LESSON says why).
 
 New since chapter 11: each worker pins itself (topo.worker_cores: chapter
 08's core per GPU; with host memory, an even share of the physical cores),
