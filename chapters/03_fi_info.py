@@ -6,46 +6,29 @@ shm and tcp, one local stand-in for it); its fi_info says how memory must be
 registered (mr_mode), what the endpoint can do (caps), how fast the link is,
 and where the NIC sits on the PCIe bus - the facts chapters 06-15 build on.
 The first line says which libfabric the binding loaded: Debian's 1.17, or one
-of scripts/build_libfabric.sh (2.6.0 by default, 2.1.0 on request). 2.x wants
-hints from fi_allocinfo, names tcp's own RDM endpoint "tcp" (1.x: "tcp;ofi_rxm")
-and, from 2.1, lists each efa device twice, fabric "efa-direct" first, then "efa"
-(prov/efa/src/efa_prov.c; `-p efa-direct` takes the first, chapter 07); 2.5
-rewrote shm. README's "Using another libfabric" says what that changes in 06-07.
+of scripts/build_libfabric.sh (2.6.0 by default, 2.1.0 on request); what 2.x
+changes is in the cell "libfabric 1.x and 2.x" below.
+
+New: the series' chapters 0-2 are prose, so this is the first program. It
+opens nothing yet; it only asks, as the fi_info tool does.
 
     .venv/bin/python chapters/03_fi_info.py                     # everything, one line each
     .venv/bin/python chapters/03_fi_info.py -p shm -v           # one provider, in detail
     .venv/bin/python chapters/03_fi_info.py --ep-type rdm --caps FI_RMA,FI_HMEM
 
-Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, commit 51c3160,
-load average 2.7):
-
-    $ .venv/bin/python chapters/03_fi_info.py -p shm -v --caps FI_RMA,FI_HMEM
-    libfabric 1.17 (API 1.17)
-    provider       fabric           domain       endpoint       Gbps nic bus
-    shm            shm              shm          FI_EP_RDM         - -
-        caps:     FI_RMA, FI_READ, FI_WRITE, FI_REMOTE_READ, FI_REMOTE_WRITE, FI_MULTI_RECV, FI_RMA_EVENT, FI_SOURCE, FI_HMEM
-        mode:
-        mr_mode:  FI_MR_VIRT_ADDR, FI_MR_HMEM
-        address:  FI_ADDR_STR
-        max msg:  18446744073709551615, inject: 0, rma iov: 4, cq data: 8 bytes
-    1 entry: 1 provider, 1 (provider, domain) pair
-    $ .venv/bin/python chapters/03_fi_info.py --ep-type rdm
-    libfabric 1.17 (API 1.17)
-    provider       fabric           domain       endpoint       Gbps nic bus
-    tcp;ofi_rxm    192.0.2.0/24     eth0         FI_EP_RDM         - -
-    ... (39 more lines: tcp;ofi_rxm, net, net;ofi_rxm and udp;ofi_rxd, per interface)
-    shm            shm              shm          FI_EP_RDM         - -
-    shm            shm              shm          FI_EP_RDM         - -
-    sockets        192.0.2.0/24     eth0         FI_EP_RDM         - -
-    sockets        fe80::/64        eth0         FI_EP_RDM         - -
-    sockets        fd00::/64        eth0         FI_EP_RDM         - -
-    sockets        127.0.0.1/32     lo           FI_EP_RDM         - -
-    sockets        ::1/128          lo           FI_EP_RDM         - -
-    47 entries: 6 providers, 11 (provider, domain) pairs
+Transcripts: results/03_fi_info/README.md
 """
 # What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
 # and says whether it showed on your machine.
 LESSON = {"figure": "check", "shows": "the (provider, domain) pairs this libfabric offers"}
+
+# %% [markdown]
+# ## libfabric 1.x and 2.x
+# 2.x wants hints from fi_allocinfo, names tcp's own RDM endpoint "tcp" (1.x:
+# "tcp;ofi_rxm") and, from 2.1, lists each efa device twice, fabric "efa-direct"
+# first, then "efa" (prov/efa/src/efa_prov.c; `-p efa-direct` takes the first,
+# chapter 07); 2.5 rewrote shm. README's "Using another libfabric" says what that
+# changes in 06-07.
 
 # %% [markdown]
 # ## Motivation

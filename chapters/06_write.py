@@ -8,6 +8,7 @@ its registration. The last WRITE carries immediate data (FI_REMOTE_CQ_DATA),
 which is the one thing the client's CQ sees. With `--gpu N` the client's
 buffers are GPU memory, registered with iface FI_HMEM_CUDA (GPUDirect RDMA
 on EFA; CUDA IPC on shm) - a libfabric built with CUDA is needed for that.
+--bad-key shows who notices a wrong key (the cell "Who notices a wrong key").
 
 New since chapter 05: FI_RMA, buffers registered for remote access, the
 CONNECT message grows a list of (address, size, key) and a request ("fill
@@ -19,66 +20,33 @@ fi_writemsg, immediate data, a check of every byte that arrived.
     .venv/bin/python chapters/06_write.py --gpu 0                           # server, pages on GPU 0
     .venv/bin/python chapters/06_write.py ADDRESS --gpu 1 --page-size 1M --buffer-size 16M   # into GPU 1
 
-Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory,
-commit 51c3160, load average 4.7; the client is the command the server printed, pasted,
-with --pages added):
-
-    $ .venv/bin/python chapters/06_write.py -p shm
-    provider: shm (asked for), fabric shm, domain shm
-    memory registration: FI_MR_VIRT_ADDR
-    server address: 66695f73686d3a2f2f32333531323a303a3000
-    run the client: .venv/bin/python chapters/06_write.py -p shm 66695f73686d3a2f2f32333531323a303a3000
-    wrote 8 pages of 65536 bytes from host memory, the last with immediate data 8
-
-    $ .venv/bin/python chapters/06_write.py -p shm 66695f73686d3a2f2f32333531323a303a3000 --pages 0,3,5-9,31
-    provider: shm (asked for), fabric shm, domain shm
-    memory registration: FI_MR_VIRT_ADDR
-    memory: 2 x 1048576 bytes of host memory
-    remote write completion: FI_REMOTE_CQ_DATA, immediate data 8
-    verified 8 pages (524288 bytes): 0 wrong bytes
-
-On one NVIDIA H200 (16 cores; libfabric 2.1.0 with CUDA, efa and verbs, built from the
-vendored source; shm, pages and client buffers in GPU 0 memory; commit 7bf55eb):
-
-    $ .venv/bin/python chapters/06_write.py -p shm --clients 1 --gpu 0
-    provider: shm (asked for), fabric shm, domain shm
-    memory registration: FI_MR_VIRT_ADDR, FI_MR_HMEM
-    server address: 66695f73686d3a2f2f3539353a303a3000
-    run the client: .venv/bin/python chapters/06_write.py -p shm 66695f73686d3a2f2f3539353a303a3000
-    GPU memory registered by dmabuf
-    wrote 16 pages of 1048576 bytes from GPU 0 memory (cuda), the last with immediate data 16
-
-    $ .venv/bin/python chapters/06_write.py -p shm 66695f73686d3a2f2f3539353a303a3000 --gpu 0 --page-size 1M --buffer-size 16M --pages 0-15
-    provider: shm (asked for), fabric shm, domain shm
-    memory registration: FI_MR_VIRT_ADDR, FI_MR_HMEM
-    GPU memory registered by dmabuf
-    memory: 2 x 16777216 bytes of GPU 0 memory (cuda)
-    remote write completion: FI_REMOTE_CQ_DATA, immediate data 16
-    verified 16 pages (16777216 bytes): 0 wrong bytes
-
---bad-key (client) sends a key that no registration has; who notices is the
-provider's choice, and the client, which checks the immediate data and every
-byte, is the one side that always does. shm copies a WRITE without immediate
-data itself, by CMA into the target's memory, checking no key, wrong or right
-(smr_rma_fast, prov/shm/src/smr_rma.c, in 1.17, 2.1 and 2.6 alike); only a WRITE
-through the target's command queue (with immediate data, like our last, or
-without CMA) has its key checked there (ofi_mr_map_verify in smr_progress.c).
-Before 2.5 the target then drops it unanswered: the server gives up with "no
-last WRITE completion within 3 s" (--timeout 3). From 2.5's new shm the target
-hands the command back without an error, so the writer's WRITEs all complete:
-the server says "wrote 16 pages", and only the client, which gets no immediate
-data, fails. tcp checks every WRITE on arrival (xnet_handle_write,
-prov/tcp/src/xnet_progress.c) and closes the connection: the server says
-"client 1: failed: fi_cq_read: ..." where a WRITE had not yet completed, and
-on a busy machine all 16 may have. EFA's device fails the WRITE on the writer's
-CQ: "Remote key (RKEY) not registered or does not match remote IOVA"
-(prov/efa/src/efa_errno.h). In every case the client ends with "no WRITE with
-immediate data from the server within 5 s" (--timeout 5): a silent target is
-why it checks instead of trusting the absence of an error.
+Transcripts (host memory; GPU memory on one H200): results/06_write/README.md
 """
 # What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
 # and says whether it showed on your machine.
 LESSON = {"figure": "wrong bytes", "visible": {"at_most": 0}}
+
+# %% [markdown]
+# ## Who notices a wrong key (--bad-key)
+# --bad-key (client) sends a key that no registration has; who notices is the
+# provider's choice, and the client, which checks the immediate data and every
+# byte, is the one side that always does. shm copies a WRITE without immediate
+# data itself, by CMA into the target's memory, checking no key, wrong or right
+# (smr_rma_fast, prov/shm/src/smr_rma.c, in 1.17, 2.1 and 2.6 alike); only a WRITE
+# through the target's command queue (with immediate data, like our last, or
+# without CMA) has its key checked there (ofi_mr_map_verify in smr_progress.c).
+# Before 2.5 the target then drops it unanswered: the server gives up with "no
+# last WRITE completion within 3 s" (--timeout 3). From 2.5's new shm the target
+# hands the command back without an error, so the writer's WRITEs all complete:
+# the server says "wrote 16 pages", and only the client, which gets no immediate
+# data, fails. tcp checks every WRITE on arrival (xnet_handle_write,
+# prov/tcp/src/xnet_progress.c) and closes the connection: the server says
+# "client 1: failed: fi_cq_read: ..." where a WRITE had not yet completed, and
+# on a busy machine all 16 may have. EFA's device fails the WRITE on the writer's
+# CQ: "Remote key (RKEY) not registered or does not match remote IOVA"
+# (prov/efa/src/efa_errno.h). In every case the client ends with "no WRITE with
+# immediate data from the server within 5 s" (--timeout 5): a silent target is
+# why it checks instead of trusting the absence of an error.
 
 # %% [markdown]
 # ## Motivation

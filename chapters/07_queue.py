@@ -7,7 +7,11 @@ their CQ), and dropping the operation loses a page. So the writer keeps such
 operations in a queue of its own, reads the CQ, and posts from the queue,
 oldest first, as room comes back. With that, the server can post a million
 WRITEs as fast as the provider takes them, and we get the series' first
-number.
+number: Gbps = 8 x page size x WRITEs / elapsed, from the first post until
+the client says all the data is in its memory (LANDED), against the NIC's
+link speed or fi_rma_bw on this machine (results/baselines/). Which queue is
+full on shm and tcp, and why the printed client asks for --delivery-complete:
+the cell "Whose queue is full" below.
 
 New since chapter 06: the pending queue (OpQueue); one context per WRITE in
 flight, from a free list, so every completion is matched to exactly one
@@ -16,72 +20,12 @@ cycle over the pages; a heartbeat SEND, queued like the WRITEs, telling the
 client how far the server is; a live progress line (on a terminal); Gbps,
 Mpps and % of a limit; --json.
 
-Measured: Gbps = 8 x page size x WRITEs / elapsed, on the writer, from the
-first post until the client says all the data is in its memory (LANDED);
-compared with a limit: the NIC's link speed, or fi_rma_bw on this machine
-(results/baselines/, written by scripts/baseline.py or scripts/bench.py).
-
-Whose queue is full: shm copies a WRITE itself within fi_writemsg, by CMA, and
-refuses it only when the client lags in emptying its command queue
-(smr_rma_fast, prov/shm/src/smr_rma.c): on some runs only. The client the server
-prints asks for --delivery-complete: a WRITE with FI_DELIVERY_COMPLETE is copied
-by the client and holds one of the server's own tx_attr.size slots until the
-server's CQ read takes the client's answer (1.x, 2.1: smr_do_iov, freed in
-smr_progress_resp; 2.6: smr_cmd_stack, smr_progress_return), so a burst longer
-than that is refused on every run. It costs a round trip per WRITE through the
-client's CPU (at 64 KiB on 2 cores, 10-20% of the Gbps), and a client that
-stops answering keeps its slots; before 2.5 that blocks every later answer too
-(they are taken in order), and no later client's WRITE completes: so it is not
-the default. 1.x's tcp;ofi_rxm refuses when rxm's tx credits run out
-(rxm_ep.c), and a frozen client keeps the credits of its WRITEs until its process
-ends: the server then opens its endpoint again at the same address (lends_credits).
-2.x's own tcp takes every WRITE (no bound: xnet_alloc_tx) and never refuses, and
--p 'tcp;ofi_rxm' shows the lesson there. The server prints the
-provider's refusals apart from the posts held back because every context of
-ours was in flight.
-
     .venv/bin/python chapters/07_queue.py                                  # server (the writer)
     .venv/bin/python chapters/07_queue.py ADDRESS                          # client: 1,000,000 x 64 KiB
     .venv/bin/python chapters/07_queue.py ADDRESS --iters 20000 --page-size 1M
     .venv/bin/python chapters/07_queue.py --gpu 0 --json                   # server, pages on GPU 0
 
-Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host
-memory, other tests running beside it; first the client the server printed,
-pasted, then the series' run: 2 x 1 GiB, 2 x 1000 pages, 1,000,000 WRITEs of
-64 KiB, without --delivery-complete):
-
-    $ .venv/bin/python chapters/07_queue.py -p shm --clients 2
-    provider: shm (asked for), fabric shm, domain shm
-    memory registration: FI_MR_VIRT_ADDR
-    server address: 66695f73686d3a2f2f31353339313a303a3000
-    run the client: .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f31353339313a303a3000 --delivery-complete --page-size 64K --buffer-size 4M --pages 0-63 --iters 20000
-    wrote 64 pages from host memory, the last WRITE with immediate data 20000
-    completions: 20000, one per WRITE; -FI_EAGAIN 32452 times (the provider's queue full), 0 posts held back (all our contexts in flight)
-    20000 WRITEs of 65536 bytes in 0.572 s: 18.318 Gbps, 0.035 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: bash scripts/build_libfabric.sh && LIBFABRIC_PREFIX=.deps/libfabric bash scripts/setup.sh && .venv/bin/python scripts/baseline.py -p shm --sizes 65536)
-    wrote 2000 pages from host memory, the last WRITE with immediate data 1000000
-    completions: 1000000, one per WRITE; -FI_EAGAIN 679432 times (the provider's queue full), 11278 posts held back (all our contexts in flight)
-    1000000 WRITEs of 65536 bytes in 28.117 s: 18.646 Gbps, 0.036 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: bash scripts/build_libfabric.sh && LIBFABRIC_PREFIX=.deps/libfabric bash scripts/setup.sh && .venv/bin/python scripts/baseline.py -p shm --sizes 65536)
-
-    $ .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f31353339313a303a3000 --delivery-complete --page-size 64K --buffer-size 4M --pages 0-63 --iters 20000
-    provider: shm (asked for), fabric shm, domain shm
-    memory registration: FI_MR_VIRT_ADDR
-    memory: 2 x 4194304 bytes of host memory
-    remote write completion: FI_REMOTE_CQ_DATA, immediate data 20000
-    verified 64 pages (4194304 bytes): 0 wrong bytes
-    $ .venv/bin/python chapters/07_queue.py -p shm 66695f73686d3a2f2f31353339313a303a3000
-    provider: shm (asked for), fabric shm, domain shm
-    memory registration: FI_MR_VIRT_ADDR
-    memory: 2 x 1073741824 bytes of host memory
-    remote write completion: FI_REMOTE_CQ_DATA, immediate data 1000000
-    verified 2000 pages (131072000 bytes): 0 wrong bytes
-
-(fi_rma_bw, and scripts/bench.py, cycle over 64 pages; the series' 2000 pages,
-128 MiB, no longer fit in the CPU caches, so shm's copies go at DRAM speed.)
-
-On 2 x H200 joined by NVLink (shm with CUDA IPC, libfabric 2.1.0 from
-scripts/build_libfabric.sh, source pages on GPU 0, client buffers on GPU 1, 20000
-WRITEs of 16 MiB): 2856.834 Gbps, -FI_EAGAIN 231004 times, 0 wrong bytes, where
-cudaMemcpyPeer's ceiling is about 3170 Gbps.
+Transcripts and figures: results/07_queue/README.md
 """
 # What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
 # and says whether it showed on your machine; the server prints its run as the client command.
@@ -94,6 +38,27 @@ LESSON = {"figure": "refused", "visible": {"at_least": 1},
           "small": "A repeat with none refused: the provider took every WRITE, as 2.x's own "
                    "tcp does (no bound on its transfers, xnet_alloc_tx); there -p "
                    "'tcp;ofi_rxm' shows the lesson."}
+
+# %% [markdown]
+# ## Whose queue is full
+# shm copies a WRITE itself within fi_writemsg, by CMA, and refuses it only when
+# the client lags in emptying its command queue (smr_rma_fast,
+# prov/shm/src/smr_rma.c): on some runs only. The client the server prints asks
+# for --delivery-complete: a WRITE with FI_DELIVERY_COMPLETE is copied by the
+# client and holds one of the server's own tx_attr.size slots until the server's
+# CQ read takes the client's answer (1.x, 2.1: smr_do_iov, freed in
+# smr_progress_resp; 2.6: smr_cmd_stack, smr_progress_return), so a burst longer
+# than that is refused on every run. It costs a round trip per WRITE through the
+# client's CPU (at 64 KiB on 2 cores, 10-20% of the Gbps), and a client that
+# stops answering keeps its slots; before 2.5 that blocks every later answer too
+# (they are taken in order), and no later client's WRITE completes: so it is not
+# the default. 1.x's tcp;ofi_rxm refuses when rxm's tx credits run out
+# (rxm_ep.c), and a frozen client keeps the credits of its WRITEs until its
+# process ends: the server then opens its endpoint again at the same address
+# (lends_credits). 2.x's own tcp takes every WRITE (no bound: xnet_alloc_tx) and
+# never refuses, and -p 'tcp;ofi_rxm' shows the lesson there. The server prints
+# the provider's refusals apart from the posts held back because every context
+# of ours was in flight.
 
 # %% [markdown]
 # ## efa-direct: what a WRITE demands of the device alone (-p efa-direct)

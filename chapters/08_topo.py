@@ -16,43 +16,9 @@ discovery lives in common/engine/topo.py, for chapters 09 on.
     .venv/bin/python chapters/08_topo.py                  # this machine, default provider
     .venv/bin/python chapters/08_topo.py -p efa
     .venv/bin/python chapters/08_topo.py --sysfs DIR --machine FILE   # a described machine (tests)
+    .venv/bin/python tests/fake_sysfs.py "$(mktemp -d)"   # the series' p5, faked: prints the line above for it
 
-Transcript (2-core x86_64 VM, no GPU, no NIC, Debian's libfabric 1.17, commit 51c3160,
-load average 2.8):
-
-    $ .venv/bin/python chapters/08_topo.py
-    GPUs: 0 (no cupy, so no CUDA); NICs: 0 (shm); NUMA nodes: 1; physical cores: 2
-    no NIC with a PCI address from shm: chapters 09+ open several domains of it instead, as virtual NICs
-    no GPU: chapters 09+ run on host memory; NICs by NUMA node:
-      NUMA 0: cores 0-1; NICs: -
-    total link bandwidth: unknown (no NIC reports a link speed)
-
-One H200 machine (16 cores, one NUMA node; its GPU reports no NUMA node; libfabric 2.1.0
-with CUDA, whose shm has no NIC address; commit 7bf55eb):
-
-    $ .venv/bin/python chapters/08_topo.py
-    GPUs: 1 (CUDA); NICs: 0 (shm); NUMA nodes: 1; physical cores: 16
-    no NIC with a PCI address from shm: chapters 09+ open several domains of it instead, as virtual NICs
-    GPU     bus           NUMA  cores        pinned  NICs
-    cuda:0  0000:00:06.0  -     0-15         8       -
-    total link bandwidth: unknown (no NIC reports a link speed)
-
-The series' p5, rebuilt as a fake sysfs tree by `.venv/bin/python tests/fake_sysfs.py /tmp/p5`
-(8 H100s, each behind its own PCIe switch with 4 EFA NICs; 2 NUMA nodes; 96 cores,
-2 threads each; the same VM and commit):
-
-    $ .venv/bin/python chapters/08_topo.py --sysfs /tmp/p5 --machine /tmp/p5/machine.json
-    GPUs: 8 (described in /tmp/p5/machine.json); NICs: 32 (described); NUMA nodes: 2; physical cores: 96
-    GPU     bus           NUMA  cores        pinned  NICs
-    cuda:0  0000:53:00.0  0     0-11         6       rdmap79s0 rdmap80s0 rdmap81s0 rdmap82s0
-    cuda:1  0000:64:00.0  0     12-23        18      rdmap96s0 rdmap97s0 rdmap98s0 rdmap99s0
-    cuda:2  0000:75:00.0  0     24-35        30      rdmap113s0 rdmap114s0 rdmap115s0 rdmap116s0
-    cuda:3  0000:86:00.0  0     36-47        42      rdmap130s0 rdmap131s0 rdmap132s0 rdmap133s0
-    cuda:4  0000:97:00.0  1     48-59        54      rdmap147s0 rdmap148s0 rdmap149s0 rdmap150s0
-    cuda:5  0000:a8:00.0  1     60-71        66      rdmap164s0 rdmap165s0 rdmap166s0 rdmap167s0
-    cuda:6  0000:b9:00.0  1     72-83        78      rdmap181s0 rdmap182s0 rdmap183s0 rdmap184s0
-    cuda:7  0000:ca:00.0  1     84-95        90      rdmap198s0 rdmap199s0 rdmap200s0 rdmap201s0
-    total link bandwidth: 32 NICs, 3200 Gbps
+Transcripts (a 2-core VM, one H200, the fake p5): results/08_topo/README.md
 """
 # What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
 # and says whether it showed on your machine.

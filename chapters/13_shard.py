@@ -17,38 +17,7 @@ Starting the workers moves to common/engine/shards.py, which 14 and 15 reuse.
     .venv/bin/python chapters/13_shard.py ADDRESS --groups 2 --nics-per-gpu 2
     .venv/bin/python chapters/13_shard.py --gpus 0,1                        # server, GPUs 0 and 1
 
-Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory,
-2 groups x 2 virtual NICs, 4 KiB pages; commit b8a72b4, another test suite running
-beside it, load average 3.3): 2.25 us of CPU per WRITE against chapter 12's 2.30 in the
-same minute, no difference a busy 2-core machine can tell (nor could scripts/tour.py,
-three runs at 51c3160):
-
-    $ .venv/bin/python chapters/13_shard.py -p shm --clients 1
-    provider: shm (asked for), fabric shm, domain shm
-    server address: 66695f73686d3a2f2f31393130383a303a3000
-    run the client: .venv/bin/python chapters/13_shard.py -p shm 66695f73686d3a2f2f31393130383a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
-    2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    warmup: first WRITE per NIC 3.668 ms on average, 4.020 ms at most (4 NICs)
-    2 native worker threads, one per GPU, pinned to cores 0 1, a counter each
-    wrote from 2 x host memory; WRITEs per NIC: 25000 25000 25000 25000, each NIC's last with immediate data; -FI_EAGAIN 84865 times
-    100000 WRITEs of 4096 bytes in 0.715 s: 4.582 Gbps, 0.140 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: bash scripts/build_libfabric.sh && LIBFABRIC_PREFIX=.deps/libfabric bash scripts/setup.sh && .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
-    CPU time: 2.25 us per WRITE (this process, all threads)
-    first contact vs a warm WRITE: 3.668 ms vs 11.0 us on average, each a WRITE alone on its NIC (333x); unwarmed, the slowest first contact would have added 1% to this run
-
-    $ .venv/bin/python chapters/13_shard.py -p shm 66695f73686d3a2f2f31393130383a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
-    provider: shm (asked for), fabric shm, domain shm
-    2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    memory: 2 x 2 x 1048576 bytes of host memory
-    immediate data from 4 NICs, one each: 25000 25000 25000 25000
-    verified 2 x 64 pages (524288 bytes): 0 wrong bytes
-
-On 2 x H200 at f6fe2b2 (shm with CUDA IPC, libfabric 2.1.0, each GPU writing to the
-other's through 2 virtual NICs, 1 MiB pages): 2592 Gbps, 78.7% of cudaMemcpyPeer both
-ways, chapter 12 2589 in the same session; the GPUs' copies bind (chapter 12 says more).
-Host memory, 4 KiB pages, same box at 1f179a6 (libfabric 2.1.0, medians of 3,
-results/progression/h200x2-shm-host.json): 1.076 Mpps against chapter 12's 1.045. With
-two workers the shared line had one other core to bounce to, once per CQ read (up to 64
-completions), not per WRITE; the series had eight threads on two sockets.
+Transcript and figures (a 2-core VM; 2 x H200): results/13_shard/README.md
 """
 # What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
 # and says whether it showed on your machine; the server prints its run as the client command.

@@ -13,7 +13,7 @@ int worker(struct lane *lanes, size_t nlanes, unsigned batch, struct counter *do
  * pending ring is retried on every visit: when the provider is full, each of
  * those posts is a call that fails with -FI_EAGAIN, and the failures pile up
  * (12.7 million for 400,000 WRITEs of 1 MiB: shm with CUDA IPC, libfabric
- * 2.1.0, a 2 x H200 box, commit f6fe2b2). Now submitting only puts the WRITE
+ * 2.1.0, a 2 x H200 box, 2026-11-30). Now submitting only puts the WRITE
  * in the ring, and the ring is posted only after reading the CQ gave
  * completions back: as many WRITEs as completed, the room they left where a
  * completion means room. There (same box) the posts that are made are the
@@ -23,7 +23,7 @@ int worker(struct lane *lanes, size_t nlanes, unsigned batch, struct counter *do
  * the completions and lazy posts are refused too: 0 to 1.2 million times per
  * 100,000 WRITEs on a 2-core VM with Debian's libfabric 1.17, in the range of
  * chapter 14's refusals there, 8,000 to 1.5 million (scripts/tour.py, three runs
- * of 3 repeats at commit 51c3160).
+ * of 3 repeats on 2026-12-01).
  */
 #include "engine/lane.h"
 

@@ -7,7 +7,7 @@ When the provider is full, each of those posts is a call that fails with
 lazy (submit only enqueues; the queue is drained when polling completions,
 which is when room appears) and reached 97% of 3200 Gbps. The count of
 -FI_EAGAIN in the report shows the difference where a completion means room
-(0 against millions: shm with CUDA IPC, libfabric 2.1.0, 2 x H200, below);
+(0 against millions: shm with CUDA IPC, libfabric 2.1.0, 2 x H200);
 LESSON says why shm's 4 KiB WRITEs on a small machine are refused either way.
 
 New since chapter 14: in chapters/15_lazy.c, a visit calls enqueue(), which
@@ -20,42 +20,7 @@ nothing in flight: until the provider is full).
     .venv/bin/python chapters/15_lazy.py --gpus 0,1                         # server, GPUs 0 and 1
     .venv/bin/python chapters/15_lazy.py --batch 4                          # server, 4 per visit
 
-Transcript (2-core x86_64 VM without a NIC, Debian's libfabric 1.17, shm, host memory,
-2 groups x 2 virtual NICs, 4 KiB pages; commit b8a72b4, another test suite running
-beside it, load average 3.3). Here lazy posts are refused too, as LESSON says, if less
-often than chapter 14's eager ones this time: 149,011 times for 100,000 WRITEs against
-chapter 14's 4,892,547 a minute before (two more runs of each at load 2.7 to 3.3: 100,517
-and 242,972 against 6,225,273 and 418,109; 0 to 1.2 million against 8,000 to 1.5 million
-in scripts/tour.py, three runs at 51c3160):
-
-    $ .venv/bin/python chapters/15_lazy.py -p shm --clients 1
-    provider: shm (asked for), fabric shm, domain shm
-    server address: 66695f73686d3a2f2f31393137383a303a3000
-    run the client: .venv/bin/python chapters/15_lazy.py -p shm 66695f73686d3a2f2f31393137383a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
-    2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    warmup: first WRITE per NIC 0.636 ms on average, 1.037 ms at most (4 NICs)
-    2 native worker threads, one per GPU, pinned to cores 0 1, a counter each, up to 16 WRITEs per visit, posted lazily
-    wrote from 2 x host memory; WRITEs per NIC: 25000 25000 25000 25000, each NIC's last with immediate data; -FI_EAGAIN 149011 times
-    100000 WRITEs of 4096 bytes in 0.533 s: 6.145 Gbps, 0.188 Mpps (no link speed, and no fi_rma_bw baseline of this machine, shm and libfabric 1.17; measure one: bash scripts/build_libfabric.sh && LIBFABRIC_PREFIX=.deps/libfabric bash scripts/setup.sh && .venv/bin/python scripts/baseline.py -p shm --sizes 4096)
-    CPU time: 2.18 us per WRITE (this process, all threads)
-    first contact vs a warm WRITE: 0.636 ms vs 9.0 us on average, each a WRITE alone on its NIC (70x); unwarmed, the slowest first contact would have added 0% to this run
-
-    $ .venv/bin/python chapters/15_lazy.py -p shm 66695f73686d3a2f2f31393137383a303a3000 --groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 --iters 100000
-    provider: shm (asked for), fabric shm, domain shm
-    2 x 2 virtual NICs: independent domains of shm (no NIC with a PCI address here)
-    memory: 2 x 2 x 1048576 bytes of host memory
-    immediate data from 4 NICs, one each: 25000 25000 25000 25000
-    verified 2 x 64 pages (524288 bytes): 0 wrong bytes
-
-On 2 x H200 at f6fe2b2 (shm with CUDA IPC, libfabric 2.1.0, each GPU writing to the
-other's through 2 virtual NICs, 1 MiB pages): 2597 Gbps, 78.8% of cudaMemcpyPeer both
-ways, the same as chapters 12-14 in that session (2589-2595: the GPUs' copies bind), but
-with -FI_EAGAIN 0 times, where chapters 12-14 were refused 10.6 to 12.7 million times for
-the same 400,000 WRITEs; with 4 MiB pages, 200,000 WRITEs: 4423 Gbps of verified data,
-90.2% of what cudaMemcpyPeer moves both ways at once (4904 Gbps,
-results/baselines/h200x2-shm-cuda.json), refused 0 times. Host memory, 4 KiB pages, same
-box at 1f179a6 (libfabric 2.1.0, medians of 3, results/progression/h200x2-shm-host.json):
-1.142 Mpps, chapter 14 1.067, chapter 09 0.158.
+Transcript and figures (a 2-core VM; 2 x H200): results/15_lazy/README.md
 """
 # What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
 # and says whether it showed on your machine; the server prints its run as the client command.

@@ -1,88 +1,59 @@
 """Chapter 16 - moe: the expert-parallel all-to-all (dispatch / combine) across nodes.
 
 What you will learn: how a MoE layer's tokens travel, and the protocol Perplexity built
-on libfabric for EFA. Each rank holds some tokens, each routed to `topk` of `experts`
-experts, and hosts experts / world of them. dispatch sends every token to the ranks
-hosting its experts, which receive them expert by expert, contiguous, ready for a grouped
-GEMM; combine sends each expert's output back to the token's rank, which adds them up,
-weighted by the router. Each is split into a send and a receive half, so that other work
-(shared experts) can run in between.
-
-A receiver cannot know where to put a sender's tokens before it knows how many come from
-everyone. So each sender first ships its per-expert counts, and with them its first
-tokens, into a small private slot that each receiver keeps per sender (COUNTS). Once
-every rank has every count, each knows all offsets, and the rest go with one WRITE per
-peer into one region (OVERFLOW). combine needs no counts (the offsets are known by then):
-one WRITE per peer (COMBINE), summed on the receiver; its signal from every peer is also
-the barrier that keeps the next dispatch from overwriting a slot before it was read.
-
-Peers on the same (emulated) node are written directly, through shared memory; peers on
-other nodes through libfabric WRITEs with immediate data, posted by a host proxy thread in
-C (chapters/16_moe.c, GIL released) that this file feeds through a ring in host memory
-(common/moe/proxy.py opens its NICs: its GPU's, chapter 08's topology, or --nics N
-virtual ones). Data that arrived is one thing to wait for, whichever way it came: a stamp
-in an arrival table, written by the node peer, or by the proxy from an immediate.
-
-    .venv/bin/python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm
-    .venv/bin/python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p tcp --nics 2
-    .venv/bin/python scripts/launch.py -n 8 --ranks-per-node 4 chapters/16_moe.py -p tcp \\
-        --max-tokens 16 --hidden 256 --experts 32 --topk 4 --iters 0       # checks only
-    .venv/bin/python scripts/launch.py -n 4 chapters/16_moe.py                       # one node
-    .venv/bin/python scripts/launch.py -n 2 chapters/16_moe.py --check none --tokens 1,8,32,128 --json
-    .venv/bin/python scripts/launch.py -n 2 --ranks-per-node 1 --gpus 0,1 chapters/16_moe.py \\
-        --device cuda -p shm                                # GPU memory, cupy, still host-driven
-    torchrun --nproc-per-node 8 chapters/16_moe.py ...                     # a cluster
+on libfabric for EFA. dispatch sends every token to the ranks hosting its `topk`
+experts, which receive them expert by expert, contiguous, ready for a grouped GEMM;
+combine sends each expert's output back to the token's rank, which sums them, weighted
+by the router; each is split into a send and a receive half. A sender first ships its
+per-expert counts with its first tokens into a small slot each receiver keeps for it
+(COUNTS); once every rank has every count, the rest go with one WRITE per peer
+(OVERFLOW). Node peers are written through shared memory, other nodes by libfabric
+WRITEs with immediate data, posted by a host proxy thread in C (chapters/16_moe.c).
+The cell "The protocol" below says it in full.
 
 New since chapter 07 (08's topology aside): ranks and a rendezvous (common/launch.py,
 scripts/launch.py, or torchrun / Slurm variables); fp8 e4m3 with block scales and bf16
-(common/moe/reference.py, also the reference every run is checked against, with the
-checks and the benchmark in common/moe/harness.py); the proxy; --device cpu (the
-default), where numpy stands in for the kernels and host memory for GPU memory. Chapter
-17 hands all of it to the GPU.
+(common/moe/reference.py, the reference every run is checked against; checks and
+benchmark in common/moe/harness.py); the proxy; --device cpu (the default), where numpy
+stands in for the kernels and host memory for GPU memory. Chapter 17 hands it to the GPU.
 
-Transcript (2-core x86_64 VM, no GPU, no NIC, Debian's libfabric 1.17; 4 ranks as 2
-emulated nodes of 2, so each rank has one peer through shared memory and two through
-libfabric WRITEs; the decode shape; the 4 ranks and their proxies share the 2 cores (load
-average 1.2 before the first run, 5.2 after the second); commit 1c05abc). On shm, four
-of the bf16 check lines left out; then tcp, its checks and halves left out:
+    .venv/bin/python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm
+    .venv/bin/python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p tcp --nics 2
+    .venv/bin/python scripts/launch.py -n 8 --ranks-per-node 4 chapters/16_moe.py -p tcp --max-tokens 16 --hidden 256 --experts 32 --topk 4 --iters 0   # checks only
+    .venv/bin/python scripts/launch.py -n 4 chapters/16_moe.py                       # one node
+    .venv/bin/python scripts/launch.py -n 2 chapters/16_moe.py --check none --tokens 1,8,32,128 --json
+    .venv/bin/python scripts/launch.py -n 2 --ranks-per-node 1 --gpus 0,1 chapters/16_moe.py --device cuda -p shm   # GPU memory, cupy, still host-driven
+    torchrun --nproc-per-node 8 chapters/16_moe.py ...                     # a cluster
 
-    $ .venv/bin/python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p shm
-    launch: 4 ranks, 2 per node (2 nodes); pids 15437 15440 15443 15446
-    [0] 4 ranks (scripts/launch.py), 2 emulated nodes of 2; device cpu: numpy, host memory; same node: shared memory; other nodes: libfabric WRITEs through the proxy
-    [0] check fp8 overflow     private 1: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.28e-02)
-    [0] check fp8 random       private 8: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.28e-02)
-    [0] check fp8 empty-expert private 8: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.31e-02)
-    [0] check fp8 silent-rank  private 8: 3072 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.28e-02)
-    [0] check fp8 one-expert   private 8: 4096 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 2.07e-02)
-    [0] check fp8 fewer        private 8: 2496 (token, expert) rows received, counts exact and each row once with its scales on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.21e-02)
-    [0] check bf16 overflow     private 1: 4096 (token, expert) rows received, counts exact and each row once on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.28e-02)
-    [0] check bf16 fewer        private 8: 2496 (token, expert) rows received, counts exact and each row once on 4 of 4 ranks; combine max |error| 0.00e+00 (bf16 tolerance 3.21e-02)
-    [0] all checks passed (seed 644289181)
-    [0] provider: shm; proxy of rank 0: 1 virtual NIC, each a domain of shm (no NIC with a PCI address here)
-    [0] benchmark ours: 128 tokens per rank, hidden 7168, top-8 of 256 experts, fp8 dispatch (7392 B per row) / bf16 combine (14336 B); 20 iterations after 3
-    [0] proxy of rank 0: 138 WRITEs, -FI_EAGAIN 8 times
-    [0] latency, the median of each rank, then across ranks:
-    [0]   dispatch send  p50  146344.8 us   max  160144.1 us
-    [0]   dispatch recv  p50    9119.4 us   max   12067.8 us
-    [0]   dispatch       p50  153445.3 us   max  170854.3 us   0.049 GB/s (1024 rows x 7392 B / p50)
-    [0]   combine send   p50   78195.0 us   max   91116.2 us
-    [0]   combine recv   p50   71571.1 us   max   90731.3 us
-    [0]   combine        p50  154295.3 us   max  158676.8 us   0.095 GB/s (1024 rows x 14336 B / p50)
-    $ .venv/bin/python scripts/launch.py -n 4 --ranks-per-node 2 chapters/16_moe.py -p tcp
-    [0] all checks passed (seed 539717260)
-    [0] provider: tcp;ofi_rxm; proxy of rank 0: 1 virtual NIC, each a domain of tcp;ofi_rxm (no NIC with a PCI address here)
-    [0] proxy of rank 0: 138 WRITEs, -FI_EAGAIN 7 times
-    [0]   dispatch       p50  153497.7 us   max  165621.9 us   0.049 GB/s (1024 rows x 7392 B / p50)
-    [0]   combine        p50  150737.4 us   max  163129.4 us   0.097 GB/s (1024 rows x 14336 B / p50)
-
-On --device cpu the latencies are those of numpy on two shared cores (quantising, packing
-and copying megabytes per rank), not what the protocol costs on GPUs: on 2 x H200 at 128
-tokens this host-driven path took 1602 / 756 us, the GPU-driven one of chapter 17 100 / 77
-(at f6fe2b2 and 09ab98f).
+Transcript (2-core VM, shm and tcp) and figures: results/16_moe/README.md
 """
 # What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
 # and says whether it showed on your machine.
 LESSON = {"figure": "check", "shows": "dispatch and combine exact on 4 ranks / 2 nodes"}
+
+# %% [markdown]
+# ## The protocol
+# Each rank holds some tokens, each routed to `topk` of `experts` experts, and hosts
+# experts / world of them. dispatch sends every token to the ranks hosting its experts,
+# which receive them expert by expert, contiguous, ready for a grouped GEMM; combine sends
+# each expert's output back to the token's rank, which adds them up, weighted by the
+# router. Each is split into a send and a receive half, so that other work (shared
+# experts) can run in between.
+#
+# A receiver cannot know where to put a sender's tokens before it knows how many come from
+# everyone. So each sender first ships its per-expert counts, and with them its first
+# tokens, into a small private slot that each receiver keeps per sender (COUNTS). Once
+# every rank has every count, each knows all offsets, and the rest go with one WRITE per
+# peer into one region (OVERFLOW). combine needs no counts (the offsets are known by then):
+# one WRITE per peer (COMBINE), summed on the receiver; its signal from every peer is also
+# the barrier that keeps the next dispatch from overwriting a slot before it was read.
+#
+# Peers on the same (emulated) node are written directly, through shared memory; peers on
+# other nodes through libfabric WRITEs with immediate data, posted by a host proxy thread in
+# C (chapters/16_moe.c, GIL released) that this file feeds through a ring in host memory
+# (common/moe/proxy.py opens its NICs: its GPU's, chapter 08's topology, or --nics N
+# virtual ones). Data that arrived is one thing to wait for, whichever way it came: a stamp
+# in an arrival table, written by the node peer, or by the proxy from an immediate.
 
 # %% [markdown]
 # ## Motivation

@@ -476,8 +476,8 @@ extern "C" __global__ void m17_combine_sum(
     __shared__ int late;
     // One block waits on the peers and tells the others through `gate` ([round, late
     // source + 1], device memory). With a poller per block on the stamps in host memory,
-    // combine across two nodes took 5x as long on 2 x H200 (shm + CUDA, libfabric 2.1.0, at
-    // 17d06f1; 128 tokens: 1074 us p50, one poller 215 us; why, not pinned down). Block 0 is resident first: it cannot starve.
+    // combine across two nodes took 5x as long on 2 x H200 (shm + CUDA, libfabric 2.1.0,
+    // 2026-11-30; 128 tokens: 1074 us p50, one poller 215 us; why, not pinned down). Block 0 is resident first: it cannot starve.
     volatile unsigned int *g = gate;
     if (threadIdx.x == 0 && blockIdx.x == 0) {
         late = m17_wait(far, (const volatile unsigned int *)(region + flags) +
@@ -503,7 +503,7 @@ extern "C" __global__ void m17_combine_sum(
         return;
     // Where each of the token's topk rows is, and its weight, looked up once: the sum
     // below then has topk independent loads in flight (reading them per value, a chain
-    // of three dependent loads each, kept this kernel at 73 us on 2 x H200 at any size, at f6fe2b2).
+    // of three dependent loads each, kept this kernel at 73 us on 2 x H200 at any size, on 2026-11-30).
     extern __shared__ long long source[];  // [topk] offsets in values, then [topk] weights
     float *weight = (float *)(source + topk);
     for (int k = threadIdx.x; k < topk; k += blockDim.x) {

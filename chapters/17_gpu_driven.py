@@ -1,98 +1,54 @@
 """Chapter 17 - gpu_driven: the GPU drives chapter 16's all-to-all, and a serving engine calls it.
 
 What you will learn: how to take the host out of the loop. In chapter 16 the host packs,
-copies, stamps and waits between every step; here kernels do it all. A route kernel counts
-and numbers each (token, expert) selection and quantises the tokens; a push kernel stores
-each row straight into its receiver's memory over NVLink (the node's regions are mapped
-through CUDA IPC) and raises a flag; the receiver's kernels wait for the flags, plan and
-gather expert-major; combine pushes back and sums. Rows for other nodes go into an outbox
-laid out as they will land, and the kernels queue the WRITEs in the proxy's ring
-themselves (chapter 16's proxy, in host memory the GPU writes) and poll the stamps the
-peer's proxy leaves. The host only launches.
+copies, stamps and waits between every step; here kernels do it all: route (count, number
+and quantise each selection), push (each row straight into its receiver's memory over
+NVLink, through CUDA IPC, then a flag), plan and gather expert-major on the receiver;
+combine pushes back and sums. Rows for other nodes go into an outbox laid out as they will
+land; the kernels queue the WRITEs in the proxy's ring themselves and poll the stamps the
+peer's proxy leaves. The host only launches. With --counts device nothing waits on the
+host, so one MoE layer can be captured in a CUDA graph and replayed, torch tensors in and
+out on the caller's stream (the cell "A serving engine calls it" below).
 
-That changes one thing in chapter 16's protocol: room for every sender's largest stream
-costs little next to a GPU's memory, so each sender owns a stripe of the receiver's region
-and needs nobody's counts before it sends the rest. And it allows what a serving engine
-asks for first: with --counts device, nothing in the four halves waits on the host (the
-per-expert counts stay on the GPU, the round number advances on the GPU), so one MoE layer
-can be captured in a CUDA graph and replayed, and torch tensors go in and out without a
-copy, on the caller's stream:
-
-    a2a = AllToAll(own, group, max_tokens=128, experts=256, topk=8, hidden=7168,
-                   counts="device")                     # takes torch or cupy arrays
-    def moe_layer(x, topk_idx, topk_weights):          # x: (n, 7168) float32 torch
-        a2a.dispatch_send(x, topk_idx)
-        shared = shared_expert(x)                        # overlaps the all-to-all
-        tokens, scales, counts = a2a.dispatch_recv()     # torch tensors, on the GPU
-        a2a.combine_send(grouped_gemm(tokens, scales, counts))
-        return a2a.combine_recv(topk_weights) + shared
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):                        # capture once ...
-        y = moe_layer(x, topk_idx, topk_weights)
-    graph.replay()                                       # ... replay each step; a2a.check()
-
-On one H200 with one rank (so the host's launches and the kernels are all there is to time),
-at the decode shape, dispatch / combine at 1 token: 60.0 / 62.9 us eager, 18.3 / 14.6 us
-replayed as CUDA graphs (31.6 / 31.1 at 128 tokens), where chapter 16's GPU path took 56.1
-/ 55.9 before it became this chapter (medians of 7 runs, the same session:
-results/17_gpu_driven/h200-world1-split.json). On 2 x H200 (2 ranks, 128
-tokens): one node 100 / 77 us (78 / 68 with --counts device), two over libfabric shm 154 /
-125 us (97 / 103), NCCL doing the whole job 1272 / 643 us (at 09ab98f; chapter 16's
-host-driven path 1602 / 756; notebooks/README.md has the table).
+New since chapter 16: the kernels (chapters/17_gpu_driven.cu); each sender owns a stripe
+of the receiver's region, so it needs nobody's counts before it sends the rest; --counts
+device, --graph, --baseline nccl; AllToAll, the layer a serving engine calls.
 
     .venv/bin/python scripts/launch.py -n 1 --gpus 0 chapters/17_gpu_driven.py
     .venv/bin/python scripts/launch.py -n 2 --gpus 0 chapters/17_gpu_driven.py --counts device --graph
     .venv/bin/python scripts/launch.py -n 2 --ranks-per-node 1 --gpus 0,1 chapters/17_gpu_driven.py -p shm
     .venv/bin/python scripts/launch.py -n 2 --gpus 0,1 chapters/17_gpu_driven.py --baseline nccl
-    .venv/bin/python scripts/launch.py -n 1 --gpus 0 chapters/17_gpu_driven.py --check none \\
-        --tokens 1,128 --counts device --graph --iters 200 --json      # decode latency
+    .venv/bin/python scripts/launch.py -n 1 --gpus 0 chapters/17_gpu_driven.py --check none --tokens 1,128 --counts device --graph --iters 200 --json   # decode latency
     torchrun --nproc-per-node 8 chapters/17_gpu_driven.py ...            # a cluster
 
-Transcript (one H200 of a 16-core Xeon VM, only one GPU could be lent; CUDA-enabled
-libfabric 2.1.0, unused with one node; cupy 14.2, torch 2.11; the code of 9917301, run
-before its docstrings were written). Two ranks sharing the GPU, for correctness only
-(their CUDA contexts time-slice it), ten check lines left out; then one rank, decode
-latency eager and in graphs (run with --json FILE too, the line naming the file left out):
-
-    $ .venv/bin/python scripts/launch.py -n 2 --gpus 0 chapters/17_gpu_driven.py --counts device --graph --iters 0
-    launch: 2 ranks, 2 per node (1 node); pids 6540 6543
-    [0] 2 ranks (scripts/launch.py), one node; GPU memory, kernels push over NVLink (CUDA IPC); counts left on the GPU
-    [0] check fp8 overflow     private 1: 2048 (token, expert) rows received, counts exact and each row once with its scales on 2 of 2 ranks; combine max |error| 9.54e-07 (bf16 tolerance 3.08e-02)
-    [0] check bf16 fewer        private 8: 1072 (token, expert) rows received, counts exact and each row once on 2 of 2 ranks; combine max |error| 9.54e-07 (bf16 tolerance 2.78e-02)
-    [0] all checks passed (seed 3485079002)
-    [0] check graph fp8: one layer captured, replayed 100 times with new inputs, each replay exact on 2 of 2 ranks
-    $ .venv/bin/python scripts/launch.py -n 1 --gpus 0 chapters/17_gpu_driven.py --check none --tokens 1,128 --counts device --graph --iters 200
-    launch: 1 ranks, 1 per node (1 node); pids 6613
-    [0] 1 ranks (scripts/launch.py), one node; GPU memory, kernels push over NVLink (CUDA IPC); counts left on the GPU
-    [0] benchmark ours: 1 tokens per rank, hidden 7168, top-8 of 256 experts, fp8 dispatch (7392 B per row) / bf16 combine (14336 B); 200 iterations after 3
-    [0] latency, the median of each rank, then across ranks:
-    [0]   dispatch send  p50      31.1 us   max      31.1 us
-    [0]   dispatch recv  p50      15.5 us   max      15.5 us
-    [0]   dispatch       p50      46.6 us   max      46.6 us   1.268 GB/s (8 rows x 7392 B / p50)
-    [0]   combine send   p50      18.3 us   max      18.3 us
-    [0]   combine recv   p50      29.5 us   max      29.5 us
-    [0]   combine        p50      48.1 us   max      48.1 us   2.385 GB/s (8 rows x 14336 B / p50)
-    [0] benchmark ours: 128 tokens per rank, hidden 7168, top-8 of 256 experts, fp8 dispatch (7392 B per row) / bf16 combine (14336 B); 200 iterations after 3
-    [0] latency, the median of each rank, then across ranks:
-    [0]   dispatch send  p50      34.8 us   max      34.8 us
-    [0]   dispatch recv  p50      15.0 us   max      15.0 us
-    [0]   dispatch       p50      50.3 us   max      50.3 us   150.569 GB/s (1024 rows x 7392 B / p50)
-    [0]   combine send   p50      26.6 us   max      26.6 us
-    [0]   combine recv   p50      22.8 us   max      22.8 us
-    [0]   combine        p50      49.5 us   max      49.5 us   296.831 GB/s (1024 rows x 14336 B / p50)
-    [0] graph replays, 1 tokens per rank, the median of each rank, then across ranks:
-    [0]   dispatch       p50      17.2 us   max      17.2 us
-    [0]   combine        p50      14.6 us   max      14.6 us
-    [0] graph replays, 128 tokens per rank, the median of each rank, then across ranks:
-    [0]   dispatch       p50      31.1 us   max      31.1 us
-    [0]   combine        p50      31.1 us   max      31.1 us
-
-Eager, nearly all of it at 1 token is the host launching route, push, plan and gather one
-by one while the GPU waits; a replay hands the GPU the five kernels at once.
+Transcripts (one H200) and figures (one and 2 x H200): results/17_gpu_driven/README.md
 """
 # What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
 # where there is a GPU and says whether it showed on your machine.
 LESSON = {"figure": "check", "shows": "dispatch and combine exact, driven by the GPU"}
+
+# %% [markdown]
+# ## A serving engine calls it
+# The kernels change one thing in chapter 16's protocol: room for every sender's largest
+# stream costs little next to a GPU's memory, so each sender owns a stripe of the
+# receiver's region and needs nobody's counts before it sends the rest. And it allows what
+# a serving engine asks for first: with --counts device, nothing in the four halves waits
+# on the host (the per-expert counts stay on the GPU, the round number advances on the
+# GPU), so one MoE layer can be captured in a CUDA graph and replayed, and torch tensors go
+# in and out without a copy, on the caller's stream:
+#
+#     a2a = AllToAll(own, group, max_tokens=128, experts=256, topk=8, hidden=7168,
+#                    counts="device")                     # takes torch or cupy arrays
+#     def moe_layer(x, topk_idx, topk_weights):          # x: (n, 7168) float32 torch
+#         a2a.dispatch_send(x, topk_idx)
+#         shared = shared_expert(x)                        # overlaps the all-to-all
+#         tokens, scales, counts = a2a.dispatch_recv()     # torch tensors, on the GPU
+#         a2a.combine_send(grouped_gemm(tokens, scales, counts))
+#         return a2a.combine_recv(topk_weights) + shared
+#     graph = torch.cuda.CUDAGraph()
+#     with torch.cuda.graph(graph):                        # capture once ...
+#         y = moe_layer(x, topk_idx, topk_weights)
+#     graph.replay()                                       # ... replay each step; a2a.check()
 
 # %% [markdown]
 # ## Motivation

@@ -2,21 +2,19 @@
 
 What you will learn: how disaggregated serving moves a prompt's KV cache, and why it costs
 almost nothing when the transfer hides behind compute. The decoder (the server) keeps a
-paged KV cache: pages of --page-tokens tokens, each page of a layer's K or V one contiguous
-run of bytes (the shard's KV heads before the pages' tokens, so a shard's page is one
-WRITE). For a request it picks free pages and sends the prefiller (the client) its cache's
-descriptor and their indices. The prefiller runs the prompt layer by layer (real matrix
-products of one transformer layer's size, the shapes of a named model); after each layer
-the compute side bumps a counter, and a watcher thread that sees it issues that layer's
-paged WRITEs, every page carrying one immediate value that names the request and the
-layer. The decoder waits by count (expect: as many immediates of that value as the layer
-has pages, in any order, from any NIC), so it only ever uses a page set whose WRITEs all
-arrived; then the last token's hidden state comes as one WRITE, and the decoder checks
-every byte against what it computes from the same seeds.
+paged KV cache (a shard's page of a layer's K or V is one contiguous run: one WRITE) and
+sends the prefiller (the client) its cache's descriptor and the indices of free pages. The
+prefiller runs the prompt layer by layer (real matrix products of a named model's layer);
+after each layer a watcher thread issues that layer's paged WRITEs, every page carrying
+one immediate that names the request and the layer. The decoder waits by count (as many
+immediates of that value as the layer has pages, in any order, from any NIC), then takes
+the last token's hidden state in one WRITE and checks every byte. The cell "Layer by
+layer" below has the details.
 
-All of it rides common/transfer, the engine chapters 09-15 add up to: one C worker per
-GPU posting lazily in batches over its NICs, memory registered once as a descriptor a peer
-can use, paged WRITEs with immediates, completion by count, control messages.
+New since chapters 09-15: what they add up to, made reusable as common/transfer: one C
+worker per GPU posting lazily in batches over its NICs, memory registered once as a
+descriptor a peer can use, paged WRITEs with immediates, completion by count, control
+messages.
 
     .venv/bin/python chapters/18_kv_cache.py                  # the decoder: prints its address
     .venv/bin/python chapters/18_kv_cache.py -p shm ADDRESS   # the prefiller, as it prints
@@ -25,61 +23,27 @@ can use, paged WRITEs with immediates, completion by count, control messages.
     .venv/bin/python scripts/pair.py 18 --server-args="--cancel-after 3"   # cancelled mid-way
     .venv/bin/python scripts/pair.py 18 --server-args="--gpu 0" -- --gpu 0  # GPU memory, cupy
 
-On a 2-core VM (host memory, shm) the layer is the same model's, scaled down; the lesson
-shows there too: every layer's transfer but the last ran while the next one computed.
-
-Transcript (2-core x86_64 VM, no GPU, Debian's libfabric 1.17, load average 0.2; the
-addresses shortened; the code of efbdba2):
-
-    $ .venv/bin/python scripts/pair.py 18 -p shm
-    --- server: chapters/18_kv_cache.py -p shm -> exit 0
-    provider: shm; 1 virtual NIC, each a domain of shm (no NIC with a PCI address here)
-    decoder: KV cache of 16 pages a (layer, K|V), 8 layers, 32768 B a page (8 MiB); model small (8 layers, hidden 512, 1 KV head(s) of 128, 1024 tokens, 128 a page)
-    server address: 5458...
-    run the client: .venv/bin/python chapters/18_kv_cache.py -p shm 5458... --model small --page-tokens 128
-    decoder: request 1 asks for 8 pages a (layer, K|V), slots 0..7
-    per layer (median of 8): compute 28.00 ms, transfer 5.87 ms (16 pages of 32768 B, 0.72 Gbps); hidden behind the next layer: 100% (all but the last layer; the last one's 2.68 ms is not)
-    watcher, counter to first post: p50 80 us, p99 1478 us
-    time to first token: 212.7 ms prefill alone, 251.6 ms with the transfer (1024 tokens, 8 layers)
-    checked 128 pages and the context: 0 wrong bytes
-    --- client 1: chapters/18_kv_cache.py -p shm 5458... -> exit 0
-    provider: shm; 1 virtual NIC, each a domain of shm (no NIC with a PCI address here)
-    prefiller: 8 layers, hidden 512, 1 KV head(s) of 128, 1024 tokens, 128 a page
-    prefiller: 8 layers sent, 128 pages; {'posted': 129, 'completed': 129, 'eagain': 2, 'arrived': 0, 'injected': 0, 'nics': 1}; the decoder found 0 wrong bytes
-
-On one H200 (two processes sharing it; CUDA-enabled libfabric 2.1.0, shm moving GPU
-memory by CUDA IPC; Qwen3-235B-A22B at TP4, one rank's shard; float32 matrix products
-without tensor cores, so a layer computes 3.5x longer than the paper's 2.27 ms) the
-transfer hides behind compute for every layer but the last, and the prompt's first token
-comes 7.2% later than without it at 4K tokens (692.4 -> 742.4 ms, the transcript below),
-3.7% at 16K (2799 -> 2903 ms), 2.2% at 128K (22.17 -> 22.66 s: 241 ms of compute against
-14 ms of transfer a layer; `--limit 480` for pair.py); the paper, on 2 x 200 Gbps EFA:
-214 -> 260, 929 -> 1042 and 16735 -> 17056 ms (results/18_kv_cache/). The decoder only
-waits in expect() on the host while the prefiller computes, so sharing the GPU costs the
-prefill little; its check afterwards recomputes every layer.
-
-Transcript (one H200 of a 16-core Xeon VM, the code of efbdba2 run from a working copy;
-the addresses shortened):
-
-    $ .venv/bin/python scripts/pair.py 18 -p shm --server-args="--gpu 0 --tokens 4096" -- --gpu 0 --tokens 4096 --json FILE
-    --- server: chapters/18_kv_cache.py -p shm --gpu 0 --tokens 4096 -> exit 0
-    provider: shm; 1 virtual NIC, each a domain of shm (no NIC with a PCI address here)
-    decoder: KV cache of 64 pages a (layer, K|V), 94 layers, 32768 B a page (376 MiB); model qwen3-235b-tp4 (94 layers, hidden 4096, 1 KV head(s) of 128, 4096 tokens, 128 a page)
-    server address: 5458...
-    run the client: .venv/bin/python chapters/18_kv_cache.py -p shm 5458... --model qwen3-235b-tp4 --tokens 4096 --page-tokens 128 --gpu 0
-    decoder: request 1 asks for 32 pages a (layer, K|V), slots 0..31
-    per layer (median of 94): compute 7.86 ms, transfer 0.57 ms (64 pages of 32768 B, 29.19 Gbps); hidden behind the next layer: 100% (all but the last layer; the last one's 0.69 ms is not)
-    watcher, counter to first post: p50 39 us, p99 82 us
-    time to first token: 692.4 ms prefill alone, 742.4 ms with the transfer (4096 tokens, 94 layers)
-    checked 6016 pages and the context: 0 wrong bytes
-    --- client 1: chapters/18_kv_cache.py -p shm 5458... --gpu 0 --tokens 4096 --json FILE -> exit 0
-    provider: shm; 1 virtual NIC, each a domain of shm (no NIC with a PCI address here)
-    prefiller: 94 layers, hidden 4096, 1 KV head(s) of 128, 4096 tokens, 128 a page
-    prefiller: 94 layers sent, 6016 pages; {'posted': 6017, 'completed': 6017, 'eagain': 19, 'arrived': 0, 'injected': 0, 'nics': 1}; the decoder found 0 wrong bytes
-    result: FILE
+Transcripts (a 2-core VM; one H200) and figures: results/18_kv_cache/README.md
 """
 # What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it.
 LESSON = {"figure": "check", "shows": "a prompt's KV cache arrives whole and verified"}
+
+# %% [markdown]
+# ## Layer by layer
+# The decoder (the server) keeps a paged KV cache: pages of --page-tokens tokens, each page
+# of a layer's K or V one contiguous run of bytes (the shard's KV heads before the pages'
+# tokens, so a shard's page is one WRITE). For a request it picks free pages and sends the
+# prefiller (the client) its cache's descriptor and their indices. The prefiller runs the
+# prompt layer by layer (real matrix products of one transformer layer's size, the shapes
+# of a named model); after each layer the compute side bumps a counter, and a watcher
+# thread that sees it issues that layer's paged WRITEs, every page carrying one immediate
+# value that names the request and the layer. The decoder waits by count (expect: as many
+# immediates of that value as the layer has pages, in any order, from any NIC), so it only
+# ever uses a page set whose WRITEs all arrived; then the last token's hidden state comes
+# as one WRITE, and the decoder checks every byte against what it computes from the same
+# seeds. On a 2-core VM (host memory, shm) the layer is the same model's, scaled down; the
+# lesson shows there too: every layer's transfer but the last runs while the next one
+# computes.
 
 # %% [markdown]
 # ## Motivation

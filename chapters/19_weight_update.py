@@ -1,41 +1,17 @@
 """Chapter 19 - weight_update: bf16 training weights into fp8 inference weights, by one-sided WRITEs.
 
 What you will learn: how reinforcement learning moves fresh weights from the training job
-into the inference engine in about a second, not a minute. The two sides keep the same
-model in different shapes: trainers hold bf16 parameters in FSDP's dim-0 shards (trainer
-t: rows [t*ceil(R/T), ...) of every parameter), inference ranks hold fp8 e4m3 weights
-with one float32 scale per 128 x 128 block, sharded for serving (attention
-tensor-parallel, q/k/v fused into one qkv_proj and gate/up into gate_up_proj, experts
-expert-parallel, embeddings by vocabulary rows). Both sides send their layouts once; from
-them every rank computes the same routing table: which trainer WRITEs which rows of
-which tensor into which inference rank, at which offset. Fusing is only offsets in that
-table. Memory is registered once. An update is then, on every trainer at once:
-
-  1. edge maxima: a 128-row block straddles two trainers' shards where a shard's edge is
-     not a multiple of 128 rows, so each trainer takes the largest magnitude of its own
-     part of each block and WRITEs those of shared blocks to the trainers that share them
-     (one float per 128 columns: this replaces gathering whole tensors, full_tensor());
-  2. per layer: quantise its own rows with the blocks' scales into staging memory (two
-     halves of --staging: one quantised while the other's WRITEs fly), then one command
-     per inference rank posts the layer's WRITEs (codes, scales, bf16 rows), each with an
-     immediate naming the update and the layer;
-  3. a barrier: every inference rank waits for as many immediates of each layer as the
-     table says it gets, in any order, then meets the trainers.
-
-An inference rank knows which layers are complete by those counts: it serves the new
-weights only after the barrier, and says which layers are stale if a trainer dies
-mid-update. Every weight and scale is then checked, bit for bit, against the plain
-quantisation of the whole tensor (common/moe/reference.py), and a second update with a
-third of the parameters changed must change exactly the tensors built from those. The
-same update the naive way runs in the same job: trainer 0 gathers each tensor, quantises
-it and sends all of it to every inference rank.
-
-    .venv/bin/python scripts/launch.py -n 3 chapters/19_weight_update.py -p shm
-    .venv/bin/python scripts/launch.py -n 5 chapters/19_weight_update.py -p tcp --trainers 3
-    .venv/bin/python scripts/launch.py -n 4 chapters/19_weight_update.py --model tiny --trainers 3 \
-        --fail trainer                      # a trainer killed mid-update: the layers stale
-    .venv/bin/python scripts/launch.py -n 6 --gpus 0 chapters/19_weight_update.py \
-        --device cuda --trainers 4 -p shm   # the whole model, every rank on one GPU (101 GiB)
+into the inference engine in about a second, not a minute. Trainers hold bf16 parameters
+in FSDP's dim-0 shards; inference ranks hold fp8 e4m3 weights with a float32 scale per
+128 x 128 block, sharded for serving (attention tensor-parallel, q/k/v and gate/up fused,
+experts expert-parallel). Both sides send their layouts once; from them every rank
+computes the same routing table: which trainer WRITEs which rows of which tensor into
+which inference rank, at which offset (fusing is only offsets). An update is then, on
+every trainer at once: edge maxima of the blocks trainers share, per layer quantise and
+WRITE with an immediate naming the update and the layer, a barrier; an inference rank
+knows which layers are complete by those counts. Every weight and scale is checked bit
+for bit, beside the naive way (trainer 0 gathers, quantises and sends everything). The
+cell "An update, step by step" below has the details.
 
 New since chapter 18: Engine.write_list (one command of WRITEs of several lengths),
 Engine.signal and Engine.arrived (common/transfer); 128 x 128 blocks and bf16 input in
@@ -43,56 +19,49 @@ common/moe/reference.py's quantize_fp8 and in this chapter's kernels (19_weight_
 on common/moe/fp8.cuh, chapter 16's rounding); the two sides' layouts, the kernels' numpy
 twin, the naive way and the report in common/weights/.
 
-On the host (--device cpu) numpy quantises, so the seconds are numpy's on your cores, and
-the model is scaled down (said in the output); what shows everywhere is the check.
-Transcript (2-core x86_64 VM, no GPU, Debian's libfabric 1.17, load average 1.0; the
-first update's stage table left out; the code of 73a5901):
+    .venv/bin/python scripts/launch.py -n 3 chapters/19_weight_update.py -p shm
+    .venv/bin/python scripts/launch.py -n 5 chapters/19_weight_update.py -p tcp --trainers 3
+    .venv/bin/python scripts/launch.py -n 4 chapters/19_weight_update.py --model tiny --trainers 3 --fail trainer   # a trainer killed mid-update: the layers stale
+    .venv/bin/python scripts/launch.py -n 6 --gpus 0 chapters/19_weight_update.py --device cuda --trainers 4 -p shm   # the whole model, every rank on one GPU (101 GiB)
 
-    $ .venv/bin/python scripts/launch.py -n 3 chapters/19_weight_update.py -p shm
-    [0] 2 trainers (bf16, FSDP dim-0 shards) -> 1 inference rank (fp8 e4m3, 128 x 128 blocks; attention TP1, experts EP1); device cpu; provider shm; 1 virtual NIC, each a domain of shm (no NIC with a PCI address here)
-    [0] model qwen3-30b-a3b: 1 layers, 8 experts, hidden 2048, vocab 8192: 36 tensors, 0.09 B parameters, 0.18 GB bf16 (scaled down: 1 of 48 layers, 8 of 128 experts, 8192 of 151936 vocab)
-    [0] trainer 0: staging 56.6 MB (two halves, each a layer's quantised rows)
-    [0] update 1 (every parameter new): 0.678 s; 0.124 GB in 128 WRITEs from 2 trainers, 0.18 GB/s (the copy ceiling here, one copy of a trainer's bytes: 7.0 GB/s); checked on 1 inference rank: 0 wrong bytes; 0 tensors changed (0 expected)
-    [0] update 2 (a third of the parameters new): 0.350 s; 0.124 GB in 128 WRITEs from 2 trainers, 0.35 GB/s (the copy ceiling here, one copy of a trainer's bytes: 7.0 GB/s); checked on 1 inference rank: 0 wrong bytes; 12 tensors changed (12 expected)
-    [0]   stage, ms                    median  slowest   Kimi-K2 per rank, published
-    [0]   edge maxima (full_tensor())     65.2     84.3      518
-    [0]   waiting for other ranks         0.8      1.3      357
-    [0]   host-to-device                  0.0      0.0      184   (weights already where they are quantised)
-    [0]   quantise                      249.8    258.8       88
-    [0]   fuse projections                0.0      0.0       18   (offsets in the routing table)
-    [0]   RDMA submit                     0.5      0.5       26
-    [0]   transfer not hidden            31.3     57.5       42
-    [0]   total                         350.0              1233; WRITEs per trainer 64, 7.1 us each to submit (published: 1144, 23 us)
-    [0] naive (trainer 0 gathers each tensor, quantises it, sends all of it to every inference rank): 1.559 s, 4.5x the routed update; checked on 1 inference rank: 0 wrong bytes; 0 tensors changed (0 expected)
-    [0] all checks passed
-
-The whole model on one H200 (Qwen3-30B-A3B, 30.5 B parameters; all 6 ranks are processes
-time-slicing the one GPU; CUDA-enabled libfabric 2.1.0, shm moving GPU memory by CUDA IPC;
-the code of b0bd554; results/19_weight_update/, notebooks/19_weight_update.ipynb):
-
-    $ .venv/bin/python scripts/launch.py -n 6 --gpus 0 chapters/19_weight_update.py --device cuda --trainers 4 -p shm
-    [0] model qwen3-30b-a3b: 48 layers, 128 experts, hidden 2048, vocab 151936: 18867 tensors, 30.53 B parameters, 61.06 GB bf16
-    [0] update 1 (every parameter new): 3.058 s; 31.200 GB in 151312 WRITEs from 4 trainers, 10.20 GB/s (...: 316.8 GB/s); checked on 2 inference ranks: 0 wrong bytes; ...
-    [0] update 2 (a third of the parameters new): 1.584 s; 31.200 GB in 151312 WRITEs from 4 trainers, 19.70 GB/s (the copy ceiling here, one copy of a trainer's bytes: 316.8 GB/s); checked on 2 inference ranks: 0 wrong bytes; 6434 tensors changed (6434 expected)
-    [0]   edge maxima (full_tensor())    744.3    745.6      518
-    [0]   waiting for other ranks         1.0      5.2      357
-    [0]   quantise                      636.7    725.7       88
-    [0]   RDMA submit                    14.6     19.1       26
-    [0]   transfer not hidden           186.3    213.7       42
-    [0] naive (trainer 0 gathers each tensor, quantises it, sends all of it to every inference rank): 29.520 s, 18.6x the routed update; checked on 2 inference ranks: 0 wrong bytes; 0 tensors changed (0 expected)
-
-The published 1.3 s moved Kimi-K2 (1T parameters, 32x ours) from 256 training GPUs to 128
-inference GPUs over EFA, each GPU doing 1/256th; here 4 trainers share one GPU and do a
-quarter each. Our two big stages are launches, not bytes: a trainer launches a kernel or
-two for every tensor it holds a slice of (all 18,867: FSDP splits every one), and 4
-processes time-slice the GPU: one trainer alone sending 12 layers took 0.181 s, four
-sharing the GPU 0.400 s (each doing a quarter of the bytes). The fabric is not the limit
-here: the engine alone moves 4 MiB WRITEs of GPU memory on this shm at 3666 Gbps
-(results/transfer/h200-shm-cuda-large.json). No NCCL broadcast baseline: that takes two
-GPUs.
+Transcripts (a 2-core VM; the whole model on one H200): results/19_weight_update/README.md
 """
 # What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it.
 LESSON = {"figure": "check", "shows": "every fp8 weight and scale exact after two updates"}
+
+# %% [markdown]
+# ## An update, step by step
+# The two sides keep the same model in different shapes: trainers hold bf16 parameters in
+# FSDP's dim-0 shards (trainer t: rows [t*ceil(R/T), ...) of every parameter), inference
+# ranks hold fp8 e4m3 weights with one float32 scale per 128 x 128 block, sharded for
+# serving (attention tensor-parallel, q/k/v fused into one qkv_proj and gate/up into
+# gate_up_proj, experts expert-parallel, embeddings by vocabulary rows). Both sides send
+# their layouts once; from them every rank computes the same routing table: which trainer
+# WRITEs which rows of which tensor into which inference rank, at which offset. Fusing is
+# only offsets in that table. Memory is registered once. An update is then, on every
+# trainer at once:
+#
+#   1. edge maxima: a 128-row block straddles two trainers' shards where a shard's edge is
+#      not a multiple of 128 rows, so each trainer takes the largest magnitude of its own
+#      part of each block and WRITEs those of shared blocks to the trainers that share them
+#      (one float per 128 columns: this replaces gathering whole tensors, full_tensor());
+#   2. per layer: quantise its own rows with the blocks' scales into staging memory (two
+#      halves of --staging: one quantised while the other's WRITEs fly), then one command
+#      per inference rank posts the layer's WRITEs (codes, scales, bf16 rows), each with an
+#      immediate naming the update and the layer;
+#   3. a barrier: every inference rank waits for as many immediates of each layer as the
+#      table says it gets, in any order, then meets the trainers.
+#
+# An inference rank knows which layers are complete by those counts: it serves the new
+# weights only after the barrier, and says which layers are stale if a trainer dies
+# mid-update. Every weight and scale is then checked, bit for bit, against the plain
+# quantisation of the whole tensor (common/moe/reference.py), and a second update with a
+# third of the parameters changed must change exactly the tensors built from those. The
+# same update the naive way runs in the same job: trainer 0 gathers each tensor, quantises
+# it and sends all of it to every inference rank.
+#
+# On the host (--device cpu) numpy quantises, so the seconds are numpy's on your cores, and
+# the model is scaled down (said in the output); what shows everywhere is the check.
 
 # %% [markdown]
 # ## Motivation
