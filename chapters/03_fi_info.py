@@ -43,9 +43,8 @@ load average 2.7):
     sockets        ::1/128          lo           FI_EP_RDM         - -
     47 entries: 6 providers, 11 (provider, domain) pairs
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine.
-LESSON = {"figure": "check", "shows": "the (provider, domain) pairs this libfabric offers"}
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "check"}
 
 # %% [markdown]
 # ## Motivation

@@ -25,9 +25,8 @@ load average 3.2; the client is the command the server printed, pasted):
     provider: shm (asked for), fabric shm, domain shm
     sent 5 bytes: hello
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine.
-LESSON = {"figure": "check", "shows": "one message, SENT and RECEIVED"}
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "check"}
 
 # %% [markdown]
 # ## Motivation

@@ -35,9 +35,8 @@ commit 51c3160, load average 3.0):
     provider: tcp;ofi_rxm (asked for), fabric 127.0.0.1/32, domain lo
     sent 'libfabric', got back 'cirbafbil'
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine.
-LESSON = {"figure": "check", "shows": "two clients answered, each by its address"}
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "check"}
 
 # %% [markdown]
 # ## Motivation

@@ -76,8 +76,7 @@ CQ: "Remote key (RKEY) not registered or does not match remote IOVA"
 immediate data from the server within 5 s" (--timeout 5): a silent target is
 why it checks instead of trusting the absence of an error.
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine.
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
 LESSON = {"figure": "wrong bytes", "visible": {"at_most": 0}}
 
 # %% [markdown]

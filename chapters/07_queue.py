@@ -83,17 +83,16 @@ scripts/build_libfabric.sh, source pages on GPU 0, client buffers on GPU 1, 2000
 WRITEs of 16 MiB): 2856.834 Gbps, -FI_EAGAIN 231004 times, 0 wrong bytes, where
 cudaMemcpyPeer's ceiling is about 3170 Gbps.
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine; the server prints its run as the client command.
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
 # Pages over 4 KiB (SMR_INJECT_SIZE): 1.x's shm sends a smaller WRITE with
 # FI_DELIVERY_COMPLETE in segments, one such WRITE per peer at a time (smr_select_proto,
 # sar_status), which refuses nearly every post and leaves little of the throughput.
-LESSON = {"figure": "refused", "visible": {"at_least": 1},
+LESSON = {"figure": "refused", "visible": {"at_least": 1}, "field": "refused",
           "client": "--delivery-complete --page-size 64K --buffer-size 4M --pages 0-63 "
                     "--iters 20000",
-          "small": "A repeat with none refused: the provider took every WRITE, as 2.x's own "
-                   "tcp does (no bound on its transfers, xnet_alloc_tx); there -p "
-                   "'tcp;ofi_rxm' shows the lesson."}
+          "why_not": {"tcp": "A repeat with none refused: the provider took every WRITE, as "
+                             "2.x's own tcp does (no bound on its transfers, xnet_alloc_tx); "
+                             "there -p 'tcp;ofi_rxm' shows the lesson."}}
 
 # %% [markdown]
 # ## efa-direct: what a WRITE demands of the device alone (-p efa-direct)

@@ -54,9 +54,8 @@ The series' p5, rebuilt as a fake sysfs tree by `.venv/bin/python tests/fake_sys
     cuda:7  0000:ca:00.0  1     84-95        90      rdmap198s0 rdmap199s0 rdmap200s0 rdmap201s0
     total link bandwidth: 32 NICs, 3200 Gbps
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine.
-LESSON = {"figure": "check", "shows": "which NICs and cores go with which GPU"}
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "check"}
 
 # %% [markdown]
 # ## Motivation

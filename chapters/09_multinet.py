@@ -60,13 +60,10 @@ NICs, 64 KiB):
     immediate data from 4 NICs, one each: 25000 25000 25000 25000
     verified 1 x 64 pages (4194304 bytes): 0 wrong bytes
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine; the server prints its run as the client command.
-LESSON = {"figure": "check", "shows": "every NIC carries its share, with its own immediate",
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "check", "field": "writes_per_nic",
           "client": "--groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 "
-                    "--iters 100000",
-          "small": "On shm or tcp the NICs are domains of one memory system, so more of "
-                   "them add no bandwidth: what shows is that each carries its share."}
+                    "--iters 100000"}
 
 # %% [markdown]
 # ## Motivation

@@ -51,9 +51,8 @@ printed, pasted (2 groups x 2 virtual NICs, 4 KiB), then 1 x 4 virtual NICs, 64 
     immediate data from 4 NICs, one each: 2500 2500 2500 2500
     verified 1 x 64 pages (4194304 bytes): 0 wrong bytes
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine; the server prints its run as the client command.
-LESSON = {"figure": "first WRITE", "visible": {"at_least": 2},
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "first WRITE", "visible": {"at_least": 2}, "field": "first_vs_warm",
           "client": "--groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 "
                     "--iters 100000"}
 

@@ -67,9 +67,9 @@ The same with the worker loop in C, the GIL released:
     immediate data from 4 NICs, one each: 25000 25000 25000 25000
     verified 2 x 64 pages (524288 bytes): 0 wrong bytes
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine; the server prints its run as the client command.
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
 LESSON = {"figure": "CPU per WRITE", "visible": {"than": "11 --engine python", "by": 1.5},
+          "field": "cpu_us_per_write",
           "client": "--groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 "
                     "--iters 100000"}
 

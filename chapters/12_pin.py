@@ -55,14 +55,18 @@ results/progression/h200x2-shm-host.json), chapter 11 1.011 Mpps, chapter 12 1.0
 socket and an idle scheduler leave little to win; the p5's 3.5x came from two sockets and
 eight busy threads.
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine; the server prints its run as the client command.
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
 LESSON = {"figure": "CPU per WRITE", "visible": {"than": "11", "by": 1.2},
+          "field": "cpu_us_per_write",
           "client": "--groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 "
                     "--iters 100000",
-          "small": "With one NUMA node and two cores that the client shares, a pinned "
-                   "worker has nowhere better to be: the series' step needs a socket's "
-                   "worth of cores per GPU and two sockets."}
+          "why_not": {"shm": "With one NUMA node and two cores that the client shares, a "
+                             "pinned worker has nowhere better to be: the series' step needs "
+                             "a socket's worth of cores per GPU and two sockets.",
+                      "tcp": "One NUMA node and two cores, shared with the client and with "
+                             "the kernel's TCP work: a pinned worker has nowhere better to "
+                             "be (within 10% of chapter 11's CPU per WRITE, 13 repeats on "
+                             "a 2-core VM)."}}
 
 # %% [markdown]
 # ## Motivation

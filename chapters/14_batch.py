@@ -64,13 +64,14 @@ WRITEs in that GPU run (here 4,892,547 for 100,000, 6.2 and 0.4 million in the r
 provider is full almost every time a visit comes, so there is rarely room for more than
 one WRITE, let alone 16; posting into room that is not there is what chapter 15 stops.
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine; the server prints its run as the client command.
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
 LESSON = {"figure": "CPU per WRITE", "visible": {"than": "13", "by": 1.2},
+          "field": "cpu_us_per_write",
           "client": "--groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 "
                     "--iters 100000",
-          "small": "Where the provider is full at almost every visit (shm on two cores), "
-                   "a visit rarely has room for a second WRITE, so nothing is shared."}
+          "why_not": {"shm": "Where the provider is full at almost every visit (shm on two "
+                             "cores), a visit rarely has room for a second WRITE, so nothing "
+                             "is shared."}}
 
 # %% [markdown]
 # ## Motivation

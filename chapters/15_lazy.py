@@ -57,15 +57,14 @@ results/baselines/h200x2-shm-cuda.json), refused 0 times. Host memory, 4 KiB pag
 box at 1f179a6 (libfabric 2.1.0, medians of 3, results/progression/h200x2-shm-host.json):
 1.142 Mpps, chapter 14 1.067, chapter 09 0.158.
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine; the server prints its run as the client command.
-LESSON = {"figure": "refused", "visible": {"than": "14", "by": 2},
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "refused", "visible": {"than": "14", "by": 2}, "field": "refused",
           "client": "--groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 "
                     "--iters 100000",
-          "small": "shm completes a WRITE of up to 4 KiB once it is queued, before the "
-                   "peer takes it (prov/shm/src/smr_rma.c), so a completion is no "
-                   "promise of room and lazy posts are refused too, the more so the "
-                   "less often the peer gets a core."}
+          "why_not": {"shm": "shm completes a WRITE of up to 4 KiB once it is queued, before "
+                             "the peer takes it (prov/shm/src/smr_rma.c), so a completion is "
+                             "no promise of room and lazy posts are refused too, the more so "
+                             "the less often the peer gets a core."}}
 
 # %% [markdown]
 # ## Motivation

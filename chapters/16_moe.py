@@ -80,9 +80,8 @@ and copying megabytes per rank), not what the protocol costs on GPUs: on 2 x H20
 tokens this host-driven path took 1602 / 756 us, the GPU-driven one of chapter 17 100 / 77
 (at f6fe2b2 and 09ab98f).
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine.
-LESSON = {"figure": "check", "shows": "dispatch and combine exact on 4 ranks / 2 nodes"}
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "check"}
 
 # %% [markdown]
 # ## Motivation

@@ -90,9 +90,8 @@ latency eager and in graphs (run with --json FILE too, the line naming the file 
 Eager, nearly all of it at 1 token is the host launching route, push, plan and gather one
 by one while the GPU waits; a replay hands the GPU the five kernels at once.
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# where there is a GPU and says whether it showed on your machine.
-LESSON = {"figure": "check", "shows": "dispatch and combine exact, driven by the GPU"}
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "check"}
 
 # %% [markdown]
 # ## Motivation

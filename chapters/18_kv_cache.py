@@ -78,8 +78,8 @@ the addresses shortened):
     prefiller: 94 layers sent, 6016 pages; {'posted': 6017, 'completed': 6017, 'eagain': 19, 'arrived': 0, 'injected': 0, 'nics': 1}; the decoder found 0 wrong bytes
     result: FILE
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it.
-LESSON = {"figure": "check", "shows": "a prompt's KV cache arrives whole and verified"}
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "check"}
 
 # %% [markdown]
 # ## Motivation

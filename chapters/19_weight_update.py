@@ -91,8 +91,8 @@ here: the engine alone moves 4 MiB WRITEs of GPU memory on this shm at 3666 Gbps
 (results/transfer/h200-shm-cuda-large.json). No NCCL broadcast baseline: that takes two
 GPUs.
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it.
-LESSON = {"figure": "check", "shows": "every fp8 weight and scale exact after two updates"}
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "check"}
 
 # %% [markdown]
 # ## Motivation
