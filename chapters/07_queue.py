@@ -237,7 +237,13 @@ def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
     print(bench.summary(f, lim), flush=True)
     if args.json:
         path = bench.run_path(args.json, "07_queue", args.provider_used, memory_kind, page_size)
-        print(f"result: {bench.record(path, '07_queue', args, info, memory_kind, here, f, lim)}")
+        f["refused"] = queue.eagain
+        sent = {"seed": seed, "page_size": page_size, "iters": iters,  # in its CONNECT
+                "pages": connect.pages_flag(pages), "buffers": nbufs,
+                "buffer_size": regions[0][1], "delivery_complete": delivery}
+        written = bench.record(path, "07_queue", args, info, memory_kind, here, f, lim, sent,
+                               LESSON["field"])
+        print(f"result: {written}")
 
 
 def write_all(queue, beat, messages, iters, page_size, timeout, flags):
