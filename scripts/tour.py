@@ -75,8 +75,8 @@ def why_not(stem, lesson, provider):
     it: the chapter's word for that provider (its only), or that it has none."""
     reason = lesson.get("why_not", {}).get(base(provider))
     return (f"{stem} on {base(provider)}: "
-            + (reason or "not beyond the noise this time, though its LESSON expects it "
-               "here: a busy moment? (run the tour again)"))
+            + (reason or f"not beyond the noise in these repeats, though its LESSON gives "
+               f"no reason it cannot show on {base(provider)} (run the tour again)"))
 
 
 def lesson(path):
