@@ -18,9 +18,8 @@ opens nothing yet; it only asks, as the fi_info tool does.
 
 Transcripts: results/03_fi_info/README.md
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine.
-LESSON = {"figure": "check", "shows": "the (provider, domain) pairs this libfabric offers"}
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "check"}
 
 # %% [markdown]
 # ## libfabric 1.x and 2.x

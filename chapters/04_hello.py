@@ -14,9 +14,8 @@ New since chapter 03: we open the objects that 03 only listed.
 
 Transcript: results/04_hello/README.md
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine.
-LESSON = {"figure": "check", "shows": "one message, SENT and RECEIVED"}
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "check"}
 
 # %% [markdown]
 # ## Motivation

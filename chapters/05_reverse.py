@@ -20,9 +20,8 @@ flight at once.
 
 Transcript: results/05_reverse/README.md
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine.
-LESSON = {"figure": "check", "shows": "two clients answered, each by its address"}
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "check"}
 
 # %% [markdown]
 # ## Motivation

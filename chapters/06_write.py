@@ -22,8 +22,7 @@ fi_writemsg, immediate data, a check of every byte that arrived.
 
 Transcripts (host memory; GPU memory on one H200): results/06_write/README.md
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine.
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
 LESSON = {"figure": "wrong bytes", "visible": {"at_most": 0}}
 
 # %% [markdown]

@@ -27,17 +27,16 @@ Mpps and % of a limit; --json.
 
 Transcripts and figures: results/07_queue/README.md
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine; the server prints its run as the client command.
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
 # Pages over 4 KiB (SMR_INJECT_SIZE): 1.x's shm sends a smaller WRITE with
 # FI_DELIVERY_COMPLETE in segments, one such WRITE per peer at a time (smr_select_proto,
 # sar_status), which refuses nearly every post and leaves little of the throughput.
-LESSON = {"figure": "refused", "visible": {"at_least": 1},
+LESSON = {"figure": "refused", "visible": {"at_least": 1}, "field": "refused",
           "client": "--delivery-complete --page-size 64K --buffer-size 4M --pages 0-63 "
                     "--iters 20000",
-          "small": "A repeat with none refused: the provider took every WRITE, as 2.x's own "
-                   "tcp does (no bound on its transfers, xnet_alloc_tx); there -p "
-                   "'tcp;ofi_rxm' shows the lesson."}
+          "why_not": {"tcp": "A repeat with none refused: the provider took every WRITE, as "
+                             "2.x's own tcp does (no bound on its transfers, xnet_alloc_tx); "
+                             "there -p 'tcp;ofi_rxm' shows the lesson."}}
 
 # %% [markdown]
 # ## Whose queue is full
@@ -203,7 +202,13 @@ def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
     print(bench.summary(f, lim), flush=True)
     if args.json:
         path = bench.run_path(args.json, "07_queue", args.provider_used, memory_kind, page_size)
-        print(f"result: {bench.record(path, '07_queue', args, info, memory_kind, here, f, lim)}")
+        f["refused"] = queue.eagain
+        sent = {"seed": seed, "page_size": page_size, "iters": iters,  # in its CONNECT
+                "pages": connect.pages_flag(pages), "buffers": nbufs,
+                "buffer_size": regions[0][1], "delivery_complete": delivery}
+        written = bench.record(path, "07_queue", args, info, memory_kind, here, f, lim, sent,
+                               LESSON["field"])
+        print(f"result: {written}")
 
 
 def write_all(queue, beat, messages, iters, page_size, timeout, flags):

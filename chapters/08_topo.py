@@ -20,9 +20,8 @@ discovery lives in common/engine/topo.py, for chapters 09 on.
 
 Transcripts (a 2-core VM, one H200, the fake p5): results/08_topo/README.md
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine.
-LESSON = {"figure": "check", "shows": "which NICs and cores go with which GPU"}
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "check"}
 
 # %% [markdown]
 # ## Motivation

@@ -26,13 +26,10 @@ it beside this page (scripts/diff.sh 09 shows it too).
 
 Transcript: results/09_multinet/README.md
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine; the server prints its run as the client command.
-LESSON = {"figure": "check", "shows": "every NIC carries its share, with its own immediate",
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "check", "field": "writes_per_nic",
           "client": "--groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 "
-                    "--iters 100000",
-          "small": "On shm or tcp the NICs are domains of one memory system, so more of "
-                   "them add no bandwidth: what shows is that each carries its share."}
+                    "--iters 100000"}
 
 # %% [markdown]
 # ## Motivation

@@ -20,9 +20,8 @@ messages and starting the clock; the comparison printed after the run.
 Transcript (tcp on loopback, where the first WRITE opens a connection):
 results/10_warmup/README.md
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine; the server prints its run as the client command.
-LESSON = {"figure": "first WRITE", "visible": {"at_least": 2},
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "first WRITE", "visible": {"at_least": 2}, "field": "first_vs_warm",
           "client": "--groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 "
                     "--iters 100000"}
 

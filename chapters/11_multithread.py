@@ -24,9 +24,9 @@ atomic counter; --engine python|native. Python's side of the workers
 
 Transcripts (Python threads, then the loop in C): results/11_multithread/README.md
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine; the server prints its run as the client command.
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
 LESSON = {"figure": "CPU per WRITE", "visible": {"than": "11 --engine python", "by": 1.5},
+          "field": "cpu_us_per_write",
           "client": "--groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 "
                     "--iters 100000"}
 

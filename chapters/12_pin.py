@@ -22,14 +22,18 @@ of chapter 11 made its point and is gone.
 
 Transcript and figures (a 2-core VM; 2 x H200): results/12_pin/README.md
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine; the server prints its run as the client command.
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
 LESSON = {"figure": "CPU per WRITE", "visible": {"than": "11", "by": 1.2},
+          "field": "cpu_us_per_write",
           "client": "--groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 "
                     "--iters 100000",
-          "small": "With one NUMA node and two cores that the client shares, a pinned "
-                   "worker has nowhere better to be: the series' step needs a socket's "
-                   "worth of cores per GPU and two sockets."}
+          "why_not": {"shm": "With one NUMA node and two cores that the client shares, a "
+                             "pinned worker has nowhere better to be: the series' step needs "
+                             "a socket's worth of cores per GPU and two sockets.",
+                      "tcp": "One NUMA node and two cores, shared with the client and with "
+                             "the kernel's TCP work: a pinned worker has nowhere better to "
+                             "be (within 10% of chapter 11's CPU per WRITE, 13 repeats on "
+                             "a 2-core VM)."}}
 
 # %% [markdown]
 # ## Motivation

@@ -19,14 +19,17 @@ Starting the workers moves to common/engine/shards.py, which 14 and 15 reuse.
 
 Transcript and figures (a 2-core VM; 2 x H200): results/13_shard/README.md
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine; the server prints its run as the client command.
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
 LESSON = {"figure": "CPU per WRITE", "visible": {"than": "12", "by": 1.2},
+          "field": "cpu_us_per_write",
           "client": "--groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 "
                     "--iters 100000",
-          "small": "Two workers bounce the shared counter's line between two cores once "
-                   "per CQ read, too rarely to show; the series had eight threads on two "
-                   "sockets."}
+          "why_not": {"shm": "Two workers bounce the shared counter's line between two cores "
+                             "once per CQ read, too rarely to show; the series had eight "
+                             "threads on two sockets.",
+                      "tcp": "Two workers bounce the shared counter's line once per CQ read, "
+                             "a sliver of the CPU that tcp itself spends per WRITE (several "
+                             "times shm's)."}}
 
 # %% [markdown]
 # ## Motivation

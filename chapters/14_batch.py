@@ -21,13 +21,14 @@ New since chapter 13: worker() takes `batch`, and a visit submits up to
 
 Transcript and figures (a 2-core VM; 2 x H200): results/14_batch/README.md
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine; the server prints its run as the client command.
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
 LESSON = {"figure": "CPU per WRITE", "visible": {"than": "13", "by": 1.2},
+          "field": "cpu_us_per_write",
           "client": "--groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 "
                     "--iters 100000",
-          "small": "Where the provider is full at almost every visit (shm on two cores), "
-                   "a visit rarely has room for a second WRITE, so nothing is shared."}
+          "why_not": {"shm": "Where the provider is full at almost every visit (shm on two "
+                             "cores), a visit rarely has room for a second WRITE, so nothing "
+                             "is shared."}}
 
 # %% [markdown]
 # ## FI_MORE: a batch is one doorbell

@@ -22,15 +22,14 @@ nothing in flight: until the provider is full).
 
 Transcript and figures (a 2-core VM; 2 x H200): results/15_lazy/README.md
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine; the server prints its run as the client command.
-LESSON = {"figure": "refused", "visible": {"than": "14", "by": 2},
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "refused", "visible": {"than": "14", "by": 2}, "field": "refused",
           "client": "--groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 "
                     "--iters 100000",
-          "small": "shm completes a WRITE of up to 4 KiB once it is queued, before the "
-                   "peer takes it (prov/shm/src/smr_rma.c), so a completion is no "
-                   "promise of room and lazy posts are refused too, the more so the "
-                   "less often the peer gets a core."}
+          "why_not": {"shm": "shm completes a WRITE of up to 4 KiB once it is queued, before "
+                             "the peer takes it (prov/shm/src/smr_rma.c), so a completion is "
+                             "no promise of room and lazy posts are refused too, the more so "
+                             "the less often the peer gets a core."}}
 
 # %% [markdown]
 # ## Motivation

@@ -27,9 +27,8 @@ stands in for the kernels and host memory for GPU memory. Chapter 17 hands it to
 
 Transcript (2-core VM, shm and tcp) and figures: results/16_moe/README.md
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# and says whether it showed on your machine.
-LESSON = {"figure": "check", "shows": "dispatch and combine exact on 4 ranks / 2 nodes"}
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "check"}
 
 # %% [markdown]
 # ## The protocol

@@ -23,9 +23,8 @@ device, --graph, --baseline nccl; AllToAll, the layer a serving engine calls.
 
 Transcripts (one H200) and figures (one and 2 x H200): results/17_gpu_driven/README.md
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it
-# where there is a GPU and says whether it showed on your machine.
-LESSON = {"figure": "check", "shows": "dispatch and combine exact, driven by the GPU"}
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "check"}
 
 # %% [markdown]
 # ## A serving engine calls it

@@ -25,8 +25,8 @@ messages.
 
 Transcripts (a 2-core VM; one H200) and figures: results/18_kv_cache/README.md
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it.
-LESSON = {"figure": "check", "shows": "a prompt's KV cache arrives whole and verified"}
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "check"}
 
 # %% [markdown]
 # ## Layer by layer

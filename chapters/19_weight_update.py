@@ -26,8 +26,8 @@ twin, the naive way and the report in common/weights/.
 
 Transcripts (a 2-core VM; the whole model on one H200): results/19_weight_update/README.md
 """
-# What shows this chapter's lesson and when it counts as shown: scripts/tour.py runs it.
-LESSON = {"figure": "check", "shows": "every fp8 weight and scale exact after two updates"}
+# LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+LESSON = {"figure": "check"}
 
 # %% [markdown]
 # ## An update, step by step

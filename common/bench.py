@@ -20,7 +20,7 @@ from pathlib import Path
 import common.fabric as fi
 from common import cli
 from common.fabric import lib
-from common.records import ROOT, arguments, git_sha, machine, write_json  # noqa: F401 (bench.machine)
+from common.records import ROOT, arguments, git_sha, machine, options, write_json  # noqa: F401 (bench.machine, bench.arguments)
 
 RESULTS = ROOT / "results"
 BASELINES = RESULTS / "baselines"
@@ -133,10 +133,16 @@ def run_path(path, *name):
     return RESULTS / "runs" / ("-".join(map(str, name)) + time.strftime("-%Y%m%dT%H%M%S.json"))
 
 
-def record(path, chapter, args, info, memory, here, f, lim):
-    """Write one run as JSON (chapter, arguments, provider, libfabric, machine, git sha, figures)."""
+def record(path, chapter, args, info, memory, here, f, lim, client_args, lesson):
+    """Write one run as JSON: chapter, the server's flags (`args`, this process's) and the
+    client's (`client_args`: what its CONNECT carried), provider, libfabric, machine, git sha,
+    figures; `lesson` names the figure's field that shows the chapter's lesson (its LESSON's
+    "field"), which `f` must hold."""
+    if f.get(lesson) is None:
+        raise ValueError(f"{chapter}: no lesson figure '{lesson}' in the record")
     gbps, what = lim
-    data = {"chapter": chapter, "args": arguments(), "provider": fi.provider_of(info),
+    data = {"chapter": chapter, "server_args": options(args), "client_args": client_args,
+            "lesson": lesson, "provider": fi.provider_of(info),
             "memory": memory, "libfabric": "%d.%d" % fi.version(), "machine": here,
             "git": git_sha(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             **f, "limit_gbps": gbps, "limit": what,

@@ -47,6 +47,9 @@ class Parser(argparse.ArgumentParser):
         for a in sided:
             if getattr(parsed, a.dest) is _UNSET:
                 setattr(parsed, a.dest, a.default)
+        # this side's own flags, as a record keeps them (common/records.py: options)
+        parsed.own_flags = tuple(a.dest for a in self._actions if a.dest not in ("help", "address")
+                                 and getattr(a, "side", me) == me)
         if wrong:
             other, one = "client" if me == "server" else "server", len(wrong) == 1
             why = " (it sends the values in its CONNECT)" if other == "client" else ""

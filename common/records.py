@@ -48,6 +48,14 @@ def arguments(argv=None):
             for a in (sys.argv[1:] if argv is None else argv)]
 
 
+def options(args):
+    """A side's own flags as data, {flag's name: value} (cli.Parser lists them in
+    `own_flags`), each path by its last part as arguments() keeps it."""
+    def kept(value):
+        return arguments([value])[0] if isinstance(value, str) else value
+    return {name: kept(getattr(args, name)) for name in getattr(args, "own_flags", ())}
+
+
 def parse_label(text):
     """A machine name for a results file: letters, digits, '.', '_', '-' (no folders)."""
     if not re.fullmatch(r"[\w.-]+", text) or text.startswith("."):

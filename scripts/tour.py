@@ -1,18 +1,26 @@
-"""The tour: every chapter on this machine, and whether its lesson shows here.
+"""The tour: every chapter on this machine, each where its lesson shows, and whether it did.
 
-    .venv/bin/python scripts/tour.py              # the default provider (what the chapters pick)
-    .venv/bin/python scripts/tour.py -p tcp       # another one
+    .venv/bin/python scripts/tour.py              # each chapter on its provider (below)
+    .venv/bin/python scripts/tour.py -p tcp       # every chapter on tcp
 
-Each chapter declares in LESSON, below its docstring, the figure that shows
-its lesson, the client run that shows it, and what counts as visible: a
-threshold every repeat meets, or a factor by which it beats another chapter
-(or itself with other server flags) on medians, with no repeat of one inside
-the range of the other (beyond the noise). The tour runs each chapter that
-way, server and client as a pair on this host, checks what they printed
-(every byte verified), and prints per chapter what it showed here and whether
-the lesson is visible here; where it is not, the chapter's own sentence says
-why. Measured figures come from --repeats runs, chapter after chapter within a
-repeat, so that a busy moment hits them all.
+Each chapter declares, in the LESSON dict below its docstring, what shows its lesson:
+  "figure"    what to read: "check" (its run checks its data: that is the lesson), or a
+              figure of FIGURES below, printed by its server
+  "visible"   when that figure counts as shown: a threshold every repeat meets
+              ({"at_least": 1}), or a factor by which it beats another chapter (or itself
+              with other server flags) on medians, no repeat of one inside the range of the
+              other ({"than": "11 --engine python", "by": 1.5})
+  "client"    the client's flags of the run that shows it (the server prints that command)
+  "field"     where its --json record keeps that figure (chapters that write one)
+  "why_not"   per provider, why the figure cannot move there on a machine like this one
+The tour runs each chapter on this host's default provider (what the chapters pick),
+unless its "why_not" names that one: then on the first other provider usable here that it
+does not name (tcp beside shm on a host without a NIC); -p runs them all on one. Server
+and client run as a pair on this host; every byte is verified. The table says per chapter
+what it showed, where it ran and why, and whether the lesson is visible; where it is not,
+the chapter's "why_not" for the provider it ran on (that one's only) says why. Measured
+figures come from --repeats runs, chapter after chapter within a repeat, so that a busy
+moment hits them all; a chapter and the one it is compared with run on the same provider.
 """
 import argparse
 import ast
@@ -30,6 +38,7 @@ from pair import ROOT, chapter_path, local_env, run_pair  # noqa: E402
 from common.patience import patience  # noqa: E402
 
 MESSAGE = "Hello from the tour"
+PREFERENCE = ("efa", "verbs", "shm", "tcp")  # as the chapters pick (fi.DEFAULT_PROVIDERS)
 # figure: (pattern in the server's output, format of a value, its unit, whether lower is better)
 FIGURES = {
     "refused": (r"-FI_EAGAIN (\d+) times", "{:.0f}", "refused posts", True),
@@ -37,6 +46,37 @@ FIGURES = {
     "first WRITE": (r"first contact vs a warm WRITE: .*\((\d+)x\)", "{:.0f}x",
                     "first WRITE / a warm one", False),
 }
+
+
+def base(provider):
+    """A provider's own name: "tcp" of "tcp;ofi_rxm"."""
+    return provider.split(";")[0]
+
+
+def provider_for(lesson, forced, default, usable):
+    """(provider, why) a chapter runs on: -p's for every chapter; else this host's default,
+    unless the chapter's "why_not" names it: then the first provider usable here, in the
+    chapters' order of preference (common/fabric: DEFAULT_PROVIDERS), that it does not name;
+    where it names them all, the default after all."""
+    if forced:
+        return forced, "-p"
+    ruled_out = set(lesson.get("why_not", {}))
+    if base(default) not in ruled_out:
+        return default, "the default"
+    here = {base(p): p for p in usable}
+    for name in PREFERENCE:
+        if name in here and name not in ruled_out:
+            return name, f"its lesson cannot move on {base(default)}"
+    return default, "the default; its lesson moves on no provider here"
+
+
+def why_not(stem, lesson, provider):
+    """Why a chapter's lesson did not show on the provider it ran on, as the tour prints
+    it: the chapter's word for that provider (its only), or that it has none."""
+    reason = lesson.get("why_not", {}).get(base(provider))
+    return (f"{stem} on {base(provider)}: "
+            + (reason or f"not beyond the noise in these repeats, though its LESSON gives "
+               f"no reason it cannot show on {base(provider)} (run the tour again)"))
 
 
 def lesson(path):
@@ -58,8 +98,8 @@ def alone(chapter, provider, pattern, say):
 
 
 def ch03(provider, _):
-    return alone(3, provider, r"(\d+) providers, (\d+) \(provider, domain\) pairs",
-                 lambda m: f"{m[1]} providers, {m[2]} (provider, domain) pairs")
+    return alone(3, provider, r"(\d+) providers?, (\d+) \(provider, domain\) pairs?",
+                 lambda m: m[0])
 
 
 def ch04(provider, _):
@@ -168,15 +208,15 @@ def failure(pair):
 
 
 class Runs:
-    """Measured runs, each (chapter, server flags, client flags) once per repeat: the
-    figure of each, or the one line saying why a run failed."""
+    """Measured runs, each (chapter, server flags, client flags, provider) once per repeat:
+    the figure of each, or the one line saying why a run failed."""
 
-    def __init__(self, provider):
-        self.provider, self.values, self.failed = provider, {}, {}
+    def __init__(self):
+        self.values, self.failed = {}, {}
 
     def measure(self, spec):
-        chapter, server, client = spec
-        pair = run_pair(chapter, self.provider, ["--clients", "1", *server], [list(client)],
+        chapter, server, client, provider = spec
+        pair = run_pair(chapter, provider, ["--clients", "1", *server], [list(client)],
                         timeout=120)
         if not (pair.ok and "): 0 wrong bytes" in pair.clients[0].out):
             self.failed[spec] = failure(pair)
@@ -191,15 +231,16 @@ class Runs:
         return self.values[(spec, figure)], None
 
 
-def specs(number, lesson):
-    """The runs a measured chapter needs: its own, and the one it is compared with."""
+def specs(number, lesson, provider):
+    """The runs a measured chapter needs: its own, and the one it is compared with, both
+    on `provider`."""
     client = tuple(shlex.split(lesson["client"]))
-    mine = (number, (), client)
+    mine = (number, (), client, provider)
     than = lesson["visible"].get("than")
     if not than:
         return mine, None
     other, *server = shlex.split(than)
-    return mine, (int(other), tuple(server), client)
+    return mine, (int(other), tuple(server), client, provider)
 
 
 def spread(values, form):
@@ -228,19 +269,23 @@ def verdict(lesson, mine, theirs):
 
 
 def about_here(provider):
-    """Provider, libfabric and machine, as the chapters see them; exits on a bad -p."""
-    code = ("import os, sys, common.fabric as fi\n"
+    """(the provider -p or the default gives, every provider usable here, a line saying
+    them, libfabric and the machine), as the chapters see them; exits on a bad -p."""
+    code = ("import sys, common.fabric as fi\n"
+            "from common.engine.multinet import CAPS\n"
             "from common.records import machine\n"
-            f"try: info, why = fi.pick({provider!r})\n"
+            f"try: info, why = fi.pick({provider!r}, CAPS)\n"
             "except ValueError as e: sys.exit(str(e))\n"
             "m = machine()\n"
+            "print(fi.provider_of(info)); print(' '.join(fi.usable(CAPS)))\n"
             "print(f\"provider {fi.provider_of(info)} ({why}), libfabric %d.%d, "
             "{m['cpu']} x {m['cores']} cores\" % fi.version())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=local_env(), cwd=ROOT)
     if done.returncode:
         sys.exit(f"tour: {last_line(done.stderr or done.stdout)}")
-    return f"{done.stdout.strip()}, {platform.machine()}"
+    chosen, usable, line = done.stdout.strip().splitlines()
+    return chosen, usable.split(), f"{line}, {platform.machine()}"
 
 
 def main():
@@ -250,21 +295,26 @@ def main():
                    help="runs of each measured chapter (default 3)")
     args = p.parse_args()
     start = time.monotonic()
-    print(f"{about_here(args.provider)}\n")
+    default, usable, line = about_here(args.provider)
+    print(f"{line}\n")
     chapters = {int(path.name[:2]): path
                 for path in sorted((ROOT / "chapters").glob("[0-9][0-9]_*.py"))}
     lessons = {n: lesson(path) for n, path in chapters.items()}
+    where = {n: provider_for(lessons[n], args.provider, default, usable) for n in chapters}
+    # what each chapter is given: -p, or another provider than the default; else nothing,
+    # so that it picks the default itself (03 then lists every provider, not one)
+    given = {n: p if args.provider or p != default else None for n, (p, _) in where.items()}
     rows, notes = {}, []
     for n, path in chapters.items():
         if n in CHECKS:
-            ok, said = CHECKS[n](args.provider, lessons[n])
+            ok, said = CHECKS[n](given[n], lessons[n])
             if ok is None:  # it cannot run on this machine: said, not counted
                 notes.append(f"{path.stem}: {said}")
                 continue
             rows[n] = (said, "yes" if ok else "no", ok)
             print(f"  {path.stem}: {'ok' if ok else 'FAILED'}", flush=True)
-    measured = {n: specs(n, lessons[n]) for n in chapters if n not in CHECKS}
-    runs = Runs(args.provider)
+    measured = {n: specs(n, lessons[n], given[n]) for n in chapters if n not in CHECKS}
+    runs = Runs()
     for repeat in range(args.repeats):
         for spec in dict.fromkeys(s for pair in measured.values() for s in pair if s):
             if spec not in runs.failed:
@@ -284,17 +334,17 @@ def main():
             said += f" vs {spread(theirs, form)} for {' '.join([f'{other[0]:02d}', *other[1]])}"
         visible, why = verdict(lesson_n, values, theirs)
         rows[n] = (said, f"{'yes' if visible else 'no'}: {why}", True)
-        if not visible and "small" in lesson_n:
-            notes.append(f"{chapters[n].stem}: {lesson_n['small']}")
-    table = [("chapter", "what it shows here", "lesson visible here")] + \
-        [(chapters[n].stem, *rows[n][:2]) for n in sorted(rows)]
-    widths = [max(len(r[i]) for r in table) for i in range(2)]
+        if not visible:
+            notes.append(why_not(chapters[n].stem, lesson_n, where[n][0]))
+    table = [("chapter", "ran on", "what it shows here", "lesson visible here")] + \
+        [(chapters[n].stem, "{} ({})".format(*where[n]), *rows[n][:2]) for n in sorted(rows)]
+    widths = [max(len(r[i]) for r in table) for i in range(3)]
     print()
     for row in table:
-        print(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]}".rstrip())
+        print("  ".join(f"{cell:<{width}}" for cell, width in zip(row, widths + [0])).rstrip())
     runs_of = {}  # each measured run, and the chapters that made it: what the figures are of
     for n in measured:
-        runs_of.setdefault(lessons[n]["client"], []).append(f"{n:02d}")
+        runs_of.setdefault(lessons[n]["client"], []).append(f"{n:02d} on {where[n][0]}")
     print(f"\nmedians (ranges) of {args.repeats} repeats of these client runs:\n" + "\n".join(
         f"  {', '.join(numbers)}: {flags}" for flags, numbers in runs_of.items()))
     if notes:

@@ -249,7 +249,8 @@ def here(args):
                  for g, group in enumerate(infos) for i in group]
     return {"machine": bench.machine(args.gpus[0] if args.gpus else None), "git": bench.git_sha(),
             "command": shown([sys.executable, *sys.argv]),
-            "provider": f"{fi.provider_of(head)} ({why})", "provider_used": args.provider_used,
+            "provider": fi.provider_of(head), "provider_why": why,
+            "provider_used": args.provider_used,
             "libfabric": {"version": "%d.%d" % fi.version(), "path": loaded_libfabric()},
             "fi_rma_bw": None if args.no_baseline else
             {"path": str(rma_bw_tool()), "libfabric": tools_libfabric()},
@@ -543,7 +544,7 @@ def described(machine):
 def show(lines, rows, hosts, repeats, moved, memory_kind):
     lf, tool = hosts[0]["libfabric"], hosts[0]["fi_rma_bw"]
     print(f"\n{described(hosts[0]['machine'])} -> {described(hosts[1]['machine'])}; "
-          f"{memory_kind} memory; provider {hosts[0]['provider']}; "
+          f"{memory_kind} memory; provider {hosts[0]['provider']} ({hosts[0]['provider_why']}); "
           f"libfabric {lf['version']} ({lf['path']})"
           + (f"; fi_rma_bw {tool['path']} (libfabric {tool['libfabric']})" if tool else ""))
     print(f"{'chapter':<9}{'size':>9}{'Gbps':>10}{'Mpps':>8}{'% fi_rma_bw':>13}{'% links':>9}"
@@ -574,7 +575,8 @@ def write_report(args, agreed, hosts, rows, lines, stopped):
     memory_kind = "cuda" if args.gpus else "host"
     data = {"kind": "two_hosts", "complete": stopped is None, "stopped": stopped,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "provider": hosts[0]["provider"], "memory": memory_kind,
+            "provider": hosts[0]["provider"], "provider_why": hosts[0]["provider_why"],
+            "memory": memory_kind,
             "arguments": agreed, "hosts": hosts,
             "runs": [r for r in rows if r["gbps"]], "table": lines}
     path = bench.write_json(report_path(args, memory_kind), data)

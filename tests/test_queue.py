@@ -99,8 +99,10 @@ def test_07_json_record(tmp_path):
     assert record["ops"] == 500 and record["bytes"] == 500 * 65536
     assert record["gbps"] > 0 and record["memory"] == "host"
     assert re.fullmatch(r"\d+\.\d+", record["libfabric"])
-    for key in ("machine", "git", "args", "mpps", "elapsed_s", "limit"):
+    for key in ("machine", "git", "server_args", "client_args", "mpps", "elapsed_s", "limit"):
         assert key in record
+    assert record["lesson"] == "refused" and record["refused"] >= 0
+    assert record["client_args"]["iters"] == 500 and record["server_args"]["json"] == "run.json"
     assert not list(tmp_path.glob("*.tmp"))
 
 

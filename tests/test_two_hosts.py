@@ -92,6 +92,8 @@ def test_the_series_table_between_two_hosts_on_loopback(provider, tmp_path):
     assert_ranks_0_and_1(results)
     data = json.loads(report.read_text())
     assert data["complete"] and data["stopped"] is None
+    # a field holds data: the provider's name, and why it was chosen in a field of its own
+    assert data["provider"].split(";")[0] == provider and data["provider_why"] == "asked for"
     assert [t["chapter"] for t in data["table"]] == ["07", "09", "10", "11", "12", "13", "14",
                                                      "15"], data["table"]
     blog = json.loads((ROOT / "results" / "blog_p5.json").read_text())

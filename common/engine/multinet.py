@@ -198,7 +198,11 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
             connect.refuse(own, control.domain, control.ep, control.poller, client, e,
                            args.timeout)
         raise
-    report(args, lanes, sources, iters, page_size, elapsed, cpu)
+    sent = {"seed": seed, "page_size": page_size, "iters": iters,  # in its CONNECT
+            "pages": connect.pages_flag(pages), "buffers": nbufs,
+            "buffer_size": regions[0][1], "groups": groups, "nics_per_gpu": per_group}
+    report(args, lanes, sources, iters, page_size, elapsed, cpu, sent,
+           compare.figures if compare else {}, threaded=engine is not write_all)
     if compare:
         compare(elapsed)
 
@@ -297,7 +301,9 @@ def write_all(lanes, control, beat, page_size, timeout):
     return start
 
 
-def report(args, lanes, sources, iters, page_size, elapsed, cpu):
+def report(args, lanes, sources, iters, page_size, elapsed, cpu, sent, warm, threaded):
+    """What the run showed, printed; with --json also recorded, with the client's flags
+    (`sent`), the warmup's figures (`warm`) and what each chapter's lesson moves."""
     done = [lane.queue.completed for lane in lanes]
     if sum(done) != iters or any(d != lane.iters for d, lane in zip(done, lanes)):
         raise ValueError(f"completions per NIC {done}, expected {[l.iters for l in lanes]}")
@@ -307,6 +313,9 @@ def report(args, lanes, sources, iters, page_size, elapsed, cpu):
           f"-FI_EAGAIN {sum(lane.queue.eagain for lane in lanes)} times")
     f = bench.figures(iters, page_size, elapsed)
     f["cpu_us_per_write"] = 1e6 * cpu / iters  # in the --json record too
+    f.update(warm, nics=len(lanes), groups=len(sources), writes_per_nic=done,
+             workers=len(sources) if threaded else 1,
+             refused=sum(lane.queue.eagain for lane in lanes))
     memory_kind = "cuda" if args.gpus else "host"
     here = bench.machine(args.gpus[0] if args.gpus else None)
     # GPUs writing to each other: what NVLink carries both ways at once is the ceiling
@@ -321,7 +330,8 @@ def report(args, lanes, sources, iters, page_size, elapsed, cpu):
     if args.json:
         path = bench.run_path(args.json, args.chapter, args.provider_used, memory_kind,
                               f"{len(lanes)}nics", page_size)
-        record = bench.record(path, args.chapter, args, lanes[0].info, memory_kind, here, f, lim)
+        record = bench.record(path, args.chapter, args, lanes[0].info, memory_kind, here, f, lim,
+                              sent, args.lesson["field"])
         print(f"result: {record}")
 
 

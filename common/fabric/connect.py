@@ -115,6 +115,17 @@ def pack_pages(pages):
     return len(runs), b"".join(RUN.pack(*run) for run in runs)
 
 
+def pages_flag(pages):
+    """The page list as --pages writes it: "0-63,70"."""
+    runs = []
+    for page in pages:
+        if runs and runs[-1][1] + 1 == page:
+            runs[-1][1] = page
+        else:
+            runs.append([page, page])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def unpack_pages(data, at, runs):
     """The pages of `runs` runs packed by pack_pages from `at` on."""
     pages = []
