@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Show what a chapter changed since the chapter it builds on: the diff is the lesson.
 #
-#   bash scripts/diff.sh 05          # 05 against 04, docstrings left out
-#   bash scripts/diff.sh --all 05    # docstrings (commands, transcripts) kept
+#   bash scripts/diff.sh 05          # 05 against 04, docstrings and markdown cells left out
+#   bash scripts/diff.sh --all 05    # the prose kept
 #   bash scripts/diff.sh 04 07       # any two chapters
 #
 # A chapter builds on the one before it unless PARENT says otherwise; "-" means
@@ -41,8 +41,8 @@ fi
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-# Copy FILE to DIR/FILE, without its docstrings unless --all: Python's (module,
-# class, function) and a C file's leading comment, the C counterpart.
+# Copy FILE to DIR/FILE, without its prose unless --all: Python's docstrings (module,
+# class, function) and `# %% [markdown]` cells, and a C file's leading comment.
 copy() {
     mkdir -p "$(dirname "$2/$1")"
     if [ -n "$keep" ]; then cp "$1" "$2/$1"; return; fi
@@ -57,6 +57,12 @@ if path.endswith(".py"):
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
                 and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
             drop.update(range(body[0].lineno - 1, body[0].end_lineno))
+    prose = False  # a "# %% [markdown]" cell is prose too: up to the next cell
+    for i, line in enumerate(lines):
+        if line.startswith("# %%"):
+            prose = line.startswith("# %% [markdown]")
+        if prose:
+            drop.add(i)
 else:  # leading block comments, except the /* cdef */ declarations cffi reads
     i = 0
     while i < len(lines) and (not lines[i].strip() or lines[i].startswith("/*")):
