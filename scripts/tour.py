@@ -23,11 +23,9 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pair import ROOT, chapter_path, local_env, run_pair  # noqa: E402
-from common.patience import patience  # noqa: E402
+from common.chapter_pair import ROOT, chapter_path, local_env, run_pair
+from common.patience import patience
 
 MESSAGE = "Hello from the tour"
 # figure: (pattern in the server's output, format of a value, its unit, whether lower is better)
@@ -111,7 +109,7 @@ def ch16(provider, _):
 def ch17(provider, _):
     """One rank on GPU 0: every check, and one layer in a CUDA graph replayed 100 times;
     None (not run) where there is no GPU with cupy."""
-    from tests.gpu import why_not
+    from common.gpu_ready import why_not
     reason = why_not()
     if reason is not None:
         return None, f"not run here: it {reason}"

@@ -38,14 +38,11 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import numpy as np  # noqa: E402
+import numpy as np
 
-from common import launch, usage  # noqa: E402
-from common.patience import patience  # noqa: E402
+from common import launch, usage
+from common.patience import patience
 
 CAP = 1 << 26  # bytes of each side's buffer at most: 10,000 pages of 64 KiB wrap around in it
 
@@ -180,9 +177,9 @@ def rank_main(args):
 def fabtests(provider, sizes, timeout, gpu=None, repeats=1, window=None):
     """{size: Gbps} of fi_rma_bw -o writedata, the median of `repeats` runs (one run on a
     2-core VM gave 15 to 84 Gbps at 4 KiB), or None with one line saying how to get it."""
-    from scripts import baseline
+    from common import baselines
     try:
-        baseline.rma_bw_tool()
+        baselines.rma_bw_tool()
     except FileNotFoundError as e:
         print(f"fi_rma_bw: not measured: {e}", flush=True)
         return None
@@ -191,10 +188,10 @@ def fabtests(provider, sizes, timeout, gpu=None, repeats=1, window=None):
         runs = []
         for _ in range(repeats):
             try:
-                gbps, command = baseline.fi_rma_bw(provider, "writedata", size,
-                                                   baseline.iterations(size, 1 << 30),
-                                                   None if gpu is None else (gpu, gpu), timeout,
-                                                   window)
+                gbps, command = baselines.fi_rma_bw(provider, "writedata", size,
+                                                    baselines.iterations(size, 1 << 30),
+                                                    None if gpu is None else (gpu, gpu), timeout,
+                                                    window)
             except Exception as e:  # a failed run costs its figure, not the others
                 print(f"fi_rma_bw {size}: failed: {str(e).splitlines()[0]}", flush=True)
                 continue

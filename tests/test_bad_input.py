@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from scripts.pair import ADDRESS, chapter_path, local_env
+from common.chapter_pair import ADDRESS, chapter_path, local_env
 from tests import fake_info
 from tests.budget import Budget
 

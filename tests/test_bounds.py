@@ -12,7 +12,7 @@ import pytest
 
 from common import bounds, cli, shm_files
 from scripts.chaos import PYTHON_RAN_ON
-from scripts.pair import ADDRESS, ROOT, chapter_path, local_env
+from common.chapter_pair import ADDRESS, ROOT, chapter_path, local_env
 from tests import shm_regions
 from tests.test_bad_input import SHM_DEAD
 

@@ -7,7 +7,7 @@ import pytest
 
 import common.fabric as fi
 from scripts.doctor import loaded_from
-from scripts.pair import chapter_path, local_env
+from common.chapter_pair import chapter_path, local_env
 from tests.budget import Budget
 from tests.test_bad_input import LIMIT, assert_one_line_error
 

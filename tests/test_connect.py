@@ -15,7 +15,7 @@ from common import cli
 from common.engine import multinet
 from common.fabric import connect
 import common.fabric as fi
-from scripts.pair import ADDRESS, chapter_module, chapter_path, local_env, run_pair
+from common.chapter_pair import ADDRESS, chapter_module, chapter_path, local_env, run_pair
 from tests.test_queue import start
 
 EFA_ADDRESS = bytes(32)  # an efa endpoint name: struct efa_ep_addr (prov/efa/src/efa_base_ep.h)

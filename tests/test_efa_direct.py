@@ -10,7 +10,7 @@ import pytest
 import common.fabric as fi
 from common import cli
 from common.fabric import lib
-from scripts.pair import ADDRESS, ROOT, chapter_path, local_env
+from common.chapter_pair import ADDRESS, ROOT, chapter_path, local_env
 from tests import fake_info
 from tests.budget import Budget
 from tests.test_bad_input import assert_one_line_error

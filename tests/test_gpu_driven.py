@@ -12,7 +12,7 @@ import common.fabric as fi
 from common import launch
 from common.moe import harness
 from common.moe import reference as ref
-from scripts.pair import ROOT, chapter_module, chapter_path, local_env
+from common.chapter_pair import ROOT, chapter_module, chapter_path, local_env
 from tests.budget import Budget
 from tests.gpu import needs_gpu
 from tests.test_bad_input import assert_one_line_error, run

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from common import shm_files
-from scripts.pair import ADDRESS, chapter_module, chapter_path, local_env, run_pair
+from common.chapter_pair import ADDRESS, chapter_module, chapter_path, local_env, run_pair
 from tests.budget import Budget
 from tests.test_bad_input import assert_one_line_error, run
 

@@ -15,7 +15,7 @@ import pytest
 
 from common import launch, shm_files
 from common.launch import KILL_WAIT
-from scripts.pair import ROOT, chapter_path, local_env
+from common.chapter_pair import ROOT, chapter_path, local_env
 from tests.budget import Budget
 from tests.processes import alive, kill_job
 from tests.test_bad_input import assert_one_line_error

@@ -14,7 +14,7 @@ import common.fabric as fi
 from common import launch
 from common.engine import topo
 from common.fabric import cuda_driver
-from scripts.pair import ROOT, chapter_path, local_env
+from common.chapter_pair import ROOT, chapter_path, local_env
 from tests import fake_sysfs
 from tests.budget import Budget
 from tests.gpu import needs_gpu

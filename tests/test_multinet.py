@@ -8,7 +8,7 @@ import pytest
 from common.engine import multinet, topo
 from common.fabric import connect
 import common.fabric as fi
-from scripts.pair import run_pair
+from common.chapter_pair import run_pair
 from tests.gpu import has_gpu, needs_gpus
 from tests.test_bad_input import SHM_DEAD, assert_one_line_error, run
 from tests.test_queue import client_gone_server_survives

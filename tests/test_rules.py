@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from scripts.pair import ROOT, chapter_path, local_env, run_pair
+from common.chapter_pair import ROOT, chapter_path, local_env, run_pair
 from tests.test_bad_input import assert_one_line_error
 
 RULES = ["efa", "efa-direct", "verbs"]

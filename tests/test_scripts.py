@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from scripts.pair import ROOT, local_env
+from common.chapter_pair import ROOT, local_env
 
 SCRIPTS = {"progression": ["--chapters", "9"], "bench": ["--chapters", "7"]}
 QUICK = ["-p", "shm", "--sizes", "4K", "--repeats", "1", "--bytes", "1M", "--label", "test"]

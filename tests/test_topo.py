@@ -10,7 +10,7 @@ import pytest
 from common.engine import multinet, topo
 from common.fabric import lib
 import common.fabric as fi
-from scripts.pair import chapter_path, local_env
+from common.chapter_pair import chapter_path, local_env
 from tests import fake_sysfs
 from tests.test_bad_input import assert_one_line_error, run
 

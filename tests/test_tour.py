@@ -2,7 +2,7 @@
 import pytest
 
 from scripts import tour
-from scripts.pair import ROOT
+from common.chapter_pair import ROOT
 
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.py"))
 

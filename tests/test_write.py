@@ -3,7 +3,7 @@ import pytest
 
 import common.fabric as fi
 from common.fabric import lib
-from scripts.pair import run_pair
+from common.chapter_pair import run_pair
 from tests.gpu import has_gpu, needs_gpu
 from tests.test_bad_input import SHM_DEAD, assert_one_line_error, run
 
