@@ -204,6 +204,14 @@ def fabtests(provider, sizes, timeout, gpu=None, repeats=1, window=None):
     return out
 
 
+def nixl_env():
+    """The environment nixl_pages.py runs in: a python of NIXL's own has not installed this
+    repository, so the repository goes on its PYTHONPATH (for common/)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
 def nixl(python, args, timeout):
     """NIXL's rows {(page size, pages): row} for the same cases, or None with one line."""
     import json
@@ -216,7 +224,8 @@ def nixl(python, args, timeout):
              "--page-size", ",".join(map(str, args.sizes)),
              "--pages", ",".join(map(str, args.counts)), "--repeats", str(args.repeats),
              *([] if args.gpu is None else ["--gpu", str(args.gpu)]),  # the same memory as ours
-             "--json", out], capture_output=True, text=True, timeout=timeout)
+             "--json", out], capture_output=True, text=True, timeout=timeout,
+            env=nixl_env())
         if done.returncode:
             print(f"nixl: not measured: {(done.stderr or done.stdout).strip().splitlines()[-1]}",
                   flush=True)

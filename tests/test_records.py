@@ -9,7 +9,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def test_absolute_paths_are_kept_by_their_last_part_only():
-    argv = ["-p", "shm", "--nixl", "/opt/venvs/nixl/bin/python", "--json", "/root/out/x.json",
+    argv = ["-p", "shm", "--nixl", "/opt/venvs/nixl/bin/python", "--json", "/srv/out/x.json",
             "--json=/tmp/a/b.json", "rel/dir/file.json", "--sizes", "4K/8K", "~/here"]
     assert records.arguments(argv) == ["-p", "shm", "--nixl", "python", "--json", "x.json",
                                        "--json=b.json", "rel/dir/file.json", "--sizes", "4K/8K",
