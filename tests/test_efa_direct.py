@@ -13,7 +13,7 @@ from common.fabric import lib
 from common.chapter_pair import ADDRESS, ROOT, chapter_path, local_env
 from tests import fake_info
 from tests.budget import Budget
-from tests.test_bad_input import assert_one_line_error
+from tests.one_line_errors import assert_one_line_error
 from tests.test_queue import start
 from tests.test_rules import AV, SMALL
 

@@ -15,7 +15,7 @@ from common.moe import reference as ref
 from common.chapter_pair import ROOT, chapter_module, chapter_path, local_env
 from tests.budget import Budget
 from tests.gpu import needs_gpu
-from tests.test_bad_input import assert_one_line_error, run
+from tests.one_line_errors import assert_one_line_error, run
 from tests.test_moe import BAD_BATCHES, LAUNCH, LIMIT, SMALL, check_lines
 
 CHAPTER = str(chapter_path(17))

@@ -22,7 +22,7 @@ from common.chapter_pair import ROOT, chapter_module, chapter_path, local_env
 from tests.budget import Budget
 from tests.gpu import needs_gpu
 from tests.processes import kill_job
-from tests.test_bad_input import assert_one_line_error, run
+from tests.one_line_errors import assert_one_line_error, run
 
 CHAPTER = str(chapter_path(16))
 LAUNCH = str(ROOT / "scripts" / "launch.py")

@@ -23,7 +23,7 @@ from common.baselines import measure, rma_bw_command, rma_bw_gbps, rma_bw_tool
 from common.chapter_pair import ROOT
 from tests import fake_info
 from tests.gpu import needs_gpu
-from tests.test_bad_input import assert_one_line_error
+from tests.one_line_errors import assert_one_line_error
 
 SCRIPT = str(ROOT / "scripts" / "two_hosts.py")
 TINY = ["--sizes", "4K", "--bytes", "800K", "--repeats", "1"]  # 200 WRITEs of 4 KiB a run
