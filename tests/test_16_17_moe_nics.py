@@ -19,8 +19,8 @@ from tests import fake_sysfs
 from tests.budget import Budget
 from tests.gpu import needs_gpu
 from tests.one_line_errors import assert_one_line_error, run
-from tests.test_moe import CHAPTER, LAUNCH, LIMIT, SMALL, check_lines, gpus
-from tests.test_topo import info_list
+from tests.test_16_moe import CHAPTER, LAUNCH, LIMIT, SMALL, check_lines, gpus
+from tests.test_08_topo import info_list
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ and the target finds every byte; without nixl the script says how to get it, in 
 
 The repo's .venv has no nixl: these tests run the script with the interpreter that has it,
 this one or NIXL_PYTHON (a venv of its own with `pip install nixl-cu13`, e.g.
-NIXL_PYTHON=nixlenv/bin/python .venv/bin/pytest tests/test_nixl_pages.py), with this
+NIXL_PYTHON=nixlenv/bin/python .venv/bin/pytest tests/test_script_nixl_pages.py), with this
 repository on its PYTHONPATH as scripts/transfer_bench.py runs it."""
 import importlib.util
 import json
