@@ -38,11 +38,47 @@ FIGURES = {
 
 
 def lesson(path):
-    """The chapter's LESSON, read without running the chapter."""
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "LESSON":
-            return ast.literal_eval(node.value)
-    return {"figure": "check"}
+    """The chapter's LESSON, read without running the chapter: a ValueError naming the
+    chapter where it has none, or one the tour cannot judge."""
+    found = [node.value for node in ast.parse(path.read_text()).body
+             if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "LESSON"]
+    if not found:
+        raise ValueError(f"{path.name}: no LESSON (the figure that shows its lesson)")
+    try:
+        declared = ast.literal_eval(found[-1])
+    except ValueError:
+        raise ValueError(f"{path.name}: LESSON is not a literal") from None
+    wrong = malformed(int(path.name[:2]), declared)
+    if wrong:
+        raise ValueError(f"{path.name}: LESSON {wrong}")
+    return declared
+
+
+def malformed(number, declared):
+    """What the tour cannot judge in chapter `number`'s LESSON, or None. A chapter the tour
+    checks (CHECKS) says what the check shows, or the rule it holds; one it measures names
+    a figure of FIGURES, the client run that shows it and one rule of what is visible."""
+    if not isinstance(declared, dict) or not isinstance(declared.get("figure"), str):
+        return "is not a dict with a 'figure'"
+    rule = declared.get("visible")
+    if number in CHECKS and "visible" not in declared:
+        return None if declared["figure"] == "check" and declared.get("shows") else \
+            "of a chapter the tour checks needs figure 'check' and what it 'shows'"
+    if number not in CHECKS and declared["figure"] not in FIGURES:
+        return f"figure {declared['figure']!r} is none the tour measures ({', '.join(FIGURES)})"
+    if number not in CHECKS and not str(declared.get("client", "")).strip():
+        return "needs the 'client' flags of the run that shows it"
+    if not isinstance(rule, dict) or len({"at_least", "at_most", "than"} & set(rule)) != 1:
+        return "needs one 'visible' rule: at_least, at_most or than"
+    if "than" in rule:
+        other = str(rule["than"]).split()[:1]
+        if not (other and other[0].isdigit() and int(other[0]) <= number):
+            return f"'than' names no chapter up to {number:02d}: {rule['than']!r}"
+        if not isinstance(rule.get("by"), (int, float)) or rule["by"] <= 1:
+            return "'than' needs a factor 'by' above 1"
+    elif not isinstance(rule.get("at_least", rule.get("at_most")), (int, float)):
+        return "'at_least' or 'at_most' needs a number"
+    return None
 
 
 def alone(chapter, provider, pattern, say):
@@ -251,7 +287,10 @@ def main():
     print(f"{about_here(args.provider)}\n")
     chapters = {int(path.name[:2]): path
                 for path in sorted((ROOT / "chapters").glob("[0-9][0-9]_*.py"))}
-    lessons = {n: lesson(path) for n, path in chapters.items()}
+    try:
+        lessons = {n: lesson(path) for n, path in chapters.items()}
+    except ValueError as e:  # a chapter the tour cannot judge: said before anything runs
+        sys.exit(f"tour: {e}")
     rows, notes = {}, []
     for n, path in chapters.items():
         if n in CHECKS:

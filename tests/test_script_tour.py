@@ -1,25 +1,133 @@
-"""The tour's verdicts and the chapters' LESSON declarations it reads (no chapter is run)."""
+"""scripts/tour.py: every chapter declares a LESSON the tour can judge (none, or one it
+cannot judge, is refused by name); the flags the tour gives a chapter are flags the chapter
+takes; a measured figure's pattern finds the figure in the chapter's own transcript; the
+verdicts; and the quick checks on real runs of their chapters."""
+import ast
+import functools
+import re
+import shlex
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 
+from common import gpu_ready
+from common.chapter_pair import ROOT, Pair, Run, chapter_path, local_env
 from scripts import tour
-from common.chapter_pair import ROOT
+from tests.budget import Budget
 
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.py"))
 
 
+@functools.cache
+def flags_taken(number):
+    """The flags chapter `number`'s --help lists."""
+    done = Budget(60).run([sys.executable, str(chapter_path(number)), "--help"],
+                          env=local_env())
+    assert done.returncode == 0, done.stderr
+    return frozenset(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", done.stdout))
+
+
+def runs_of_a_check(number, declared, monkeypatch):
+    """[(chapter, its arguments)] of each process CHECKS[number] starts on -p shm, from the
+    tour's own code with nothing run: run_pair and subprocess.run are stand-ins that fail."""
+    started = []
+
+    def pair(chapter, provider=None, server_args=(), client_args=((),), **_):
+        sides = [["-p", provider] + list(server_args)] + \
+            [["-p", provider] + list(args) for args in client_args]
+        started.extend((int(chapter), side) for side in sides)
+        return Pair(Run([]), [Run([], rc=1)])
+
+    def run(args, **_):
+        args = [str(a) for a in args]
+        at = next(i for i, a in enumerate(args) if Path(a).parent == ROOT / "chapters")
+        started.append((int(Path(args[at]).name[:2]), args[at + 1:]))
+        return SimpleNamespace(returncode=1, stdout="", stderr="")
+
+    monkeypatch.setattr(tour, "run_pair", pair)
+    monkeypatch.setattr(tour, "subprocess", SimpleNamespace(run=run))
+    monkeypatch.setattr(gpu_ready, "why_not", lambda: None)  # 17 as on a GPU machine
+    ok, said = tour.CHECKS[number]("shm", declared)
+    assert ok is False and said  # the stand-ins failed: the check says so
+    return started
+
+
+def runs_of_a_measure(number, declared):
+    """[(chapter, its arguments)] of the server and client of each run the tour measures."""
+    started = []
+    for spec in filter(None, tour.specs(number, declared)):
+        chapter, server, client = spec
+        started += [(chapter, ["--clients", "1", *server]), (chapter, list(client))]
+    return started
+
+
 @pytest.mark.parametrize("path", CHAPTERS, ids=[p.stem for p in CHAPTERS])
-def test_every_chapter_declares_a_lesson_the_tour_can_judge(path):
-    lesson = tour.lesson(path)
+def test_every_chapter_declares_a_lesson_the_tour_can_judge(path, monkeypatch):
     number = int(path.name[:2])
+    declared = tour.lesson(path)  # a ValueError where the tour could not judge it
     if number in tour.CHECKS:
-        return
-    assert lesson["figure"] in tour.FIGURES and lesson["client"]
-    rule = lesson["visible"]
-    assert {"at_least", "at_most", "than"} & set(rule)
-    if "than" in rule:
-        other = int(rule["than"].split()[0])
-        assert other <= number and rule["by"] > 1
-        assert any(p.name.startswith(f"{other:02d}_") for p in CHAPTERS)
+        started = runs_of_a_check(number, declared, monkeypatch)
+    else:
+        started = runs_of_a_measure(number, declared)
+        transcript = ast.get_docstring(ast.parse(path.read_text()))
+        pattern = tour.FIGURES[declared["figure"]][0]
+        assert re.search(pattern, transcript), \
+            f"{path.name}: the tour reads {declared['figure']!r} with {pattern!r}; " \
+            "its transcript has no such line"
+    assert any(chapter == number for chapter, _ in started)
+    for chapter, args in started:
+        unknown = [a.split("=")[0] for a in args if re.match(r"--?[A-Za-z]", a)
+                   and a.split("=")[0] not in flags_taken(chapter)]
+        assert not unknown, f"the tour runs chapter {chapter:02d} with {unknown}, " \
+            f"which its --help does not list: {shlex.join(args)}"
+
+
+def written(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(f'"""A chapter."""\n{text}\n')
+    return path
+
+
+MEASURED = "'figure': 'CPU per WRITE', 'client': '--iters 10'"
+
+
+@pytest.mark.parametrize("name,text,says", [
+    ("07_x.py", "import sys", "07_x.py: no LESSON"),
+    ("07_x.py", "LESSON = dict(figure='refused')", "07_x.py: LESSON is not a literal"),
+    ("07_x.py", "LESSON = ['refused']", "is not a dict with a 'figure'"),
+    ("07_x.py", "LESSON = {'figure': 'check', 'shows': 'it'}", "figure 'check' is none the "
+     "tour measures"),
+    ("11_x.py", "LESSON = {'figure': 'CPU per WRITE', 'visible': {'at_most': 3}}",
+     "needs the 'client' flags"),
+    ("11_x.py", "LESSON = {" + MEASURED + "}", "needs one 'visible' rule"),
+    ("11_x.py", "LESSON = {" + MEASURED + ", 'visible': {'at_most': 3, 'than': '10'}}",
+     "needs one 'visible' rule"),
+    ("11_x.py", "LESSON = {" + MEASURED + ", 'visible': {'than': '12', 'by': 2}}",
+     "'than' names no chapter up to 11: '12'"),
+    ("11_x.py", "LESSON = {" + MEASURED + ", 'visible': {'than': '10', 'by': 1}}",
+     "'than' needs a factor 'by' above 1"),
+    ("11_x.py", "LESSON = {" + MEASURED + ", 'visible': {'at_most': 'low'}}",
+     "needs a number"),
+    ("04_x.py", "LESSON = {'figure': 'check'}", "needs figure 'check' and what it 'shows'"),
+    ("04_x.py", "LESSON = {'figure': 'hello'}", "needs figure 'check' and what it 'shows'"),
+])
+def test_a_missing_or_malformed_lesson_is_refused_by_name(tmp_path, name, text, says):
+    with pytest.raises(ValueError, match=re.escape(says)) as refused:
+        tour.lesson(written(tmp_path, name, text))
+    assert str(refused.value).startswith(f"{name}: ")
+
+
+def test_a_well_formed_lesson_is_read_as_declared(tmp_path):
+    text = "LESSON = {" + MEASURED + ", 'visible': {'than': '11 --engine python', 'by': 1.5}}"
+    assert tour.lesson(written(tmp_path, "11_x.py", text))["visible"]["by"] == 1.5
+
+
+@pytest.mark.parametrize("number", [3, 4, 5, 6, 8])
+def test_a_quick_check_passes_on_a_real_run_of_its_chapter(number):
+    ok, said = tour.CHECKS[number]("shm", tour.lesson(chapter_path(number)))
+    assert ok is True, said
 
 
 LOWER = {"figure": "CPU per WRITE", "visible": {"than": "11", "by": 1.5}}
