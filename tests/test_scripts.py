@@ -1,0 +1,48 @@
+"""Every script in scripts/: it answers --help, and it takes what it shares with the other
+scripts from common/, never from another script and never by changing sys.path (the
+project is installed into .venv, so common/ imports as it is)."""
+import ast
+import sys
+
+import pytest
+
+from common.chapter_pair import ROOT, local_env
+from tests.budget import Budget
+
+SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
+NAMES = {path.stem for path in SCRIPTS}
+
+
+def imported(tree):
+    """The top-level names of every module the code imports, at any depth."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            yield node.module.split(".")[0]
+
+
+def touches_sys_path(tree):
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and node.attr == "path" and getattr(node.value, "id", None) == "sys"]
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=[p.stem for p in SCRIPTS])
+def test_a_script_imports_common_not_other_scripts(path):
+    tree = ast.parse(path.read_text())
+    assert touches_sys_path(tree) == [], f"{path.name} changes sys.path"
+    others = sorted(set(imported(tree)) & (NAMES | {"scripts", "tests"}))
+    assert others == [], f"{path.name} imports {others}: what scripts share is in common/"
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=[p.stem for p in SCRIPTS])
+def test_a_script_answers_help(path):
+    done = Budget(60).run([sys.executable, str(path), "--help"], env=local_env())
+    assert done.returncode == 0 and done.stdout.startswith("usage: "), done.stderr
+
+
+def test_the_checks_see_an_import_of_a_script_and_a_change_of_sys_path():
+    tree = ast.parse("import sys\nsys.path.insert(0, 'x')\nfrom pair import run_pair\n"
+                     "def f():\n    from scripts import baseline\n")
+    assert touches_sys_path(tree) == [2]
+    assert set(imported(tree)) & (NAMES | {"scripts"}) == {"pair", "scripts"}
