@@ -56,14 +56,14 @@ def lesson(path):
 
 def malformed(number, declared):
     """What the tour cannot judge in chapter `number`'s LESSON, or None. A chapter the tour
-    checks (CHECKS) says what the check shows, or the rule it holds; one it measures names
+    checks (CHECKS) has figure 'check', or the rule its check holds; one it measures names
     a figure of FIGURES, the client run that shows it and one rule of what is visible."""
     if not isinstance(declared, dict) or not isinstance(declared.get("figure"), str):
         return "is not a dict with a 'figure'"
     rule = declared.get("visible")
     if number in CHECKS and "visible" not in declared:
-        return None if declared["figure"] == "check" and declared.get("shows") else \
-            "of a chapter the tour checks needs figure 'check' and what it 'shows'"
+        return None if declared["figure"] == "check" else \
+            "of a chapter the tour checks needs figure 'check', or a 'visible' rule"
     if number not in CHECKS and declared["figure"] not in FIGURES:
         return f"figure {declared['figure']!r} is none the tour measures ({', '.join(FIGURES)})"
     if number not in CHECKS and not str(declared.get("client", "")).strip():

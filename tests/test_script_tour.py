@@ -110,8 +110,8 @@ MEASURED = "'figure': 'CPU per WRITE', 'client': '--iters 10'"
      "'than' needs a factor 'by' above 1"),
     ("11_x.py", "LESSON = {" + MEASURED + ", 'visible': {'at_most': 'low'}}",
      "needs a number"),
-    ("04_x.py", "LESSON = {'figure': 'check'}", "needs figure 'check' and what it 'shows'"),
-    ("04_x.py", "LESSON = {'figure': 'hello'}", "needs figure 'check' and what it 'shows'"),
+    ("04_x.py", "LESSON = {'figure': 'hello'}", "needs figure 'check', or a 'visible' rule"),
+    ("06_x.py", "LESSON = {'figure': 'wrong bytes', 'visible': {}}", "needs one 'visible' rule"),
 ])
 def test_a_missing_or_malformed_lesson_is_refused_by_name(tmp_path, name, text, says):
     with pytest.raises(ValueError, match=re.escape(says)) as refused:
