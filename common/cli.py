@@ -14,6 +14,7 @@ from common import bounds
 from common.fabric import FabricError
 from common.patience import patience
 from common.records import parse_label  # noqa: F401 (an argparse type: cli.parse_label)
+from common.usage import parse_size  # noqa: F401 (the chapters' cli.parse_size)
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 PEER_TIMEOUT = 10.0  # seconds a chapter waits for its peer before giving up
@@ -146,14 +147,6 @@ def parse_address(text):
     if not text or len(text) % 2 or not re.fullmatch(r"[0-9a-fA-F]+", text):
         raise UsageError(f"address must be an even number of hex digits, got '{text[:40]}'")
     return bytes.fromhex(text)
-
-
-def parse_size(text):
-    """'65536', '64K', '1M', '2G' -> bytes (powers of 1024)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: '{text}' (e.g. 4096, 64K, 1M)")
-    return int(m[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[m[2].upper()]
 
 
 def count(lo, hi=None):

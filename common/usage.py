@@ -2,6 +2,7 @@
 flags (common/cli's parser does: a chapter's flags name providers). The standard library
 only."""
 import argparse
+import re
 
 
 class Parser(argparse.ArgumentParser):
@@ -20,3 +21,11 @@ def positive(kind, what="a positive number"):
             raise argparse.ArgumentTypeError(f"not {what}: '{text}'")
         return value
     return parse
+
+
+def parse_size(text):
+    """'65536', '64K', '1M', '2G' -> bytes (powers of 1024)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: '{text}' (e.g. 4096, 64K, 1M)")
+    return int(m[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[m[2].upper()]

@@ -36,9 +36,9 @@ from pathlib import Path
 
 from cffi import FFI
 
+from common import records  # no libfabric: the standard library only
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from common import records  # noqa: E402 (no libfabric: the standard library only)
 
 CDEF = "double hammer(int threads, const int *cpus, int mode, uint64_t updates);"
 MODES = {"own": 0, "shared": 1, "turns": 2}  # as in the C below

@@ -17,56 +17,9 @@ results/baselines/<label>-<provider>-<memory>.json. What the run needs is
 checked before anything runs; when a later run fails, what was measured is
 written.
 """
-import json
-import sys
-import tempfile
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baseline import baseline_tools, chapter_list, memcpy_peer, parse, parser, run_all, \
-    save  # noqa: E402
-from pair import chapter_path, run_pair  # noqa: E402
-
-WINDOW = 64  # distinct pages, as fi_rma_bw's default window
-
-
-def chapter_args(chapter, size, iters, nics, groups=1, gpus=None, client_gpus=None):
-    """The server's and the client's arguments for one run of a chapter (the server's
-    --clients and --json aside). Chapters 09 on: `nics` per GPU (None: the chapter's
-    default), and with host memory `groups` stand-ins for GPUs. `gpus`: the server's,
-    `client_gpus`: the client's (default the same)."""
-    client_gpus = client_gpus or gpus
-    server = []
-    client = ["--page-size", str(size), "--buffers", "1", "--buffer-size", str(WINDOW * size),
-              "--pages", f"0-{WINDOW - 1}", "--iters", str(iters), "--timeout", "30"]
-    if chapter >= 9:
-        client += (["--nics-per-gpu", str(nics)] if nics else []) + \
-            ([] if gpus else ["--groups", str(groups)])
-    if gpus and chapter < 9:
-        server += ["--gpu", str(gpus[0])]
-        client += ["--gpu", str(client_gpus[0])]
-    elif gpus:
-        server += ["--gpus", ",".join(map(str, gpus))]
-        client += ["--gpus", ",".join(map(str, client_gpus))]
-    return server, client
-
-
-def run_chapter(chapter, provider, size, iters, gpus, nics, timeout, groups=1):
-    """One run of a chapter as a pair; the server's Gbps, from its --json record.
-    Chapters 09 on: `nics` per GPU, and with host memory `groups` stand-ins for GPUs.
-    With GPUs A,B, 09 on put buffers on both GPUs and each GPU writes to the other:
-    all over NVLink."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "run.json"
-        server, client = chapter_args(chapter, size, iters, nics, groups, gpus,
-                                      gpus and gpus[::-1])
-        server += ["--clients", "1", "--json", str(out)]
-        pair = run_pair(chapter, provider, server, [client], timeout=timeout)
-        if not pair.ok or not out.exists():
-            failed = next((r for r in [*pair.clients, pair.server] if r.rc), pair.server)
-            raise RuntimeError(f"chapter {chapter:02d} failed: "
-                               f"{(failed.err or failed.out).strip()[-300:]}")
-        return json.loads(out.read_text())["gbps"], " ".join(client)
+from common.baselines import baseline_tools, chapter_list, memcpy_peer, parse, parser, \
+    run_all, run_chapter, save
+from common.chapter_pair import chapter_path
 
 
 def tool_name(chapter, nics, gpus):

@@ -40,13 +40,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from common import records, usage  # noqa: E402
-from common.patience import patience  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from pair import ADDRESS, chapter_path, local_env  # noqa: E402
+from common import records, usage
+from common.chapter_pair import ADDRESS, ROOT, chapter_path, local_env
+from common.patience import patience
 
 TOKEN = "CHAOS_TRIAL"
 SHM = Path("/dev/shm")

@@ -68,8 +68,11 @@ import resource
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import usage  # noqa: E402
+try:
+    from common import usage
+except ModuleNotFoundError:  # a Python the project is not installed in (setup.sh not run)
+    sys.exit(f"FIX  project        not installed in {sys.executable}: bash scripts/setup.sh, "
+             "then .venv/bin/python scripts/doctor.py")
 from common.engine import topo  # noqa: E402
 from common.fabric import cuda_driver  # noqa: E402
 

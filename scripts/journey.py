@@ -11,16 +11,14 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT.parent))
-from calibrate import load  # noqa: E402
-from common.model import calibration, journey  # noqa: E402
+from common.model import calibration, journey
+from common.model.inputs import load
+from common.records import ROOT
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results", default=str(ROOT.parent / "results"), help="folder of results")
+    p.add_argument("--results", default=str(ROOT / "results"), help="folder of results")
     p.add_argument("--out", help="the PNG to write (default: RESULTS/journey.png)")
     args = p.parse_args()
     blog, measured = load(args.results)

@@ -15,11 +15,10 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Not common.cli's parser: that loads libfabric, whose providers may take over Ctrl-C,
 # which the launcher must keep.
-from common import usage  # noqa: E402
-from common.launch import MAX_RANKS, spawn  # noqa: E402
+from common import usage
+from common.launch import MAX_RANKS, spawn
 
 
 def gpu_list(text):

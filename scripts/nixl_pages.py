@@ -1,8 +1,12 @@
 """NIXL as a peer: the same paged WRITEs as common/transfer, moved by NIXL's UCX backend.
 
-    nixlenv/bin/python scripts/nixl_pages.py                      # 1K..64K x 100, 10000
-    nixlenv/bin/python scripts/nixl_pages.py --page-size 4K --pages 100 --repeats 3 --json
-    PYTHONPATH=<the NIXL folder> python3 scripts/nixl_pages.py --gpu 0 --json   # GPU 0 memory
+    PYTHONPATH=. nixlenv/bin/python scripts/nixl_pages.py         # 1K..64K x 100, 10000
+    PYTHONPATH=. nixlenv/bin/python scripts/nixl_pages.py --page-size 4K --pages 100 --json
+    PYTHONPATH=.:<the NIXL folder> python3 scripts/nixl_pages.py --gpu 0 --json   # GPU 0 memory
+
+(nixlenv: a venv of its own with nixl, below; PYTHONPATH=.: this repository's common/,
+which that venv has not installed. scripts/transfer_bench.py --nixl PYTHON and the tests'
+NIXL_PYTHON run it so.)
 
 The question a reader of chapters 18-19 asks: what would NIXL (what Dynamo and
 vLLM move KV caches with) do with the same pages? Two processes, both started
@@ -68,7 +72,8 @@ notif_s, prep_s, wrong_bytes).
 Needs nixl (nixl-cu13 or nixl-cu12 from PyPI; its _api needs numpy, its
 nixl_ep torch) and no libfabric; the repo's .venv has no nixl, so it runs from
 a venv of its own: `python3 -m venv nixlenv && nixlenv/bin/pip
-install nixl-cu13` (on a CPU-only box torch CPU is enough: `pip install
+install nixl-cu13`, run with this repository on its PYTHONPATH for common/
+(on a CPU-only box torch CPU is enough: `pip install
 --no-deps` its wheel, then filelock fsspec jinja2 networkx sympy
 typing-extensions numpy "setuptools>=77.0.3").
 
@@ -96,7 +101,7 @@ out: nixl_ep_cu13/ (91 MiB), every other plugin and the telemetry/nvtx .so in
 .nixl_cu13.mesonpy.libs/plugins, the copies in nixl_cu13.libs/nixl/, the aws,
 azure, curl, xml2, aio, uring, gusli libs they need, ucx/libuct_ib*,
 libucx_perftest_*, and .data/ (headers). Unpack it here, keep that list, carry
-the folder, run with PYTHONPATH=<folder>; the same cut of the cp311 wheel ran
+the folder, run with PYTHONPATH=.:<folder>; the same cut of the cp311 wheel ran
 this script here. It needs from the host libcudart.so.13 (import torch first,
 if torch is a CUDA 13 build; else nixl-cu12), libnvidia-ml.so.1, libssl.so.3.
 
@@ -136,8 +141,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from common import records  # noqa: E402 (the standard library only: no libfabric here)
+try:  # the standard library only: no libfabric here
+    from common import records, usage
+except ModuleNotFoundError:  # nixl's own venv, without this repository on its PYTHONPATH
+    sys.exit(f"nixl_pages.py: this repository's common/ is not importable by {sys.executable}: "
+             f"PYTHONPATH={ROOT} {sys.executable} {ROOT / 'scripts' / 'nixl_pages.py'}")
 
 MODULES = ("nixl", "nixl_cu13", "nixl_cu12")  # the meta package, or one of its wheels
 INSTALL = "python3 -m venv nixlenv && nixlenv/bin/pip install nixl-cu13"
@@ -149,24 +157,10 @@ ALIGN = 4096
 TABLE = re.compile(r"^\[[\d.]+\] \[[^]]+\]\s+[|+]")  # a line of UCX_PROTO_INFO's tables
 
 
-def parse_size(text):
-    """'65536', '64K', '1M' -> bytes (powers of 1024), as common/cli.parse_size."""
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", str(text), re.IGNORECASE)
-    if not m or int(m[1]) == 0:
-        raise argparse.ArgumentTypeError(f"not a size: '{text}' (e.g. 4096, 64K, 1M)")
-    return int(m[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[m[2].upper()]
-
-
 def parse_list(kind):
     def parse(text):
         return [kind(t) for t in str(text).split(",") if t.strip()] or [kind(text)]
     return parse
-
-
-def parse_count(text):
-    if not str(text).strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"not a count of pages: '{text}'")
-    return int(text)
 
 
 def parse_param(text):
@@ -621,16 +615,13 @@ def run(args, module):
         return data, sum(r["wrong_bytes"] for r in rows)
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, as common/cli's parser (which needs libfabric)
-        raise argparse.ArgumentTypeError(message)
-
-
 def main(argv=None):
-    p = Parser(description=__doc__.split("\n")[0])
-    p.add_argument("--page-size", type=parse_list(parse_size), default="1K,4K,8K,16K,64K",
+    p = usage.Parser(description=__doc__.split("\n")[0])
+    p.add_argument("--page-size", type=parse_list(usage.positive(usage.parse_size, "a size")),
+                   default="1K,4K,8K,16K,64K",
                    help="bytes per page, a comma list (K/M/G) (default 1K,4K,8K,16K,64K)")
-    p.add_argument("--pages", type=parse_list(parse_count), default="100,10000",
+    p.add_argument("--pages", type=parse_list(usage.positive(int, "a count of pages")),
+                   default="100,10000",
                    help="pages per transfer, a comma list (default 100,10000)")
     p.add_argument("--repeats", type=int, default=3, help="timed transfers per case (median)")
     p.add_argument("--warmup", type=int, default=1, help="untimed transfers before them")
@@ -645,18 +636,14 @@ def main(argv=None):
                    "memory (cupy, else torch), registered as VRAM")
     p.add_argument("--json", nargs="?", const="auto", metavar="PATH",
                    help="write the record (bare: results/runs/nixl_pages-<time>.json)")
-    try:
-        args = p.parse_args(argv)
-        if args.repeats < 1 or args.warmup < 0:
-            raise argparse.ArgumentTypeError("--repeats takes 1 or more, --warmup 0 or more")
-    except argparse.ArgumentTypeError as e:
-        print(f"nixl_pages.py: {e}", file=sys.stderr)
-        return 2
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0:
+        p.error("--repeats takes 1 or more, --warmup 0 or more")
     module = find_nixl()
     if module is None:
         print(f"nixl_pages.py: nixl is not importable by {sys.executable} (python "
               f"{sys.version.split()[0]}): {INSTALL} (nixl-cu12 for CUDA 12), then run this "
-              f"with nixlenv/bin/python", file=sys.stderr)
+              f"with PYTHONPATH=. nixlenv/bin/python", file=sys.stderr)
         return 1
     try:
         args.allocator, args.gpu_name = (None, None) if args.gpu is None else \

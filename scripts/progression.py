@@ -18,13 +18,10 @@ beside the series' p5 figures (% of 3200). What the run needs is checked
 before anything runs; when a later run fails, what was measured is written.
 """
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baseline import ROOT, chapter_list, fi_rma_bw, memcpy_peer, parse, parser, run_all, \
-    save  # noqa: E402
-from bench import run_chapter  # noqa: E402
+from common.baselines import chapter_list, fi_rma_bw, memcpy_peer, parse, parser, run_all, \
+    run_chapter, save
+from common.records import ROOT
 
 CHAPTERS = "9,10,11,12,13,14,15"
 

@@ -13,12 +13,17 @@ from pathlib import Path
 import nbclient
 import nbformat
 
+from common import usage
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 
 
 def main():
-    names = sys.argv[1:]
+    p = usage.Parser(description=__doc__.split("\n\n")[0])
+    p.add_argument("names", nargs="*", metavar="NOTEBOOK",
+                   help="notebooks/NOTEBOOK.ipynb to run (default: every one)")
+    names = p.parse_args().names
     paths = [NOTEBOOKS / f"{n}.ipynb" for n in names] or sorted(NOTEBOOKS.glob("*.ipynb"))
     missing = [p.name for p in paths if not p.is_file()]
     if missing:

@@ -31,11 +31,9 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pair import ROOT, chapter_path, local_env, run_pair  # noqa: E402
-from common.patience import patience  # noqa: E402
+from common.chapter_pair import ROOT, chapter_path, local_env, run_pair
+from common.patience import patience
 
 MESSAGE = "Hello from the tour"
 PREFERENCE = ("efa", "verbs", "shm", "tcp")  # as the chapters pick (fi.DEFAULT_PROVIDERS)
@@ -80,11 +78,47 @@ def why_not(stem, lesson, provider):
 
 
 def lesson(path):
-    """The chapter's LESSON, read without running the chapter."""
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "LESSON":
-            return ast.literal_eval(node.value)
-    return {"figure": "check"}
+    """The chapter's LESSON, read without running the chapter: a ValueError naming the
+    chapter where it has none, or one the tour cannot judge."""
+    found = [node.value for node in ast.parse(path.read_text()).body
+             if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "LESSON"]
+    if not found:
+        raise ValueError(f"{path.name}: no LESSON (the figure that shows its lesson)")
+    try:
+        declared = ast.literal_eval(found[-1])
+    except ValueError:
+        raise ValueError(f"{path.name}: LESSON is not a literal") from None
+    wrong = malformed(int(path.name[:2]), declared)
+    if wrong:
+        raise ValueError(f"{path.name}: LESSON {wrong}")
+    return declared
+
+
+def malformed(number, declared):
+    """What the tour cannot judge in chapter `number`'s LESSON, or None. A chapter the tour
+    checks (CHECKS) has figure 'check', or the rule its check holds; one it measures names
+    a figure of FIGURES, the client run that shows it and one rule of what is visible."""
+    if not isinstance(declared, dict) or not isinstance(declared.get("figure"), str):
+        return "is not a dict with a 'figure'"
+    rule = declared.get("visible")
+    if number in CHECKS and "visible" not in declared:
+        return None if declared["figure"] == "check" else \
+            "of a chapter the tour checks needs figure 'check', or a 'visible' rule"
+    if number not in CHECKS and declared["figure"] not in FIGURES:
+        return f"figure {declared['figure']!r} is none the tour measures ({', '.join(FIGURES)})"
+    if number not in CHECKS and not str(declared.get("client", "")).strip():
+        return "needs the 'client' flags of the run that shows it"
+    if not isinstance(rule, dict) or len({"at_least", "at_most", "than"} & set(rule)) != 1:
+        return "needs one 'visible' rule: at_least, at_most or than"
+    if "than" in rule:
+        other = str(rule["than"]).split()[:1]
+        if not (other and other[0].isdigit() and int(other[0]) <= number):
+            return f"'than' names no chapter up to {number:02d}: {rule['than']!r}"
+        if not isinstance(rule.get("by"), (int, float)) or rule["by"] <= 1:
+            return "'than' needs a factor 'by' above 1"
+    elif not isinstance(rule.get("at_least", rule.get("at_most")), (int, float)):
+        return "'at_least' or 'at_most' needs a number"
+    return None
 
 
 def alone(chapter, provider, pattern, say):
@@ -98,8 +132,8 @@ def alone(chapter, provider, pattern, say):
 
 
 def ch03(provider, _):
-    return alone(3, provider, r"(\d+) providers?, (\d+) \(provider, domain\) pairs?",
-                 lambda m: m[0])
+    return alone(3, provider, r"\d+ providers?, \d+ \(provider, domain\) pairs?",
+                 lambda m: m[0])  # "1 provider, 1 (provider, domain) pair" on -p shm
 
 
 def ch04(provider, _):
@@ -151,7 +185,7 @@ def ch16(provider, _):
 def ch17(provider, _):
     """One rank on GPU 0: every check, and one layer in a CUDA graph replayed 100 times;
     None (not run) where there is no GPU with cupy."""
-    from tests.gpu import why_not
+    from common.gpu_ready import why_not
     reason = why_not()
     if reason is not None:
         return None, f"not run here: it {reason}"
@@ -299,7 +333,10 @@ def main():
     print(f"{line}\n")
     chapters = {int(path.name[:2]): path
                 for path in sorted((ROOT / "chapters").glob("[0-9][0-9]_*.py"))}
-    lessons = {n: lesson(path) for n, path in chapters.items()}
+    try:
+        lessons = {n: lesson(path) for n, path in chapters.items()}
+    except ValueError as e:  # a chapter the tour cannot judge: said before anything runs
+        sys.exit(f"tour: {e}")
     where = {n: provider_for(lessons[n], args.provider, default, usable) for n in chapters}
     # what each chapter is given: -p, or another provider than the default; else nothing,
     # so that it picks the default itself (03 then lists every provider, not one)

@@ -38,14 +38,11 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import numpy as np  # noqa: E402
+import numpy as np
 
-from common import launch, usage  # noqa: E402
-from common.patience import patience  # noqa: E402
+from common import launch, usage
+from common.patience import patience
 
 CAP = 1 << 26  # bytes of each side's buffer at most: 10,000 pages of 64 KiB wrap around in it
 
@@ -180,9 +177,9 @@ def rank_main(args):
 def fabtests(provider, sizes, timeout, gpu=None, repeats=1, window=None):
     """{size: Gbps} of fi_rma_bw -o writedata, the median of `repeats` runs (one run on a
     2-core VM gave 15 to 84 Gbps at 4 KiB), or None with one line saying how to get it."""
-    from scripts import baseline
+    from common import baselines
     try:
-        baseline.rma_bw_tool()
+        baselines.rma_bw_tool()
     except FileNotFoundError as e:
         print(f"fi_rma_bw: not measured: {e}", flush=True)
         return None
@@ -191,10 +188,10 @@ def fabtests(provider, sizes, timeout, gpu=None, repeats=1, window=None):
         runs = []
         for _ in range(repeats):
             try:
-                gbps, command = baseline.fi_rma_bw(provider, "writedata", size,
-                                                   baseline.iterations(size, 1 << 30),
-                                                   None if gpu is None else (gpu, gpu), timeout,
-                                                   window)
+                gbps, command = baselines.fi_rma_bw(provider, "writedata", size,
+                                                    baselines.iterations(size, 1 << 30),
+                                                    None if gpu is None else (gpu, gpu), timeout,
+                                                    window)
             except Exception as e:  # a failed run costs its figure, not the others
                 print(f"fi_rma_bw {size}: failed: {str(e).splitlines()[0]}", flush=True)
                 continue
@@ -205,6 +202,14 @@ def fabtests(provider, sizes, timeout, gpu=None, repeats=1, window=None):
         print(f"fi_rma_bw -o writedata {size:>6} B: {out[size]:8.3f} Gbps (median of {len(runs)}: "
               f"{' '.join(f'{g:.1f}' for g in runs)}; {command})", flush=True)
     return out
+
+
+def nixl_env():
+    """The environment nixl_pages.py runs in: a python of NIXL's own has not installed this
+    repository, so the repository goes on its PYTHONPATH (for common/)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root, *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
 def nixl(python, args, timeout):
@@ -219,7 +224,8 @@ def nixl(python, args, timeout):
              "--page-size", ",".join(map(str, args.sizes)),
              "--pages", ",".join(map(str, args.counts)), "--repeats", str(args.repeats),
              *([] if args.gpu is None else ["--gpu", str(args.gpu)]),  # the same memory as ours
-             "--json", out], capture_output=True, text=True, timeout=timeout)
+             "--json", out], capture_output=True, text=True, timeout=timeout,
+            env=nixl_env())
         if done.returncode:
             print(f"nixl: not measured: {(done.stderr or done.stdout).strip().splitlines()[-1]}",
                   flush=True)

@@ -64,18 +64,15 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baseline import ROOT, chapter_list, measure, prefix, rma_bw_command, rma_bw_gbps, \
-    rma_bw_tool, tool_env, tools_libfabric  # noqa: E402
-from bench import chapter_args  # noqa: E402
-from pair import ADDRESS, chapter_path, stop_all  # noqa: E402
-from common import bench, bounds, cli  # noqa: E402
-from common.engine import multinet, topo  # noqa: E402
-from common.fabric import memory  # noqa: E402
-from common.fabric import lib  # noqa: E402
-from common.model.journey import blog_percent  # noqa: E402
-from common.launch import Group, PeerGone, Place, owned, place_from_environment  # noqa: E402
-import common.fabric as fi  # noqa: E402
+import common.fabric as fi
+from common import bench, bounds, cli
+from common.baselines import chapter_args, chapter_list, measure, prefix, rma_bw_command, \
+    rma_bw_gbps, rma_bw_tool, tool_env, tools_libfabric
+from common.chapter_pair import ADDRESS, ROOT, chapter_path, stop_all
+from common.engine import multinet, topo
+from common.fabric import lib, memory
+from common.launch import Group, PeerGone, Place, owned, place_from_environment
+from common.model.journey import blog_percent
 
 CHAPTERS = "7,9,10,11,12,13,14,15"
 PORT = 29500            # torchrun's MASTER_PORT, when none is given

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.pair import chapter_module  # noqa: E402
+from common.chapter_pair import chapter_module  # noqa: E402
 
 chapter = chapter_module(18)
 checking = chapter.check

@@ -2,33 +2,13 @@
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from scripts.pair import ADDRESS, chapter_path, local_env
+from common.chapter_pair import ADDRESS, chapter_path, local_env
 from tests import fake_info
 from tests.budget import Budget
-
-LIMIT = 10  # seconds, for every case below, on a quiet machine
-SHM_DEAD = b"fi_shm://999999999:0:0\0".hex()          # a process that does not exist
-TCP_DEAD = "02000001" + "7f000001" + "00" * 8           # 127.0.0.1 port 1: nobody there
-
-
-def run(chapter, *args):
-    """The chapter's exit within LIMIT seconds (TimeoutExpired past them), and how long it took."""
-    start = time.monotonic()
-    done = Budget(LIMIT).run([sys.executable, str(chapter_path(chapter)), *args], env=local_env())
-    return done, time.monotonic() - start
-
-
-def assert_one_line_error(done, pattern):
-    assert done.returncode != 0
-    assert "Traceback" not in done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, done.stderr
-    assert pattern in lines[0], lines[0]
-
+from tests.one_line_errors import LIMIT, SHM_DEAD, TCP_DEAD, assert_one_line_error, run
 
 @pytest.mark.parametrize("chapter", [4, 5])
 @pytest.mark.parametrize("args,pattern", [

@@ -12,9 +12,9 @@ import pytest
 
 from common import bounds, cli, shm_files
 from scripts.chaos import PYTHON_RAN_ON
-from scripts.pair import ADDRESS, ROOT, chapter_path, local_env
+from common.chapter_pair import ADDRESS, ROOT, chapter_path, local_env
 from tests import shm_regions
-from tests.test_bad_input import SHM_DEAD
+from tests.one_line_errors import SHM_DEAD
 
 # Seconds a process may be seen ending after its bound on this 2-core machine with
 # other suites beside it (load 8): each of the signal, the watchdog's wake-up and this

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from scripts.pair import ROOT, chapter_path, local_env
-from tests.test_bad_input import SHM_DEAD, assert_one_line_error, run
+from common.chapter_pair import ROOT, chapter_path, local_env
+from tests.one_line_errors import SHM_DEAD, assert_one_line_error, run
 
 PAGES = [6, 7, 9, 10, 11, 12, 13, 14, 15]  # the chapters with a client that takes --page-size
 

@@ -1,4 +1,4 @@
-"""A rank of the transfer engine's tests (tests/test_transfer.py), started by scripts/launch.py.
+"""A rank of the transfer engine's tests (tests/test_transfer_engine.py), started by scripts/launch.py.
 
     .venv/bin/python scripts/launch.py -n 2 tests/transfer_ranks.py pair -p shm --nics 2
     .venv/bin/python scripts/launch.py -n 4 tests/transfer_ranks.py group -p tcp

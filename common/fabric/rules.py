@@ -1,6 +1,6 @@
 """FABRIC_RULES=efa|efa-direct|verbs: the chapters on shm or tcp, held to what an EFA device
 (through efa's RDM fabric, or efa-direct's one work request per call) or a verbs NIC accepts
-(tests/test_rules.py runs chapters 04-16 and 19 so).
+(tests/test_fabric_rules.py runs chapters 04-16 and 19 so).
 
 Each call is checked in C (common/fabric/rules.h), compiled into every module of the binding,
 so the C workers are checked like Python. This module does the rest, for
@@ -13,7 +13,7 @@ prov/efa/src/efa_domain.h; verbs has one per IP address of the NIC, verbs_info.c
 vrb_getifaddrs), and says a broken rule's return code in words.
 
     FABRIC_RULES=efa .venv/bin/python scripts/pair.py 06 -p shm
-    .venv/bin/python -m pytest tests/test_rules.py     # 04-16 under both, each rule broken
+    .venv/bin/python -m pytest tests/test_fabric_rules.py     # 04-16 under both, each rule broken
 """
 import os
 import sys

@@ -8,10 +8,10 @@ import pytest
 from common.engine import multinet, topo
 from common.fabric import connect
 import common.fabric as fi
-from scripts.pair import run_pair
+from common.chapter_pair import run_pair
 from tests.gpu import has_gpu, needs_gpus
-from tests.test_bad_input import SHM_DEAD, assert_one_line_error, run
-from tests.test_queue import client_gone_server_survives
+from tests.one_line_errors import SHM_DEAD, assert_one_line_error, run
+from tests.test_07_queue import client_gone_server_survives
 
 SMALL = ["--buffer-size", "4M", "--pages", "0-63", "--iters", "3001"]
 

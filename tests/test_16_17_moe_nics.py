@@ -14,13 +14,13 @@ import common.fabric as fi
 from common import launch
 from common.engine import topo
 from common.fabric import cuda_driver
-from scripts.pair import ROOT, chapter_path, local_env
+from common.chapter_pair import ROOT, chapter_path, local_env
 from tests import fake_sysfs
 from tests.budget import Budget
 from tests.gpu import needs_gpu
-from tests.test_bad_input import assert_one_line_error, run
-from tests.test_moe import CHAPTER, LAUNCH, LIMIT, SMALL, check_lines, gpus
-from tests.test_topo import info_list
+from tests.one_line_errors import assert_one_line_error, run
+from tests.test_16_moe import CHAPTER, LAUNCH, LIMIT, SMALL, check_lines, gpus
+from tests.test_08_topo import info_list
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 
 import common.fabric as fi
 from common.fabric import cuda_driver, lib
-from scripts.pair import ROOT, local_env
+from common.chapter_pair import ROOT, local_env
 from tests.budget import Budget
 from tests.gpu import needs_gpu
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from scripts import chaos
-from scripts.pair import ROOT, local_env
+from common.chapter_pair import ROOT, local_env
 from tests.budget import Budget
 
 CHAOS = [sys.executable, str(ROOT / "scripts" / "chaos.py")]

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from common import shm_files
-from scripts.pair import ADDRESS, chapter_module, chapter_path, local_env, run_pair
+from common.chapter_pair import ADDRESS, chapter_module, chapter_path, local_env, run_pair
 from tests.budget import Budget
-from tests.test_bad_input import assert_one_line_error, run
+from tests.one_line_errors import assert_one_line_error, run
 
 SMALL = ["--tokens", "300", "--layers", "4", "--page-tokens", "64"]
 FROZEN = Path(__file__).parent / "frozen_decoder.py"

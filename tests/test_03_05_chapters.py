@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from scripts.pair import chapter_path, local_env, run_pair
+from common.chapter_pair import chapter_path, local_env, run_pair
 from tests import fake_info
 from tests.budget import Budget
 

@@ -18,11 +18,11 @@ import common.fabric as fi
 from common import launch
 from common.moe import harness
 from common.moe import reference as ref
-from scripts.pair import ROOT, chapter_module, chapter_path, local_env
+from common.chapter_pair import ROOT, chapter_module, chapter_path, local_env
 from tests.budget import Budget
 from tests.gpu import needs_gpu
 from tests.processes import kill_job
-from tests.test_bad_input import assert_one_line_error, run
+from tests.one_line_errors import assert_one_line_error, run
 
 CHAPTER = str(chapter_path(16))
 LAUNCH = str(ROOT / "scripts" / "launch.py")

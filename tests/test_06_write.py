@@ -3,9 +3,9 @@ import pytest
 
 import common.fabric as fi
 from common.fabric import lib
-from scripts.pair import run_pair
+from common.chapter_pair import run_pair
 from tests.gpu import has_gpu, needs_gpu
-from tests.test_bad_input import SHM_DEAD, assert_one_line_error, run
+from tests.one_line_errors import SHM_DEAD, assert_one_line_error, run
 
 
 def test_06_every_page_arrives(provider):

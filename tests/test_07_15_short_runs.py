@@ -7,7 +7,7 @@ import pytest
 
 from common import cli
 from common.engine import multinet
-from scripts.pair import run_pair
+from common.chapter_pair import run_pair
 
 PAGES = ["--buffer-size", "4M", "--pages", "0,5,9-15,40-61,100"]  # of 2 x 64 pages of 64 KiB
 NPAGES = len(cli.parse_pages(PAGES[-1]))  # 32

@@ -7,9 +7,9 @@ import pytest
 
 import common.fabric as fi
 from scripts.doctor import loaded_from
-from scripts.pair import chapter_path, local_env
+from common.chapter_pair import chapter_path, local_env
 from tests.budget import Budget
-from tests.test_bad_input import LIMIT, assert_one_line_error
+from tests.one_line_errors import LIMIT, assert_one_line_error
 
 # The first chapter, the queue, many NICs, the C workers, the MoE ranks.
 CHAPTERS = [4, 7, 9, 11, 16]

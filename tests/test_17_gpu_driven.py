@@ -12,11 +12,11 @@ import common.fabric as fi
 from common import launch
 from common.moe import harness
 from common.moe import reference as ref
-from scripts.pair import ROOT, chapter_module, chapter_path, local_env
+from common.chapter_pair import ROOT, chapter_module, chapter_path, local_env
 from tests.budget import Budget
 from tests.gpu import needs_gpu
-from tests.test_bad_input import assert_one_line_error, run
-from tests.test_moe import BAD_BATCHES, LAUNCH, LIMIT, SMALL, check_lines
+from tests.one_line_errors import assert_one_line_error, run
+from tests.test_16_moe import BAD_BATCHES, LAUNCH, LIMIT, SMALL, check_lines
 
 CHAPTER = str(chapter_path(17))
 GRAPH_LINE = re.compile(r"^\[0\] check graph fp8: one layer captured, replayed 100 times with "

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from common import shm_files
-from scripts.pair import INTERRUPTED_WAIT, ROOT, local_env
+from common.chapter_pair import INTERRUPTED_WAIT, ROOT, local_env
 from tests.budget import Budget
 from tests.processes import alive
 

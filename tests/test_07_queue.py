@@ -14,10 +14,10 @@ import common.fabric as fi
 from common import shm_files
 import common.engine.opqueue as queue_module
 from common.cli import PEER_TIMEOUT
-from scripts.pair import ADDRESS, chapter_module, chapter_path, local_env, run_pair
+from common.chapter_pair import ADDRESS, chapter_module, chapter_path, local_env, run_pair
 from tests.budget import Budget
 from tests.gpu import has_gpu, needs_gpu
-from tests.test_bad_input import SHM_DEAD, assert_one_line_error, run
+from tests.one_line_errors import SHM_DEAD, assert_one_line_error, run
 
 SMALL = ["--buffer-size", "4M", "--pages", "0-63"]  # 64 pages of 64 KiB
 # Provider queues made tiny, so that fi_writemsg says -FI_EAGAIN again and again.

@@ -10,9 +10,9 @@ import pytest
 from common.engine import multinet, topo
 from common.fabric import lib
 import common.fabric as fi
-from scripts.pair import chapter_path, local_env
+from common.chapter_pair import chapter_path, local_env
 from tests import fake_sysfs
-from tests.test_bad_input import assert_one_line_error, run
+from tests.one_line_errors import assert_one_line_error, run
 
 # The series' table (blog-series.md): GPU, bus, NUMA node, pinned core, its 4 NICs.
 P5 = [(0, "53", 0, 6, 79), (1, "64", 0, 18, 96), (2, "75", 0, 30, 113), (3, "86", 0, 42, 130),

@@ -14,7 +14,7 @@ from common.engine import topo
 from common.fabric import cuda_driver
 from scripts import doctor
 from scripts.doctor import ABSENT, FIX, OK, Machine
-from scripts.pair import ROOT, local_env
+from common.chapter_pair import ROOT, local_env
 from tests import fake_info, fake_sysfs
 from tests.gpu import needs_gpu
 

@@ -10,12 +10,12 @@ import pytest
 import common.fabric as fi
 from common import cli
 from common.fabric import lib
-from scripts.pair import ADDRESS, ROOT, chapter_path, local_env
+from common.chapter_pair import ADDRESS, ROOT, chapter_path, local_env
 from tests import fake_info
 from tests.budget import Budget
-from tests.test_bad_input import assert_one_line_error
-from tests.test_queue import start
-from tests.test_rules import AV, SMALL
+from tests.one_line_errors import assert_one_line_error
+from tests.test_07_queue import start
+from tests.test_fabric_rules import AV, SMALL
 
 
 def test_hints_name_the_provider_and_the_fabric_and_offer_fi_context2():
@@ -41,7 +41,7 @@ def test_a_chapter_prints_the_name_that_picks_its_fabric(monkeypatch, capsys):
 
 
 def test_no_efa_direct_here_is_one_line():
-    """09-15 too: they follow it (tests/test_rules.py runs them under its rules)."""
+    """09-15 too: they follow it (tests/test_fabric_rules.py runs them under its rules)."""
     for chapter in (4, 6, 9, 14):
         done = subprocess.run([sys.executable, str(chapter_path(chapter)), "-p", "efa-direct"],
                               capture_output=True, text=True, env=local_env({}), timeout=60)
@@ -71,7 +71,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def test_a_client_that_skips_the_lanes_in_its_avs_breaks_the_rule(chapter, provider,
                                                                    monkeypatch):
     """FABRIC_RULES=efa-direct sees it where the first immediate lands; the real client,
-    which inserts them, keeps the rule (tests/test_rules.py)."""
+    which inserts them, keeps the rule (tests/test_fabric_rules.py)."""
     monkeypatch.setenv("FABRIC_RULES", "efa-direct")
     budget = Budget(90)
     server, out = start(chapter, ["-p", provider, "--clients", "1",

@@ -20,7 +20,7 @@ from common.moe import reference as ref
 from common.weights import BLOCK
 from common.weights.model import MODELS, inference_tensors, lay_out, parameters, values
 from common.weights.ops import HostOps, e4m3
-from scripts.pair import ROOT, chapter_module, local_env
+from common.chapter_pair import ROOT, chapter_module, local_env
 from tests.budget import Budget
 from tests.gpu import needs_gpu
 from tests.processes import kill_job

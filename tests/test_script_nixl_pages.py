@@ -2,8 +2,9 @@
 and the target finds every byte; without nixl the script says how to get it, in one line.
 
 The repo's .venv has no nixl: these tests run the script with the interpreter that has it,
-this one or NIXL_PYTHON (e.g. NIXL_PYTHON=nixlenv/bin/python .venv/bin/pytest
-tests/test_nixl_pages.py)."""
+this one or NIXL_PYTHON (a venv of its own with `pip install nixl-cu13`, e.g.
+NIXL_PYTHON=nixlenv/bin/python .venv/bin/pytest tests/test_script_nixl_pages.py), with this
+repository on its PYTHONPATH as scripts/transfer_bench.py runs it."""
 import importlib.util
 import json
 import os
@@ -13,6 +14,7 @@ import sys
 import pytest
 
 from common.records import ROOT
+from scripts.transfer_bench import nixl_env
 
 SCRIPT = ROOT / "scripts" / "nixl_pages.py"
 MODULES = ("nixl", "nixl_cu13", "nixl_cu12")
@@ -37,9 +39,10 @@ WHY = None if NIXL_PYTHON and has_nixl(NIXL_PYTHON) else (
 def gpu_why(python):
     """None where `python` has GPU 0 as nixl_pages.py takes it (cupy, or torch with CUDA),
     else the script's one line saying why not."""
-    probe = (f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); import nixl_pages\n"
+    probe = ("import sys; from scripts import nixl_pages\n"
              "try: nixl_pages.gpu_allocator(0)\nexcept ValueError as e: sys.exit(str(e))")
-    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120,
+                          env=nixl_env())
     return None if done.returncode == 0 else done.stderr.strip().splitlines()[-1]
 
 
@@ -54,7 +57,7 @@ def test_a_tiny_transfer_arrives_whole(tmp_path, gpu):
     done = subprocess.run([NIXL_PYTHON, str(SCRIPT), "--page-size", "1K,4K", "--pages", "16",
                            "--repeats", "2", "--warmup", "1", "--json", str(record),
                            *([] if gpu is None else ["--gpu", str(gpu)])],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=nixl_env())
     assert done.returncode == 0, done.stderr
     data = json.loads(record.read_text())
     assert data["implementation"] == "nixl (UCX)" and data["nixl"]
@@ -75,19 +78,33 @@ def test_without_nixl_it_says_how_to_get_it():
     assert "nixl is not importable" in line and "pip install nixl-cu13" in line
 
 
-def test_bad_input_is_one_line_before_anything_starts():
-    done = subprocess.run([sys.executable, str(SCRIPT), "--page-size", "4Q"],
+@pytest.mark.parametrize("args, said", [
+    (["--page-size", "4Q"], "argument --page-size: not a size: '4Q' (e.g. 4096, 64K, 1M)"),
+    (["--page-size", "4K,0"], "argument --page-size: not a size: '0'"),
+    (["--pages", "0"], "argument --pages: not a count of pages: '0'"),
+    (["--repeats", "0"], "--repeats takes 1 or more, --warmup 0 or more")])
+def test_bad_input_is_one_line_before_anything_starts(args, said):
+    done = subprocess.run([sys.executable, str(SCRIPT), *args],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stdout == ""
-    line, = done.stderr.strip().splitlines()
-    assert "not a size: '4Q'" in line
+    assert done.stderr == f"nixl_pages.py: error: {said}\n"
+
+
+def test_a_python_without_this_repository_is_told_its_pythonpath():
+    """nixl's own venv has not installed this repository: one line with the command."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-S", str(SCRIPT), "--pages", "4"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == (f"nixl_pages.py: this repository's common/ is not importable by "
+                           f"{sys.executable}: PYTHONPATH={ROOT} {sys.executable} {SCRIPT}\n")
 
 
 @pytest.mark.skipif(WHY is not None, reason=WHY or "")
 def test_a_gpu_that_cannot_be_used_is_one_line_before_anything_starts():
     """GPU 99: no such GPU where cupy or a CUDA torch is, no allocator elsewhere."""
     done = subprocess.run([NIXL_PYTHON, str(SCRIPT), "--gpu", "99", "--pages", "4"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env=nixl_env())
     assert done.returncode == 1 and done.stdout == "", done.stderr
     line, = done.stderr.strip().splitlines()
     assert line.startswith("nixl_pages.py: --gpu 99: "), line

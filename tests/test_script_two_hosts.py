@@ -2,7 +2,7 @@
 shm and tcp, the ways the two find each other (--peer, MASTER_ADDR, torchrun's and Slurm's
 variables), bad input, and a host gone mid-run.
 
-fi_rma_bw is found as scripts/baseline.py finds it (LIBFABRIC_PREFIX/bin, else
+fi_rma_bw is found as common/baselines.py finds it for the scripts (LIBFABRIC_PREFIX/bin, else
 .deps/libfabric/bin): set LIBFABRIC_PREFIX to a libfabric built with fabtests for the
 baseline part, which is skipped, with the reason, where it is absent.
 """
@@ -19,11 +19,11 @@ from types import SimpleNamespace
 import pytest
 
 from scripts import two_hosts
-from scripts.baseline import measure, rma_bw_command, rma_bw_gbps, rma_bw_tool
-from scripts.pair import ROOT
+from common.baselines import measure, rma_bw_command, rma_bw_gbps, rma_bw_tool
+from common.chapter_pair import ROOT
 from tests import fake_info
 from tests.gpu import needs_gpu
-from tests.test_bad_input import assert_one_line_error
+from tests.one_line_errors import assert_one_line_error
 
 SCRIPT = str(ROOT / "scripts" / "two_hosts.py")
 TINY = ["--sizes", "4K", "--bytes", "800K", "--repeats", "1"]  # 200 WRITEs of 4 KiB a run

@@ -13,8 +13,8 @@ import textwrap
 
 import pytest
 
-from scripts.pair import ROOT, chapter_path, local_env, run_pair
-from tests.test_bad_input import assert_one_line_error
+from common.chapter_pair import ROOT, chapter_path, local_env, run_pair
+from tests.one_line_errors import assert_one_line_error
 
 RULES = ["efa", "efa-direct", "verbs"]
 EFA = ["efa", "efa-direct"]  # the rules of the device, whichever fabric drives it

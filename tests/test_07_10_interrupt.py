@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.pair import ADDRESS, chapter_path, local_env
+from common.chapter_pair import ADDRESS, chapter_path, local_env
 from tests.budget import Budget
 
 CHAPTERS = [7, 9, 10]

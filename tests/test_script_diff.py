@@ -1,0 +1,114 @@
+"""scripts/diff.sh: what it prints for a chapter is its lesson: the lines the series says
+the chapter changes, added and taken away, the C first where the lesson is C, docstrings
+left out unless --all; bad input in one line."""
+import ast
+import subprocess
+
+import pytest
+
+from common.records import ROOT
+
+DIFF = ROOT / "scripts" / "diff.sh"
+
+
+def diff(*args):
+    return subprocess.run(["bash", str(DIFF), *args], capture_output=True, text=True, timeout=60)
+
+
+def shown(out):
+    """{file shown (its path in the repository): (lines added, lines removed)}, in order."""
+    files, current = {}, None
+    for line in out.splitlines():
+        if line.startswith("+++ b/"):
+            current = files.setdefault(line[len("+++ b/"):], ([], []))
+        elif current is not None and line[:1] in "+-" and not line.startswith(("+++", "---")):
+            current[0 if line[0] == "+" else 1].append(line[1:].strip())
+    return files
+
+
+def module_docstring(path):
+    tree = ast.parse((ROOT / path).read_text())
+    return ast.get_docstring(tree, clean=False) or ""
+
+
+# (chapter, {file: (lines its lesson adds, lines it takes away)}): what the series says
+# the chapter changes, as the diff must show it; each line whole, after its indentation.
+LESSONS = [
+    ("05", {"chapters/05_reverse.py": (["reply = TEXT + text[::-1].encode()"], [])}),
+    ("07", {"chapters/07_queue.py": (
+                ["queue = OpQueue(ep, cq, poller, slots=fi.in_flight(info))"], []),
+            "common/engine/opqueue.py": (["class OpQueue:", "if rc == -lib.FI_EAGAIN:"], [])}),
+    ("10", {"chapters/10_warmup.py": (
+                ["from common.engine.warmup import warm_up",
+                 'cli.run(lambda: multinet.run(__doc__, "10_warmup", warm_up, lesson=LESSON))'],
+                ['cli.run(lambda: multinet.run(__doc__, "09_multinet", lesson=LESSON))']),
+            "common/engine/warmup.py": (["def warm_up(lanes, control, timeout):"], [])}),
+    ("13", {"chapters/13_shard.c": (
+                ["struct counter {            // one worker's count of completed WRITEs, "
+                 "alone on its cache"],
+                ["__atomic_add_fetch((uint64_t *)total, (uint64_t)rc, __ATOMIC_RELAXED);"])}),
+    ("15", {"chapters/15_lazy.c": (["static int enqueue(struct lane *l, unsigned batch)"], [])}),
+]
+
+
+@pytest.mark.parametrize("chapter,lesson", LESSONS, ids=[c for c, _ in LESSONS])
+def test_a_chapter_shows_the_lines_of_its_lesson(chapter, lesson):
+    done = diff(chapter)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    files = shown(done.stdout)
+    for path, (added, removed) in lesson.items():
+        assert path in files, f"diff.sh {chapter} shows {list(files)}, not {path}"
+        assert [line for line in added if line not in files[path][0]] == [], path
+        assert [line for line in removed if line not in files[path][1]] == [], path
+
+
+@pytest.mark.parametrize("chapter", ["05", "07", "10", "13"])
+def test_docstrings_are_left_out_unless_all(chapter):
+    """The first line of every Python file's docstring the diff shows (the chapter's title,
+    a new module's summary) is not in it, and is with --all, as an added line."""
+    lean, full = diff(chapter), diff("--all", chapter)
+    assert lean.returncode == full.returncode == 0
+    assert '"""' not in lean.stdout
+    python = [path for path in shown(lean.stdout) if path.endswith(".py")]
+    assert python and python == [path for path in shown(full.stdout) if path.endswith(".py")]
+    for path in python:
+        first = module_docstring(path).strip().splitlines()[0].strip()
+        assert first and first not in lean.stdout, path
+        assert first in shown(full.stdout)[path][0] or f'"""{first}' in \
+            shown(full.stdout)[path][0], path
+
+
+def test_where_the_lesson_is_c_the_c_comes_first():
+    for chapter in ("11", "13", "15"):
+        files = list(shown(diff(chapter).stdout))
+        first_python = next(i for i, path in enumerate(files) if path.endswith(".py"))
+        assert files[0].endswith((".c", ".h")) and first_python > 0, (chapter, files)
+    files = list(shown(diff("17").stdout))
+    assert files[0] == "chapters/17_gpu_driven.cu"
+    assert any("__global__" in line for line in shown(diff("17").stdout)[files[0]][0])
+
+
+def test_unchanged_code_is_said_in_one_line():
+    out = diff("12").stdout
+    assert "# chapters/12_pin.c: the code of chapters/11_multithread.c, unchanged" in out
+
+
+def test_two_chapters_are_compared_directly():
+    done = diff("07", "09")
+    assert "--- a/chapters/07_queue.py\n+++ b/chapters/09_multinet.py\n" in done.stdout
+    assert list(shown(done.stdout)) == ["chapters/09_multinet.py"]
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["99"], "no chapter 99"),
+    (["abc"], "a chapter is a number such as 05, not 'abc'"),
+    (["05", "98"], "no chapter 98"),
+    ([], "usage"),
+    (["1", "2", "3"], "usage"),
+])
+def test_bad_chapter_is_one_line_and_exit_2(args, pattern):
+    done = diff(*args)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and pattern in lines[0], done.stderr
