@@ -58,8 +58,8 @@ def runs_of_a_check(number, declared, monkeypatch):
 def runs_of_a_measure(number, declared):
     """[(chapter, its arguments)] of the server and client of each run the tour measures."""
     started = []
-    for spec in filter(None, tour.specs(number, declared)):
-        chapter, server, client = spec
+    for spec in filter(None, tour.specs(number, declared, "shm")):
+        chapter, server, client, _ = spec
         started += [(chapter, ["--clients", "1", *server]), (chapter, list(client))]
     return started
 
