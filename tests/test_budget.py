@@ -30,10 +30,13 @@ def test_a_wait_as_long_as_the_test_is_refused(seconds):
 
 
 def test_a_process_still_running_at_the_end_is_stopped_not_left():
-    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    sleeper = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"]
     with pytest.raises(subprocess.TimeoutExpired):
         Budget(0.1).run(sleeper)
-    with subprocess.Popen(sleeper) as proc:
+    with subprocess.Popen(sleeper, stdout=subprocess.PIPE, text=True) as proc:
+        # past Python's own start, where a Ctrl-C is Python's fatal error, not -2 (a suite
+        # beside 4 CPU hogs: 0.1 s ran out in site's imports)
+        assert proc.stdout.readline() == "up\n"
         with pytest.raises(subprocess.TimeoutExpired):
             Budget(0.1).communicate(proc)
         assert proc.returncode == -2  # Ctrl-C, as a launcher is stopped: it stops its ranks

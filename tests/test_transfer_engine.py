@@ -234,10 +234,10 @@ def test_a_list_of_writes_of_several_lengths_and_a_signal(engine):
     want[5000:5050], want[10:3010], want[9990:] = data[:50], data[100:3100], data[9000:9010]
     assert int(np.count_nonzero(into != want)) == 0
     eng.signal(me, 9).wait()
-    eng.signal(me, 9).wait()
-    assert eng.arrived(9) == 2
-    eng.expect(9, 1)
-    assert eng.arrived(9) == 1
+    eng.signal(me, 9).wait()  # done here does not mean counted over there yet (a busy
+    eng.expect(9, 1)          # machine's run saw 1 of 2): each expect takes what it asks,
+    eng.expect(9, 1)          # so the second finds the other signal, not a timeout
+    assert eng.arrived(9) == 0
 
 
 def test_the_inject_size_is_the_smallest_nics_and_none_on_efa():
