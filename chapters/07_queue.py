@@ -68,7 +68,7 @@ LESSON = {"figure": "refused", "visible": {"at_least": 1}, "field": "refused",
 # (FI_CONTEXT2), SENDs within the device's MTU (about 8 KiB), WRITEs of at most 2
 # buffers into one remote iov and up to its max_rdma_size (about 1 GiB) in no order, RMA
 # inject of 0 bytes only (efa_rma.c), and the target's AV holding the initiator before
-# the first WRITE. 04-16 and 19 keep all of that (FABRIC_RULES=efa-direct checks it on
+# the first WRITE. 04-16, 18 and 19 keep all of that (FABRIC_RULES=efa-direct checks it on
 # shm and tcp); in 09-15 the client puts the server's NICs in its AVs before the first
 # WRITE (common/engine/multinet.py). None posts a receive per immediate: on a device
 # without unsolicited write receive efa-direct demands that (FI_RX_CQ_DATA,

@@ -1,5 +1,5 @@
 """FABRIC_RULES=efa|efa-direct|verbs (common/fabric/rules.py, common/fabric/rules.h): chapters
-04-16 and 19 on shm and tcp, checked as an EFA device (through either fabric) or a verbs NIC
+04-16, 18 and 19 on shm and tcp (18 and 19 under efa and efa-direct), checked as an EFA device (through either fabric) or a verbs NIC
 would check them; and each rule, broken on purpose, caught (where shm alone lets the same call
 through).
 
@@ -90,6 +90,26 @@ def test_16_across_two_nodes_keeps_the_rules(rules, provider):
          "--experts", "16", "--topk", "3", "--private-tokens", "2", "--iters", "0"],
         capture_output=True, text=True, env=local_env(env(rules)), timeout=120, cwd=ROOT)
     assert done.returncode == 0 and "[0] all checks passed" in done.stdout, done.stderr
+
+
+@pytest.mark.parametrize("rules", EFA)
+def test_18_keeps_the_rules_of_an_efa_device(rules, provider):
+    """The transfer engine's C worker and control messages, a KV cache handed over."""
+    small = ["--tokens", "512", "--layers", "8"]
+    pair = run_pair(18, provider, small, [small], env=env(rules))
+    assert pair.ok and not pair.stopped, pair
+    assert "checked 64 pages and the context: 0 wrong bytes" in pair.server.out, pair
+
+
+@pytest.mark.parametrize("rules", EFA)
+def test_19_keeps_the_rules_of_an_efa_device(rules, provider):
+    """Trainers' shards into inference ranks' weights by the engine's WRITE lists."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "launch.py"), "-n", "4", str(chapter_path(19)),
+         "-p", provider, "--model", "tiny"],
+        capture_output=True, text=True, env=local_env(env(rules)), timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert len(re.findall(r"^\[0\] .*: 0 wrong bytes", done.stdout, re.M)) >= 2, done.stdout
 
 
 # --- each rule, broken on purpose --------------------------------------------------
