@@ -1,6 +1,7 @@
 """FABRIC_RULES=efa|efa-direct|verbs: the chapters on shm or tcp, held to what an EFA device
 (through efa's RDM fabric, or efa-direct's one work request per call) or a verbs NIC accepts
-(tests/test_fabric_rules.py runs chapters 04-16, 18 and 19 so; 18 and 19 under efa's two rule sets).
+(tests/test_fabric_rules.py runs chapters 04-16, 18 and 19 so; 18 and 19 under efa's two
+rule sets).
 
 Each call is checked in C (common/fabric/rules.h), compiled into every module of the binding,
 so the C workers are checked like Python. This module does the rest, for
