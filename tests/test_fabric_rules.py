@@ -1,7 +1,7 @@
 """FABRIC_RULES=efa|efa-direct|verbs (common/fabric/rules.py, common/fabric/rules.h): chapters
 04-16, 18 and 19 on shm and tcp (18 and 19 under efa and efa-direct), checked as an EFA
-device (through either fabric) or a verbs NIC would check them; and each rule, broken on purpose, caught (where shm alone lets the same call
-through).
+device (through either fabric) or a verbs NIC would check them; and each rule, broken on
+purpose, caught (where shm alone lets the same call through).
 
 The runs of the chapters once broke efa's rules on two findings of issue 15: CQs of 64
 entries with up to 4 x tx_size WRITEs in flight (1b) and CONNECTs above the MTU (2).
