@@ -229,29 +229,27 @@ def start(chapter, args, until):
     return proc, out
 
 
-def client_gone_server_survives(chapter, provider, server_args=(), client_args=()):
-    """A client stopped while WRITEs stream into it (Ctrl-C: it closes what it opened):
-    the server says so in one line, and serves the next one. Where the provider
-    reports the failed WRITE (shm in 1.17 and 2.6: EIO; tcp: the closed connection),
-    the line says "gone"; 2.1's shm reports nothing, and its WRITEs stop completing.
-
-    The server's wait is a chapter's own for a peer, stretched by the load: it is also
-    its wait for the next client, which a starved CPU can hold up for seconds (a 2 s
-    wait took a live client paused 3 s for a gone one, and stopped its heartbeats). The
-    next client waits twice that: the server first drains the gone one's WRITEs."""
+def fault_then_next_client(chapter, provider, fault, next_waits, server_args=(),
+                           client_args=()):
+    """A server for two clients; the first gets `fault` while WRITEs stream into it, the
+    next is started at once and waits `next_waits` times a peer's wait, and must verify
+    every page; the server ends well, without a traceback. Returns (the server's stderr,
+    its wait for a peer, as given)."""
     budget = Budget(120)
-    wait, next_wait = (f"{budget.grant(s):g}" for s in (PEER_TIMEOUT, 2 * PEER_TIMEOUT))
+    wait, next_wait = (f"{budget.grant(s):g}"
+                       for s in (PEER_TIMEOUT, next_waits * PEER_TIMEOUT))
     server, out = start(chapter, ["-p", provider, "--clients", "2", "--timeout", wait,
                                   *server_args], ADDRESS.pattern)
     procs = [server]
     try:
         address = ADDRESS.search(out)[1]
-        gone, _ = start(chapter, ["-p", provider, address, "--iters", "100000000", *SMALL,
-                                  *client_args], "^memory:")
-        procs.append(gone)
+        first, _ = start(chapter, ["-p", provider, address, "--iters", "100000000", *SMALL,
+                                   *client_args], "^memory:")
+        procs.append(first)
         time.sleep(1)
-        gone.send_signal(signal.SIGINT)
-        assert gone.wait(budget.grant(10)) == 130
+        first.send_signal(fault)
+        if fault == signal.SIGINT:
+            assert first.wait(budget.grant(10)) == 130
         done = budget.run([sys.executable, str(chapter_path(chapter)), "-p", provider,
                            address, "--iters", "500", "--timeout", next_wait, *SMALL,
                            *client_args],
@@ -262,12 +260,29 @@ def client_gone_server_survives(chapter, provider, server_args=(), client_args=(
     finally:
         for proc in procs:
             proc.kill()
-    assert server.returncode == 0
+            proc.wait()
+        shm_files.remove_left_by([proc.pid for proc in procs])  # killed with -9: nothing removed
+    assert server.returncode == 0, err
+    assert "Traceback" not in err
+    return err, wait
+
+
+def client_gone_server_survives(chapter, provider, server_args=(), client_args=()):
+    """A client stopped while WRITEs stream into it (Ctrl-C: it closes what it opened):
+    the server says so in one line, and serves the next one. Where the provider
+    reports the failed WRITE (shm in 1.17 and 2.6: EIO; tcp: the closed connection),
+    the line says "gone"; 2.1's shm reports nothing, and its WRITEs stop completing.
+
+    The server's wait is a chapter's own for a peer, stretched by the load: it is also
+    its wait for the next client, which a starved CPU can hold up for seconds (a 2 s
+    wait took a live client paused 3 s for a gone one, and stopped its heartbeats). The
+    next client waits twice that: the server first drains the gone one's WRITEs."""
+    err, wait = fault_then_next_client(chapter, provider, signal.SIGINT, 2, server_args,
+                                       client_args)
     # gone before its run began (a busy machine's server still warming up): that WRITE's wait
     assert re.search(rf"^client 1: (gone: fi_cq_read: |failed: no WRITE completed for {wait} s |"
                      rf"failed: warmup WRITE on NIC \d+ not completed in {wait} s$)",
                      err, re.MULTILINE), err
-    assert "Traceback" not in err
 
 
 def test_07_client_gone_mid_run_server_survives(provider):
@@ -280,28 +295,5 @@ def test_07_client_frozen_mid_run_next_is_served(provider):
     the next. On rxm (1.x's tcp) the frozen client's WRITEs hold every tx credit of the
     server's endpoint, so the server opens a new endpoint at the same address
     (07_queue.lends_credits); before that, the next client's WRITEs waited in vain."""
-    budget = Budget(120)
-    wait, next_wait = (f"{budget.grant(s):g}" for s in (PEER_TIMEOUT, 3 * PEER_TIMEOUT))
-    server, out = start(7, ["-p", provider, "--clients", "2", "--timeout", wait],
-                        ADDRESS.pattern)
-    procs = [server]
-    try:
-        address = ADDRESS.search(out)[1]
-        frozen, _ = start(7, ["-p", provider, address, "--iters", "100000000", *SMALL],
-                          "^memory:")
-        procs.append(frozen)
-        time.sleep(1)
-        frozen.send_signal(signal.SIGSTOP)
-        done = budget.run([sys.executable, str(chapter_path(7)), "-p", provider, address,
-                           "--iters", "500", "--timeout", next_wait, *SMALL], env=local_env())
-        _, err = budget.communicate(server)
-        assert done.returncode == 0, f"the next client: {done.stderr}the server: {err}"
-        assert re.search(r"verified .*64 pages .*: 0 wrong bytes", done.stdout)
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-        shm_files.remove_left_by([proc.pid for proc in procs])  # killed with -9: nothing removed
-    assert server.returncode == 0, err
+    err, _ = fault_then_next_client(7, provider, signal.SIGSTOP, 3)
     assert re.search(r"^client 1: failed: ", err, re.MULTILINE), err
-    assert "Traceback" not in err
