@@ -165,6 +165,49 @@ def memcpy_peer(size, iters, pairs):
     return gbps, "cudaMemcpyPeer " + ", ".join(f"GPU{a} -> GPU{b}" for a, b in pairs)
 
 
+def gather_ceiling(gpu, page, src_pages, dst_pages, size, repeats):
+    """What one GPU does with the same pages in one process, the ceiling of the transfer
+    engine's CUDA IPC route (common/transfer/ipc.py) on that GPU: medians over `repeats`
+    of (1) the route's own kernel gathering page src_pages[i] of one buffer of `size`
+    bytes to page dst_pages[i] of another, timed by CUDA events (the GPU's time alone),
+    (2) the same from the Python call to seeing its mark in host memory (launch, table
+    upload and all), and (3) one contiguous device copy of as many bytes (events)."""
+    import cupy as cp
+    import numpy as np
+    from common.transfer.ipc import Copier
+    copier = Copier(gpu)
+    src, dst = cp.ones(size, cp.uint8), cp.zeros(size, cp.uint8)
+    mark = cp.cuda.alloc_pinned_memory(8)
+    seen = np.frombuffer(mark, np.uint64, 1)
+    pieces = np.concatenate([np.asarray(src_pages, np.uint64) * page,
+                             np.asarray(dst_pages, np.uint64) * page])
+    count, stream = len(src_pages), copier.stream
+    kernel, whole, contiguous = [], [], []
+    for seq in range(1, repeats + 2):  # the first: untimed (the module loads)
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        called = time.perf_counter()
+        table, keep = copier.table(pieces)
+        start.record(stream)
+        copier(src.data.ptr, dst.data.ptr, table, count, page, None, seen.ctypes.data, seq)
+        end.record(stream)
+        while seen[0] != seq:
+            pass
+        took = time.perf_counter() - called
+        end.synchronize()
+        if seq > 1:
+            whole.append(took)
+            kernel.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, count * page,
+                                    cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+        end.record(stream)
+        end.synchronize()
+        contiguous.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+    return {"gather_kernel_s": statistics.median(kernel), "gather_call_s": statistics.median(whole),
+            "device_copy_s": statistics.median(contiguous[1:])}
+
+
 def iterations(size, total_bytes, at_least=200):
     return max(at_least, total_bytes // size)
 

@@ -10,7 +10,15 @@ size on the same provider (the median of as many runs), measured in the same run
 is found (bench.tools_prefix). Each size's data is checked once (seeded pages, wrong bytes
 counted). For the median repeat it also says where the time went (Transfer.phases): Python
 building the command, the worker picking it up, posting its WRITEs, the last completion
-coming, Python seeing it.
+coming, Python seeing it; and each repeat's whole cost, from rank 0's call to rank 1's
+expect returning (`whole`, both clocks CLOCK_MONOTONIC of this host).
+
+With --gpu both ranks' pages are in that GPU's memory, and rank 0 reaches rank 1 by the
+engine's CUDA IPC route (one kernel a command, common/transfer/ipc.py) unless
+--no-cuda-ipc sends them by libfabric; the first line says which. Then each case is also
+measured against the same GPU's ceiling in the same run (common/baselines.gather_ceiling):
+the route's kernel gathering the same pages in one process (the GPU's time, and from the
+call to its mark), and one contiguous device copy of as many bytes.
 
     .venv/bin/python scripts/transfer_bench.py -p shm
     .venv/bin/python scripts/transfer_bench.py -p tcp --page-sizes 4K,64K --pages 100 --repeats 5 --json
@@ -18,6 +26,7 @@ coming, Python seeing it.
     .venv/bin/python scripts/transfer_bench.py -p shm --page-sizes 4K,16K --window 64 --inject
     .venv/bin/python scripts/transfer_bench.py -p shm --nixl /path/to/python-with-nixl --json
     .venv/bin/python scripts/transfer_bench.py -p shm --gpu 0      # GPU memory (both ranks)
+    .venv/bin/python scripts/transfer_bench.py -p shm --gpu 0 --no-cuda-ipc   # by libfabric
 
 --inject: rank 0 injects every WRITE of at most the provider's inject size (4 KiB on shm;
 write_pages(inject=True)), as fi_rma_bw does. Its clock then stops once the last WRITE is
@@ -69,6 +78,8 @@ def parse():
                    "the same run, in GPU memory with --gpu")
     p.add_argument("--gpu", type=int, help="both ranks' pages in this GPU's memory (cupy), "
                    "fi_rma_bw with -D cuda on it too")
+    p.add_argument("--no-cuda-ipc", action="store_true", help="with --gpu: GPU pages by "
+                   "libfabric, not by the engine's CUDA IPC route")
     p.add_argument("--json", nargs="?", const="auto", help="write a record (results/runs/...)")
     args = p.parse_args()
     try:
@@ -98,7 +109,7 @@ def rank_main(args):
         if group.world != 2:
             raise SystemExit("transfer_bench.py: needs exactly 2 ranks")
         eng = Engine(own, provider=args.provider, gpu=args.gpu, nics=args.nics,
-                     spread=args.spread, timeout=timeout)
+                     spread=args.spread, timeout=timeout, cuda_ipc=not args.no_cuda_ipc)
         xp = np if args.gpu is None else memory.cupy()
         eng.watch(group.check)
         me, other = group.rank, 1 - group.rank
@@ -112,6 +123,7 @@ def rank_main(args):
                       "; --inject, but this provider injects no WRITE here (inject size 0)")
             print(f"provider: {eng.provider}; {eng.nics}; spread {args.spread}"
                   + (inject if args.inject else ""), flush=True)
+            print(f"route: {peer.route} ({peer.why})", flush=True)
         rows, imm = [], 0
         for page in args.sizes:
             slots = size // page
@@ -135,7 +147,7 @@ def rank_main(args):
                 span = min(args.window or slots, slots)
                 src = np.arange(count) % span
                 dst = np.random.default_rng(count).permutation(count) % span
-                times, phases = [], []
+                times, phases, wholes = [], [], []
                 for _ in range(args.repeats):
                     if me == 0:
                         eng.recv(timeout)  # rank 1: ready
@@ -149,9 +161,12 @@ def rank_main(args):
                         after = eng.stats()
                         refused = after["eagain"] - before["eagain"]
                         injected = after["injected"] - before["injected"]
+                        seen = int(eng.recv(timeout)[1].split()[1])  # rank 1's expect returned
+                        wholes.append((seen - started) * 1e-9)
                     else:
                         eng.send(peer, b"ready")
                         eng.expect(imm, count, timeout)
+                        eng.send(peer, f"seen {time.monotonic_ns()}".encode())
                 if me == 0:
                     elapsed = float(np.median(times))
                     median = phases[int(np.argsort(times)[len(times) // 2])]
@@ -159,19 +174,40 @@ def rank_main(args):
                                  "elapsed_s": elapsed, "gbps": 8 * count * page / elapsed / 1e9,
                                  "mpps": count / elapsed / 1e6, "wrong_bytes": wrong,
                                  "eagain_last": refused, "injected_last": injected,
-                                 "phases_s": median})
+                                 "phases_s": median, "whole_s": float(np.median(wholes)),
+                                 "route": peer.route})
                     r = rows[-1]
                     print(f"{page:>6} B x {count:>5} pages: {r['gbps']:8.3f} Gbps "
                           f"{r['mpps']:7.3f} Mpps (median of {args.repeats}; {wrong} wrong "
                           f"bytes; {refused} refusals, {injected} injected in the last)",
                           flush=True)
                     print(f"{'':>6}   the median repeat, {1e6 * sum(median.values()):.0f} us: "
-                          + ", ".join(f"{name} {1e6 * took:.0f}" for name, took in median.items()),
+                          + ", ".join(f"{name} {1e6 * took:.0f}" for name, took in median.items())
+                          + f"; whole (to rank 1's expect) {1e6 * r['whole_s']:.0f} us",
                           flush=True)
+                    if args.gpu is not None:
+                        ceiling(r, args.gpu, page, src, dst, size, args.repeats)
         group.barrier()
         if me == 0:
             return rows, eng.provider
     return None, None
+
+
+def ceiling(row, gpu, page, src, dst, size, repeats):
+    """The same pages on the same GPU in this process (baselines.gather_ceiling), into
+    `row`, and how the route compares."""
+    from common import baselines
+    c = baselines.gather_ceiling(gpu, page, src, dst, size, max(repeats, 3))
+    bits = 8 * len(src) * page
+    row.update(c, gather_gbps=bits / c["gather_kernel_s"] / 1e9,
+               device_copy_gbps=bits / c["device_copy_s"] / 1e9,
+               percent_of_gather=100 * c["gather_kernel_s"] / row["elapsed_s"],
+               whole_per_gather_kernel=row["whole_s"] / c["gather_kernel_s"])
+    print(f"{'':>6}   on this GPU: the gather kernel {row['gather_gbps']:.0f} Gbps "
+          f"({1e6 * c['gather_kernel_s']:.1f} us; {1e6 * c['gather_call_s']:.1f} us from "
+          f"the call), one device copy {row['device_copy_gbps']:.0f} Gbps; this route "
+          f"{row['percent_of_gather']:.1f}% of the gather, whole "
+          f"{row['whole_per_gather_kernel']:.1f}x its kernel", flush=True)
 
 
 def fabtests(provider, sizes, timeout, gpu=None, repeats=1, window=None):
@@ -271,7 +307,7 @@ def main():
                 "git": bench.git_sha(),
                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "nics": args.nics or 1, "spread": args.spread, "window": args.window,
-                "inject": args.inject,
+                "inject": args.inject, "cuda_ipc": args.gpu is not None and not args.no_cuda_ipc,
                 "memory": "host" if args.gpu is None else "cuda", "runs": rows}
         print(f"wrote {bench.write_json(path, data)}", flush=True)
     return 0

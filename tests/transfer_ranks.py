@@ -4,9 +4,12 @@
     .venv/bin/python scripts/launch.py -n 4 tests/transfer_ranks.py group -p tcp
     .venv/bin/python scripts/launch.py -n 2 tests/transfer_ranks.py kill -p shm [--watch]
     .venv/bin/python scripts/launch.py -n 2 tests/transfer_ranks.py torch --gpu 0
+    .venv/bin/python scripts/launch.py -n 2 tests/transfer_ranks.py pair --gpu 0 [--no-cuda-ipc]
 
 Addresses and region descriptors travel through launch.Group.allgather. Every check
-prints a line the test reads ("wrong bytes: N", "expected ...", "survivor: ...").
+prints a line the test reads ("wrong bytes: N", "expected ...", "survivor: ...", and with
+--gpu each peer's "route: ..."). With --gpu, pair, group and kill keep their regions in
+that GPU's memory (cupy), the source seeded on the host and copied there.
 """
 import argparse
 import os
@@ -30,14 +33,32 @@ def seeded(seed, size):
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
+def on(args, array):
+    """`array` where the ranks keep their regions: host memory, or GPU args.gpu's."""
+    if args.gpu is None:
+        return array
+    from common.fabric import memory
+    return memory.cupy().asarray(array)
+
+
+def host(array):
+    """A region's bytes on the host, to be checked (synchronized: what arrived is there)."""
+    return array.get() if hasattr(array, "get") else array
+
+
+def say_route(peer):
+    print(f"route to peer {peer.index}: {peer.route} ({peer.why})", flush=True)
+
+
 def pair(eng, group, args):
     """Rank 0 writes into rank 1: one WRITE, paged WRITEs, immediates interleaved."""
     me, other = group.rank, 1 - group.rank
     addresses = group.allgather(eng.address())
     peer = eng.connect(addresses[other])
+    say_route(peer)
     pages = 256
-    src = seeded([1, me], pages * PAGE)
-    dst, single = np.zeros(pages * PAGE, np.uint8), np.zeros(20000, np.uint8)
+    src = on(args, seeded([1, me], pages * PAGE))
+    dst, single = (on(args, np.zeros(n, np.uint8)) for n in (pages * PAGE, 20000))
     regions = [eng.register(src), eng.register(dst), eng.register(single)]
     theirs = [eng.remote(d) for d in group.allgather(regions[1].descriptor())]
     singles = [eng.remote(d) for d in group.allgather(regions[2].descriptor())]
@@ -60,8 +81,9 @@ def pair(eng, group, args):
         eng.send(peer, b"bye")
     else:
         eng.expect(1, 1, timeout)
-        wrong = int(np.count_nonzero(single[12345:12345 + 5000] != seeded([1, 0], pages * PAGE)[100:5100]))
-        wrong += int(np.count_nonzero(single[:12345])) + int(np.count_nonzero(single[17345:]))
+        got = host(single)  # bytes 12345.. from 100..: neither 16-byte aligned
+        wrong = int(np.count_nonzero(got[12345:12345 + 5000] != seeded([1, 0], pages * PAGE)[100:5100]))
+        wrong += int(np.count_nonzero(got[:12345])) + int(np.count_nonzero(got[17345:]))
         print(f"single WRITE: wrong bytes: {wrong}", flush=True)
         # other order than they were written: 12, then 11 (two batches), 13, 10 (two)
         for imm, n in ((12, 3), (11, 7 + 37), (13, 200), (10, 5 + 4)):
@@ -72,7 +94,7 @@ def pair(eng, group, args):
         except TimeoutError as e:
             print(f"again: {e}", flush=True)
         source = seeded([1, 0], pages * PAGE).reshape(pages, PAGE)
-        wrong = int(np.count_nonzero(dst.reshape(pages, PAGE)[order] != source))
+        wrong = int(np.count_nonzero(host(dst).reshape(pages, PAGE)[order] != source))
         print(f"paged WRITEs: {pages} pages: wrong bytes: {wrong}", flush=True)
         eng.send(peer, f"rank 1 saw {wrong} wrong bytes".encode())
         with fi.Closer() as own:  # an engine rank 0 has not connected to
@@ -85,9 +107,11 @@ def groups(eng, group, args):
     """Every rank scatters a slice to every rank (itself too), then barriers."""
     world, me = group.world, group.rank
     peers = [eng.connect(a) for a in group.allgather(eng.address())]
+    for peer in peers:
+        say_route(peer)
     length = args.length
-    src = seeded([2, me], world * length)
-    inboxes = [np.zeros(length, np.uint8) for _ in range(world)]  # inboxes[r]: from rank r
+    src = on(args, seeded([2, me], world * length))
+    inboxes = [on(args, np.zeros(length, np.uint8)) for _ in range(world)]  # from rank r
     regions = [eng.register(src)] + [eng.register(box) for box in inboxes]
     descriptors = [launch._unpack_list(d) for d in
                    group.allgather(launch._pack_list([r.descriptor() for r in regions[1:]]))]
@@ -98,7 +122,7 @@ def groups(eng, group, args):
     t = g.scatter(regions[0], dsts, length, imm=20)
     eng.expect(20, world, timeout)
     t.wait(timeout)
-    wrong = sum(int(np.count_nonzero(inboxes[r] != seeded([2, r], world * length)
+    wrong = sum(int(np.count_nonzero(host(inboxes[r]) != seeded([2, r], world * length)
                                      [me * length:(me + 1) * length])) for r in range(world))
     print(f"scatter of {length} bytes from {world} ranks: wrong bytes: {wrong}", flush=True)
     for round_ in range(3):
@@ -111,8 +135,9 @@ def kill(eng, group, args):
     """Rank 1 dies (SIGKILL) while rank 0 writes pages into it; rank 0 must see it."""
     me, other = group.rank, 1 - group.rank
     peer = eng.connect(group.allgather(eng.address())[other])
+    say_route(peer)
     pages = 2048
-    buf = np.zeros(pages * PAGE, np.uint8)
+    buf = on(args, np.zeros(pages * PAGE, np.uint8))
     region = eng.register(buf)
     theirs = eng.remote(group.allgather(region.descriptor())[other])
     timeout = args.timeout
@@ -177,12 +202,13 @@ def main():
     p.add_argument("--join", type=float, default=60.0, help="for the ranks to meet")
     p.add_argument("--watch", action="store_true")
     p.add_argument("--gpu", type=int, default=None)
+    p.add_argument("--no-cuda-ipc", action="store_true", help="GPU pages by libfabric only")
     args = p.parse_args()
     bounds.watch()
     with launch.Group(launch.place_from_environment(), timeout=args.join) as group, \
             fi.Closer() as own:
         eng = Engine(own, provider=args.provider, gpu=args.gpu, nics=args.nics,
-                     spread=args.spread, timeout=args.timeout)
+                     spread=args.spread, timeout=args.timeout, cuda_ipc=not args.no_cuda_ipc)
         print(f"engine: {eng.provider}, {eng.nics}, {args.spread}", flush=True)
         modes = {"pair": pair, "group": groups, "kill": kill, "torch": torch_pages}
         modes[args.mode](eng, group, args)

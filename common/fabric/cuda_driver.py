@@ -3,7 +3,8 @@
 libcuda.so.1 comes with the NVIDIA driver, so it is there wherever a GPU is, and loaded
 already where cupy runs. The calls: cuLaunchKernel (common/moe/kernel_call.py), a dmabuf fd
 for a range of GPU memory and whether the thread has the current context its export needs
-(registration by dmabuf, common/fabric/memory.py), and what chapter 16's proxy and the
+(registration by dmabuf, common/fabric/memory.py), where an allocation starts (CUDA IPC,
+common/transfer/ipc.py), and what chapter 16's proxy and the
 transfer engine need before they tell a GPU that a NIC's WRITE has landed in its memory
 (flush_scope: the device's GPUDirect RDMA write ordering, and the flush where it falls
 short). Numbers are cuda.h's.
@@ -23,6 +24,7 @@ int cuDeviceGetAttribute(int *value, int attribute, int device);
 int cuFlushGPUDirectRDMAWrites(int target, int scope);
 int cuGetErrorName(int error, const char **name);
 int cuCtxGetCurrent(void **ctx);
+int cuMemGetAddressRange_v2(unsigned long long *base, size_t *size, unsigned long long dptr);
 """)
 DMA_BUF_FD = 1                 # CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
 WRITES_ORDERING = 118          # CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING
@@ -79,6 +81,14 @@ def dmabuf(ptr, size):
     check("cuMemGetHandleForAddressRange", function("cuMemGetHandleForAddressRange")(
         fd, start, length, DMA_BUF_FD, 0))
     return fd[0], ptr - start
+
+
+def allocation_base(ptr):
+    """Where the allocation holding GPU address `ptr` starts: what a CUDA IPC handle names
+    (an allocator's array is often a piece of a larger one)."""
+    base, size = ffi.new("unsigned long long *"), ffi.new("size_t *")
+    check("cuMemGetAddressRange", function("cuMemGetAddressRange_v2")(base, size, ptr))
+    return base[0]
 
 
 def attribute(which, device):

@@ -20,6 +20,10 @@ offsets) and waits with short sleeps; the worker writes back each command's prog
 the count of each immediate value that arrived, whatever the order and the NIC. Where a NIC
 writes GPU memory that the GPU does not see in order, expect() flushes those writes
 (cuFlushGPUDirectRDMAWrites) before it returns, so the GPU reads what arrived.
+
+Between GPU memory of two processes on one host, a NIC is the wrong path: there a peer's
+`route` is "cuda-ipc" (common/transfer/ipc.py: one kernel a command, straight into the
+peer's memory, counted in the same arrival table), unless Engine(..., cuda_ipc=False).
 """
 import os
 import secrets
@@ -33,6 +37,7 @@ import numpy as np
 import common.fabric as fi
 from common import bounds
 from common.fabric import cuda_driver, lib, memory
+from common.transfer import ipc
 
 try:
     from common._transfer import ffi as _ffi, lib as native
@@ -48,8 +53,9 @@ NAP_US = 20            # the worker's sleep when idle a while (it yields before 
 SPREADS = ("round-robin", "per-peer")
 PHASES = ("building", "picking up", "posting", "completing", "seeing")  # Transfer.phases
 CACHE_SIZE = "FI_MR_CACHE_MAX_SIZE"  # see Engine: GPU regions larger than its default
-MAGIC_ADDRESS, MAGIC_REGION = b"TXA1", b"TXR1"
-ADDRESS = struct.Struct("<4sIHH")   # magic, engine id, NIC count, control address length
+MAGIC_ADDRESS, MAGIC_REGION = b"TXA2", b"TXR1"
+# magic, engine id, NIC count, control address length, inbox length (0 or ipc.HOST.size)
+ADDRESS = struct.Struct("<4sIHHH")
 NAME = struct.Struct("<H")          # a data NIC's address length (+ the address)
 REGION = struct.Struct("<4sQQH")    # magic, address, size, NIC count
 NIC_KEY = struct.Struct("<QQ")      # per NIC: remote base, key
@@ -73,6 +79,9 @@ class Peer:
         self.addr = addrs        # fi_addr_t[nics]: its NIC i in our NIC i's AV
         self.signal = signal     # its signal region (a RemoteRegion)
         self.control = control   # its control endpoint in our control AV
+        self.ipc = None          # an ipc.Route where GPU pages go by CUDA IPC
+        self.route = "libfabric"  # or "cuda-ipc": how pages between GPU memory go ...
+        self.why = "host memory"  # ... and why
 
     def __repr__(self):
         return f"Peer({self.index})"
@@ -81,25 +90,29 @@ class Peer:
 class Region:
     """Memory registered on every NIC's domain, as a WRITE's source and target."""
 
-    def __init__(self, engine, ptr, size, descs, bases, keys):
-        self.engine, self.ptr, self.size = engine, ptr, size
+    def __init__(self, engine, ptr, size, descs, bases, keys, gpu=None, ipc_handle=b""):
+        self.engine, self.ptr, self.size, self.gpu = engine, ptr, size, gpu
         self.descs = _ffi.new("void *[]", descs)
         self.bases, self.keys = bases, keys
+        self.ipc_handle = ipc_handle  # ipc.HANDLE, for GPU memory CUDA can share
 
     def descriptor(self):
         """Everything a peer needs to WRITE into this region: address, size, per NIC
-        (remote base, key). Send it (a control message, an allgather)."""
+        (remote base, key), and for GPU memory its CUDA IPC handle. Send it (a control
+        message, an allgather)."""
         return (REGION.pack(MAGIC_REGION, self.ptr, self.size, len(self.keys))
-                + b"".join(NIC_KEY.pack(b, k) for b, k in zip(self.bases, self.keys)))
+                + b"".join(NIC_KEY.pack(b, k) for b, k in zip(self.bases, self.keys))
+                + self.ipc_handle)
 
 
 class RemoteRegion:
     """A peer's region, from its descriptor."""
 
-    def __init__(self, ptr, size, bases, keys):
+    def __init__(self, ptr, size, bases, keys, ipc_handle=None):
         self.ptr, self.size = ptr, size
         self.bases = _ffi.new("uint64_t[]", bases)
         self.keys = _ffi.new("uint64_t[]", keys)
+        self.ipc = ipc_handle  # (handle, offset, pid) where CUDA IPC can map it
 
 
 class Transfer:
@@ -139,6 +152,40 @@ class Transfer:
                                 f"{_ffi.string(c.error).decode(errors='replace')} "
                                 f"(ret {c.status}; {c.skipped} of {c.count} not posted)",
                                 c.status)
+
+
+class IpcTransfer:
+    """One command sent by CUDA IPC (ipc.py): done once its kernel stored its sequence
+    number into the peer's inbox; nothing can fail after the launch but the GPU itself."""
+
+    def __init__(self, engine, record, seq, count, keep, queued, launched):
+        self.engine, self.record, self.seq, self._keep = engine, record, seq, keep
+        self.count, self.ns = count, (queued, launched, 0)  # ns: queued, launched, seen
+
+    @property
+    def done(self):
+        if self.ns[2]:
+            return True
+        if self.record.seq < self.seq:  # a later lap of the ring stores a larger one
+            return False
+        self.ns = (*self.ns[:2], time.monotonic_ns())
+        return True
+
+    def wait(self, timeout=None):
+        timeout = self.engine.timeout if timeout is None else timeout
+        self.engine._until(lambda: self.done, timeout, lambda: (
+            f"a command of {self.count} copies by CUDA IPC not done within {timeout:g} s"))
+        return self
+
+    def phases(self, called, returned):
+        """As Transfer.phases: building (Python), posting (the launch), completing (the
+        kernel, until Python saw its mark), seeing; no worker picks it up."""
+        queued, launched, seen = self.ns
+        marks = [called, queued, queued, launched, seen or returned, returned]
+        return {name: (b - a) * 1e-9 for name, a, b in zip(PHASES, marks, marks[1:])}
+
+    def raise_failure(self):
+        pass
 
 
 class Group:
@@ -189,7 +236,7 @@ class Engine:
     """One GPU's (or process's) transfer engine; see the module's docstring."""
 
     def __init__(self, own, provider=None, gpu=None, nics=None, spread="round-robin",
-                 timeout=30.0):
+                 timeout=30.0, cuda_ipc=True):
         if spread not in SPREADS:
             raise ValueError(f"spread must be one of {', '.join(SPREADS)}, not {spread!r}")
         if nics is not None and nics < 1:
@@ -236,6 +283,16 @@ class Engine:
                         _ffi.new("uint8_t[]", IMM_TABLE)]
         (w.eps, w.cqs, w.ring, w.imm_keys, w.imm_counts, w.imm_used) = self._arrays
         w.nics, w.slots, w.ring_size, w.imm_size, w.nap_us = n, slots, RING, IMM_TABLE, NAP_US
+        # GPU pages to a peer of this host by CUDA IPC (ipc.py), unless cuda_ipc=False
+        self._own, self._inbox, self._routes, self._ipc_commands = own, None, None, 0
+        self.ipc_why = "host memory" if gpu is None else "cuda_ipc=False"
+        if gpu is not None and cuda_ipc:
+            try:
+                self._inbox = ipc.Inbox(own, _ffi, ipc.bus_id(gpu))
+                self._routes = ipc.Routes(self, _ffi)
+                w.inbox = self._inbox.box
+            except OSError as e:
+                self.ipc_why = f"no inbox for CUDA IPC ({e.strerror or e})"
         self._regions = fi.Closer()  # the regions' registrations: closed once the worker stops
         self._held = []  # ... and their arrays: a peer may WRITE into them until then
         # A callback of its own, not a step of _stop: a Ctrl-C that cuts into the worker's
@@ -305,12 +362,16 @@ class Engine:
         NIC's address and our signal region's descriptor."""
         control = fi.getname(self._cep)
         names = [fi.getname(ep) for ep in self.eps]
-        return (ADDRESS.pack(MAGIC_ADDRESS, self.id, len(names), len(control)) + control
-                + b"".join(NAME.pack(len(n)) + n for n in names) + self._signal.descriptor())
+        inbox = self._inbox.address if self._inbox else b""
+        return (ADDRESS.pack(MAGIC_ADDRESS, self.id, len(names), len(control), len(inbox))
+                + control + inbox + b"".join(NAME.pack(len(n)) + n for n in names)
+                + self._signal.descriptor())
 
     def connect(self, address):
-        """The Peer at `address` (another engine's address()): inserted in every AV."""
-        ident, control, names, signal = self._parse_address(address)
+        """The Peer at `address` (another engine's address()): inserted in every AV. Its
+        `route` says how GPU pages go to it: "cuda-ipc" where it is on this host and our
+        GPU reaches its GPU (ipc.py), else "libfabric"; `why` says why."""
+        ident, control, inbox, names, signal = self._parse_address(address)
         if len(names) != len(self.eps):
             raise ValueError(f"that engine has {len(names)} NICs and this one "
                              f"{len(self.eps)}: NIC i writes to NIC i, so counts must match")
@@ -320,29 +381,35 @@ class Engine:
         peer = Peer(len(self._peers), ident, addrs, self.remote(signal),
                     fi.av_insert(self._cav, control))
         peer.nic = per_peer_nic(self.id, ident, len(self.eps))
+        peer.why = self.ipc_why if not self._routes else "it has no GPU engine"
+        if self._routes and inbox:
+            peer.ipc, peer.why = self._routes.route(self._own, inbox)
+            peer.route = "cuda-ipc" if peer.ipc else "libfabric"
         self._peers[ident] = peer
         return peer
 
     @staticmethod
     def _parse_address(address):
         try:
-            magic, ident, count, length = ADDRESS.unpack_from(address)
-            if magic != MAGIC_ADDRESS:
+            magic, ident, count, length, inbox_size = ADDRESS.unpack_from(address)
+            if magic != MAGIC_ADDRESS or inbox_size not in (0, ipc.HOST.size):
                 raise ValueError
             at = ADDRESS.size
             control, at = address[at:at + length], at + length
+            inbox, at = address[at:at + inbox_size], at + inbox_size
             names = []
             for _ in range(count):
                 (size,), at = NAME.unpack_from(address, at), at + NAME.size
                 names.append(address[at:at + size])
                 at += size
             signal = address[at:]
-            if len(control) != length or any(not n for n in names) or not count:
+            if (len(control) != length or len(inbox) != inbox_size or any(not n for n in names)
+                    or not count):
                 raise ValueError
         except (struct.error, ValueError, TypeError):
             raise ValueError(f"not an engine's address ({len(address)} bytes): copy the "
                              "whole address that the server printed") from None
-        return ident, control, names, signal
+        return ident, control, inbox, names, signal
 
     def register(self, array):
         """Register `array` (numpy, cupy or torch; contiguous; not copied) on every NIC's
@@ -368,14 +435,17 @@ class Engine:
             bases.append(fi.remote_base(info, ptr))
             keys.append(fi.mr_key(mr))
         self._held.append(array)
-        return Region(self, ptr, size, descs, bases, keys)
+        handle = ipc.export(ptr) if gpu is not None and self._inbox else None
+        return Region(self, ptr, size, descs, bases, keys, gpu, handle or b"")
 
     def remote(self, descriptor):
         """A peer's region from its descriptor (Region.descriptor() over there)."""
         try:
             magic, ptr, size, count = REGION.unpack_from(descriptor)
-            if magic != MAGIC_REGION or len(descriptor) != REGION.size + count * NIC_KEY.size:
+            keys = REGION.size + count * NIC_KEY.size
+            if magic != MAGIC_REGION or len(descriptor) not in (keys, keys + ipc.HANDLE.size):
                 raise ValueError
+            handle = ipc.parse_handle(descriptor[keys:]) if len(descriptor) > keys else None
         except (struct.error, ValueError, TypeError):
             raise ValueError(f"not a region descriptor ({len(descriptor)} bytes): use "
                              "Region.descriptor()") from None
@@ -384,7 +454,7 @@ class Engine:
                              f"{len(self.eps)}: NIC counts must match")
         pairs = [NIC_KEY.unpack_from(descriptor, REGION.size + i * NIC_KEY.size)
                  for i in range(count)]
-        return RemoteRegion(ptr, size, [b for b, _ in pairs], [k for _, k in pairs])
+        return RemoteRegion(ptr, size, [b for b, _ in pairs], [k for _, k in pairs], handle)
 
     # --- WRITEs --------------------------------------------------------------------
 
@@ -495,6 +565,9 @@ class Engine:
 
     def _submit(self, command, keep):
         self._check()
+        src_offsets, dst_offsets, lengths, src, dst, peer = keep
+        if peer.ipc and dst.ipc and src.gpu == self.gpu:
+            return self._submit_ipc(peer.ipc, command, keep)
         w = self._w
         if w.head - native.tx_tail(w) >= RING:
             self._until(lambda: w.head - native.tx_tail(w) < RING, self.timeout,
@@ -502,6 +575,22 @@ class Engine:
         t = Transfer(self, command, keep)
         self._inflight = [x for x in self._inflight if not x.done] + [t]
         native.tx_submit(w, command)
+        return t
+
+    def _submit_ipc(self, route, command, keep):
+        src_offsets, dst_offsets, lengths, src, dst, peer = keep
+        if not route.room():
+            self._until(route.room, self.timeout, lambda: (
+                f"peer {peer.index} took none of our last {ipc.RECORDS} commands by CUDA IPC "
+                f"within {self.timeout:g} s: is it still running?"))
+        queued = time.monotonic_ns()
+        imm = command.imm if command.has_imm else None
+        record, seq, staged = route.submit(src, dst, src_offsets, dst_offsets, lengths,
+                                           command.length, imm)
+        t = IpcTransfer(self, record, seq, command.count, (keep, staged), queued,
+                        time.monotonic_ns())
+        self._inflight = [x for x in self._inflight if not x.done] + [t]
+        self._ipc_commands += 1
         return t
 
     def signal(self, peer, imm):
@@ -605,7 +694,8 @@ class Engine:
     def stats(self):
         w = self._w
         return {"posted": w.posted, "completed": w.completed, "eagain": w.eagain,
-                "arrived": w.arrived, "injected": w.injected, "nics": len(self.eps)}
+                "arrived": w.arrived, "injected": w.injected, "nics": len(self.eps),
+                "cuda_ipc_commands": self._ipc_commands}
 
     def _check(self):
         if self.rc is not None:

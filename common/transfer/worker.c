@@ -42,7 +42,25 @@ struct tx_worker {
     uint32_t failed_nic;            // 4: out of memory, 5: an error entry after injected WRITEs
     int rc;
     void *state;                    // what tx_run allocates (after pinning), tx_free frees
+    struct tx_inbox *inbox;         // arrivals by CUDA IPC (common/transfer/ipc.py), or NULL
 };
+struct tx_inbox_slot {              // one writer's ring in a reader's inbox (64 bytes)
+    uint64_t owner;                 // the writer's engine id + 1, 0: free (claimed by CAS)
+    uint64_t consumed;              // records the reader has counted (the reader writes it)
+    uint64_t pad[6];
+};
+struct tx_inbox_record {            // one command of that writer (32 bytes)
+    uint64_t seq;                   // its number + 1, written by the writer's kernel last
+    uint64_t imm, count, has_imm;   // written by the writer's host before the launch
+};
+struct tx_inbox {
+    char magic[8];
+    uint32_t writers, records;      // slots, records per slot (a power of two)
+    uint64_t pad[6];
+    struct tx_inbox_slot slot[];    // then records[writers][records]
+};
+int64_t tx_inbox_claim(struct tx_inbox *box, uint64_t owner);
+struct tx_inbox_record *tx_inbox_records(struct tx_inbox *box, uint32_t slot);
 int tx_run(struct tx_worker *w);
 void tx_free(struct tx_worker *w);
 void tx_submit(struct tx_worker *w, struct tx_command *c);
@@ -68,6 +86,9 @@ uint64_t tx_hash(uint64_t imm, uint32_t size);
  * A command may ask for its short WRITEs to be injected (fi_inject_write*):
  * the provider copies the source before the call returns and writes no
  * completion, so such a WRITE is done once posted.
+ * A peer on this host that writes our GPU memory by CUDA IPC (ipc.py) skips
+ * the NICs: its kernel marks each finished command in our inbox, shared host
+ * memory the worker polls, and the command's immediates join the same table.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -127,6 +148,58 @@ uint64_t tx_arrived(struct tx_worker *w, uint64_t imm)
             return __atomic_load_n(&w->imm_counts[at], __ATOMIC_ACQUIRE);
     }
     return 0;
+}
+
+/* `n` WRITEs' worth of immediate `imm` arrived at once (a command by CUDA IPC). */
+static void tx_note_n(struct tx_worker *w, uint64_t imm, uint64_t n)
+{
+    for (uint64_t i = 0; i < n; i++)
+        tx_note(w, imm);  /* the table's one writer stays this thread */
+}
+
+struct tx_inbox_record *tx_inbox_records(struct tx_inbox *box, uint32_t slot)
+{
+    struct tx_inbox_record *all = (struct tx_inbox_record *)&box->slot[box->writers];
+    return all + (size_t)slot * box->records;
+}
+
+/* A writer takes a free slot of a reader's inbox: its index, or -1 if all are taken. It
+   goes on from the slot's `consumed`, where a writer before it stopped. */
+int64_t tx_inbox_claim(struct tx_inbox *box, uint64_t owner)
+{
+    for (uint32_t i = 0; i < box->writers; i++) {
+        uint64_t free_ = 0;
+        if (__atomic_compare_exchange_n(&box->slot[i].owner, &free_, owner, 0,
+                                        __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return i;
+    }
+    return -1;
+}
+
+/* Count the commands that writers' kernels finished into our GPU memory: a record is
+   done once its seq is its number + 1, which the kernel stores after a system-wide fence
+   (common/transfer/ipc.cu), so everything it wrote is visible by then. Returns how many. */
+static uint64_t tx_inbox_poll(struct tx_worker *w)
+{
+    struct tx_inbox *box = w->inbox;
+    uint64_t seen = 0;
+    for (uint32_t i = 0; i < box->writers; i++) {
+        if (!__atomic_load_n(&box->slot[i].owner, __ATOMIC_ACQUIRE))
+            continue;
+        struct tx_inbox_record *ring = tx_inbox_records(box, i);
+        uint64_t at = box->slot[i].consumed;
+        for (;;) {
+            struct tx_inbox_record *r = &ring[at & (box->records - 1)];
+            if (__atomic_load_n(&r->seq, __ATOMIC_ACQUIRE) != at + 1)
+                break;
+            if (r->has_imm)
+                tx_note_n(w, r->imm, r->count);
+            at++;
+            seen++;
+            __atomic_store_n(&box->slot[i].consumed, at, __ATOMIC_RELEASE);  /* room */
+        }
+    }
+    return seen;
 }
 
 static void tx_fail(struct tx_command *c, uint32_t nic, int rc, const char *text)
@@ -352,7 +425,8 @@ int tx_run(struct tx_worker *w)
         if (w->posted == w->completed)
             s->refused = 0;
         uint64_t posted = tx_post(w, s, s->refused ? (uint64_t)room : TX_BATCH);
-        if (posted || room) {
+        uint64_t seen = w->inbox ? tx_inbox_poll(w) : 0;  /* CUDA IPC's arrivals */
+        if (posted || room || seen) {
             idle = 0;
             continue;
         }
