@@ -22,7 +22,7 @@ FROZEN = Path(__file__).parent / "frozen_decoder.py"
 @pytest.mark.parametrize("provider", ["shm", "tcp"])
 def test_the_kv_cache_arrives_whole_and_verified(provider):
     pair = run_pair(18, provider, SMALL, [SMALL])
-    assert pair.ok, pair.failure()
+    assert pair.ok, pair
     out = pair.server.out
     assert "checked 40 pages and the context: 0 wrong bytes" in out, out  # 4 x 2 x 5 pages
     assert re.search(r"^per layer \(median of 4\): compute [\d.]+ ms, transfer [\d.]+ ms",
@@ -34,7 +34,7 @@ def test_the_kv_cache_arrives_whole_and_verified(provider):
 
 def test_a_cancelled_request_is_confirmed_before_its_pages_are_free():
     pair = run_pair(18, "shm", [*SMALL, "--cancel-after", "1"], [SMALL])
-    assert pair.ok, pair.failure()
+    assert pair.ok, pair
     assert "request 1 cancelled after layer 1: the prefiller confirmed" in pair.server.out
     assert "cancelled by the decoder" in pair.clients[0].out
 
