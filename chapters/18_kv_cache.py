@@ -4,12 +4,12 @@ What you will learn: how disaggregated serving moves a prompt's KV cache, and wh
 almost nothing when the transfer hides behind compute. The decoder (the server) keeps a
 paged KV cache (a shard's page of a layer's K or V is one contiguous run: one WRITE) and
 sends the prefiller (the client) its cache's descriptor and the indices of free pages. The
-prefiller runs the prompt layer by layer (real matrix products of a named model's layer);
-after each layer a watcher thread issues that layer's paged WRITEs, every page carrying
-one immediate that names the request and the layer. The decoder waits by count (as many
-immediates of that value as the layer has pages, in any order, from any NIC), then takes
-the last token's hidden state in one WRITE and checks every byte. The cell "Layer by
-layer" below has the details.
+prefiller runs the prompt layer by layer (real matrix products of a named model's layer,
+bf16 on a GPU's tensor cores); after each layer a watcher thread issues that layer's paged
+WRITEs, every page carrying one immediate that names the request and the layer. The
+decoder waits by count (as many immediates of that value as the layer has pages, in any
+order, from any NIC), then takes the last token's hidden state in one WRITE and checks
+every byte. The cell "Layer by layer" below has the details.
 
 New since chapters 09-15: what they add up to, made reusable as common/transfer: one C
 worker per GPU posting lazily in batches over its NICs, memory registered once as a
@@ -43,7 +43,10 @@ LESSON = {"figure": "check"}
 # as one WRITE, and the decoder checks every byte against what it computes from the same
 # seeds. On a 2-core VM (host memory, shm) the layer is the same model's, scaled down; the
 # lesson shows there too: every layer's transfer but the last runs while the next one
-# computes.
+# computes. On a GPU the products run as a real prefill's do: bf16 inputs, float32
+# accumulation, on the tensor cores (--dtype bf16, the default with --gpu); --dtype fp32
+# keeps float32 throughout, the host's only choice. Both sides compute in the same dtype:
+# the decoder recomputes the prompt to check every byte.
 
 # %% [markdown]
 # ## Motivation
@@ -60,6 +63,7 @@ LESSON = {"figure": "check"}
 
 # %%
 import common  # first: a Ctrl-C during the imports below is one line (common/bounds.py)
+import functools
 import json
 import os
 import struct
@@ -94,11 +98,12 @@ REQUEST, CANCEL, CANCELLED, DONE, CHECKING, CHECKED = (
 # %%
 class Shape:
     """A model's KV pages: each (layer, K or V, page) is page_tokens x kv_heads x head_dim
-    bf16, one contiguous page."""
+    bf16, one contiguous page; and the dtype its layers' matrix products run in."""
 
-    def __init__(self, model, tokens, page_tokens):
+    def __init__(self, model, tokens, page_tokens, dtype="fp32"):
         self.__dict__.update(MODELS[model])
         self.model, self.tokens, self.page_tokens = model, tokens, page_tokens
+        self.dtype = dtype
         self.pages = -(-tokens // page_tokens)      # pages a request needs, per (layer, K|V)
         self.page_bytes = page_tokens * self.kv_heads * self.head_dim * 2
 
@@ -112,17 +117,70 @@ def imm(request, layer):
     return (request & 0xFFFFFF) << 8 | layer
 
 
+# --- bf16 products on a GPU ---------------------------------------------------------------
+# A real prefill multiplies bf16 matrices on the GPU's tensor cores; cupy's float32 `@` does
+# not use them, and cupy has no bf16 dtype of its own. So bf16 values live as their bits in
+# uint16 and the product goes to cuBLAS directly: gemmEx, bf16 in, float32 accumulated and out.
+CUDA_R_16BF, CUDA_R_32F = 14, 0  # cudaDataType (library_types.h); cupy 13 lacks the first
+ONE, ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # alpha, beta: host scalars
+ROUND_BF16 = """
+unsigned int bits = __float_as_uint(x);
+h = x != x ? (unsigned short)0x7FC0
+           : (unsigned short)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+"""  # to nearest, ties to even; NaN stays NaN: common/moe/reference.py's to_bf16, one pass
+
+
+@functools.cache
+def round_bf16():
+    import cupy
+    return cupy.ElementwiseKernel("float32 x", "uint16 h", ROUND_BF16, "tut_round_bf16")
+
+
+def to_bf16(x):
+    """float32 cupy array -> its bf16 bits (uint16, C-contiguous), rounded to nearest even."""
+    return round_bf16()(x)
+
+
+def gemm_bf16(a, b):
+    """a[M, K] @ b[K, N] -> float32 [M, N] on the tensor cores: a and b bf16 bits (uint16,
+    C-contiguous cupy arrays), products accumulated in float32. cuBLAS reads matrices
+    column-major, where a row-major [M, N] is an [N, M]: it computes C^T = B^T A^T, so
+    (N, M, K) with b first."""
+    import cupy
+    cublas = cupy.cuda.cublas
+    (m, k), (kb, n) = a.shape, b.shape
+    if k != kb or a.dtype != b.dtype or a.dtype != cupy.uint16 or \
+            not (a.flags.c_contiguous and b.flags.c_contiguous):
+        raise ValueError(f"gemm_bf16 wants C-contiguous uint16 [M, K] and [K, N], got "
+                         f"{a.dtype}{a.shape} and {b.dtype}{b.shape}")
+    c = cupy.empty((m, n), cupy.float32)
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)  # cupy's default too
+    cublas.gemmEx(handle, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, n, m, k,
+                  ONE.ctypes.data, b.data.ptr, CUDA_R_16BF, n,
+                  a.data.ptr, CUDA_R_16BF, k,
+                  ZERO.ctypes.data, c.data.ptr, CUDA_R_32F, n,
+                  cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+    return c
+
+
 class Layers:
     """The prompt run layer by layer: seeded weights, real matrix products of the layer's
     size (projections and MLP; attention's scores left out), each layer's K and V laid out
-    as KV pages. numpy on the host, cupy on a GPU; both sides compute the same bytes."""
+    as KV pages. numpy on the host, cupy on a GPU; both sides compute the same bytes. In
+    bf16 (a GPU only) the weights and each product's input are rounded to bf16, the rest
+    (the residual, the activation) stays float32, as in a bf16 model's float32 epilogues."""
 
     def __init__(self, shape, seed, xp):
         self.s, self.xp, self.seed = shape, xp, seed
+        self.bf16 = shape.dtype == "bf16"
+        if self.bf16 and xp is np:
+            raise ValueError("bf16 products need a GPU (--gpu)")
         rng = np.random.default_rng(seed)
 
         def weight(n, m):  # one set of weights for every layer: memory, not bytes, matters
-            return xp.asarray((rng.standard_normal((n, m)) / np.sqrt(n)).astype(np.float32))
+            w = xp.asarray((rng.standard_normal((n, m)) / np.sqrt(n)).astype(np.float32))
+            return to_bf16(w) if self.bf16 else w
         s = shape
         self.wq, self.wo = weight(s.hidden, s.q_dim), weight(s.q_dim, s.hidden)
         self.wk, self.wv = (weight(s.hidden, s.kv_heads * s.head_dim) for _ in range(2))
@@ -131,15 +189,29 @@ class Layers:
 
     def step(self, layer, out):
         """One layer: K and V (bf16) into out[2, pages, page bytes]; x moves on."""
-        xp, s, x = self.xp, self.s, self.x
+        xp, s, x, mm, operand = self.xp, self.s, self.x, self.mm, self.operand
         pad = s.pages * s.page_tokens - s.tokens
+        a = operand(x)
         for kv, w in enumerate((self.wk, self.wv)):
-            bits = (x @ w).view(xp.uint32) >> 16  # bf16, truncated
-            rows = xp.pad(bits.astype(xp.uint16), ((0, pad), (0, 0)))
+            rows = xp.pad(self.kv_bits(mm(a, w)), ((0, pad), (0, 0)))
             out[kv] = rows.reshape(s.pages, -1).view(xp.uint8)
-        attended = (x @ self.wq) @ self.wo
-        hidden = xp.maximum((x + attended) @ self.w1, 0) @ self.w2
+        attended = mm(operand(mm(a, self.wq)), self.wo)
+        hidden = mm(operand(xp.maximum(mm(operand(x + attended), self.w1), 0)), self.w2)
         self.x = (x + attended + hidden) / xp.float32(3.0)
+
+    def operand(self, x):
+        """A product's input: its bf16 bits (bf16), or the float32 as it is."""
+        return to_bf16(x) if self.bf16 else x
+
+    def mm(self, a, w):
+        """a @ w in float32: bf16 on the tensor cores, or float32's own `@`."""
+        return gemm_bf16(a, w) if self.bf16 else a @ w
+
+    def kv_bits(self, y):
+        """K or V as the pages hold it: bf16, rounded (bf16) or truncated (fp32)."""
+        if self.bf16:
+            return to_bf16(y)
+        return (y.view(self.xp.uint32) >> 16).astype(self.xp.uint16)
 
     def context(self):
         """The last token's hidden state: what decoding starts from."""
@@ -173,7 +245,8 @@ def decoder(args, s, xp):
         started = now()
         eng.send(peer, REQUEST + json.dumps({
             "request": request, "first": first, "slots": slots, "tokens": s.tokens,
-            "cache": pages.descriptor().hex(), "context": ctx.descriptor().hex()}).encode())
+            "dtype": s.dtype, "cache": pages.descriptor().hex(),
+            "context": ctx.descriptor().hex()}).encode())
         print(f"decoder: request {request} asks for {s.pages} pages a (layer, K|V), slots "
               f"{first}..{first + s.pages - 1}", flush=True)
         for layer in range(s.layers):
@@ -254,13 +327,13 @@ def say(s, t, ttft, wrong):
 def shape_flags(args):
     """The flags the prefiller must be given as the decoder was (the same prompt, layers)."""
     given = [(f"--{name.replace('_', '-')}", getattr(args, name))
-             for name in ("model", "layers", "tokens", "page_tokens", "gpu")]
+             for name in ("model", "layers", "tokens", "page_tokens", "gpu", "dtype")]
     return [str(v) for flag, value in given if value is not None for v in (flag, value)]
 
 
 def describe(s):
     return (f"{s.layers} layers, hidden {s.hidden}, {s.kv_heads} KV head(s) of {s.head_dim}, "
-            f"{s.tokens} tokens, {s.page_tokens} a page")
+            f"{s.tokens} tokens, {s.page_tokens} a page, {s.dtype} products")
 
 
 # --- the prefiller (client) -------------------------------------------------------------
@@ -384,6 +457,9 @@ def prefiller(args, s, xp, addr):
         if ask["tokens"] != s.tokens:
             raise ValueError(f"the decoder runs {ask['tokens']} tokens, we {s.tokens}: give "
                              "both the same --tokens")
+        if ask["dtype"] != s.dtype:  # its check would find every byte wrong
+            raise ValueError(f"the decoder computes in {ask['dtype']}, we in {s.dtype}: give "
+                             "both the same --dtype (and --gpu)")
         request = ask["request"]
         cache, context_at = (eng.remote(bytes.fromhex(ask[k])) for k in ("cache", "context"))
         watcher = Watcher(eng, server, s, counter, staged, request, cache, ask["slots"],
@@ -438,8 +514,9 @@ def record(path, args, eng, s, figures, layers_of, done, wrong):
         "chapter": "18_kv_cache", "args": records.arguments(), "provider": eng.provider,
         "libfabric": "%d.%d" % fi.version(), "machine": records.machine(args.gpu),
         "git": records.git_sha(), "memory": "cuda" if args.gpu is not None else "host",
-        "model": s.model, "shape": describe(s), "tokens": s.tokens, "layers": s.layers,
-        "page_bytes": s.page_bytes, "pages_per_layer": 2 * s.pages, **figures,
+        "model": s.model, "shape": describe(s), "dtype": s.dtype, "tokens": s.tokens,
+        "layers": s.layers, "page_bytes": s.page_bytes, "pages_per_layer": 2 * s.pages,
+        **figures,
         "ttft_s": struct.unpack("<d", done[len(DONE):])[0], "wrong_bytes": wrong,
         "per_layer": layers_of})
 
@@ -502,6 +579,8 @@ def main():
     p.add_argument("--model", choices=list(MODELS), help="the layer's shapes (default: "
                    "qwen3-235b-tp4 on a GPU, small on the host)")
     p.add_argument("--layers", type=cli.count(1, 254), help="fewer layers than the model has")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], help="the matrix products: bf16 on "
+                   "the GPU's tensor cores (the default with --gpu) or float32 (the host's)")
     p.add_argument("--tokens", type=cli.count(1, 1 << 20), default=None,
                    help="prompt tokens (default 4096 on a GPU, 1024 on the host)")
     p.add_argument("--page-tokens", type=cli.count(1, 4096), default=128)
@@ -517,7 +596,10 @@ def main():
     args = p.parse_args()
     args.model = args.model or ("qwen3-235b-tp4" if args.gpu is not None else "small")
     tokens = args.tokens or (4096 if args.gpu is not None else 1024)
-    s = Shape(args.model, tokens, args.page_tokens)
+    if args.dtype == "bf16" and args.gpu is None:
+        raise cli.UsageError("--dtype bf16 needs --gpu: the host (numpy) computes in fp32")
+    s = Shape(args.model, tokens, args.page_tokens,
+              args.dtype or ("bf16" if args.gpu is not None else "fp32"))
     if args.layers:
         s.layers = args.layers
     if args.cache_pages is not None and args.cache_pages < s.pages:

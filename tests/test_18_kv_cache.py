@@ -1,5 +1,6 @@
 """Chapter 18 as a pair on this host: the KV cache arrives whole and verified on shm and tcp,
-a cancel is confirmed, a peer gone is said in one line, bad input refused."""
+a cancel is confirmed, a peer gone is said in one line, bad input refused. On a GPU
+(`-k gpu`): the bf16 product against float64, and the pair in bf16 and in fp32."""
 import re
 import signal
 import subprocess
@@ -8,11 +9,14 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from common import shm_files
 from common.chapter_pair import ADDRESS, chapter_module, chapter_path, local_env, run_pair
+from common.moe import reference as ref
 from tests.budget import Budget
+from tests.gpu import needs_gpu
 from tests.one_line_errors import assert_one_line_error, run
 
 SMALL = ["--tokens", "300", "--layers", "4", "--page-tokens", "64"]
@@ -22,7 +26,7 @@ FROZEN = Path(__file__).parent / "frozen_decoder.py"
 @pytest.mark.parametrize("provider", ["shm", "tcp"])
 def test_the_kv_cache_arrives_whole_and_verified(provider):
     pair = run_pair(18, provider, SMALL, [SMALL])
-    assert pair.ok, pair.failure()
+    assert pair.ok, pair
     out = pair.server.out
     assert "checked 40 pages and the context: 0 wrong bytes" in out, out  # 4 x 2 x 5 pages
     assert re.search(r"^per layer \(median of 4\): compute [\d.]+ ms, transfer [\d.]+ ms",
@@ -34,7 +38,7 @@ def test_the_kv_cache_arrives_whole_and_verified(provider):
 
 def test_a_cancelled_request_is_confirmed_before_its_pages_are_free():
     pair = run_pair(18, "shm", [*SMALL, "--cancel-after", "1"], [SMALL])
-    assert pair.ok, pair.failure()
+    assert pair.ok, pair
     assert "request 1 cancelled after layer 1: the prefiller confirmed" in pair.server.out
     assert "cancelled by the decoder" in pair.clients[0].out
 
@@ -115,6 +119,7 @@ def test_a_decoder_frozen_while_it_checks_is_said_by_the_prefiller_within_its_ti
     (["-p", "shm", "abcd"], "error: not an engine's address (2 bytes): copy the whole address "
                             "that the server printed"),
     (["zz"], "address must be an even number of hex digits"),
+    (["--dtype", "bf16"], "--dtype bf16 needs --gpu: the host (numpy) computes in fp32"),
 ])
 def test_bad_input_is_one_line(args, pattern):
     done, _ = run(18, *args)
@@ -144,3 +149,71 @@ def test_a_cancel_waits_for_writes_that_still_complete(monkeypatch):
     watcher.start()
     ch.wind_down(watcher)
     assert watcher.cancelled and not watcher.is_alive()
+
+
+def cupy_or_skip():
+    """cupy on a GPU, else a skip: the bf16 product needs no libfabric (needs_gpu asks that
+    of the pairs)."""
+    cupy = pytest.importorskip("cupy", reason="needs a GPU and cupy")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        count = 0
+    if not count:
+        pytest.skip("needs a GPU")
+    return cupy
+
+
+def test_gpu_bf16_rounding_is_the_references():
+    """The chapter's one-pass kernel gives the bits of common/moe/reference.py's to_bf16:
+    ties to even, overflow to infinity, NaN kept, signed zeros."""
+    cupy = cupy_or_skip()
+    special = [1.0, -2.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -7, 0.0, -0.0, np.inf,
+               -np.inf, np.nan, 3.4e38, -3.4e38, 1e-40, -1e-45]
+    x = np.concatenate([np.array(special, np.float32),
+                        np.random.default_rng(0).standard_normal(100_000).astype(np.float32)])
+    got = cupy.asnumpy(chapter_module(18).to_bf16(cupy.asarray(x)))
+    assert got.dtype == np.uint16 and np.array_equal(got, ref.to_bf16(x))
+
+
+@pytest.mark.parametrize("m,k,n", [(300, 512, 384), (1, 4096, 128), (4096, 128, 4096)])
+def test_gpu_bf16_gemm_is_the_product_of_its_bf16_inputs(m, k, n):
+    """gemm_bf16 (cuBLAS gemmEx, bf16 in, float32 accumulated) against float64 on the host
+    of the same bf16 values: within bf16's own rounding step (2^-8) of the size of the
+    terms; a wrong layout or transposition is off by the order of the terms themselves."""
+    cupy = cupy_or_skip()
+    ch, rng = chapter_module(18), np.random.default_rng(m + k + n)
+    a = ref.to_bf16(rng.standard_normal((m, k)).astype(np.float32))
+    b = ref.to_bf16((rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32))
+    got = cupy.asnumpy(ch.gemm_bf16(cupy.asarray(a), cupy.asarray(b)))
+    a64, b64 = ref.from_bf16(a).astype(np.float64), ref.from_bf16(b).astype(np.float64)
+    want, scale = a64 @ b64, np.abs(a64) @ np.abs(b64)
+    assert got.dtype == np.float32 and got.shape == (m, n)
+    worst = float(np.max(np.abs(got - want) / scale))
+    assert worst <= 2 ** -8, f"max |error| / (|a| @ |b|) = {worst:.2e}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("flags,dtype", [([], "bf16"), (["--dtype", "fp32"], "fp32")],
+                         ids=["bf16-default", "fp32"])
+def test_gpu_the_kv_cache_arrives_whole_and_verified(flags, dtype):
+    """GPU memory, cupy's products on GPU 0: the decoder recomputes the prompt in the same
+    dtype and finds every byte of the pages and the context as the prefiller sent them."""
+    args = [*SMALL, "--gpu", "0", *flags]
+    pair = run_pair(18, "shm", args, [args])
+    assert pair.ok, pair
+    out = pair.server.out
+    assert "checked 40 pages and the context: 0 wrong bytes" in out, out  # 4 x 2 x 5 pages
+    assert f"300 tokens, 64 a page, {dtype} products" in out, out
+    assert f"300 tokens, 64 a page, {dtype} products" in pair.clients[0].out, pair.clients[0].out
+
+
+@needs_gpu
+def test_gpu_a_prefiller_of_another_dtype_is_refused_in_one_line():
+    args = [*SMALL, "--gpu", "0"]
+    pair = run_pair(18, "shm", args, [[*args, "--dtype", "fp32"]])
+    client = pair.clients[0]
+    assert client.rc == 1, client
+    lines = client.err.strip().splitlines()
+    assert len(lines) == 1 and "the decoder computes in bf16, we in fp32: give both the " \
+        "same --dtype" in lines[0], client.err
