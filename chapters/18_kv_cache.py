@@ -225,7 +225,8 @@ def now():
 # --- the decoder (server) -------------------------------------------------------------
 def decoder(args, s, xp):
     with fi.Closer() as own:
-        eng = Engine(own, args.provider, gpu=args.gpu, nics=args.nics, timeout=args.timeout)
+        eng = Engine(own, args.provider, gpu=args.gpu, nics=args.nics, timeout=args.timeout,
+                     cuda_ipc=not args.no_cuda_ipc)
         slots = args.cache_pages or 2 * s.pages     # per (layer, K|V): room for two requests
         cache = xp.zeros((s.layers * 2 * slots, s.page_bytes), xp.uint8)
         context = xp.zeros((1, s.hidden), xp.float32)
@@ -312,7 +313,8 @@ def summary(s, start, compute, posted, done, watch, alone):
 
 def say(s, t, ttft, wrong):
     print(f"per layer (median of {s.layers}): compute {1e3 * t['compute']:.2f} ms, "
-          f"transfer {1e3 * t['transfer']:.2f} ms ({2 * s.pages} pages of {s.page_bytes} B, "
+          f"transfer {1e3 * t['transfer']:.2f} ms ({2 * s.pages} pages of {s.page_bytes} B "
+          f"by {t['route']}, "
           f"{2 * s.pages * s.page_bytes * 8 / t['transfer'] / 1e9:.2f} Gbps); hidden behind "
           f"the next layer: {100 * t['hidden']:.0f}% (all but the last layer; the last "
           f"one's {1e3 * t['last']:.2f} ms is not)")
@@ -443,9 +445,11 @@ class Watcher(threading.Thread):
 
 def prefiller(args, s, xp, addr):
     with fi.Closer() as own:
-        eng = Engine(own, args.provider, gpu=args.gpu, nics=args.nics, timeout=args.timeout)
+        eng = Engine(own, args.provider, gpu=args.gpu, nics=args.nics, timeout=args.timeout,
+                     cuda_ipc=not args.no_cuda_ipc)
         server = eng.connect(addr)  # a wrong address is said before anything is computed
-        print(f"provider: {eng.provider}; {eng.nics}")
+        print(f"provider: {eng.provider}; {eng.nics}; pages to the decoder by "
+              f"{server.route} ({server.why})")
         print(f"prefiller: {describe(s)}", flush=True)
         # all that a serving engine has ready before a request comes: weights, staging
         # (registered once), and here the time the prompt takes without any transfer
@@ -491,6 +495,7 @@ def prefiller(args, s, xp, addr):
         compute = [counter.bumped(k) for k in range(s.layers)]
         watch = [posted - bumped for posted, bumped in zip(watcher.posted, compute)]
         figures = summary(s, start, compute, watcher.posted, watcher.done, watch, alone)
+        figures["route"] = server.route
         eng.send(server, json.dumps(figures).encode())
         verdict = heard(eng, args.timeout, "the decoder's check")
         while verdict == CHECKING:  # one layer checked: the wait starts again
@@ -589,6 +594,8 @@ def main():
     p.add_argument("--nics", type=cli.count(1, 64), help="virtual NICs where none has a "
                    "PCI address (default 1)")
     p.add_argument("--seed", type=int, default=18)
+    p.add_argument("--no-cuda-ipc", action="store_true", help="GPU pages by libfabric even to "
+                   "a decoder on this host (by default, CUDA IPC: common/transfer/ipc.py)")
     cli.side("client", p.add_argument("--json", nargs="?", const="auto", help="write the run "
                                       "as JSON to this file (default results/runs/...)"))
     cli.side("server", p.add_argument("--cancel-after", type=int, help="cancel the request "

@@ -531,6 +531,8 @@ def main():
     p.add_argument("--nics", type=cli.count(1, 64), help="virtual NICs where none has a "
                    "PCI address (default 1)")
     p.add_argument("--seed", type=int, default=19)
+    p.add_argument("--no-cuda-ipc", action="store_true", help="GPU memory by libfabric even "
+                   "between ranks of this host (by default, CUDA IPC: common/transfer/ipc.py)")
     p.add_argument("--json", nargs="?", const="auto", help="write the run as JSON to this "
                    "file (default results/runs/...)")
     args = p.parse_args()
@@ -562,7 +564,8 @@ def main():
 
 
 def run(own, group, args, trainers, model, inference_model, ops, gpu):
-    eng = Engine(own, args.provider, gpu=gpu, nics=args.nics, timeout=args.timeout)
+    eng = Engine(own, args.provider, gpu=gpu, nics=args.nics, timeout=args.timeout,
+                 cuda_ipc=not args.no_cuda_ipc)
     eng.watch(group.check)
     me, world = group.rank, group.world
     peers = {k: eng.connect(a) for k, a in enumerate(group.allgather(eng.address()))
@@ -580,6 +583,8 @@ def run(own, group, args, trainers, model, inference_model, ops, gpu):
               f"{inference} inference rank{'s' * (inference > 1)} (fp8 e4m3, 128 x 128 "
               f"blocks; attention TP{inference}, experts EP{inference}); device "
               f"{args.device}; provider {eng.provider}; {eng.nics}", flush=True)
+        routes = sorted({f"{p.route} ({p.why})" for p in peers.values()})
+        print(f"pages between ranks by {'; '.join(routes)}", flush=True)
         full = MODELS[args.model]
         scaled = [f"{model[k]} of {full[k]} {k}" for k in ("layers", "experts", "vocab")
                   if model[k] != full[k]]

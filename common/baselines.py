@@ -165,47 +165,73 @@ def memcpy_peer(size, iters, pairs):
     return gbps, "cudaMemcpyPeer " + ", ".join(f"GPU{a} -> GPU{b}" for a, b in pairs)
 
 
+# Holds a stream until the host lets it go: what is queued behind it then runs back to
+# back, so that CUDA events around a kernel time the GPU, not the host's launch.
+HOLD = 'extern "C" __global__ void hold(volatile unsigned *gate) { while (!*gate) {} }'
+
+
 def gather_ceiling(gpu, page, src_pages, dst_pages, size, repeats):
     """What one GPU does with the same pages in one process, the ceiling of the transfer
     engine's CUDA IPC route (common/transfer/ipc.py) on that GPU: medians over `repeats`
     of (1) the route's own kernel gathering page src_pages[i] of one buffer of `size`
-    bytes to page dst_pages[i] of another, timed by CUDA events (the GPU's time alone),
-    (2) the same from the Python call to seeing its mark in host memory (launch, table
-    upload and all), and (3) one contiguous device copy of as many bytes (events)."""
+    bytes to page dst_pages[i] of another, its GPU time alone (CUDA events around it,
+    queued behind a held stream: no launch in the time), (2) the same from the Python call
+    to seeing its mark in host memory (table upload, launch and all), and (3) one
+    contiguous device copy of as many bytes (events, held the same way)."""
     import cupy as cp
     import numpy as np
     from common.transfer.ipc import Copier
     copier = Copier(gpu)
+    hold = cp.RawKernel(HOLD, "hold")
     src, dst = cp.ones(size, cp.uint8), cp.zeros(size, cp.uint8)
-    mark = cp.cuda.alloc_pinned_memory(8)
-    seen = np.frombuffer(mark, np.uint64, 1)
+    whole_src, whole_dst = (cp.zeros(len(src_pages) * page, cp.uint8) for _ in range(2))
+    marks = cp.cuda.alloc_pinned_memory(16)
+    seen, gate = np.frombuffer(marks, np.uint64, 1), np.frombuffer(marks, np.uint32, 1, 8)
     pieces = np.concatenate([np.asarray(src_pages, np.uint64) * page,
                              np.asarray(dst_pages, np.uint64) * page])
-    count, stream = len(src_pages), copier.stream
-    kernel, whole, contiguous = [], [], []
-    for seq in range(1, repeats + 2):  # the first: untimed (the module loads)
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        called = time.perf_counter()
+    count, stream, seq = len(src_pages), copier.stream, 0
+
+    def gather():
+        nonlocal seq
+        seq += 1
         table, keep = copier.table(pieces)
-        start.record(stream)
         copier(src.data.ptr, dst.data.ptr, table, count, page, None, seen.ctypes.data, seq)
+        return keep
+
+    def held(enqueue):
+        """GPU seconds of what `enqueue()` queues, behind the held stream."""
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        gate[0] = 0
+        with stream:
+            hold((1,), (1,), (gate.ctypes.data,))
+        start.record(stream)
+        enqueue()
         end.record(stream)
+        gate[0] = 1
+        end.synchronize()
+        return cp.cuda.get_elapsed_time(start, end) / 1e3
+
+    def copy():
+        cp.cuda.runtime.memcpyAsync(whole_dst.data.ptr, whole_src.data.ptr, count * page,
+                                    cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+
+    kernel, whole, contiguous = [], [], []
+    for repeat in range(repeats + 1):  # the first: untimed (modules load, pools fill)
+        table, keep = copier.table(pieces)  # before the hold: its upload is not timed
+        seq += 1
+        took = held(lambda: copier(src.data.ptr, dst.data.ptr, table, count, page, None,
+                                      seen.ctypes.data, seq))
+        called = time.perf_counter()
+        keep = gather()  # noqa: F841 (its table stays until the kernel has read it)
         while seen[0] != seq:
             pass
-        took = time.perf_counter() - called
-        end.synchronize()
-        if seq > 1:
-            whole.append(took)
-            kernel.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, count * page,
-                                    cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
-        end.record(stream)
-        end.synchronize()
-        contiguous.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+        if repeat:
+            kernel.append(took)
+            whole.append(time.perf_counter() - called)
+            contiguous.append(held(copy))
+        stream.synchronize()
     return {"gather_kernel_s": statistics.median(kernel), "gather_call_s": statistics.median(whole),
-            "device_copy_s": statistics.median(contiguous[1:])}
+            "device_copy_s": statistics.median(contiguous)}
 
 
 def iterations(size, total_bytes, at_least=200):

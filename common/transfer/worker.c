@@ -118,11 +118,12 @@ uint64_t tx_hash(uint64_t imm, uint32_t size)
     return (imm * 0x9E3779B97F4A7C15ull >> 32) & (size - 1);
 }
 
-/* One more WRITE with immediate `imm` arrived. The worker is the table's only writer:
-   the key is written before the slot is marked used (release), the count after. */
-static void tx_note(struct tx_worker *w, uint64_t imm)
+/* `n` more WRITEs with immediate `imm` arrived (n > 1: a command by CUDA IPC, counted
+   at once). The worker is the table's only writer: the key is written before the slot is
+   marked used (release), the count after. */
+static void tx_note_n(struct tx_worker *w, uint64_t imm, uint64_t n)
 {
-    w->arrived++;
+    w->arrived += n;
     uint64_t at = tx_hash(imm, w->imm_size);
     for (uint32_t probe = 0; probe < w->imm_size; probe++, at = (at + 1) & (w->imm_size - 1)) {
         if (!w->imm_used[at]) {
@@ -131,10 +132,15 @@ static void tx_note(struct tx_worker *w, uint64_t imm)
         } else if (w->imm_keys[at] != imm) {
             continue;
         }
-        __atomic_add_fetch(&w->imm_counts[at], 1, __ATOMIC_RELEASE);
+        __atomic_add_fetch(&w->imm_counts[at], n, __ATOMIC_RELEASE);
         return;
     }
-    __atomic_add_fetch(&w->imm_lost, 1, __ATOMIC_RELEASE);  /* full: Python says so */
+    __atomic_add_fetch(&w->imm_lost, n, __ATOMIC_RELEASE);  /* full: Python says so */
+}
+
+static void tx_note(struct tx_worker *w, uint64_t imm)
+{
+    tx_note_n(w, imm, 1);
 }
 
 /* How many WRITEs with immediate `imm` have arrived so far (Python's side). */
@@ -148,13 +154,6 @@ uint64_t tx_arrived(struct tx_worker *w, uint64_t imm)
             return __atomic_load_n(&w->imm_counts[at], __ATOMIC_ACQUIRE);
     }
     return 0;
-}
-
-/* `n` WRITEs' worth of immediate `imm` arrived at once (a command by CUDA IPC). */
-static void tx_note_n(struct tx_worker *w, uint64_t imm, uint64_t n)
-{
-    for (uint64_t i = 0; i < n; i++)
-        tx_note(w, imm);  /* the table's one writer stays this thread */
 }
 
 struct tx_inbox_record *tx_inbox_records(struct tx_inbox *box, uint32_t slot)
