@@ -49,6 +49,18 @@ LESSON = {"figure": "check"}
 # the decoder recomputes the prompt to check every byte.
 
 # %% [markdown]
+# ## Inside one node, a NIC is the wrong path
+# A decoder on the same host as its prefiller (one 8-GPU box split into a prefill and a
+# decode instance) need not go through a NIC at all: when both caches are GPU memory, the
+# engine maps the decoder's cache into the prefiller by CUDA IPC and copies each layer's
+# pages with one kernel (`peer.route == "cuda-ipc"`, common/transfer/ipc.py); libfabric's
+# shm makes one CUDA IPC copy per WRITE. The same calls, expect() unchanged. On one H200
+# (both on GPU 0, 10,000 pages of 16 KiB, scripts/transfer_bench.py --gpu 0, one run):
+# 4,150 Gbps by the kernel route, 25.9 by shm, 15.8 by NIXL; the GPU gathers them alone
+# at 16,450 (results/transfer/README.md: what the route still loses, and where).
+# --no-cuda-ipc takes the NIC's path, for comparison.
+
+# %% [markdown]
 # ## Motivation
 #     decoder (server)                               prefiller (client)
 #     free pages for the request -- REQUEST ------>  (descriptor, page indices)
