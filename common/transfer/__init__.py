@@ -643,7 +643,7 @@ class Engine:
         if not isinstance(peer, Peer) or self._peers.get(peer.id) is not peer:
             raise ValueError("that peer is not one of this engine's (use Engine.connect)")
         _ffi.memmove(self._outbox, data, len(data))
-        msg, _keep = fi._msg(self._outbox, len(data), self._outbox_desc, peer.control,
+        msg, _keep = fi.msg(self._outbox, len(data), self._outbox_desc, peer.control,
                              self._send_ctx, self.id & ((1 << 8 * min(4, self.cq_data_size)) - 1))
         self._sent = False
         self._until(lambda: fi.posted("fi_sendmsg", lib.fi_sendmsg(
