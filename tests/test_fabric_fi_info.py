@@ -168,4 +168,4 @@ def test_write_targets_allow_the_read_of_an_emulated_write():
     assert [p.name for p in sources if bare.search(p.read_text())] == []
     uses = [str(p.relative_to(ROOT)) for p in sources if "memory.WRITE_TARGET" in p.read_text()]
     assert uses == ["chapters/06_write.py", "chapters/07_queue.py", "common/engine/multinet.py",
-                    "common/moe/proxy.py", "common/transfer/__init__.py"]
+                    "common/moe/proxy.py", "common/transfer/engine.py"]

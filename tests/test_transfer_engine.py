@@ -168,7 +168,7 @@ def test_a_control_message_that_does_not_go_is_said_plainly(monkeypatch, rc, lin
     with fi.Closer() as own:
         eng = Engine(own, provider="shm", timeout=0.5)
         me = eng.connect(eng.address())
-        monkeypatch.setattr(transfer, "lib", SendsNothing(rc))
+        monkeypatch.setattr(transfer.control, "lib", SendsNothing(rc))
         with pytest.raises(TimeoutError) as excinfo:
             eng.send(me, b"hello")
     assert str(excinfo.value) == line
@@ -414,7 +414,7 @@ def test_the_worker_runs_on_the_cores_it_is_given(monkeypatch):
     allowed = sorted(os.sched_getaffinity(0))
     if len(allowed) < 2:
         pytest.skip("one core: a pinned worker and a free one look alike")
-    monkeypatch.setattr(transfer, "worker_cores", lambda gpu: {allowed[0]})
+    monkeypatch.setattr(transfer.engine, "worker_cores", lambda gpu: {allowed[0]})
     with fi.Closer() as own:
         eng = Engine(own, provider="shm", timeout=Budget(10).seconds)
         eng.signal(eng.connect(eng.address()), 1).wait()  # the worker has started its loop
@@ -437,7 +437,7 @@ def test_a_gpu_engine_runs_near_its_gpu_and_writes_torch_cuda_tensors():
 
 def test_writes_to_itself_and_the_arrival_table_when_full(monkeypatch):
     """A full table says so (the values that did not fit are lost, not miscounted)."""
-    monkeypatch.setattr(transfer, "IMM_TABLE", 4)
+    monkeypatch.setattr(transfer.engine, "IMM_TABLE", 4)
     with fi.Closer() as own:
         eng = Engine(own, provider="shm", timeout=Budget(10).seconds)
         me = eng.connect(eng.address())

@@ -545,22 +545,25 @@ def posted(call, rc):
     return True
 
 
-def _msg(buf, size, desc, addr, context, data=0):
+def msg(buf, size, desc, addr, context, data=0):
+    """A struct fi_msg of one buffer, for fi_sendmsg and fi_recvmsg (`data`: the immediate
+    a SEND carries with FI_REMOTE_CQ_DATA), and what keeps its pieces alive: hold both
+    until the call returned."""
     iov = ffi.new("struct iovec *", {"iov_base": ffi.cast("void *", buf), "iov_len": size})
     descs = ffi.new("void *[1]", [desc])
-    msg = ffi.new("struct fi_msg *", {"msg_iov": iov, "desc": descs, "iov_count": 1,
-                                      "addr": addr, "context": context, "data": data})
-    return msg, (iov, descs)  # the second item keeps the pieces alive during the call
+    message = ffi.new("struct fi_msg *", {"msg_iov": iov, "desc": descs, "iov_count": 1,
+                                          "addr": addr, "context": context, "data": data})
+    return message, (iov, descs)
 
 
 def sendmsg(ep, buf, size, desc, dest, context, flags=lib.FI_COMPLETION):
-    msg, _keep = _msg(buf, size, desc, dest, context)
-    return posted("fi_sendmsg", lib.fi_sendmsg(ep, msg, flags))
+    message, _keep = msg(buf, size, desc, dest, context)
+    return posted("fi_sendmsg", lib.fi_sendmsg(ep, message, flags))
 
 
 def recvmsg(ep, buf, size, desc, src, context, flags=lib.FI_COMPLETION):
-    msg, _keep = _msg(buf, size, desc, src, context)
-    return posted("fi_recvmsg", lib.fi_recvmsg(ep, msg, flags))
+    message, _keep = msg(buf, size, desc, src, context)
+    return posted("fi_recvmsg", lib.fi_recvmsg(ep, message, flags))
 
 
 def writemsg(ep, buf, size, desc, dest, remote_addr, remote_key, context, data=None,

@@ -1,0 +1,689 @@
+"""The transfer engine itself: Engine, its peers, regions and commands (see the package's
+docstring); the byte formats are wire.py's, the control endpoint control.py's."""
+import os
+import secrets
+import struct
+import threading
+import time
+import zlib
+
+import numpy as np
+
+import common.fabric as fi
+from common import bounds
+from common.fabric import cuda_driver, lib, memory
+from common.transfer import ipc, wire
+from common.transfer.control import Control
+
+try:
+    from common._transfer import ffi as _ffi, lib as native
+except ImportError as e:  # not built, or built before worker.c existed
+    raise ImportError(f"the transfer engine's worker is not built ({e}): run "
+                      "'.venv/bin/python common/_build_native.py'") from None
+
+RING = 1024            # commands queued at once (a power of two)
+IMM_TABLE = 1 << 14    # distinct immediate values the arrival table holds (a power of two)
+SIGNAL = 8             # bytes of the signal region a barrier writes into
+NAP_US = 20            # the worker's sleep when idle a while (it yields before that)
+SPREADS = ("round-robin", "per-peer")
+PHASES = ("building", "picking up", "posting", "completing", "seeing")  # Transfer.phases
+CACHE_SIZE = "FI_MR_CACHE_MAX_SIZE"  # see Engine: GPU regions larger than its default
+
+
+class TransferError(fi.FabricError):
+    """A WRITE failed; the text is the provider's (fi_cq_strerror) or the call's. A
+    FabricError, so that a chapter says it in one line (cli.run): tcp fails the WRITEs in
+    flight to a peer that died."""
+
+    def __init__(self, text, rc=0):
+        RuntimeError.__init__(self, text)  # the whole text: no call of ours to name first
+        self.call, self.rc, self.text = "a WRITE", rc, text
+
+
+class Peer:
+    """Another engine, connected: its address in each of our NICs' AVs."""
+
+    def __init__(self, index, ident, addrs, signal, control):
+        self.index, self.id = index, ident
+        self.addr = addrs        # fi_addr_t[nics]: its NIC i in our NIC i's AV
+        self.signal = signal     # its signal region (a RemoteRegion)
+        self.control = control   # its control endpoint in our control AV
+        self.ipc = None          # an ipc.Route where GPU pages go by CUDA IPC
+        self.route = "libfabric"  # or "cuda-ipc": how pages between GPU memory go ...
+        self.why = "host memory"  # ... and why
+
+    def __repr__(self):
+        return f"Peer({self.index})"
+
+
+class Region:
+    """Memory registered on every NIC's domain, as a WRITE's source and target."""
+
+    def __init__(self, engine, ptr, size, descs, bases, keys, gpu=None, ipc_handle=b""):
+        self.engine, self.ptr, self.size, self.gpu = engine, ptr, size, gpu
+        self.descs = _ffi.new("void *[]", descs)
+        self.bases, self.keys = bases, keys
+        self.ipc_handle = ipc_handle  # ipc.HANDLE, for GPU memory CUDA can share
+
+    def descriptor(self):
+        """Everything a peer needs to WRITE into this region: address, size, per NIC
+        (remote base, key), and for GPU memory its CUDA IPC handle. Send it (a control
+        message, an allgather)."""
+        return wire.pack_region(self.ptr, self.size, self.bases, self.keys, self.ipc_handle)
+
+
+class RemoteRegion:
+    """A peer's region, from its descriptor."""
+
+    def __init__(self, ptr, size, bases, keys, ipc_handle=None):
+        self.ptr, self.size = ptr, size
+        self.bases = _ffi.new("uint64_t[]", bases)
+        self.keys = _ffi.new("uint64_t[]", keys)
+        self.ipc = ipc_handle  # (handle, offset, pid) where CUDA IPC can map it
+
+
+class Transfer:
+    """One command's WRITEs: done when every one completed; wait() raises on failure."""
+
+    def __init__(self, engine, command, keep):
+        self.engine, self.command, self._keep = engine, command, keep
+        self.count = command.count
+
+    @property
+    def done(self):
+        return native.tx_done(self.command) >= self.count
+
+    def wait(self, timeout=None):
+        """Wait until every WRITE completed; TransferError (the provider's text) if one
+        failed, TimeoutError after `timeout` s (default: the engine's)."""
+        timeout = self.engine.timeout if timeout is None else timeout
+        self.engine._until(lambda: self.done, timeout, lambda: (
+            f"{self.count} WRITEs not completed within {timeout:g} s "
+            f"({native.tx_done(self.command)} completed, {self.command.posted} posted)"))
+        self.raise_failure()
+        return self
+
+    def phases(self, called, returned):
+        """Where a finished command's time went, in seconds: from the call that made it
+        (`called`, time.monotonic_ns()) to its queuing (Python building it), the worker's
+        first post, its last post, the last completion, and `returned` (time.monotonic_ns()
+        once wait() returned: Python seeing it). The worker's stamps are CLOCK_MONOTONIC's,
+        time.monotonic's clock."""
+        marks = [called, *(int(t) for t in self.command.ns), returned]
+        return {name: (b - a) * 1e-9 for name, a, b in zip(PHASES, marks, marks[1:])}
+
+    def raise_failure(self):
+        c = self.command
+        if native.tx_status(c):
+            raise TransferError(f"WRITE on NIC {c.failed_nic} failed: "
+                                f"{_ffi.string(c.error).decode(errors='replace')} "
+                                f"(ret {c.status}; {c.skipped} of {c.count} not posted)",
+                                c.status)
+
+
+class IpcTransfer:
+    """One command sent by CUDA IPC (ipc.py): done once its kernel stored its sequence
+    number into the peer's inbox; nothing can fail after the launch but the GPU itself."""
+
+    def __init__(self, engine, record, seq, count, keep, queued, launched):
+        self.engine, self.record, self.seq, self._keep = engine, record, seq, keep
+        self.count, self.ns = count, (queued, launched, 0)  # ns: queued, launched, seen
+
+    @property
+    def done(self):
+        if self.ns[2]:
+            return True
+        if self.record.seq < self.seq:  # a later lap of the ring stores a larger one
+            return False
+        self.ns = (*self.ns[:2], time.monotonic_ns())
+        return True
+
+    def wait(self, timeout=None):
+        timeout = self.engine.timeout if timeout is None else timeout
+        self.engine._until(lambda: self.done, timeout, lambda: (
+            f"a command of {self.count} copies by CUDA IPC not done within {timeout:g} s"))
+        return self
+
+    def phases(self, called, returned):
+        """As Transfer.phases: building (Python), posting (the launch), completing (the
+        kernel, until Python saw its mark), seeing; no worker picks it up."""
+        queued, launched, seen = self.ns
+        marks = [called, queued, queued, launched, seen or returned, returned]
+        return {name: (b - a) * 1e-9 for name, a, b in zip(PHASES, marks, marks[1:])}
+
+    def raise_failure(self):
+        pass
+
+
+class Group:
+    """Engines that scatter and meet at barriers: `peers`, member i being peers[i]."""
+
+    def __init__(self, engine, peers):
+        self.engine, self.members = engine, list(peers)
+
+    def scatter(self, src, dsts, length, imm=None):
+        """Slice i of `src` (bytes [i*length, (i+1)*length)) to member i's region dsts[i]
+        (at its start), each WRITE with `imm`. One Transfer for all of them."""
+        if len(dsts) != len(self.members):
+            raise ValueError(f"{len(dsts)} destinations for {len(self.members)} members")
+        parts = [self.engine._command(p, src, np.array([i * length], np.uint64), d,
+                                      np.zeros(1, np.uint64), length, imm)
+                 for i, (p, d) in enumerate(zip(self.members, dsts))]
+        return _Several([self.engine._submit(*part) for part in parts])
+
+    def barrier(self, imm, timeout=None):
+        """An 8-byte WRITE with `imm` to each member's signal region, then wait for one
+        from each member (expect(imm, len(members)))."""
+        timeout = self.engine.timeout if timeout is None else timeout
+        eng = self.engine
+        sent = [eng.signal(p, imm) for p in self.members]
+        eng.expect(imm, len(self.members), timeout)
+        for t in sent:
+            t.wait(timeout)
+
+
+class _Several:
+    """Transfers that are done together (a scatter's, one per member)."""
+
+    def __init__(self, transfers):
+        self.transfers = transfers
+        self.count = sum(t.count for t in transfers)
+
+    @property
+    def done(self):
+        return all(t.done for t in self.transfers)
+
+    def wait(self, timeout=None):
+        for t in self.transfers:
+            t.wait(timeout)
+        return self
+
+
+class Engine:
+    """One GPU's (or process's) transfer engine; see the package's docstring."""
+
+    def __init__(self, own, provider=None, gpu=None, nics=None, spread="round-robin",
+                 timeout=30.0, cuda_ipc=True):
+        if spread not in SPREADS:
+            raise ValueError(f"spread must be one of {', '.join(SPREADS)}, not {spread!r}")
+        if nics is not None and nics < 1:
+            raise ValueError(f"nics must be at least 1, not {nics}")
+        self.timeout, self.gpu, self.spread = timeout, gpu, spread
+        memory.use_gpu(gpu)  # no cupy, no such GPU: one line, before anything is opened
+        if gpu is not None and CACHE_SIZE not in os.environ:
+            # shm maps a peer's GPU region by CUDA IPC and keeps the mapping in the MR
+            # cache, by default RAM / cores / 2 bytes (prov/util/src/util_mem_monitor.c,
+            # ofi_default_cache_size); once that is full, a region is mapped again for
+            # every WRITE: on one H200 box, 8 GB regions then stalled for 30 s and more.
+            # Read when libfabric starts, so only before a process's first fi_getinfo.
+            os.environ[CACHE_SIZE] = str(1 << 40)
+        info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA, hmem=gpu is not None)
+        self.provider = fi.provider_of(info)
+        # A NIC (efa, verbs) writes GPU memory by GPUDirect RDMA: seeing its completion on
+        # the host does not make those writes visible to the GPU's later reads unless the
+        # device orders them for their owner; else expect() flushes them (CUDA driver API,
+        # cuFlushGPUDirectRDMAWrites). shm and tcp copy with the CPU or CUDA calls
+        # themselves: None, nothing to flush. A device that can do neither: refused here.
+        self.flush_scope = cuda_driver.flush_scope(self.provider, gpu)
+        self.infos, self.nics = engine_nics(info, gpu, nics)
+        self.cq_data_size = min(i.domain_attr.cq_data_size for i in self.infos)
+        self.max_write = min(i.ep_attr.max_msg_size for i in self.infos)
+        self.inject_size = inject_size(self.infos)
+        self.max_send = fi.max_send(info)
+        self.id = secrets.randbits(32)
+        self._keys = iter(range(1, 1 << 30))  # requested MR keys (tcp takes ours: unique)
+        self._watch, self._peers, self._taken = [], {}, {}
+        self._inflight = []  # Transfers the worker may still touch
+        # tx_free runs last: after the endpoints closed, no WRITE owns a context any more
+        w = self._w = _ffi.new("struct tx_worker *")
+        own.callback(native.tx_free, w)
+        slots = fi.in_flight(info)
+        opened = [fi.open_endpoint(own, i, cq_size=fi.cq_size_for(i, slots), av_count=256,
+                                   shm=False) for i in self.infos]
+        self.domains, self.cqs, self.avs, self.eps = (list(x) for x in zip(*opened))
+        self._control = Control(own, self.domains[0], info, self.max_send, self._keys,
+                                self._until)
+        n = len(self.infos)
+        self._arrays = [_ffi.new("struct fid_ep *[]", self.eps),
+                        _ffi.new("struct fid_cq *[]", self.cqs),
+                        _ffi.new("struct tx_command *[]", RING),
+                        _ffi.new("uint64_t[]", IMM_TABLE), _ffi.new("uint64_t[]", IMM_TABLE),
+                        _ffi.new("uint8_t[]", IMM_TABLE)]
+        (w.eps, w.cqs, w.ring, w.imm_keys, w.imm_counts, w.imm_used) = self._arrays
+        w.nics, w.slots, w.ring_size, w.imm_size, w.nap_us = n, slots, RING, IMM_TABLE, NAP_US
+        # GPU pages to a peer of this host by CUDA IPC (ipc.py), unless cuda_ipc=False
+        self._own, self._inbox, self._routes, self._ipc_commands = own, None, None, 0
+        self.ipc_why = "host memory" if gpu is None else "cuda_ipc=False"
+        if gpu is not None and cuda_ipc:
+            try:
+                self._inbox = ipc.Inbox(own, _ffi, ipc.bus_id(gpu))
+                self._routes = ipc.Routes(self, _ffi)
+                w.inbox = self._inbox.box
+            except OSError as e:
+                self.ipc_why = f"no inbox for CUDA IPC ({e.strerror or e})"
+        self._regions = fi.Closer()  # the regions' registrations: closed once the worker stops
+        self._held = []  # ... and their arrays: a peer may WRITE into them until then
+        # A callback of its own, not a step of _stop: a Ctrl-C that cuts into the worker's
+        # join must not skip them, or the domain is closed under them (fi_close: -EBUSY)
+        own.callback(self._held.clear)
+        own.callback(self._regions.close)
+        self._signal = self.register(np.zeros(SIGNAL, np.uint8))
+        self.rc, self.error = None, None
+        self._thread = threading.Thread(target=self._run, args=(worker_cores(gpu),),
+                                        daemon=True, name="transfer worker")
+        # runs first: before the registrations and endpoints close; set before the thread
+        # starts, as a Ctrl-C in between would leave it reading CQs as they close
+        own.callback(self._stop)
+        self._thread.start()
+
+    # --- setting up -------------------------------------------------------------------
+
+    def _run(self, cores):
+        try:
+            if cores:  # chapter 12: this thread, near its GPU; best effort
+                try:
+                    os.sched_setaffinity(0, cores)
+                except OSError:
+                    pass
+            if self.gpu is not None:  # libfabric's CUDA copies use this thread's GPU
+                memory.use_gpu(self.gpu)
+            self.rc = native.tx_run(self._w)  # the GIL is released for the call
+        except Exception as e:  # raised by the next wait, in one line
+            self.error, self.rc = e, -lib.FI_EOTHER
+
+    def _stop(self):
+        self._w.stop = 1
+        bounds.join([self._thread], "the transfer engine")
+
+    # --- addresses and regions ---------------------------------------------------------
+
+    def address(self):
+        """All a peer needs to connect: our id, control address, NIC count, each data
+        NIC's address and our signal region's descriptor."""
+        inbox = self._inbox.address if self._inbox else b""
+        return wire.pack_address(self.id, fi.getname(self._control.ep), inbox,
+                                 [fi.getname(ep) for ep in self.eps], self._signal.descriptor())
+
+    def connect(self, address):
+        """The Peer at `address` (another engine's address()): inserted in every AV. Its
+        `route` says how GPU pages go to it: "cuda-ipc" where it is on this host and our
+        GPU reaches its GPU (ipc.py), else "libfabric"; `why` says why."""
+        ident, control, inbox, names, signal = wire.parse_address(address)
+        if len(names) != len(self.eps):
+            raise ValueError(f"that engine has {len(names)} NICs and this one "
+                             f"{len(self.eps)}: NIC i writes to NIC i, so counts must match")
+        if ident in self._peers:
+            return self._peers[ident]
+        addrs = _ffi.new("fi_addr_t[]", [fi.av_insert(av, n) for av, n in zip(self.avs, names)])
+        peer = Peer(len(self._peers), ident, addrs, self.remote(signal),
+                    fi.av_insert(self._control.av, control))
+        peer.nic = per_peer_nic(self.id, ident, len(self.eps))
+        peer.why = self.ipc_why if not self._routes else "it has no GPU engine"
+        if self._routes and inbox:
+            peer.ipc, peer.why = self._routes.route(self._own, inbox)
+            peer.route = "cuda-ipc" if peer.ipc else "libfabric"
+        self._peers[ident] = peer
+        return peer
+
+    def register(self, array):
+        """Register `array` (numpy, cupy or torch; contiguous; not copied) on every NIC's
+        domain, for WRITEs from it and into it. The engine holds the array until it closes,
+        as long as the registration lasts: a peer may WRITE into it until then."""
+        ptr, size, gpu = buffer_of(array)
+        if size == 0:
+            raise ValueError("cannot register an empty array")
+        if gpu is not None and self.gpu is None:
+            raise ValueError(f"GPU {gpu} memory, but this engine was made for host memory "
+                             "(Engine(..., gpu=N) registers GPU memory)")
+        access = lib.FI_WRITE | memory.WRITE_TARGET
+        descs, bases, keys = [], [], []
+        for info, domain in zip(self.infos, self.domains):
+            key = next(self._keys)
+            if gpu is None:
+                mr = self._regions(fi.mr_reg(domain, ptr, size, access, key))
+            else:
+                mr, how = memory.register_device(domain, ptr, size, access, key,
+                                                 lib.FI_HMEM_CUDA, gpu)
+                self._regions(mr)
+            descs.append(fi.mr_desc(mr))
+            bases.append(fi.remote_base(info, ptr))
+            keys.append(fi.mr_key(mr))
+        self._held.append(array)
+        handle = ipc.export(ptr) if gpu is not None and self._inbox else None
+        return Region(self, ptr, size, descs, bases, keys, gpu, handle or b"")
+
+    def remote(self, descriptor):
+        """A peer's region from its descriptor (Region.descriptor() over there)."""
+        ptr, size, bases, keys, handle = wire.parse_region(descriptor)
+        if len(keys) != len(self.eps):
+            raise ValueError(f"that region is registered on {len(keys)} NICs, this engine has "
+                             f"{len(self.eps)}: NIC counts must match")
+        return RemoteRegion(ptr, size, bases, keys, handle)
+
+    # --- WRITEs --------------------------------------------------------------------
+
+    def write(self, peer, src, src_offset, dst, dst_offset, length, imm=None, inject=False):
+        """One WRITE of `length` bytes from src[src_offset:] to dst[dst_offset:].
+
+        inject=True (here and in write_pages, write_list): each WRITE of at most
+        inject_size bytes is injected (fi_inject_write, fi_inject_writedata) and done once
+        posted: the provider has copied its source, which may be reused at once, but
+        nothing says it was delivered; the receiver's count of its immediate does. No
+        command can say it failed: an error entry the provider writes for it (with no
+        context) stops the engine, every later call raising. Longer WRITEs go as without
+        inject, with a completion."""
+        for name, value in (("src_offset", src_offset), ("dst_offset", dst_offset)):
+            if not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
+        return self._submit(*self._command(peer, src, np.array([src_offset], np.uint64), dst,
+                                           np.array([dst_offset], np.uint64), length, imm,
+                                           inject))
+
+    def write_pages(self, peer, src, src_pages, dst, dst_pages, page_size, imm=None,
+                    inject=False):
+        """Page src_pages[i] of `src` to page dst_pages[i] of `dst` (page p: bytes
+        [p*page_size, (p+1)*page_size)), one WRITE each, all posted by the worker."""
+        self._check_ends(peer, src, dst)
+        if not isinstance(page_size, (int, np.integer)) or page_size <= 0:
+            raise ValueError(f"page_size must be a positive integer, not {page_size!r}")
+        src_pages, dst_pages = pages_of(src_pages, "src_pages"), pages_of(dst_pages, "dst_pages")
+        if len(src_pages) != len(dst_pages):
+            raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} "
+                             "destination pages")
+        for pages, region, name in ((src_pages, src, "source"), (dst_pages, dst, "destination")):
+            last = region.size // page_size
+            if len(pages) and pages.max() >= last:
+                raise ValueError(f"{name} page {int(pages.max())} is out of range: the region "
+                                 f"holds {last} pages of {page_size} bytes")
+        return self._submit(*self._command(peer, src, src_pages * np.uint64(page_size), dst,
+                                           dst_pages * np.uint64(page_size), page_size, imm,
+                                           inject, in_range=True))
+
+    def write_list(self, peer, src, src_offsets, dst, dst_offsets, lengths, imm=None,
+                   inject=False):
+        """WRITE i: lengths[i] bytes from src[src_offsets[i]:] to dst[dst_offsets[i]:],
+        all posted by the worker (chapter 19: a layer's tensors of several sizes)."""
+        offsets = [pages_of(x, name, "byte counts") for x, name in (
+            (src_offsets, "src_offsets"), (dst_offsets, "dst_offsets"), (lengths, "lengths"))]
+        if len({len(x) for x in offsets}) != 1:
+            raise ValueError(f"{len(offsets[0])} source offsets, {len(offsets[1])} "
+                             f"destination offsets and {len(offsets[2])} lengths")
+        return self._submit(*self._command(peer, src, offsets[0], dst, offsets[1],
+                                           offsets[2], imm, inject))
+
+    def _check_ends(self, peer, src, dst):
+        if not isinstance(peer, Peer) or self._peers.get(peer.id) is not peer:
+            raise ValueError("that peer is not one of this engine's (use Engine.connect)")
+        if not isinstance(src, Region) or src.engine is not self:
+            raise ValueError("the source must be a region registered by this engine "
+                             "(Engine.register)")
+        if not isinstance(dst, RemoteRegion):
+            raise ValueError("the destination must be a RemoteRegion (Engine.remote)")
+
+    def _command(self, peer, src, src_offsets, dst, dst_offsets, length, imm, inject=False,
+                 in_range=False):
+        """A command for the worker, every argument checked: ValueError, nothing posted.
+        `length`: every WRITE's, or an array of one per WRITE. `in_range`: the caller
+        checked the ends and that every byte lies inside both regions (write_pages: its
+        page numbers), which takes numpy a few microseconds a command."""
+        if not in_range:
+            self._check_ends(peer, src, dst)
+        lengths = length if isinstance(length, np.ndarray) else None
+        if lengths is None and not isinstance(length, (int, np.integer)):
+            raise ValueError(f"a WRITE's length must be an integer, not {length!r}")
+        sizes = [length] if lengths is None else \
+            [int(lengths.min()), int(lengths.max())] if len(lengths) else []
+        for size in sizes:
+            if not 0 < size <= self.max_write:
+                raise ValueError(f"a WRITE's length must be 1 to {self.max_write} bytes "
+                                 f"({self.provider}'s largest), not {size}")
+        for offsets, region, name in () if in_range else ((src_offsets, src, "source"),
+                                                          (dst_offsets, dst, "destination")):
+            ends = offsets + (lengths if lengths is not None else np.uint64(length))
+            if len(offsets) and int(ends.max()) > region.size:
+                at = int(np.argmax(ends))
+                raise ValueError(f"{name} bytes {int(offsets[at])}..{int(ends[at])} are out "
+                                 f"of range: the region has {region.size}")
+        if imm is not None:
+            bits = 8 * self.cq_data_size
+            if not isinstance(imm, (int, np.integer)) or not 0 <= imm < 1 << bits:
+                raise ValueError(f"imm {imm!r} does not fit the {self.cq_data_size} bytes of "
+                                 f"immediate data {self.provider} carries (0 to {(1 << bits) - 1})")
+        c = _ffi.new("struct tx_command *")
+        src_offsets = np.ascontiguousarray(src_offsets, np.uint64)
+        dst_offsets = np.ascontiguousarray(dst_offsets, np.uint64)
+        c.count, c.length = len(src_offsets), 0 if lengths is not None else length
+        if lengths is not None:
+            lengths = np.ascontiguousarray(lengths, np.uint64)
+            c.lengths = _ffi.cast("uint64_t *", lengths.ctypes.data)
+        c.src = _ffi.cast("uint64_t *", src_offsets.ctypes.data)
+        c.dst = _ffi.cast("uint64_t *", dst_offsets.ctypes.data)
+        c.local_base = _ffi.cast("char *", src.ptr)
+        c.local_descs, c.remote_base, c.remote_key = src.descs, dst.bases, dst.keys
+        c.addr = peer.addr
+        c.round_robin = self.spread == "round-robin"
+        c.nic = peer.nic
+        c.has_imm, c.imm = imm is not None, imm or 0
+        c.inject_size = self.inject_size if inject else 0
+        return c, (src_offsets, dst_offsets, lengths, src, dst, peer)
+
+    def _submit(self, command, keep):
+        self._check()
+        src_offsets, dst_offsets, lengths, src, dst, peer = keep
+        if peer.ipc and dst.ipc and src.gpu == self.gpu:
+            return self._submit_ipc(peer.ipc, command, keep)
+        w = self._w
+        if w.head - native.tx_tail(w) >= RING:
+            self._until(lambda: w.head - native.tx_tail(w) < RING, self.timeout,
+                        lambda: f"room in the worker's ring of {RING} commands")
+        t = Transfer(self, command, keep)
+        self._inflight = [x for x in self._inflight if not x.done] + [t]
+        native.tx_submit(w, command)
+        return t
+
+    def _submit_ipc(self, route, command, keep):
+        src_offsets, dst_offsets, lengths, src, dst, peer = keep
+        if not route.room():
+            self._until(route.room, self.timeout, lambda: (
+                f"peer {peer.index} took none of our last {ipc.RECORDS} commands by CUDA IPC "
+                f"within {self.timeout:g} s: is it still running?"))
+        queued = time.monotonic_ns()
+        imm = command.imm if command.has_imm else None
+        record, seq, staged = route.submit(src, dst, src_offsets, dst_offsets, lengths,
+                                           command.length, imm)
+        t = IpcTransfer(self, record, seq, command.count, (keep, staged), queued,
+                        time.monotonic_ns())
+        self._inflight = [x for x in self._inflight if not x.done] + [t]
+        self._ipc_commands += 1
+        return t
+
+    def signal(self, peer, imm):
+        """An 8-byte WRITE with `imm` into the peer's signal region: a message that is
+        only its immediate (the peer expects it)."""
+        return self.write(peer, self._signal, 0, peer.signal, 0, SIGNAL, imm)
+
+    # --- arrivals ------------------------------------------------------------------
+
+    def arrived(self, imm):
+        """How many WRITEs with immediate `imm` arrived that no expect() took yet."""
+        return native.tx_arrived(self._w, imm) - self._taken.get(imm, 0)
+
+    def expect(self, imm, n, timeout=None):
+        """Wait until `n` WRITEs with immediate `imm` have arrived (from any peer, NIC,
+        in any order), flush them where the GPU needs it (flush_scope), then take them: a
+        later expect(imm, ...) needs new ones."""
+        timeout = self.timeout if timeout is None else timeout
+        taken = self._taken.get(imm, 0)
+        arrived = lambda: self.arrived(imm)  # noqa: E731
+
+        def why():
+            lost = self._w.imm_lost
+            full = (f"; the arrival table ({IMM_TABLE} values) is full, {lost} arrivals of "
+                    "new values were lost" if lost else "")
+            bad = (f"; {self._w.remote_errors} arrivals failed here: "
+                   f"{_ffi.string(self._w.remote_error).decode(errors='replace')}"
+                   if self._w.remote_errors else "")
+            return (f"{arrived()} of {n} WRITEs with immediate {imm} arrived within "
+                    f"{timeout:g} s{full}{bad}")
+        self._until(lambda: arrived() >= n, timeout, why)
+        if self.flush_scope is not None:
+            memory.current(self.gpu)  # the flush's target: the calling thread's context
+            rc = cuda_driver.flush(self.flush_scope)
+            if rc:
+                raise TransferError(f"{n} WRITEs with immediate {imm} arrived, but "
+                                    f"cuFlushGPUDirectRDMAWrites failed: "
+                                    f"{cuda_driver.error_name(rc)}")
+        self._taken[imm] = taken + n
+
+    # --- control messages ------------------------------------------------------------
+
+    def send(self, peer, data):
+        """SEND `data` (at most fi.max_send bytes) to `peer`'s control endpoint; returns
+        once it completed. It carries our engine id as immediate data."""
+        data = bytes(data)
+        if len(data) > self.max_send:
+            raise ValueError(f"a control message of {len(data)} bytes; at most "
+                             f"{self.max_send} (fabric.max_send)")
+        if not isinstance(peer, Peer) or self._peers.get(peer.id) is not peer:
+            raise ValueError("that peer is not one of this engine's (use Engine.connect)")
+        self._control.send(peer, data, self.id & ((1 << 8 * min(4, self.cq_data_size)) - 1),
+                           self.timeout)
+
+    def recv(self, timeout=None):
+        """(the Peer that sent it, or None if not connected yet, the bytes) of the next
+        control message."""
+        timeout = self.timeout if timeout is None else timeout
+        ident, data = self._control.recv(timeout)
+        mask = (1 << 8 * min(4, self.cq_data_size)) - 1
+        peer = next((p for p in self._peers.values() if p.id & mask == ident), None)
+        return peer, data
+
+    # --- groups, watching, stats -------------------------------------------------------
+
+    def group(self, peers):
+        return Group(self, peers)
+
+    def watch(self, check):
+        """Call `check()` from every wait (e.g. launch.Group.check: raises when another
+        rank is gone), so a peer that dies is seen at once, not at the timeout."""
+        self._watch.append(check)
+
+    def stats(self):
+        w = self._w
+        return {"posted": w.posted, "completed": w.completed, "eagain": w.eagain,
+                "arrived": w.arrived, "injected": w.injected, "nics": len(self.eps),
+                "cuda_ipc_commands": self._ipc_commands}
+
+    def _check(self):
+        if self.rc is not None:
+            raise self._failure()
+
+    def _failure(self):
+        if self.error is not None:
+            return self.error
+        w = self._w
+        what = {1: "fi_cq_read", 2: "fi_cq_readerr", 3: "a completion for no WRITE in flight",
+                4: "out of memory", 5: "an error for no WRITE in flight after injected WRITEs "
+                f"({_ffi.string(w.remote_error).decode(errors='replace')})"
+                }.get(w.failed_call, "the worker")
+        return TransferError(f"the transfer worker stopped on NIC {w.failed_nic}: {what}: "
+                             f"{fi.strerror(self.rc)} (ret {self.rc})", self.rc)
+
+    def _until(self, ready, timeout, why):
+        """Wait for `ready()`, reading the control CQ and looking at the worker and the
+        watchers meanwhile; sched_yield first, then sleeps that grow to 1 ms but stay under
+        a sixteenth of the wait so far: a wait of 1.3 ms that slept up to 1 ms at a time
+        was seen 285 us late (Transfer.phases, 64 KiB x 100 pages on the 2-core VM)."""
+        with bounds.Deadline(timeout, why):
+            self._wait(ready, timeout, why)
+
+    def _wait(self, ready, timeout, why):
+        start = time.monotonic()
+        deadline = start + timeout
+        spins, nap = 0, 0.0
+        while not ready():
+            self._check()
+            for check in self._watch:
+                check()
+            if self._control.pump():
+                continue
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(why())
+            spins += 1
+            if spins < 200:
+                os.sched_yield()
+            else:
+                nap = min(max(2 * nap, 20e-6), 1e-3, max(20e-6, (now - start) / 16))
+                time.sleep(nap)
+
+
+def pages_of(pages, name, what="page numbers"):
+    array = np.asarray(pages)
+    if array.ndim != 1 or (len(array) and array.dtype.kind not in "iu"):
+        raise ValueError(f"{name} must be a sequence of {what}")
+    if len(array) and array.dtype.kind == "i" and array.min() < 0:
+        raise ValueError(f"{name} has a negative {what[:-1]} ({int(array.min())})")
+    return array.astype(np.uint64)  # a copy: the worker reads it after the caller returns
+
+
+def buffer_of(array):
+    """(address, bytes, GPU or None) of a numpy, cupy or torch array, which must be
+    contiguous (a registration is one range)."""
+    if isinstance(array, np.ndarray):
+        if not array.flags.c_contiguous:
+            raise ValueError("the array must be contiguous")
+        return array.ctypes.data, array.nbytes, None
+    if hasattr(array, "data_ptr") and hasattr(array, "is_contiguous"):  # torch
+        if not array.is_contiguous():
+            raise ValueError("the tensor must be contiguous")
+        gpu = array.device.index if array.is_cuda else None
+        return array.data_ptr(), array.numel() * array.element_size(), gpu
+    if hasattr(array, "data") and hasattr(array, "device") and hasattr(array.data, "ptr"):
+        if not array.flags.c_contiguous:  # cupy
+            raise ValueError("the array must be contiguous")
+        return array.data.ptr, array.nbytes, array.device.id
+    raise ValueError(f"cannot register a {type(array).__name__}: numpy, cupy or torch arrays")
+
+
+def inject_size(infos):
+    """The longest WRITE inject=True injects on every NIC: tx_attr.inject_size, 4 KiB on
+    shm (prov/shm/src/smr_attr.c SMR_INJECT_SIZE), 0 with GPU memory (smr_hmem_tx_attr).
+    None on efa: efa-direct's inject_size is its SENDs' inline buffer and it injects no
+    WRITE (prov/efa/src/efa_rma.c: fi_no_rma_inject); efa's RDM endpoint lowers its limit
+    for WRITEs below tx_attr.inject_size when it enables zero-copy receive, and only
+    asserts it (prov/efa/src/rdm/efa_rdm_ep_fiops.c inject_rma_size, efa_rdm_rma.c)."""
+    return min(0 if fi.string(i.fabric_attr.name).startswith("efa") else i.tx_attr.inject_size
+               for i in infos)
+
+
+def per_peer_nic(a, b, count):
+    """The NIC both ends of a pair use with spread='per-peer' (one rail per pair): a hash
+    of the two ids, the same from either end, spreading a node's peers over its NICs."""
+    low, high = sorted((a, b))
+    return zlib.crc32(struct.pack("<II", low, high)) % count
+
+
+def engine_nics(head, gpu, count):
+    """(fi_info per NIC, a line saying which): the GPU's NICs by chapter 08's topology
+    (as common/moe/proxy.py's proxy_nics picks them, this process's place from the
+    launcher's variables), or `count` (default 1) virtual NICs where none has a PCI
+    address."""
+    from common import launch
+    from common.moe.proxy import proxy_nics
+    place = launch.place_from_environment()
+    return proxy_nics(head, place, gpu, count)
+
+
+def worker_cores(gpu):
+    """The cores of the GPU's NUMA node (chapter 12), or None: best effort."""
+    if gpu is None:
+        return None
+    try:
+        from common.engine import topo
+        buses, _ = topo.gpus_here()
+        gpus = topo.layout(buses, [])
+        cores = set(gpus[gpu].cores) & os.sched_getaffinity(0)
+        return cores or None
+    except Exception:  # no topology here: the scheduler decides
+        return None
