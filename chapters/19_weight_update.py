@@ -121,7 +121,7 @@ class Plan:
                     p = check_piece(names, r, tensor, piece)
                     for t in range(trainers):  # FSDP: every trainer has rows of it
                         t0, t1 = self.rows[t][p.index]
-                        lo, hi = max(piece[3], t0), min(piece[4], t1)
+                        lo, hi = max(piece.row0, t0), min(piece.row1, t1)
                         if lo < hi:
                             self.jobs[t][p.group].append(Job(self, t, p, r, tensor, piece, lo, hi))
 
@@ -152,22 +152,21 @@ class Job:
 
     def __init__(self, plan, t, p, r, tensor, piece, lo, hi):
         self.p, self.r, self.tensor, self.piece, self.lo, self.hi = p, r, tensor, piece, lo, hi
-        _, _, _, row0, row1, col0, col1, at = piece
-        self.col0, self.width = col0, col1 - col0
-        to = tensor.offset + (at + lo - row0) * tensor.cols * (1 if p.fp8 else 2)
+        self.col0, self.width = piece.col0, piece.col1 - piece.col0
+        to = tensor.offset + (piece.at_row + lo - piece.row0) * tensor.cols * (1 if p.fp8 else 2)
         self.bytes = (hi - lo) * self.width * (1 if p.fp8 else 2)
         self.writes = split("data", to, self.bytes, plan.max_write)
         self.blocks = (-(-lo // BLOCK), -(-hi // BLOCK)) if p.fp8 else (0, 0)
         b0, b1 = self.blocks
         self.scale_bytes = (b1 - b0) * (self.width // BLOCK) * 4
         if self.scale_bytes:
-            row = (at - row0) // BLOCK + b0
+            row = (piece.at_row - piece.row0) // BLOCK + b0
             self.writes += split("scales", tensor.scales + row * (tensor.cols // BLOCK) * 4,
                                  self.scale_bytes, plan.max_write)
 
 
 def check_piece(names, r, tensor, piece):
-    name, rows, cols, row0, row1, col0, col1, at = piece
+    name, rows, cols = piece.source, piece.source_rows, piece.source_cols
     p = names.get(name)
     if p is None:
         within = f" (in {tensor.name})" if tensor.name != name else ""
@@ -176,12 +175,13 @@ def check_piece(names, r, tensor, piece):
     if (p.rows, p.cols) != (rows, cols):
         raise ValueError(f"{name}: the trainers hold {p.rows} x {p.cols}, inference rank {r} "
                          f"expects {rows} x {cols}")
+    row0, row1, col0, col1 = piece.row0, piece.row1, piece.col0, piece.col1
     if not (0 <= row0 < row1 <= rows and 0 <= col0 < col1 <= cols):
         raise ValueError(f"{tensor.name} on inference rank {r}: rows {row0}..{row1} x cols "
                          f"{col0}..{col1} are outside {name}'s {rows} x {cols}")
     if not p.fp8 and (col0, col1) != (0, cols):
         raise ValueError(f"{tensor.name} on inference rank {r}: bf16 pieces take whole rows")
-    if p.fp8 and any(x % BLOCK for x in (row0, row1, col0, col1, at)):
+    if p.fp8 and any(x % BLOCK for x in (row0, row1, col0, col1, piece.at_row)):
         raise ValueError(f"{tensor.name} on inference rank {r}: its piece of {name} (rows "
                          f"{row0}..{row1}, cols {col0}..{col1}) is not on the {BLOCK} x "
                          f"{BLOCK} fp8 blocks: use fewer inference ranks")
@@ -473,17 +473,17 @@ class Inference:
         names = {p.name: p for p in self.plan.params}
         for tensor in self.tensors:
             data, scales = self.views(tensor)
-            sources = [names[piece[0]] for piece in tensor.pieces]
-            for p, (_, rows, cols, row0, row1, col0, col1, at) in zip(sources, tensor.pieces):
-                x = values(xp, self.seed, p, versions[p.index], row0, row1)
+            sources = [names[piece.source] for piece in tensor.pieces]
+            for p, piece in zip(sources, tensor.pieces):
+                x = values(xp, self.seed, p, versions[p.index], piece.row0, piece.row1)
+                mine = data[piece.at_row:piece.at_row + piece.row1 - piece.row0]
                 if not p.fp8:
-                    wrong += 2 * int(xp.count_nonzero(data[at:at + row1 - row0] != x))
+                    wrong += 2 * int(xp.count_nonzero(mine != x))
                     continue
                 codes, s = ref.quantize_fp8(ref.from_bf16(x), BLOCK)
-                mine = data[at:at + row1 - row0]
-                wrong += int(xp.count_nonzero(mine != codes[:, col0:col1]))
-                b = at // BLOCK
-                theirs = s[:, col0 // BLOCK:col1 // BLOCK]
+                wrong += int(xp.count_nonzero(mine != codes[:, piece.col0:piece.col1]))
+                b = piece.at_row // BLOCK
+                theirs = s[:, piece.col0 // BLOCK:piece.col1 // BLOCK]
                 wrong += 4 * int(xp.count_nonzero(scales[b:b + len(theirs)] != theirs))
             total = checksum(xp, self.weights[tensor.offset:tensor.end])
             changed += tensor.name in self.sums and self.sums[tensor.name] != total
