@@ -354,14 +354,14 @@ class Batch:
                 cols = job.col0 // BLOCK + np.arange(job.width // BLOCK)
                 src += [trainer._block_index(job.p, b, cols) for b in range(b0, b1)]
                 dst.append(scales // 4 + np.arange(job.scale_bytes // 4))
-            for what, rel, to, length in job.writes:
+            for w in job.writes:
                 staged.setdefault(job.r, []).append(
-                    ((codes if what == "data" else scales) + rel, to, length))
+                    ((codes if w.what == "data" else scales) + w.src, w.dst, w.length))
         for job in bf16:
             t0 = t0s[job.p.index][0]
             first = 2 * (trainer.shard_at[job.p.index] + (job.lo - t0) * job.p.cols)
-            for _, rel, to, length in job.writes:
-                direct.setdefault(job.r, []).append((first + rel, to, length))
+            for w in job.writes:
+                direct.setdefault(job.r, []).append((first + w.src, w.dst, w.length))
         self.scale_src = xp.asarray(np.concatenate(src) if src else np.zeros(0, np.int64))
         self.scale_dst = xp.asarray(np.concatenate(dst) if dst else np.zeros(0, np.int64))
         self.commands = [(source, r, np.array(w, np.uint64).T.copy())

@@ -52,8 +52,8 @@ def test_the_plan_writes_every_inference_byte_exactly_once(ch19, trainers, infer
         for t in range(trainers):
             for jobs in plan.jobs[t].values():
                 for job in (j for j in jobs if j.r == r):
-                    for _, _, at, length in job.writes:
-                        covered[at:at + length] += 1
+                    for w in job.writes:
+                        covered[w.dst:w.dst + w.length] += 1
         wanted = np.zeros_like(covered)
         for tensor in tensors:
             wanted[tensor.offset:tensor.offset + tensor.bytes] = 1

@@ -92,6 +92,6 @@ def naive_inference(inf, n, inbox):
 
 def post(eng, peer, region, src, remote, dst, length, value):
     """`length` bytes as WRITEs of at most the provider's largest, one command."""
-    parts = np.array([(src + rel, to, size) for _, rel, to, size in
+    parts = np.array([(src + w.src, w.dst, w.length) for w in
                       split("", dst, length, eng.max_write)], np.uint64).T
     return eng.write_list(peer, region, parts[0], remote, parts[1], parts[2], value)
