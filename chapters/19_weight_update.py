@@ -80,6 +80,7 @@ import json
 import os
 import signal
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -192,6 +193,17 @@ def check_piece(names, r, tensor, piece):
 # ## Code: a trainer's update
 
 # %%
+class Edge(NamedTuple):
+    """The block maxima a trainer shares with one other, `count` floats: where they are
+    in its amax (an index array), where its own go in its edge buffer, where the other's
+    arrive there, and where its own land in the other's edge buffer."""
+    amax_index: object
+    send_at: int
+    inbox_at: int
+    remote_at: int
+    count: int
+
+
 class Trainer:
     """Trainer t: its shards (bf16), the block maxima of its rows, staging in two halves,
     and the batches of its WRITEs, laid out once from the plan."""
@@ -230,8 +242,7 @@ class Trainer:
         return self.amax_at[p.index] + (b - t0 // BLOCK) * (p.cols // BLOCK) + col_blocks
 
     def _edges(self):
-        """Per trainer u we share blocks with: where their maxima are in our amax, where
-        ours go in the send area, where u's arrive in our inbox, where ours go in u's."""
+        """{trainer u: Edge} for every trainer we share blocks with."""
         mine = self.plan.edges(self.t)
         size = {u: sum(p.cols // BLOCK for p, _ in blocks) for u, blocks in mine.items()}
         sent = sum(size.values())
@@ -242,7 +253,7 @@ class Trainer:
             theirs = {s: sum(p.cols // BLOCK for p, _ in blocks)  # u's, the same way
                       for s, blocks in self.plan.edges(u).items()}
             there = sum(theirs.values()) + sum(theirs[s] for s in theirs if s < self.t)
-            out[u] = (self.ops.xp.asarray(index), at, sent + at, there, size[u])
+            out[u] = Edge(self.ops.xp.asarray(index), at, sent + at, there, size[u])
             at += size[u]
         self.edge_buffer = self.ops.xp.zeros(max(2 * sent, 1), self.ops.xp.float32)
         return out
@@ -282,18 +293,18 @@ class Trainer:
                 p = self.plan.params[index]
                 ops.amax(self.view(p), self.plan.rows[self.t][index][0],
                          self.amax[at:at + self._blocks(p)])
-            for u, (index, send, _, there, size) in self.edges.items():
-                self.edge_buffer[send:send + size] = self.amax[index]
+            for e in self.edges.values():
+                self.edge_buffer[e.send_at:e.send_at + e.count] = self.amax[e.amax_index]
             ops.sync()
-            sent = [eng.write(self.peers[u], self.regions["edges"], 4 * send,
-                              self.trainer_edges[u], 4 * there, 4 * size, imm(n, EDGES))
-                    for u, (_, send, _, there, size) in self.edges.items()]
+            sent = [eng.write(self.peers[u], self.regions["edges"], 4 * e.send_at,
+                              self.trainer_edges[u], 4 * e.remote_at, 4 * e.count, imm(n, EDGES))
+                    for u, e in self.edges.items()]
         with clock("waiting for other ranks"):
             eng.expect(imm(n, EDGES), len(self.edges))
         with clock("edge maxima"):
-            for u, (index, _, inbox, _, size) in self.edges.items():
-                self.amax[index] = xp.maximum(self.amax[index],
-                                              self.edge_buffer[inbox:inbox + size])
+            for e in self.edges.values():
+                self.amax[e.amax_index] = xp.maximum(
+                    self.amax[e.amax_index], self.edge_buffer[e.inbox_at:e.inbox_at + e.count])
             self.scales[...] = ref.fp8_scales(self.amax)
             for s in sent:
                 s.wait()
@@ -337,6 +348,16 @@ class Trainer:
         return ((t1 - 1) // BLOCK - t0 // BLOCK + 1) * (p.cols // BLOCK)
 
 
+class Command(NamedTuple):
+    """WRITEs to inference rank `rank`, posted as one: from the trainer's `region`
+    ("staging" or "shard") at `src` to the rank's weights at `dst`, `lengths` bytes."""
+    region: str
+    rank: int
+    src: np.ndarray
+    dst: np.ndarray
+    lengths: np.ndarray
+
+
 class Batch:
     """Some jobs of one layer: where their codes and scales sit in the staging half, and
     one command per inference rank of their WRITEs (another from the shard, for bf16)."""
@@ -364,12 +385,12 @@ class Batch:
                 direct.setdefault(job.r, []).append((first + w.src, w.dst, w.length))
         self.scale_src = xp.asarray(np.concatenate(src) if src else np.zeros(0, np.int64))
         self.scale_dst = xp.asarray(np.concatenate(dst) if dst else np.zeros(0, np.int64))
-        self.commands = [(source, r, np.array(w, np.uint64).T.copy())
+        self.commands = [Command(source, r, *np.array(w, np.uint64).T.copy())
                          for source, lists in (("staging", staged), ("shard", direct))
                          for r, w in sorted(lists.items())]
-        self.commands_to = {r for _, r, _ in self.commands}
-        self.writes = sum(c[2].shape[1] for c in self.commands)
-        self.bytes = int(sum(c[2][2].sum() for c in self.commands))
+        self.commands_to = {c.rank for c in self.commands}
+        self.writes = sum(len(c.lengths) for c in self.commands)
+        self.bytes = int(sum(c.lengths.sum() for c in self.commands))
 
     def quantise(self, trainer):
         ops, rows = trainer.ops, trainer.plan.rows[trainer.t]
@@ -383,10 +404,10 @@ class Batch:
             trainer.staging.view(ops.xp.float32)[self.scale_dst] = trainer.scales[self.scale_src]
 
     def submit(self, trainer, n):
-        return [trainer.eng.write_list(trainer.peers[trainer.plan.trainers + r],
-                                       trainer.regions[source], w[0], trainer.remotes[r],
-                                       w[1], w[2], imm(n, self.group))
-                for source, r, w in self.commands]
+        return [trainer.eng.write_list(trainer.peers[trainer.plan.trainers + c.rank],
+                                       trainer.regions[c.region], c.src, trainer.remotes[c.rank],
+                                       c.dst, c.lengths, imm(n, self.group))
+                for c in self.commands]
 
 
 class Clock:
