@@ -585,24 +585,28 @@ def main():
 
 
 def run(own, group, args, trainers, model, inference_model, ops, gpu):
+    """What both sides share: the engine, a connection to every rank, the layouts
+    exchanged and the plan from them; then this rank's side; then the report."""
     eng = Engine(own, args.provider, gpu=gpu, nics=args.nics, timeout=args.timeout,
                  cuda_ipc=not args.no_cuda_ipc)
     eng.watch(group.check)
     me, world = group.rank, group.world
     peers = {k: eng.connect(a) for k, a in enumerate(group.allgather(eng.address()))
              if k != me}
-    inference = world - trainers
+    inference_ranks = world - trainers
+    # the one place the two sides part: what each knows of itself, and its story below
+    if me < trainers:  # a trainer: the parameters it trains
+        side, mine = trainer, [[p.name, p.rows, p.cols, p.fp8, p.group] for p in parameters(model)]
+    else:  # an inference rank: the tensors it serves, and from which pieces of which
+        side, mine = inference, inference_tensors(inference_model, inference_ranks, me - trainers)
     # both sides' layouts, as each side knows its own, to every rank: the plan from them
-    mine = ([[p.name, p.rows, p.cols, p.fp8, p.group] for p in parameters(model)]
-            if me < trainers else inference_tensors(inference_model, inference, me - trainers))
-    metas = [json.loads(m) for m in group.allgather(json.dumps(mine).encode())]
+    metas = everyone(group, mine)
     params = [Param(i, *m) for i, m in enumerate(metas[0])]
-    layouts = [lay_out(m) for m in metas[trainers:]]
-    plan = Plan(params, trainers, layouts, eng.max_write)
+    plan = Plan(params, trainers, [lay_out(m) for m in metas[trainers:]], eng.max_write)
     if me == 0:
         print(f"{trainers} trainer{'s' * (trainers > 1)} (bf16, FSDP dim-0 shards) -> "
-              f"{inference} inference rank{'s' * (inference > 1)} (fp8 e4m3, 128 x 128 "
-              f"blocks; attention TP{inference}, experts EP{inference}); device "
+              f"{inference_ranks} inference rank{'s' * (inference_ranks > 1)} (fp8 e4m3, 128 x "
+              f"128 blocks; attention TP{inference_ranks}, experts EP{inference_ranks}); device "
               f"{args.device}; provider {eng.provider}; {eng.nics}", flush=True)
         routes = sorted({f"{p.route} ({p.why})" for p in peers.values()})
         print(f"pages between ranks by {'; '.join(routes)}", flush=True)
@@ -611,61 +615,97 @@ def run(own, group, args, trainers, model, inference_model, ops, gpu):
                   if model[k] != full[k]]
         print(f"model {args.model}: {describe(model, params)}"
               + (f" (scaled down: {', '.join(scaled)})" if scaled else ""), flush=True)
-    naive = args.naive == "yes"
-    whole = max(2 * p.rows * p.cols for p in params)  # the naive way's buffers
-    largest = max([fp8_bytes(p) for p in params if p.fp8] + [whole])
-    if me < trainers:
-        whole_fp8 = max([fp8_bytes(p) for p in params if p.fp8] + [0])  # naively quantised
-        side = Trainer(eng, plan, me, ops, args.seed, args.staging,
-                       whole_fp8 if naive and me == 0 else 0)
-        if naive and me == 0:
-            side.gather = ops.xp.zeros(whole // 2, ops.xp.uint16)
-            side.regions["gather"] = eng.register(side.gather)
-        regions = {"edges": side.regions["edges"], "gather": side.regions.get("gather")}
-        if me == 0:
-            print(f"trainer 0: staging {2 * side.half / 1e6:.1f} MB (two halves, each a "
-                  "layer's quantised rows)", flush=True)
-    else:
-        side = Inference(eng, plan, me - trainers, ops, args.seed)
-        inbox = ops.xp.zeros(aligned(largest), ops.xp.uint8) if naive else None
-        regions = {"weights": side.region, "inbox": eng.register(inbox) if naive else None}
-    gathered = [json.loads(d) for d in group.allgather(json.dumps(
-        {k: r.descriptor().hex() for k, r in regions.items() if r is not None}).encode())]
-    remote = [{k: eng.remote(bytes.fromhex(v)) for k, v in d.items()} if k != me else None
-              for k, d in enumerate(gathered)]
-    if me < trainers:
-        side.connect(peers, [remote[trainers + r]["weights"] for r in range(inference)],
-                     {u: remote[u]["edges"] for u in range(trainers) if u != me})
-    else:
-        side.connect(peers)
     report = Report(me, args, plan, eng, ops, trainers, gpu)
-    before = {}
-    for n in range(1, args.updates + (2 if naive else 1)):
-        last = n > args.updates  # the naive way, on the last update's weights
-        versions = versions_at(params, min(n, args.updates))
-        if me < trainers:
-            side.fill(versions)
-        group.barrier()
-        fail = args.fail is not None and n == 2
-        if me < trainers:
-            if last:
-                gather = remote[0]["gather"] if me else None
-                mine = {"seconds": naive_trainer(side, n, gather, [
-                    remote[trainers + r]["inbox"] for r in range(inference)])}
-            else:
-                try:
-                    mine = side.update(n, fail and args.fail == "trainer" and me == trainers - 1)
-                except launch.PeerGone as e:
-                    raise launch.PeerGone(f"trainer {me}: update {n} stopped ({e})") from None
-        else:
-            if last:
-                naive_inference(side, n, inbox)
-            else:
-                side.receive(n, fail and args.fail == "inference" and me == world - 1)
-            mine = side.check(versions, before)
-        before = versions
-        report.update(n, last, [json.loads(x) for x in group.allgather(json.dumps(mine).encode())])
+    side(eng, group, peers, plan, ops, args, report)  # trainer() or inference(): chosen above
     return report.finish()
+
+
+# %% [markdown]
+# ## Main: each side's updates
+
+# %%
+def trainer(eng, group, peers, plan, ops, args, report):
+    """A trainer: its shards, staging and edge buffer registered (trainer 0's also a
+    buffer to gather whole tensors in, for the naive way). Each update: the training
+    step's new values, then its WRITEs into every inference rank (Trainer.update: edge
+    maxima, quantise, WRITE, barrier); its seconds go to the report."""
+    me, trainers, naive = group.rank, plan.trainers, args.naive == "yes"
+    whole = max(2 * p.rows * p.cols for p in plan.params)  # the naive way's gathered tensor
+    whole_fp8 = max([fp8_bytes(p) for p in plan.params if p.fp8] + [0])  # naively quantised
+    side = Trainer(eng, plan, me, ops, args.seed, args.staging,
+                   whole_fp8 if naive and me == 0 else 0)
+    if naive and me == 0:
+        side.gather = ops.xp.zeros(whole // 2, ops.xp.uint16)
+        side.regions["gather"] = eng.register(side.gather)
+    if me == 0:
+        print(f"trainer 0: staging {2 * side.half / 1e6:.1f} MB (two halves, each a "
+              "layer's quantised rows)", flush=True)
+    # every rank's regions: we WRITE into the inference ranks' weights and the other
+    # trainers' edge buffers (the naive way: into the inboxes and trainer 0's gather buffer)
+    remote = exchange(group, eng, {"edges": side.regions["edges"],
+                                   "gather": side.regions.get("gather")})
+    inference_regions = remote[trainers:]
+    side.connect(peers, [r["weights"] for r in inference_regions],
+                 {u: remote[u]["edges"] for u in range(trainers) if u != me})
+    for n, last, versions in updates(args, plan.params):
+        side.fill(versions)  # the training step
+        group.barrier()
+        if last:  # the naive way: trainer 0 gathers, quantises and sends everything
+            gather = remote[0]["gather"] if me else None
+            mine = {"seconds": naive_trainer(side, n, gather,
+                                             [r["inbox"] for r in inference_regions])}
+        else:
+            fail = args.fail == "trainer" and n == 2 and me == trainers - 1
+            try:
+                mine = side.update(n, fail)
+            except launch.PeerGone as e:
+                raise launch.PeerGone(f"trainer {me}: update {n} stopped ({e})") from None
+        report.update(n, last, everyone(group, mine))
+
+
+def inference(eng, group, peers, plan, ops, args, report):
+    """An inference rank: its weights registered (and for the naive way an inbox of the
+    largest whole tensor). Each update: every layer's WRITEs waited for by count and the
+    barrier (Inference.receive), then every weight and scale checked, for the report."""
+    me, naive = group.rank, args.naive == "yes"
+    side = Inference(eng, plan, me - plan.trainers, ops, args.seed)
+    whole = max(2 * p.rows * p.cols for p in plan.params)  # the naive way's bf16 tensors
+    largest = max([fp8_bytes(p) for p in plan.params if p.fp8] + [whole])
+    inbox = ops.xp.zeros(aligned(largest), ops.xp.uint8) if naive else None
+    # every rank's regions (ours the trainers WRITE into; we WRITE into none)
+    exchange(group, eng, {"weights": side.region,
+                          "inbox": eng.register(inbox) if naive else None})
+    side.connect(peers)
+    before = {}
+    for n, last, versions in updates(args, plan.params):
+        group.barrier()
+        if last:  # the naive way: each whole tensor into the inbox, our slices out of it
+            naive_inference(side, n, inbox)
+        else:
+            side.receive(n, args.fail == "inference" and n == 2 and me == group.world - 1)
+        report.update(n, last, everyone(group, side.check(versions, before)))
+        before = versions
+
+
+def updates(args, params):
+    """(n, naive, each parameter's version) of each update: --updates of them, then, with
+    --naive yes, the naive way on the last one's weights."""
+    for n in range(1, args.updates + (2 if args.naive == "yes" else 1)):
+        yield n, n > args.updates, versions_at(params, min(n, args.updates))
+
+
+def everyone(group, value):
+    """`value` from every rank, in rank order (as JSON)."""
+    return [json.loads(x) for x in group.allgather(json.dumps(value).encode())]
+
+
+def exchange(group, eng, regions):
+    """Our regions ({name: Region, None where this rank has none}) to every rank; every
+    rank's as {name: RemoteRegion}, None for our own."""
+    ours = {name: r.descriptor().hex() for name, r in regions.items() if r is not None}
+    return [None if k == group.rank else
+            {name: eng.remote(bytes.fromhex(d)) for name, d in theirs.items()}
+            for k, theirs in enumerate(everyone(group, ours))]
 
 
 if __name__ == "__main__":
