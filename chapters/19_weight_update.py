@@ -194,14 +194,12 @@ def check_piece(names, r, tensor, piece):
 
 # %%
 class Edge(NamedTuple):
-    """The block maxima a trainer shares with one other, `count` floats: where they are
-    in its amax (an index array), where its own go in its edge buffer, where the other's
-    arrive there, and where its own land in the other's edge buffer."""
-    amax_index: object
-    send_at: int
-    inbox_at: int
-    remote_at: int
-    count: int
+    """The block maxima a trainer shares with another trainer u, in floats."""
+    amax_index: object  # where they are in our amax (an index array)
+    send_at: int        # where ours go in our edge buffer
+    inbox_at: int       # where u's arrive in it
+    remote_at: int      # where ours land in u's
+    count: int          # how many
 
 
 class Trainer:
@@ -349,13 +347,12 @@ class Trainer:
 
 
 class Command(NamedTuple):
-    """WRITEs to inference rank `rank`, posted as one: from the trainer's `region`
-    ("staging" or "shard") at `src` to the rank's weights at `dst`, `lengths` bytes."""
-    region: str
-    rank: int
-    src: np.ndarray
-    dst: np.ndarray
-    lengths: np.ndarray
+    """WRITEs to one inference rank, posted as one command (Engine.write_list)."""
+    region: str          # from the trainer's "staging" or "shard"
+    rank: int            # to this inference rank's weights
+    src: np.ndarray      # one offset a WRITE in the region (uint64)
+    dst: np.ndarray      # and in the weights
+    lengths: np.ndarray  # its bytes
 
 
 class Batch:
