@@ -80,6 +80,7 @@ import json
 import os
 import signal
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -121,7 +122,7 @@ class Plan:
                     p = check_piece(names, r, tensor, piece)
                     for t in range(trainers):  # FSDP: every trainer has rows of it
                         t0, t1 = self.rows[t][p.index]
-                        lo, hi = max(piece[3], t0), min(piece[4], t1)
+                        lo, hi = max(piece.row0, t0), min(piece.row1, t1)
                         if lo < hi:
                             self.jobs[t][p.group].append(Job(self, t, p, r, tensor, piece, lo, hi))
 
@@ -152,22 +153,21 @@ class Job:
 
     def __init__(self, plan, t, p, r, tensor, piece, lo, hi):
         self.p, self.r, self.tensor, self.piece, self.lo, self.hi = p, r, tensor, piece, lo, hi
-        _, _, _, row0, row1, col0, col1, at = piece
-        self.col0, self.width = col0, col1 - col0
-        to = tensor.offset + (at + lo - row0) * tensor.cols * (1 if p.fp8 else 2)
+        self.col0, self.width = piece.col0, piece.col1 - piece.col0
+        to = tensor.offset + (piece.at_row + lo - piece.row0) * tensor.cols * (1 if p.fp8 else 2)
         self.bytes = (hi - lo) * self.width * (1 if p.fp8 else 2)
         self.writes = split("data", to, self.bytes, plan.max_write)
         self.blocks = (-(-lo // BLOCK), -(-hi // BLOCK)) if p.fp8 else (0, 0)
         b0, b1 = self.blocks
         self.scale_bytes = (b1 - b0) * (self.width // BLOCK) * 4
         if self.scale_bytes:
-            row = (at - row0) // BLOCK + b0
+            row = (piece.at_row - piece.row0) // BLOCK + b0
             self.writes += split("scales", tensor.scales + row * (tensor.cols // BLOCK) * 4,
                                  self.scale_bytes, plan.max_write)
 
 
 def check_piece(names, r, tensor, piece):
-    name, rows, cols, row0, row1, col0, col1, at = piece
+    name, rows, cols = piece.source, piece.source_rows, piece.source_cols
     p = names.get(name)
     if p is None:
         within = f" (in {tensor.name})" if tensor.name != name else ""
@@ -176,12 +176,13 @@ def check_piece(names, r, tensor, piece):
     if (p.rows, p.cols) != (rows, cols):
         raise ValueError(f"{name}: the trainers hold {p.rows} x {p.cols}, inference rank {r} "
                          f"expects {rows} x {cols}")
+    row0, row1, col0, col1 = piece.row0, piece.row1, piece.col0, piece.col1
     if not (0 <= row0 < row1 <= rows and 0 <= col0 < col1 <= cols):
         raise ValueError(f"{tensor.name} on inference rank {r}: rows {row0}..{row1} x cols "
                          f"{col0}..{col1} are outside {name}'s {rows} x {cols}")
     if not p.fp8 and (col0, col1) != (0, cols):
         raise ValueError(f"{tensor.name} on inference rank {r}: bf16 pieces take whole rows")
-    if p.fp8 and any(x % BLOCK for x in (row0, row1, col0, col1, at)):
+    if p.fp8 and any(x % BLOCK for x in (row0, row1, col0, col1, piece.at_row)):
         raise ValueError(f"{tensor.name} on inference rank {r}: its piece of {name} (rows "
                          f"{row0}..{row1}, cols {col0}..{col1}) is not on the {BLOCK} x "
                          f"{BLOCK} fp8 blocks: use fewer inference ranks")
@@ -192,6 +193,15 @@ def check_piece(names, r, tensor, piece):
 # ## Code: a trainer's update
 
 # %%
+class Edge(NamedTuple):
+    """The block maxima a trainer shares with another trainer u, in floats."""
+    amax_index: object  # where they are in our amax (an index array)
+    send_at: int        # where ours go in our edge buffer
+    inbox_at: int       # where u's arrive in it
+    remote_at: int      # where ours land in u's
+    count: int          # how many
+
+
 class Trainer:
     """Trainer t: its shards (bf16), the block maxima of its rows, staging in two halves,
     and the batches of its WRITEs, laid out once from the plan."""
@@ -230,8 +240,7 @@ class Trainer:
         return self.amax_at[p.index] + (b - t0 // BLOCK) * (p.cols // BLOCK) + col_blocks
 
     def _edges(self):
-        """Per trainer u we share blocks with: where their maxima are in our amax, where
-        ours go in the send area, where u's arrive in our inbox, where ours go in u's."""
+        """{trainer u: Edge} for every trainer we share blocks with."""
         mine = self.plan.edges(self.t)
         size = {u: sum(p.cols // BLOCK for p, _ in blocks) for u, blocks in mine.items()}
         sent = sum(size.values())
@@ -242,7 +251,7 @@ class Trainer:
             theirs = {s: sum(p.cols // BLOCK for p, _ in blocks)  # u's, the same way
                       for s, blocks in self.plan.edges(u).items()}
             there = sum(theirs.values()) + sum(theirs[s] for s in theirs if s < self.t)
-            out[u] = (self.ops.xp.asarray(index), at, sent + at, there, size[u])
+            out[u] = Edge(self.ops.xp.asarray(index), at, sent + at, there, size[u])
             at += size[u]
         self.edge_buffer = self.ops.xp.zeros(max(2 * sent, 1), self.ops.xp.float32)
         return out
@@ -282,18 +291,18 @@ class Trainer:
                 p = self.plan.params[index]
                 ops.amax(self.view(p), self.plan.rows[self.t][index][0],
                          self.amax[at:at + self._blocks(p)])
-            for u, (index, send, _, there, size) in self.edges.items():
-                self.edge_buffer[send:send + size] = self.amax[index]
+            for e in self.edges.values():
+                self.edge_buffer[e.send_at:e.send_at + e.count] = self.amax[e.amax_index]
             ops.sync()
-            sent = [eng.write(self.peers[u], self.regions["edges"], 4 * send,
-                              self.trainer_edges[u], 4 * there, 4 * size, imm(n, EDGES))
-                    for u, (_, send, _, there, size) in self.edges.items()]
+            sent = [eng.write(self.peers[u], self.regions["edges"], 4 * e.send_at,
+                              self.trainer_edges[u], 4 * e.remote_at, 4 * e.count, imm(n, EDGES))
+                    for u, e in self.edges.items()]
         with clock("waiting for other ranks"):
             eng.expect(imm(n, EDGES), len(self.edges))
         with clock("edge maxima"):
-            for u, (index, _, inbox, _, size) in self.edges.items():
-                self.amax[index] = xp.maximum(self.amax[index],
-                                              self.edge_buffer[inbox:inbox + size])
+            for e in self.edges.values():
+                self.amax[e.amax_index] = xp.maximum(
+                    self.amax[e.amax_index], self.edge_buffer[e.inbox_at:e.inbox_at + e.count])
             self.scales[...] = ref.fp8_scales(self.amax)
             for s in sent:
                 s.wait()
@@ -337,6 +346,15 @@ class Trainer:
         return ((t1 - 1) // BLOCK - t0 // BLOCK + 1) * (p.cols // BLOCK)
 
 
+class Command(NamedTuple):
+    """WRITEs to one inference rank, posted as one command (Engine.write_list)."""
+    region: str          # from the trainer's "staging" or "shard"
+    rank: int            # to this inference rank's weights
+    src: np.ndarray      # one offset a WRITE in the region (uint64)
+    dst: np.ndarray      # and in the weights
+    lengths: np.ndarray  # its bytes
+
+
 class Batch:
     """Some jobs of one layer: where their codes and scales sit in the staging half, and
     one command per inference rank of their WRITEs (another from the shard, for bf16)."""
@@ -354,22 +372,22 @@ class Batch:
                 cols = job.col0 // BLOCK + np.arange(job.width // BLOCK)
                 src += [trainer._block_index(job.p, b, cols) for b in range(b0, b1)]
                 dst.append(scales // 4 + np.arange(job.scale_bytes // 4))
-            for what, rel, to, length in job.writes:
+            for w in job.writes:
                 staged.setdefault(job.r, []).append(
-                    ((codes if what == "data" else scales) + rel, to, length))
+                    ((codes if w.what == "data" else scales) + w.src, w.dst, w.length))
         for job in bf16:
             t0 = t0s[job.p.index][0]
             first = 2 * (trainer.shard_at[job.p.index] + (job.lo - t0) * job.p.cols)
-            for _, rel, to, length in job.writes:
-                direct.setdefault(job.r, []).append((first + rel, to, length))
+            for w in job.writes:
+                direct.setdefault(job.r, []).append((first + w.src, w.dst, w.length))
         self.scale_src = xp.asarray(np.concatenate(src) if src else np.zeros(0, np.int64))
         self.scale_dst = xp.asarray(np.concatenate(dst) if dst else np.zeros(0, np.int64))
-        self.commands = [(source, r, np.array(w, np.uint64).T.copy())
+        self.commands = [Command(source, r, *np.array(w, np.uint64).T.copy())
                          for source, lists in (("staging", staged), ("shard", direct))
                          for r, w in sorted(lists.items())]
-        self.commands_to = {r for _, r, _ in self.commands}
-        self.writes = sum(c[2].shape[1] for c in self.commands)
-        self.bytes = int(sum(c[2][2].sum() for c in self.commands))
+        self.commands_to = {c.rank for c in self.commands}
+        self.writes = sum(len(c.lengths) for c in self.commands)
+        self.bytes = int(sum(c.lengths.sum() for c in self.commands))
 
     def quantise(self, trainer):
         ops, rows = trainer.ops, trainer.plan.rows[trainer.t]
@@ -383,10 +401,10 @@ class Batch:
             trainer.staging.view(ops.xp.float32)[self.scale_dst] = trainer.scales[self.scale_src]
 
     def submit(self, trainer, n):
-        return [trainer.eng.write_list(trainer.peers[trainer.plan.trainers + r],
-                                       trainer.regions[source], w[0], trainer.remotes[r],
-                                       w[1], w[2], imm(n, self.group))
-                for source, r, w in self.commands]
+        return [trainer.eng.write_list(trainer.peers[trainer.plan.trainers + c.rank],
+                                       trainer.regions[c.region], c.src, trainer.remotes[c.rank],
+                                       c.dst, c.lengths, imm(n, self.group))
+                for c in self.commands]
 
 
 class Clock:
@@ -473,17 +491,17 @@ class Inference:
         names = {p.name: p for p in self.plan.params}
         for tensor in self.tensors:
             data, scales = self.views(tensor)
-            sources = [names[piece[0]] for piece in tensor.pieces]
-            for p, (_, rows, cols, row0, row1, col0, col1, at) in zip(sources, tensor.pieces):
-                x = values(xp, self.seed, p, versions[p.index], row0, row1)
+            sources = [names[piece.source] for piece in tensor.pieces]
+            for p, piece in zip(sources, tensor.pieces):
+                x = values(xp, self.seed, p, versions[p.index], piece.row0, piece.row1)
+                mine = data[piece.at_row:piece.at_row + piece.row1 - piece.row0]
                 if not p.fp8:
-                    wrong += 2 * int(xp.count_nonzero(data[at:at + row1 - row0] != x))
+                    wrong += 2 * int(xp.count_nonzero(mine != x))
                     continue
                 codes, s = ref.quantize_fp8(ref.from_bf16(x), BLOCK)
-                mine = data[at:at + row1 - row0]
-                wrong += int(xp.count_nonzero(mine != codes[:, col0:col1]))
-                b = at // BLOCK
-                theirs = s[:, col0 // BLOCK:col1 // BLOCK]
+                wrong += int(xp.count_nonzero(mine != codes[:, piece.col0:piece.col1]))
+                b = piece.at_row // BLOCK
+                theirs = s[:, piece.col0 // BLOCK:piece.col1 // BLOCK]
                 wrong += 4 * int(xp.count_nonzero(scales[b:b + len(theirs)] != theirs))
             total = checksum(xp, self.weights[tensor.offset:tensor.end])
             changed += tensor.name in self.sums and self.sums[tensor.name] != total
@@ -564,24 +582,28 @@ def main():
 
 
 def run(own, group, args, trainers, model, inference_model, ops, gpu):
+    """What both sides share: the engine, a connection to every rank, the layouts
+    exchanged and the plan from them; then this rank's side; then the report."""
     eng = Engine(own, args.provider, gpu=gpu, nics=args.nics, timeout=args.timeout,
                  cuda_ipc=not args.no_cuda_ipc)
     eng.watch(group.check)
     me, world = group.rank, group.world
     peers = {k: eng.connect(a) for k, a in enumerate(group.allgather(eng.address()))
              if k != me}
-    inference = world - trainers
+    inference_ranks = world - trainers
+    # the one place the two sides part: what each knows of itself, and its story below
+    if me < trainers:  # a trainer: the parameters it trains
+        side, mine = trainer, [[p.name, p.rows, p.cols, p.fp8, p.group] for p in parameters(model)]
+    else:  # an inference rank: the tensors it serves, and from which pieces of which
+        side, mine = inference, inference_tensors(inference_model, inference_ranks, me - trainers)
     # both sides' layouts, as each side knows its own, to every rank: the plan from them
-    mine = ([[p.name, p.rows, p.cols, p.fp8, p.group] for p in parameters(model)]
-            if me < trainers else inference_tensors(inference_model, inference, me - trainers))
-    metas = [json.loads(m) for m in group.allgather(json.dumps(mine).encode())]
+    metas = everyone(group, mine)
     params = [Param(i, *m) for i, m in enumerate(metas[0])]
-    layouts = [lay_out(m) for m in metas[trainers:]]
-    plan = Plan(params, trainers, layouts, eng.max_write)
+    plan = Plan(params, trainers, [lay_out(m) for m in metas[trainers:]], eng.max_write)
     if me == 0:
         print(f"{trainers} trainer{'s' * (trainers > 1)} (bf16, FSDP dim-0 shards) -> "
-              f"{inference} inference rank{'s' * (inference > 1)} (fp8 e4m3, 128 x 128 "
-              f"blocks; attention TP{inference}, experts EP{inference}); device "
+              f"{inference_ranks} inference rank{'s' * (inference_ranks > 1)} (fp8 e4m3, 128 x "
+              f"128 blocks; attention TP{inference_ranks}, experts EP{inference_ranks}); device "
               f"{args.device}; provider {eng.provider}; {eng.nics}", flush=True)
         routes = sorted({f"{p.route} ({p.why})" for p in peers.values()})
         print(f"pages between ranks by {'; '.join(routes)}", flush=True)
@@ -590,61 +612,97 @@ def run(own, group, args, trainers, model, inference_model, ops, gpu):
                   if model[k] != full[k]]
         print(f"model {args.model}: {describe(model, params)}"
               + (f" (scaled down: {', '.join(scaled)})" if scaled else ""), flush=True)
-    naive = args.naive == "yes"
-    whole = max(2 * p.rows * p.cols for p in params)  # the naive way's buffers
-    largest = max([fp8_bytes(p) for p in params if p.fp8] + [whole])
-    if me < trainers:
-        whole_fp8 = max([fp8_bytes(p) for p in params if p.fp8] + [0])  # naively quantised
-        side = Trainer(eng, plan, me, ops, args.seed, args.staging,
-                       whole_fp8 if naive and me == 0 else 0)
-        if naive and me == 0:
-            side.gather = ops.xp.zeros(whole // 2, ops.xp.uint16)
-            side.regions["gather"] = eng.register(side.gather)
-        regions = {"edges": side.regions["edges"], "gather": side.regions.get("gather")}
-        if me == 0:
-            print(f"trainer 0: staging {2 * side.half / 1e6:.1f} MB (two halves, each a "
-                  "layer's quantised rows)", flush=True)
-    else:
-        side = Inference(eng, plan, me - trainers, ops, args.seed)
-        inbox = ops.xp.zeros(aligned(largest), ops.xp.uint8) if naive else None
-        regions = {"weights": side.region, "inbox": eng.register(inbox) if naive else None}
-    gathered = [json.loads(d) for d in group.allgather(json.dumps(
-        {k: r.descriptor().hex() for k, r in regions.items() if r is not None}).encode())]
-    remote = [{k: eng.remote(bytes.fromhex(v)) for k, v in d.items()} if k != me else None
-              for k, d in enumerate(gathered)]
-    if me < trainers:
-        side.connect(peers, [remote[trainers + r]["weights"] for r in range(inference)],
-                     {u: remote[u]["edges"] for u in range(trainers) if u != me})
-    else:
-        side.connect(peers)
     report = Report(me, args, plan, eng, ops, trainers, gpu)
-    before = {}
-    for n in range(1, args.updates + (2 if naive else 1)):
-        last = n > args.updates  # the naive way, on the last update's weights
-        versions = versions_at(params, min(n, args.updates))
-        if me < trainers:
-            side.fill(versions)
-        group.barrier()
-        fail = args.fail is not None and n == 2
-        if me < trainers:
-            if last:
-                gather = remote[0]["gather"] if me else None
-                mine = {"seconds": naive_trainer(side, n, gather, [
-                    remote[trainers + r]["inbox"] for r in range(inference)])}
-            else:
-                try:
-                    mine = side.update(n, fail and args.fail == "trainer" and me == trainers - 1)
-                except launch.PeerGone as e:
-                    raise launch.PeerGone(f"trainer {me}: update {n} stopped ({e})") from None
-        else:
-            if last:
-                naive_inference(side, n, inbox)
-            else:
-                side.receive(n, fail and args.fail == "inference" and me == world - 1)
-            mine = side.check(versions, before)
-        before = versions
-        report.update(n, last, [json.loads(x) for x in group.allgather(json.dumps(mine).encode())])
+    side(eng, group, peers, plan, ops, args, report)  # trainer() or inference(): chosen above
     return report.finish()
+
+
+# %% [markdown]
+# ## Main: each side's updates
+
+# %%
+def trainer(eng, group, peers, plan, ops, args, report):
+    """A trainer: its shards, staging and edge buffer registered (trainer 0's also a
+    buffer to gather whole tensors in, for the naive way). Each update: the training
+    step's new values, then its WRITEs into every inference rank (Trainer.update: edge
+    maxima, quantise, WRITE, barrier); its seconds go to the report."""
+    me, trainers, naive = group.rank, plan.trainers, args.naive == "yes"
+    whole = max(2 * p.rows * p.cols for p in plan.params)  # the naive way's gathered tensor
+    whole_fp8 = max([fp8_bytes(p) for p in plan.params if p.fp8] + [0])  # naively quantised
+    side = Trainer(eng, plan, me, ops, args.seed, args.staging,
+                   whole_fp8 if naive and me == 0 else 0)
+    if naive and me == 0:
+        side.gather = ops.xp.zeros(whole // 2, ops.xp.uint16)
+        side.regions["gather"] = eng.register(side.gather)
+    if me == 0:
+        print(f"trainer 0: staging {2 * side.half / 1e6:.1f} MB (two halves, each a "
+              "layer's quantised rows)", flush=True)
+    # every rank's regions: we WRITE into the inference ranks' weights and the other
+    # trainers' edge buffers (the naive way: into the inboxes and trainer 0's gather buffer)
+    remote = exchange(group, eng, {"edges": side.regions["edges"],
+                                   "gather": side.regions.get("gather")})
+    inference_regions = remote[trainers:]
+    side.connect(peers, [r["weights"] for r in inference_regions],
+                 {u: remote[u]["edges"] for u in range(trainers) if u != me})
+    for n, last, versions in updates(args, plan.params):
+        side.fill(versions)  # the training step
+        group.barrier()
+        if last:  # the naive way: trainer 0 gathers, quantises and sends everything
+            gather = remote[0]["gather"] if me else None
+            mine = {"seconds": naive_trainer(side, n, gather,
+                                             [r["inbox"] for r in inference_regions])}
+        else:
+            fail = args.fail == "trainer" and n == 2 and me == trainers - 1
+            try:
+                mine = side.update(n, fail)
+            except launch.PeerGone as e:
+                raise launch.PeerGone(f"trainer {me}: update {n} stopped ({e})") from None
+        report.update(n, last, everyone(group, mine))
+
+
+def inference(eng, group, peers, plan, ops, args, report):
+    """An inference rank: its weights registered (and for the naive way an inbox of the
+    largest whole tensor). Each update: every layer's WRITEs waited for by count and the
+    barrier (Inference.receive), then every weight and scale checked, for the report."""
+    me, naive = group.rank, args.naive == "yes"
+    side = Inference(eng, plan, me - plan.trainers, ops, args.seed)
+    whole = max(2 * p.rows * p.cols for p in plan.params)  # the naive way's bf16 tensors
+    largest = max([fp8_bytes(p) for p in plan.params if p.fp8] + [whole])
+    inbox = ops.xp.zeros(aligned(largest), ops.xp.uint8) if naive else None
+    # every rank's regions (ours the trainers WRITE into; we WRITE into none)
+    exchange(group, eng, {"weights": side.region,
+                          "inbox": eng.register(inbox) if naive else None})
+    side.connect(peers)
+    before = {}
+    for n, last, versions in updates(args, plan.params):
+        group.barrier()
+        if last:  # the naive way: each whole tensor into the inbox, our slices out of it
+            naive_inference(side, n, inbox)
+        else:
+            side.receive(n, args.fail == "inference" and n == 2 and me == group.world - 1)
+        report.update(n, last, everyone(group, side.check(versions, before)))
+        before = versions
+
+
+def updates(args, params):
+    """(n, naive, each parameter's version) of each update: --updates of them, then, with
+    --naive yes, the naive way on the last one's weights."""
+    for n in range(1, args.updates + (2 if args.naive == "yes" else 1)):
+        yield n, n > args.updates, versions_at(params, min(n, args.updates))
+
+
+def everyone(group, value):
+    """`value` from every rank, in rank order (as JSON)."""
+    return [json.loads(x) for x in group.allgather(json.dumps(value).encode())]
+
+
+def exchange(group, eng, regions):
+    """Our regions ({name: Region, None where this rank has none}) to every rank; every
+    rank's as {name: RemoteRegion}, None for our own."""
+    ours = {name: r.descriptor().hex() for name, r in regions.items() if r is not None}
+    return [None if k == group.rank else
+            {name: eng.remote(bytes.fromhex(d)) for name, d in theirs.items()}
+            for k, theirs in enumerate(everyone(group, ours))]
 
 
 if __name__ == "__main__":

@@ -52,8 +52,8 @@ def test_the_plan_writes_every_inference_byte_exactly_once(ch19, trainers, infer
         for t in range(trainers):
             for jobs in plan.jobs[t].values():
                 for job in (j for j in jobs if j.r == r):
-                    for _, _, at, length in job.writes:
-                        covered[at:at + length] += 1
+                    for w in job.writes:
+                        covered[w.dst:w.dst + w.length] += 1
         wanted = np.zeros_like(covered)
         for tensor in tensors:
             wanted[tensor.offset:tensor.offset + tensor.bytes] = 1
@@ -75,13 +75,14 @@ def test_the_plan_writes_every_inference_byte_exactly_once(ch19, trainers, infer
 def test_fused_and_sharded_tensors_take_the_right_rows(ch19):
     tensors = {t.name: t for t in lay_out(inference_tensors(TINY, 2, 1))}
     qkv = tensors["model.layers.0.self_attn.qkv_proj.weight"]
-    assert [(p[0].split(".")[-2], p[3], p[4], p[7]) for p in qkv.pieces] == \
+    assert [(p.source.split(".")[-2], p.row0, p.row1, p.at_row) for p in qkv.pieces] == \
         [("q_proj", 256, 512, 0), ("k_proj", 128, 256, 256), ("v_proj", 128, 256, 384)]
     o = tensors["model.layers.0.self_attn.o_proj.weight"]
-    assert (o.rows, o.cols, o.pieces[0][5:7]) == (256, 256, [256, 512])
+    assert (o.rows, o.cols, o.pieces[0].col0, o.pieces[0].col1) == (256, 256, 256, 512)
     experts = sorted(n.split(".")[5] for n in tensors if "gate_up_proj" in n and ".0." in n)
     assert experts == ["2", "3"]  # expert-parallel: rank 1 of 2 holds experts 2 and 3
-    assert tensors["model.embed_tokens.weight"].pieces[0][3:5] == [256, 512]
+    embed = tensors["model.embed_tokens.weight"].pieces[0]
+    assert (embed.row0, embed.row1) == (256, 512)
 
 
 def test_shards_quantised_with_shared_edge_maxima_equal_the_whole_tensor():
@@ -130,14 +131,16 @@ def test_the_check_counts_a_flipped_byte(ch19):
     names = {p.name: p for p in plan.params}
     for tensor in inf.tensors:  # what the updates should leave, from the reference
         data, scales = inf.views(tensor)
-        for name, _, _, row0, row1, col0, col1, at in tensor.pieces:
-            x = values(np, 5, names[name], 1, row0, row1)
+        for piece in tensor.pieces:
+            x = values(np, 5, names[piece.source], 1, piece.row0, piece.row1)
+            at, height = piece.at_row, piece.row1 - piece.row0
             if scales is None:
-                data[at:at + row1 - row0] = x
+                data[at:at + height] = x
                 continue
             codes, s = ref.quantize_fp8(ref.from_bf16(x), BLOCK)
-            data[at:at + row1 - row0] = codes[:, col0:col1]
-            scales[at // BLOCK:(at + row1 - row0) // BLOCK] = s[:, col0 // BLOCK:col1 // BLOCK]
+            data[at:at + height] = codes[:, piece.col0:piece.col1]
+            scales[at // BLOCK:(at + height) // BLOCK] = \
+                s[:, piece.col0 // BLOCK:piece.col1 // BLOCK]
     assert inf.check(versions, {})["wrong"] == 0
     qkv = next(t for t in inf.tensors if t.name.endswith("qkv_proj.weight"))
     inf.weights[qkv.offset + 777] ^= 1

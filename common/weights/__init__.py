@@ -5,6 +5,8 @@ Both the chapter and the baseline name their WRITEs the same way: an immediate o
 update (8 bits) and the layer, or one of the kinds below, and WRITEs split at the
 provider's largest message.
 """
+from typing import NamedTuple
+
 from common.moe.reference import FP8_BLOCK
 
 BLOCK = FP8_BLOCK  # 128: weight blocks are 128 x 128, one float32 scale each
@@ -18,6 +20,16 @@ def imm(update, kind):
     return (update & 0xFF) << 24 | kind
 
 
+class Write(NamedTuple):
+    """One WRITE of `length` bytes: from `src` in the source's bytes of its kind (`what`:
+    a job's "data" or "scales"), to `dst` in the destination region."""
+    what: str
+    src: int
+    dst: int
+    length: int
+
+
 def split(what, dst, length, largest):
-    """[(what, offset in the job's bytes, destination offset, length)] of <= largest each."""
-    return [(what, at, dst + at, min(largest, length - at)) for at in range(0, length, largest)]
+    """`length` bytes to dst on as [Write] of at most `largest` bytes each."""
+    return [Write(what, at, dst + at, min(largest, length - at))
+            for at in range(0, length, largest)]

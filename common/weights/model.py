@@ -3,6 +3,7 @@ them (bf16, FSDP's dim-0 shards) and the tensors an inference rank serves (fp8 w
 128 x 128 block scales, tensor- and expert-parallel, projections fused), where each lives
 in a rank's memory, and the values the tests and the checks compute on both sides.
 """
+from typing import NamedTuple
 
 from common.cli import UsageError
 from common.moe import reference as ref
@@ -59,10 +60,22 @@ def shard_rows(rows, trainers, t):
     return min(rows, t * chunk), min(rows, (t + 1) * chunk)
 
 
+class Piece(NamedTuple):
+    """Rows [row0, row1) x cols [col0, col1) of the training parameter `source` (whole:
+    source_rows x source_cols) go to an inference tensor's rows from `at_row` on. Sent
+    between ranks as JSON: a list, made a Piece again by Tensor."""
+    source: str
+    source_rows: int
+    source_cols: int
+    row0: int
+    row1: int
+    col0: int
+    col1: int
+    at_row: int
+
+
 def inference_tensors(m, n, r):
-    """Inference rank r of n: its tensors as [name, fp8, rows, cols, pieces], a piece
-    [source name, its rows, its cols, row0, row1, col0, col1, at_row]: rows [row0, row1)
-    x cols [col0, col1) of the source go to rows from at_row on. Attention is
+    """Inference rank r of n: its tensors as [name, fp8, rows, cols, [Piece]]. Attention is
     tensor-parallel over n (q/k/v by output rows, fused; o_proj by input columns), the
     experts expert-parallel (whole, fused gate/up), embeddings and lm_head by vocabulary
     rows, norms and the router replicated."""
@@ -74,11 +87,11 @@ def inference_tensors(m, n, r):
             raise ValueError(f"{n} inference ranks do not divide the model's {size} {what}")
 
     def whole(name, rows, cols, at=0):
-        return [name, rows, cols, 0, rows, 0, cols, at]
+        return Piece(name, rows, cols, 0, rows, 0, cols, at)
 
     def rows_of(name, rows, cols, at=0):  # rank r's 1/n of the rows
         part = rows // n
-        return [name, rows, cols, r * part, (r + 1) * part, 0, cols, at]
+        return Piece(name, rows, cols, r * part, (r + 1) * part, 0, cols, at)
 
     v = m["vocab"]
     tensors = [["model.embed_tokens.weight", False, v // n, h,
@@ -96,8 +109,8 @@ def inference_tensors(m, n, r):
                          rows_of(sa + "k_proj.weight", kv, h, q // n),
                          rows_of(sa + "v_proj.weight", kv, h, (q + kv) // n)]])
         part = q // n
-        tensors.append([sa + "o_proj.weight", True, h, part,
-                        [[sa + "o_proj.weight", h, q, 0, h, r * part, (r + 1) * part, 0]]])
+        tensors.append([sa + "o_proj.weight", True, h, part, [
+            Piece(sa + "o_proj.weight", h, q, 0, h, r * part, (r + 1) * part, 0)]])
         tensors.append([at + "mlp.gate.weight", False, m["experts"], h,
                         [whole(at + "mlp.gate.weight", m["experts"], h)]])
         per = m["experts"] // n
@@ -118,7 +131,8 @@ class Tensor:
     values) at `offset`, fp8 scales ((rows / 128) x (cols / 128) float32) at `scales`."""
 
     def __init__(self, name, fp8, rows, cols, pieces, offset):
-        self.name, self.fp8, self.rows, self.cols, self.pieces = name, fp8, rows, cols, pieces
+        self.name, self.fp8, self.rows, self.cols = name, fp8, rows, cols
+        self.pieces = [Piece(*piece) for piece in pieces]
         self.offset = offset
         self.bytes = rows * cols * (1 if fp8 else 2)
         self.scales = aligned(offset + self.bytes)

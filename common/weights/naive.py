@@ -66,7 +66,7 @@ def naive_inference(inf, n, inbox):
     mine = {}
     for tensor in inf.tensors:
         for piece in tensor.pieces:
-            mine.setdefault(piece[0], []).append((tensor, piece))
+            mine.setdefault(piece.source, []).append((tensor, piece))
     for p in plan.params:
         length = fp8_bytes(p) if p.fp8 else 2 * p.rows * p.cols
         inf.eng.expect(imm(n, BROADCAST), len(split("", 0, length, inf.eng.max_write)))
@@ -77,13 +77,14 @@ def naive_inference(inf, n, inbox):
                 p.rows // BLOCK, p.cols // BLOCK)
         else:
             codes = inbox[:2 * p.rows * p.cols].view(xp.uint16).reshape(p.rows, p.cols)
-        for tensor, (_, _, _, row0, row1, col0, col1, at) in mine.get(p.name, ()):
+        for tensor, piece in mine.get(p.name, ()):
             data, into = inf.views(tensor)
-            data[at:at + row1 - row0] = codes[row0:row1, col0:col1]
+            at, height = piece.at_row, piece.row1 - piece.row0
+            data[at:at + height] = codes[piece.row0:piece.row1, piece.col0:piece.col1]
             if p.fp8:
                 b = at // BLOCK
-                into[b:b + (row1 - row0) // BLOCK] = \
-                    scales[row0 // BLOCK:row1 // BLOCK, col0 // BLOCK:col1 // BLOCK]
+                into[b:b + height // BLOCK] = scales[piece.row0 // BLOCK:piece.row1 // BLOCK,
+                                                     piece.col0 // BLOCK:piece.col1 // BLOCK]
         ops.sync()
         inf.eng.signal(inf.peers[0], imm(n, FREE))
     inf.eng.group(list(inf.peers.values())).barrier(imm(n, BARRIER))
@@ -91,6 +92,6 @@ def naive_inference(inf, n, inbox):
 
 def post(eng, peer, region, src, remote, dst, length, value):
     """`length` bytes as WRITEs of at most the provider's largest, one command."""
-    parts = np.array([(src + rel, to, size) for _, rel, to, size in
+    parts = np.array([(src + w.src, w.dst, w.length) for w in
                       split("", dst, length, eng.max_write)], np.uint64).T
     return eng.write_list(peer, region, parts[0], remote, parts[1], parts[2], value)
