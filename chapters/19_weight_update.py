@@ -152,7 +152,7 @@ class Job:
     of its codes (or bf16 rows) and of the scales of the blocks that begin in its rows."""
 
     def __init__(self, plan, t, p, r, tensor, piece, lo, hi):
-        self.p, self.r, self.tensor, self.piece, self.lo, self.hi = p, r, tensor, piece, lo, hi
+        self.p, self.r, self.lo, self.hi = p, r, lo, hi
         self.col0, self.width = piece.col0, piece.col1 - piece.col0
         to = tensor.offset + (piece.at_row + lo - piece.row0) * tensor.cols * (1 if p.fp8 else 2)
         self.bytes = (hi - lo) * self.width * (1 if p.fp8 else 2)
