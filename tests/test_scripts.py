@@ -1,6 +1,7 @@
 """Every script in scripts/: it answers --help, and it takes what it shares with the other
 scripts from common/, never from another script and never by changing sys.path (the
-project is installed into .venv, so common/ imports as it is)."""
+project is installed into .venv, so common/ imports as it is). Nor does any file of
+tests/, the programs the tests start (tests/stuck.py, ...) included."""
 import ast
 import sys
 
@@ -10,6 +11,7 @@ from common.chapter_pair import ROOT, local_env
 from tests.budget import Budget
 
 SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
+TESTS = sorted((ROOT / "tests").glob("*.py"))
 NAMES = {path.stem for path in SCRIPTS}
 
 
@@ -33,6 +35,11 @@ def test_a_script_imports_common_not_other_scripts(path):
     assert touches_sys_path(tree) == [], f"{path.name} changes sys.path"
     others = sorted(set(imported(tree)) & (NAMES | {"scripts", "tests"}))
     assert others == [], f"{path.name} imports {others}: what scripts share is in common/"
+
+
+@pytest.mark.parametrize("path", TESTS, ids=[p.stem for p in TESTS])
+def test_a_test_leaves_sys_path_alone(path):
+    assert touches_sys_path(ast.parse(path.read_text())) == [], f"{path.name} changes sys.path"
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=[p.stem for p in SCRIPTS])
