@@ -8,10 +8,9 @@ import types
 import pytest
 
 from common.engine import multinet, topo
-from common.fabric import lib
 import common.fabric as fi
 from common.chapter_pair import chapter_path, local_env
-from tests import fake_sysfs
+from tests import fake_info, fake_sysfs
 from tests.one_line_errors import assert_one_line_error, run
 
 # The series' table (blog-series.md): GPU, bus, NUMA node, pinned core, its 4 NICs.
@@ -141,7 +140,7 @@ def test_lanes_of_chapters_09_to_15_use_each_gpus_own_verbs_nics(tmp_path, monke
     monkeypatch.setattr(topo, "nics_here", lambda head: [
         topo.Nic(n, topo.rdma_device_bus(n, tmp_path), 400 / per_gpu) for n in names])
     monkeypatch.setattr(topo, "layout", functools.partial(topo.layout, sysfs=tmp_path))
-    head = info_list(names)
+    head = fake_info.info_list(names)
     args = types.SimpleNamespace(gpus=list(range(8)), provider_used="verbs")
     for gpus, per in ((list(range(8)), None), ([6, 1], 1)):
         args.gpus = gpus
@@ -150,15 +149,3 @@ def test_lanes_of_chapters_09_to_15_use_each_gpus_own_verbs_nics(tmp_path, monke
         assert got == [[f"mlx5_{g * per_gpu + k}" for k in range(per or per_gpu)]
                        for g in gpus]
         assert what.startswith(f"{len(gpus)} x {per or per_gpu} NICs: mlx5_")
-
-
-def info_list(names):
-    """An fi_info list with one entry per domain name (fi_allocinfo; freed with its head)."""
-    head = fi.hints()
-    head.domain_attr.name = lib.strdup(names[0].encode())
-    last = head
-    for name in names[1:]:
-        last.next = lib.fi_allocinfo()
-        last = last.next
-        last.domain_attr.name = lib.strdup(name.encode())
-    return head
