@@ -1,6 +1,7 @@
 """Chapter 08 and common.engine.topo against fake machines: the series' p5, a one-GPU box,
 NICs on the wrong NUMA node, no NUMA information at all, a ConnectX-7 box (verbs)."""
 import functools
+import shlex
 import subprocess
 import sys
 import types
@@ -9,7 +10,7 @@ import pytest
 
 from common.engine import multinet, topo
 import common.fabric as fi
-from common.chapter_pair import chapter_path, local_env
+from common.chapter_pair import ROOT, chapter_path, local_env
 from tests import fake_info, fake_sysfs
 from tests.one_line_errors import assert_one_line_error, run
 
@@ -27,7 +28,27 @@ def chapter(sysfs, machine):
 
 
 def test_08_prints_the_p5_table(tmp_path):
-    out = chapter(tmp_path, fake_sysfs.save(tmp_path, fake_sysfs.p5(tmp_path)))
+    assert_p5_table(chapter(tmp_path, fake_sysfs.save(tmp_path, fake_sysfs.p5(tmp_path))))
+
+
+def test_08_on_the_p5_faked_in_a_folder_named_relative(tmp_path):
+    """What tests/fake_sysfs.py's docstring shows, in a folder of one's own: `fake_sysfs.py
+    fake` there, then the command it prints, `--sysfs fake`. The tree's links point as
+    sysfs's do, relative to the link's own folder: links to fake/devices/... from inside
+    fake/bus/pci/devices/ led nowhere, and the NUMA column read "-"."""
+    made = subprocess.run([sys.executable, str(ROOT / "tests" / "fake_sysfs.py"), "fake"],
+                          capture_output=True, text=True, env=local_env(), cwd=tmp_path,
+                          timeout=30)
+    assert made.returncode == 0, made.stderr
+    command = shlex.split(made.stdout)
+    assert command[command.index("--sysfs") + 1] == "fake", made.stdout
+    done = subprocess.run(command, capture_output=True, text=True, env=local_env(),
+                          cwd=tmp_path, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert_p5_table(done.stdout)
+
+
+def assert_p5_table(out):
     assert "GPUs: 8 (described in" in out and "NICs: 32 (described)" in out
     assert "NUMA nodes: 2; physical cores: 96" in out
     rows = [line.split() for line in out.splitlines() if line.startswith("cuda:")]
