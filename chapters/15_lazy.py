@@ -8,7 +8,8 @@ lazy (submit only enqueues; the queue is drained when polling completions,
 which is when room appears) and reached 97% of 3200 Gbps. The count of
 -FI_EAGAIN in the report shows the difference where a completion means room
 (0 against millions: shm with CUDA IPC, libfabric 2.1.0, 2 x H200);
-LESSON says why shm's 4 KiB WRITEs on a small machine are refused either way.
+LESSON says why shm's 4 KiB WRITEs on a small machine are refused either way,
+and why libfabric 2.x's own tcp refuses none either way (1.x's tcp, rxm, does).
 
 New since chapter 14: in chapters/15_lazy.c, a visit calls enqueue(), which
 only fills the pending ring, in place of submit(), and drains the ring only
@@ -29,7 +30,15 @@ LESSON = {"figure": "refused", "visible": {"than": "14", "by": 2}, "field": "ref
           "why_not": {"shm": "shm completes a WRITE of up to 4 KiB once it is queued, before "
                              "the peer takes it (prov/shm/src/smr_rma.c), so a completion is "
                              "no promise of room and lazy posts are refused too, the more so "
-                             "the less often the peer gets a core."}}
+                             "the less often the peer gets a core.",
+                      # 1.x's tcp is tcp;ofi_rxm: rxm refuses once its tx credits are lent
+                      # out (rxm_ep.c), and lazy posts are refused less there
+                      "tcp": {"2": "2.x's own tcp takes every WRITE it is given, with no "
+                                   "bound on its transfers (xnet_alloc_tx), and refuses "
+                                   "none, eager or lazy: chapter 14 is refused 0 times too, "
+                                   "so there is nothing for lazy posts to save. 1.x's tcp is "
+                                   "rxm's, which refuses once its credits are lent out; "
+                                   "-p 'tcp;ofi_rxm' picks that one on 2.x."}}}
 
 # %% [markdown]
 # ## Motivation

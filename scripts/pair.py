@@ -18,7 +18,7 @@ import shlex
 import signal
 import sys
 
-from common import usage
+from common import cli, usage
 from common.chapter_pair import run_pair
 
 
@@ -59,7 +59,8 @@ def main():
         return 130 if isinstance(e, KeyboardInterrupt) else 143
     for name, run in [("server", pair.server)] + [(f"client {i + 1}", c)
                                                     for i, c in enumerate(pair.clients)]:
-        print(f"--- {name}: {shlex.join(run.args[1:])} -> exit {run.rc}")
+        program, *args = run.args[1:]  # after the interpreter
+        print(f"--- {name}: {shlex.join([cli.shown(program), *args])} -> exit {run.rc}")
     if not pair.clients:
         print("--- no client ran: the server printed no address")
     return 0 if pair.ok else 1

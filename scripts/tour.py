@@ -12,15 +12,18 @@ Each chapter declares, in the LESSON dict below its docstring, what shows its le
               other ({"than": "11 --engine python", "by": 1.5})
   "client"    the client's flags of the run that shows it (the server prints that command)
   "field"     where its --json record keeps that figure (chapters that write one)
-  "why_not"   per provider, why the figure cannot move there on a machine like this one
+  "why_not"   per provider, why the figure cannot move there on a machine like this one:
+              a reason for every libfabric, or reasons per major version where the
+              provider differs between them ({"2": "..."}: on 2.x; on 1.x it can move)
 The tour runs each chapter on this host's default provider (what the chapters pick),
-unless its "why_not" names that one: then on the first other provider usable here that it
-does not name (tcp beside shm on a host without a NIC); -p runs them all on one. Server
-and client run as a pair on this host; every byte is verified. The table says per chapter
-what it showed, where it ran and why, and whether the lesson is visible; where it is not,
-the chapter's "why_not" for the provider it ran on (that one's only) says why. Measured
-figures come from --repeats runs, chapter after chapter within a repeat, so that a busy
-moment hits them all; a chapter and the one it is compared with run on the same provider.
+unless its "why_not" gives a reason for that one on this libfabric: then on the first
+other provider usable here that it gives none for (tcp beside shm on a host without a
+NIC); -p runs them all on one. Server and client run as a pair on this host; every byte
+is verified. The table says per chapter what it showed, where it ran and why, and whether
+the lesson is visible; where it is not, the chapter's "why_not" for the provider it ran on
+(that one's only) says why. Measured figures come from --repeats runs, chapter after
+chapter within a repeat, so that a busy moment hits them all; a chapter and the one it is
+compared with run on the same provider.
 """
 import argparse
 import ast
@@ -51,14 +54,23 @@ def base(provider):
     return provider.split(";")[0]
 
 
-def provider_for(lesson, forced, default, usable):
+def reason(lesson, provider, version):
+    """The chapter's word on why its figure cannot move on `provider` with libfabric
+    `version` (major, minor), or None where it can: a reason given as text holds on every
+    version, one given per major version ({"2": ...}) on the versions it names."""
+    said = lesson.get("why_not", {}).get(base(provider))
+    return said.get(str(version[0])) if isinstance(said, dict) else said
+
+
+def provider_for(lesson, forced, default, usable, version):
     """(provider, why) a chapter runs on: -p's for every chapter; else this host's default,
-    unless the chapter's "why_not" names it: then the first provider usable here, in the
-    chapters' order of preference (common/fabric: DEFAULT_PROVIDERS), that it does not name;
-    where it names them all, the default after all."""
+    unless the chapter's "why_not" gives a reason for it on libfabric `version`: then the
+    first provider usable here, in the chapters' order of preference (common/fabric:
+    DEFAULT_PROVIDERS), that it gives none for; where it rules them all out, the default
+    after all."""
     if forced:
         return forced, "-p"
-    ruled_out = set(lesson.get("why_not", {}))
+    ruled_out = {name for name in lesson.get("why_not", {}) if reason(lesson, name, version)}
     if base(default) not in ruled_out:
         return default, "the default"
     here = {base(p): p for p in usable}
@@ -68,12 +80,13 @@ def provider_for(lesson, forced, default, usable):
     return default, "the default; its lesson moves on no provider here"
 
 
-def why_not(stem, lesson, provider):
+def why_not(stem, lesson, provider, version):
     """Why a chapter's lesson did not show on the provider it ran on, as the tour prints
-    it: the chapter's word for that provider (its only), or that it has none."""
-    reason = lesson.get("why_not", {}).get(base(provider))
+    it: the chapter's word for that provider on this libfabric (its only), or that it has
+    none."""
+    said = reason(lesson, provider, version)
     return (f"{stem} on {base(provider)}: "
-            + (reason or f"not beyond the noise in these repeats, though its LESSON gives "
+            + (said or f"not beyond the noise in these repeats, though its LESSON gives "
                f"no reason it cannot show on {base(provider)} (run the tour again)"))
 
 
@@ -100,6 +113,15 @@ def malformed(number, declared):
     a figure of FIGURES, the client run that shows it and one rule of what is visible."""
     if not isinstance(declared, dict) or not isinstance(declared.get("figure"), str):
         return "is not a dict with a 'figure'"
+    reasons = declared.get("why_not", {})
+    if not isinstance(reasons, dict):
+        return "'why_not' needs a dict of reasons by provider"
+    for provider, said in reasons.items():
+        if not (isinstance(said, str) and said or isinstance(said, dict) and said and all(
+                str(major).isdigit() and isinstance(text, str) and text
+                for major, text in said.items())):
+            return (f"'why_not' of {provider} needs a reason, or one per libfabric major "
+                    "version ({'2': ...})")
     rule = declared.get("visible")
     if number in CHECKS and "visible" not in declared:
         return None if declared["figure"] == "check" else \
@@ -303,8 +325,9 @@ def verdict(lesson, mine, theirs):
 
 
 def about_here(provider):
-    """(the provider -p or the default gives, every provider usable here, a line saying
-    them, libfabric and the machine), as the chapters see them; exits on a bad -p."""
+    """(the provider -p or the default gives, every provider usable here, libfabric's
+    version (major, minor), a line saying them and the machine), as the chapters see them;
+    exits on a bad -p."""
     code = ("import sys, common.fabric as fi\n"
             "from common.engine.multinet import CAPS\n"
             "from common.records import machine\n"
@@ -312,14 +335,16 @@ def about_here(provider):
             "except ValueError as e: sys.exit(str(e))\n"
             "m = machine()\n"
             "print(fi.provider_of(info)); print(' '.join(fi.usable(CAPS)))\n"
+            "print('%d %d' % fi.version())\n"
             "print(f\"provider {fi.provider_of(info)} ({why}), libfabric %d.%d, "
             "{m['cpu']} x {m['cores']} cores\" % fi.version())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=local_env(), cwd=ROOT)
     if done.returncode:
         sys.exit(f"tour: {last_line(done.stderr or done.stdout)}")
-    chosen, usable, line = done.stdout.strip().splitlines()
-    return chosen, usable.split(), f"{line}, {platform.machine()}"
+    chosen, usable, version, line = done.stdout.strip().splitlines()
+    return (chosen, usable.split(), tuple(map(int, version.split())),
+            f"{line}, {platform.machine()}")
 
 
 def main():
@@ -329,7 +354,7 @@ def main():
                    help="runs of each measured chapter (default 3)")
     args = p.parse_args()
     start = time.monotonic()
-    default, usable, line = about_here(args.provider)
+    default, usable, version, line = about_here(args.provider)
     print(f"{line}\n")
     chapters = {int(path.name[:2]): path
                 for path in sorted((ROOT / "chapters").glob("[0-9][0-9]_*.py"))}
@@ -337,7 +362,8 @@ def main():
         lessons = {n: lesson(path) for n, path in chapters.items()}
     except ValueError as e:  # a chapter the tour cannot judge: said before anything runs
         sys.exit(f"tour: {e}")
-    where = {n: provider_for(lessons[n], args.provider, default, usable) for n in chapters}
+    where = {n: provider_for(lessons[n], args.provider, default, usable, version)
+             for n in chapters}
     # what each chapter is given: -p, or another provider than the default; else nothing,
     # so that it picks the default itself (03 then lists every provider, not one)
     given = {n: p if args.provider or p != default else None for n, (p, _) in where.items()}
@@ -372,7 +398,7 @@ def main():
         visible, why = verdict(lesson_n, values, theirs)
         rows[n] = (said, f"{'yes' if visible else 'no'}: {why}", True)
         if not visible:
-            notes.append(why_not(chapters[n].stem, lesson_n, where[n][0]))
+            notes.append(why_not(chapters[n].stem, lesson_n, where[n][0], version))
     table = [("chapter", "ran on", "what it shows here", "lesson visible here")] + \
         [(chapters[n].stem, "{} ({})".format(*where[n]), *rows[n][:2]) for n in sorted(rows)]
     widths = [max(len(r[i]) for r in table) for i in range(3)]

@@ -74,6 +74,18 @@ def infos(*entries):
     return ffi.gc(head, lambda head, _nics=keep: lib.fi_freeinfo(head))
 
 
+def info_list(names):
+    """An fi_info list with one entry per domain name (fi_allocinfo; freed with its head)."""
+    head = fi.hints()
+    head.domain_attr.name = lib.strdup(names[0].encode())
+    last = head
+    for name in names[1:]:
+        last.next = lib.fi_allocinfo()
+        last = last.next
+        last.domain_attr.name = lib.strdup(name.encode())
+    return head
+
+
 def _nic(e, keep):
     domain, bus, rest = e.pci.split(":")
     device, function = rest.split(".")

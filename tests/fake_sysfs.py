@@ -7,6 +7,7 @@ topology/thread_siblings_list; RDMA devices that verbs names (it gives no PCI
 address) the link class/infiniband/<name>/device.
 """
 import json
+import os
 from pathlib import Path
 
 # The p5 of the series (blog-series.md): per GPU, its bus and its 4 NICs' buses.
@@ -36,9 +37,11 @@ def device(root, chain, numa):
 
 
 def symlink(link, target):
+    """A link to `target` relative to the link's own folder, as sysfs's are
+    (../../../devices/...): it holds whether the root was given relative or absolute."""
     link.parent.mkdir(parents=True, exist_ok=True)
     if not link.exists():
-        link.symlink_to(target)
+        link.symlink_to(os.path.relpath(target, link.parent))
 
 
 def cpus(root, nodes, threads_per_core=2):

@@ -2,15 +2,12 @@
 bytes that arrived: the prefiller has sent its timings and waits for the verdict, which
 never comes, as from a decoder stopped or frozen at that moment.
 
-    python tests/frozen_decoder.py ARGS...   (the decoder's arguments)
+    .venv/bin/python tests/frozen_decoder.py ARGS...   (the decoder's arguments)
 """
 import os
 import signal
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.chapter_pair import chapter_module  # noqa: E402
+from common.chapter_pair import chapter_module
 
 chapter = chapter_module(18)
 checking = chapter.check

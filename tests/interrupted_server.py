@@ -2,7 +2,7 @@
 successful return of one libfabric call: where a real Ctrl-C mostly lands, since the call
 is where the time goes, and before the caller has noted what the call did.
 
-    python tests/interrupted_server.py fi_writemsg 2000 [--failing-close] CHAPTER.py ARGS...
+    .venv/bin/python tests/interrupted_server.py fi_writemsg 2000 [--failing-close] CHAPTER.py ARGS...
 
 fi_writemsg counts the posts of the op queue (common/engine/opqueue.py), fi_cq_read the
 reads that returned completions. --failing-close: the first fi_close after the interrupt
@@ -11,11 +11,9 @@ closes, then raises FabricError, as a clean-up step that fails would.
 import errno
 import runpy
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common.engine.opqueue as opqueue  # noqa: E402
-import common.fabric as fi  # noqa: E402
+import common.engine.opqueue as opqueue
+import common.fabric as fi
 
 
 class Interrupting:

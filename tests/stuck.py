@@ -12,11 +12,9 @@ that a dead peer held (and without taking a core of the busy test machine).
 import ctypes
 import sys
 import threading
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common.fabric as fi  # noqa: E402
-from common import cli  # noqa: E402
+import common.fabric as fi
+from common import cli
 
 LIBC = ctypes.CDLL(None)
 

@@ -4,22 +4,16 @@ import json
 import re
 import shlex
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 import common.fabric as fi
-from common import shm_files
 import common.engine.opqueue as queue_module
-from common.cli import PEER_TIMEOUT
-from common.chapter_pair import ADDRESS, chapter_module, chapter_path, local_env, run_pair
-from tests.budget import Budget
+from common.chapter_pair import chapter_module, run_pair
+from tests.chapter_procs import SMALL, client_gone_server_survives, fault_then_next_client
 from tests.gpu import has_gpu, needs_gpu
 from tests.one_line_errors import SHM_DEAD, assert_one_line_error, run
 
-SMALL = ["--buffer-size", "4M", "--pages", "0-63"]  # 64 pages of 64 KiB
 # Provider queues made tiny, so that fi_writemsg says -FI_EAGAIN again and again.
 # shm without CMA copies through a handful of bounce buffers, which run out at
 # once (with CMA a quick reader may keep up). tcp is "tcp;ofi_rxm" in libfabric
@@ -215,74 +209,6 @@ def test_07_gpu_buffers():
     assert "GPU 0 memory" in pair.clients[0].out
     assert "verified 16 pages (16777216 bytes): 0 wrong bytes" in pair.clients[0].out
     assert completions(pair.server.out)[0] == 200
-
-
-def start(chapter, args, until):
-    """A chapter's process, once it has printed a line matching `until`."""
-    proc = subprocess.Popen([sys.executable, str(chapter_path(chapter)), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=local_env())
-    out, budget = "", Budget(20)  # a busy machine's Python takes seconds to import numpy
-    while not re.search(until, out, re.MULTILINE) and budget.left() > 0:
-        out += proc.stdout.readline()
-    assert re.search(until, out, re.MULTILINE), out
-    return proc, out
-
-
-def fault_then_next_client(chapter, provider, fault, next_waits, server_args=(),
-                           client_args=()):
-    """A server for two clients; the first gets `fault` while WRITEs stream into it, the
-    next is started at once and waits `next_waits` times a peer's wait, and must verify
-    every page; the server ends well, without a traceback. Returns (the server's stderr,
-    its wait for a peer, as given)."""
-    budget = Budget(120)
-    wait, next_wait = (f"{budget.grant(s):g}"
-                       for s in (PEER_TIMEOUT, next_waits * PEER_TIMEOUT))
-    server, out = start(chapter, ["-p", provider, "--clients", "2", "--timeout", wait,
-                                  *server_args], ADDRESS.pattern)
-    procs = [server]
-    try:
-        address = ADDRESS.search(out)[1]
-        first, _ = start(chapter, ["-p", provider, address, "--iters", "100000000", *SMALL,
-                                   *client_args], "^memory:")
-        procs.append(first)
-        time.sleep(1)
-        first.send_signal(fault)
-        if fault == signal.SIGINT:
-            assert first.wait(budget.grant(10)) == 130
-        done = budget.run([sys.executable, str(chapter_path(chapter)), "-p", provider,
-                           address, "--iters", "500", "--timeout", next_wait, *SMALL,
-                           *client_args],
-                          env=local_env())
-        _, err = budget.communicate(server)
-        assert done.returncode == 0, f"the next client: {done.stderr}the server: {err}"
-        assert re.search(r"verified .*64 pages .*: 0 wrong bytes", done.stdout)
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-        shm_files.remove_left_by([proc.pid for proc in procs])  # killed with -9: nothing removed
-    assert server.returncode == 0, err
-    assert "Traceback" not in err
-    return err, wait
-
-
-def client_gone_server_survives(chapter, provider, server_args=(), client_args=()):
-    """A client stopped while WRITEs stream into it (Ctrl-C: it closes what it opened):
-    the server says so in one line, and serves the next one. Where the provider
-    reports the failed WRITE (shm in 1.17 and 2.6: EIO; tcp: the closed connection),
-    the line says "gone"; 2.1's shm reports nothing, and its WRITEs stop completing.
-
-    The server's wait is a chapter's own for a peer, stretched by the load: it is also
-    its wait for the next client, which a starved CPU can hold up for seconds (a 2 s
-    wait took a live client paused 3 s for a gone one, and stopped its heartbeats). The
-    next client waits twice that: the server first drains the gone one's WRITEs."""
-    err, wait = fault_then_next_client(chapter, provider, signal.SIGINT, 2, server_args,
-                                       client_args)
-    # gone before its run began (a busy machine's server still warming up): that WRITE's wait
-    assert re.search(rf"^client 1: (gone: fi_cq_read: |failed: no WRITE completed for {wait} s |"
-                     rf"failed: warmup WRITE on NIC \d+ not completed in {wait} s$)",
-                     err, re.MULTILINE), err
 
 
 def test_07_client_gone_mid_run_server_survives(provider):

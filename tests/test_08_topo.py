@@ -1,6 +1,7 @@
 """Chapter 08 and common.engine.topo against fake machines: the series' p5, a one-GPU box,
 NICs on the wrong NUMA node, no NUMA information at all, a ConnectX-7 box (verbs)."""
 import functools
+import shlex
 import subprocess
 import sys
 import types
@@ -8,10 +9,9 @@ import types
 import pytest
 
 from common.engine import multinet, topo
-from common.fabric import lib
 import common.fabric as fi
-from common.chapter_pair import chapter_path, local_env
-from tests import fake_sysfs
+from common.chapter_pair import ROOT, chapter_path, local_env
+from tests import fake_info, fake_sysfs
 from tests.one_line_errors import assert_one_line_error, run
 
 # The series' table (blog-series.md): GPU, bus, NUMA node, pinned core, its 4 NICs.
@@ -28,7 +28,27 @@ def chapter(sysfs, machine):
 
 
 def test_08_prints_the_p5_table(tmp_path):
-    out = chapter(tmp_path, fake_sysfs.save(tmp_path, fake_sysfs.p5(tmp_path)))
+    assert_p5_table(chapter(tmp_path, fake_sysfs.save(tmp_path, fake_sysfs.p5(tmp_path))))
+
+
+def test_08_on_the_p5_faked_in_a_folder_named_relative(tmp_path):
+    """What tests/fake_sysfs.py's docstring shows, in a folder of one's own: `fake_sysfs.py
+    fake` there, then the command it prints, `--sysfs fake`. The tree's links point as
+    sysfs's do, relative to the link's own folder: links to fake/devices/... from inside
+    fake/bus/pci/devices/ led nowhere, and the NUMA column read "-"."""
+    made = subprocess.run([sys.executable, str(ROOT / "tests" / "fake_sysfs.py"), "fake"],
+                          capture_output=True, text=True, env=local_env(), cwd=tmp_path,
+                          timeout=30)
+    assert made.returncode == 0, made.stderr
+    command = shlex.split(made.stdout)
+    assert command[command.index("--sysfs") + 1] == "fake", made.stdout
+    done = subprocess.run(command, capture_output=True, text=True, env=local_env(),
+                          cwd=tmp_path, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert_p5_table(done.stdout)
+
+
+def assert_p5_table(out):
     assert "GPUs: 8 (described in" in out and "NICs: 32 (described)" in out
     assert "NUMA nodes: 2; physical cores: 96" in out
     rows = [line.split() for line in out.splitlines() if line.startswith("cuda:")]
@@ -141,7 +161,7 @@ def test_lanes_of_chapters_09_to_15_use_each_gpus_own_verbs_nics(tmp_path, monke
     monkeypatch.setattr(topo, "nics_here", lambda head: [
         topo.Nic(n, topo.rdma_device_bus(n, tmp_path), 400 / per_gpu) for n in names])
     monkeypatch.setattr(topo, "layout", functools.partial(topo.layout, sysfs=tmp_path))
-    head = info_list(names)
+    head = fake_info.info_list(names)
     args = types.SimpleNamespace(gpus=list(range(8)), provider_used="verbs")
     for gpus, per in ((list(range(8)), None), ([6, 1], 1)):
         args.gpus = gpus
@@ -150,15 +170,3 @@ def test_lanes_of_chapters_09_to_15_use_each_gpus_own_verbs_nics(tmp_path, monke
         assert got == [[f"mlx5_{g * per_gpu + k}" for k in range(per or per_gpu)]
                        for g in gpus]
         assert what.startswith(f"{len(gpus)} x {per or per_gpu} NICs: mlx5_")
-
-
-def info_list(names):
-    """An fi_info list with one entry per domain name (fi_allocinfo; freed with its head)."""
-    head = fi.hints()
-    head.domain_attr.name = lib.strdup(names[0].encode())
-    last = head
-    for name in names[1:]:
-        last.next = lib.fi_allocinfo()
-        last = last.next
-        last.domain_attr.name = lib.strdup(name.encode())
-    return head

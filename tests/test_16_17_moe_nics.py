@@ -15,12 +15,13 @@ from common import launch
 from common.engine import topo
 from common.fabric import cuda_driver
 from common.chapter_pair import ROOT, chapter_path, local_env
-from tests import fake_sysfs
+from tests import fake_info, fake_sysfs
 from tests.budget import Budget
 from tests.gpu import needs_gpu
+from tests.moe_runs import LAUNCH, LIMIT, SMALL, check_lines, gpus
 from tests.one_line_errors import assert_one_line_error, run
-from tests.test_16_moe import CHAPTER, LAUNCH, LIMIT, SMALL, check_lines, gpus
-from tests.test_08_topo import info_list
+
+CHAPTER = str(chapter_path(16))
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def p5(tmp_path, monkeypatch):
     monkeypatch.setattr(topo, "nics_here", lambda head: [topo.Nic(n.name, n.bus, n.gbps)
                                                          for n in nics])
     monkeypatch.setattr(topo, "rank_nics", functools.partial(topo.rank_nics, sysfs=tmp_path))
-    return info_list([n.name for n in nics])
+    return fake_info.info_list([n.name for n in nics])
 
 
 def group(rank, world=16, per_node=8):

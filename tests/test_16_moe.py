@@ -21,30 +21,17 @@ from common.moe import reference as ref
 from common.chapter_pair import ROOT, chapter_module, chapter_path, local_env
 from tests.budget import Budget
 from tests.gpu import needs_gpu
-from tests.processes import kill_job
+from tests.moe_runs import BAD_BATCHES, LAUNCH, LIMIT, SMALL, TOKENS, TOPK, check_lines, gpus
 from tests.one_line_errors import assert_one_line_error, run
+from tests.processes import kill_job
 
 CHAPTER = str(chapter_path(16))
-LAUNCH = str(ROOT / "scripts" / "launch.py")
-TOKENS, TOPK = 6, 3
-SMALL = ["--max-tokens", str(TOKENS), "--hidden", "128", "--experts", "16", "--topk", str(TOPK),
-         "--private-tokens", "2"]
-LIMIT = 120  # seconds for a whole launch, 8 ranks on 2 cores included
 
 
 def launched(ranks, per_node, *args, provider=None):
     command = [sys.executable, LAUNCH, "-n", str(ranks), "--ranks-per-node", str(per_node),
                CHAPTER, *(["-p", provider] if provider else []), *args]
     return Budget(LIMIT).run(command, env=local_env(), cwd=ROOT)
-
-
-def check_lines(out):
-    """{(dtype, case): (rows received, ranks that passed, of how many)} from rank 0's lines."""
-    found = re.findall(r"^\[0\] check (\w+) (\S+) +private \d+: (\d+) \(token, expert\) rows "
-                       r"received, counts exact and each row once(?: with its scales)? on "
-                       r"(\d+) of (\d+) ranks; combine max \|error\| \S+ \(bf16 tolerance \S+\)$",
-                       out, re.MULTILINE)
-    return {(d, c): (int(n), int(ok), int(of)) for d, c, n, ok, of in found}
 
 
 @pytest.mark.parametrize("ranks,per_node,provider", [
@@ -174,16 +161,6 @@ def one_rank():
     group = launch.Group(launch.Place(0, 1, 1, None, None, False, "test"))
     with fi.Closer() as own:
         yield moe, moe.AllToAll(own, group, max_tokens=4, experts=8, topk=2, hidden=128)
-
-
-BAD_BATCHES = [
-    (5, [[0, 1]] * 5, "5 tokens, more than the maximum of 4"),
-    (2, [[0, 8], [1, 2]], "expert index out of range 0..7"),
-    (2, [[0, -1], [1, 2]], "expert index out of range 0..7"),
-    (2, [[3, 3], [1, 2]], "a token names the same expert twice"),
-    (2, [[0, 1, 2], [1, 2, 3]], "indices (2, 2)"),
-    (2, [[0.0, 1.0], [1.0, 2.0]], "expert indices must be integers"),
-]
 
 
 @pytest.mark.parametrize("tokens,indices,pattern", BAD_BATCHES)
@@ -381,15 +358,6 @@ def test_the_check_sees_a_wrong_result(one_rank, monkeypatch, spoil):
 
 
 # --- on GPUs (skipped here): the same, with --device cuda -------------------------------
-
-def gpu_count():
-    import cupy
-    return cupy.cuda.runtime.getDeviceCount()
-
-
-def gpus():
-    return ",".join(str(g) for g in range(gpu_count()))
-
 
 @needs_gpu
 @pytest.mark.parametrize("ranks,per_node", [(2, 2), (2, 1), (4, 2), (8, 4)],

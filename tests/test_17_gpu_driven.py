@@ -15,8 +15,8 @@ from common.moe import reference as ref
 from common.chapter_pair import ROOT, chapter_module, chapter_path, local_env
 from tests.budget import Budget
 from tests.gpu import needs_gpu
+from tests.moe_runs import BAD_BATCHES, LAUNCH, LIMIT, SMALL, check_lines, gpu_count, gpus
 from tests.one_line_errors import assert_one_line_error, run
-from tests.test_16_moe import BAD_BATCHES, LAUNCH, LIMIT, SMALL, check_lines
 
 CHAPTER = str(chapter_path(17))
 GRAPH_LINE = re.compile(r"^\[0\] check graph fp8: one layer captured, replayed 100 times with "
@@ -51,15 +51,6 @@ def test_sizes_the_kernels_cannot_take_are_refused_up_front():
 
 
 # --- on GPUs (skipped here) ------------------------------------------------------------
-
-def gpu_count():
-    import cupy
-    return cupy.cuda.runtime.getDeviceCount()
-
-
-def gpus():
-    return ",".join(str(g) for g in range(gpu_count()))
-
 
 def launched(ranks, per_node, *args):
     command = [sys.executable, LAUNCH, "-n", str(ranks), "--ranks-per-node", str(per_node),

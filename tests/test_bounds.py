@@ -12,7 +12,7 @@ import pytest
 
 from common import bounds, cli, shm_files
 from scripts.chaos import PYTHON_RAN_ON
-from common.chapter_pair import ADDRESS, ROOT, chapter_path, local_env
+from common.chapter_pair import ADDRESS, chapter_path, local_env
 from tests import shm_regions
 from tests.one_line_errors import SHM_DEAD
 
@@ -266,7 +266,7 @@ def test_a_signal_after_main_returned_changes_nothing(tmp_path):
     (held open here by a thread that main() left running) printed a traceback from
     threading's shutdown, or, later, killed the process (-15) after its work was done."""
     finished = tmp_path / "finished.py"
-    finished.write_text(f"import sys, threading, time\nsys.path.insert(0, {str(ROOT)!r})\n"
+    finished.write_text("import threading, time\n"
                         "from common import cli\n\n\ndef main():\n"
                         "    threading.Thread(target=time.sleep, args=(5,)).start()\n"
                         "    print('done', flush=True)\n\n\ncli.run(main)\n")

@@ -13,9 +13,9 @@ from common.fabric import lib
 from common.chapter_pair import ADDRESS, ROOT, chapter_path, local_env
 from tests import fake_info
 from tests.budget import Budget
+from tests.chapter_procs import start
 from tests.one_line_errors import assert_one_line_error
-from tests.test_07_queue import start
-from tests.test_fabric_rules import AV, SMALL
+from tests.rules import AV, SMALL
 
 
 def test_hints_name_the_provider_and_the_fabric_and_offer_fi_context2():

@@ -15,18 +15,17 @@ import pytest
 
 from common.chapter_pair import ROOT, chapter_path, local_env, run_pair
 from tests.one_line_errors import assert_one_line_error
+from tests.rules import AV, SMALL
 
 RULES = ["efa", "efa-direct", "verbs"]
 EFA = ["efa", "efa-direct"]  # the rules of the device, whichever fabric drives it
-SMALL = ["--buffer-size", "4M", "--pages", "0-63", "--iters", "3001"]
 # Enough WRITEs for 09-14 that their overrun of a 64-entry CQ shows in every run here
-# (with 3001, a run of chapter 10 missed it about once in ten)
+# (with SMALL's 3001, a run of chapter 10 missed it about once in ten)
 MANY = ["--buffer-size", "4M", "--pages", "0-63", "--iters", "12001"]
 CQ = "more operations in flight than the CQ has entries"  # words of two of efa's rules
 CONNECT = "a SEND larger than the 8928-byte EFA MTU"
 HINTS = "hints without mode FI_CONTEXT2 or mr_mode FI_MR_LOCAL, FI_MR_ALLOCATED"
 MORE = "the CQ read with a batch left open"
-AV = "rules of efa-direct: a WRITE arrived at an endpoint whose AV has no peer in it"
 
 
 def env(rules):

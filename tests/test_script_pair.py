@@ -1,7 +1,8 @@
-"""scripts/pair.py: each side's lines as they come, named; Ctrl-C of pair.py (at a terminal,
-or of pair.py alone) stops both sides within its bound; a client killed with SIGKILL leaves
-nothing in /dev/shm."""
+"""scripts/pair.py: each side's lines as they come, named; what each side ran, its path as
+the reader types it; Ctrl-C of pair.py (at a terminal, or of pair.py alone) stops both
+sides within its bound; a client killed with SIGKILL leaves nothing in /dev/shm."""
 import os
+import re
 import select
 import signal
 import subprocess
@@ -18,6 +19,21 @@ from tests.processes import alive
 PAIR = str(ROOT / "scripts" / "pair.py")
 LIMIT = 60  # seconds, quiet machine, for chapter 07's server and client to start on 2 busy cores
 STARTED_AND_STOPPED = 2 * LIMIT  # a test starts them, then waits LIMIT for pair.py's end
+
+
+@pytest.mark.parametrize("where", ["root", "elsewhere"])
+def test_each_side_is_named_by_the_path_the_reader_types(where, tmp_path):
+    """From the repository's root, chapters/04_hello.py; from a folder outside it, the
+    absolute path, which is what works there."""
+    cwd = ROOT if where == "root" else tmp_path
+    done = Budget(LIMIT).run([sys.executable, PAIR, "04", "-p", "shm"], env=local_env(),
+                             cwd=cwd)
+    assert done.returncode == 0, done.stdout + done.stderr
+    path = "chapters/04_hello.py" if where == "root" else str(ROOT / "chapters" / "04_hello.py")
+    server, client = done.stdout.splitlines()[-2:]
+    assert server == f"--- server: {path} -p shm -> exit 0", done.stdout
+    assert re.fullmatch(rf"--- client 1: {re.escape(path)} -p shm [0-9a-f]+ -> exit 0", client), \
+        done.stdout
 
 
 def kill_all(proc, sides):

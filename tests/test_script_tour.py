@@ -113,6 +113,10 @@ MEASURED = "'figure': 'CPU per WRITE', 'client': '--iters 10'"
      "needs a number"),
     ("04_x.py", "LESSON = {'figure': 'hello'}", "needs figure 'check', or a 'visible' rule"),
     ("06_x.py", "LESSON = {'figure': 'wrong bytes', 'visible': {}}", "needs one 'visible' rule"),
+    ("11_x.py", "LESSON = {" + MEASURED + ", 'visible': {'at_most': 3}, 'why_not': {'tcp': 3}}",
+     "'why_not' of tcp needs a reason, or one per libfabric major version ({'2': ...})"),
+    ("11_x.py", "LESSON = {" + MEASURED + ", 'visible': {'at_most': 3}, "
+     "'why_not': {'tcp': {'2.x': 'slow'}}}", "'why_not' of tcp needs a reason, or one per"),
 ])
 def test_a_missing_or_malformed_lesson_is_refused_by_name(tmp_path, name, text, says):
     with pytest.raises(ValueError, match=re.escape(says)) as refused:
@@ -151,9 +155,10 @@ def test_higher_is_better_for_first_contact():
     assert not tour.verdict(lesson, [300, 1.5, 400], None)[0]
 
 
-def chapters_run_where(default, usable, forced=None):
-    """Which provider the tour runs each chapter on, given this host's."""
-    return {int(p.name[:2]): tour.provider_for(tour.lesson(p), forced, default, usable)[0]
+def chapters_run_where(default, usable, forced=None, version=(1, 17)):
+    """Which provider the tour runs each chapter on, given this host's and its libfabric."""
+    return {int(p.name[:2]): tour.provider_for(tour.lesson(p), forced, default, usable,
+                                               version)[0]
             for p in CHAPTERS}
 
 
@@ -166,12 +171,33 @@ def test_each_chapter_runs_where_its_lesson_moves_on_a_host_without_a_nic():
     assert {provider for n, provider in where.items() if n not in on_tcp} == {"shm"}
 
 
+def test_on_libfabric_2_chapter_15_is_not_sent_to_tcp_which_refuses_nothing():
+    """2.x's own tcp takes every WRITE (as chapter 07's LESSON says): 15's figure, refused
+    posts, cannot move there, so 15 stays on the default and says why; 1.x's tcp, under
+    rxm, refuses, and 15 goes there (above) with no such word."""
+    where = chapters_run_where("shm", ["shm", "tcp", "tcp;ofi_rxm"], version=(2, 1))
+    assert where[14] == "tcp" and where[15] == "shm"
+    lesson, stem = tour.lesson(chapter_path(15)), chapter_path(15).stem
+    said = tour.why_not(stem, lesson, "tcp", (2, 1))
+    assert "2.x" in said and "gives no reason" not in said
+    assert "gives no reason" in tour.why_not(stem, lesson, "tcp;ofi_rxm", (1, 17))
+
+
 def test_a_chapter_whose_provider_is_not_here_runs_on_the_default():
     where = chapters_run_where("shm", ["shm"])
     assert set(where.values()) == {"shm"}
     lesson = {"why_not": {"shm": "..."}}
-    assert tour.provider_for(lesson, None, "shm", ["shm"]) == (
+    assert tour.provider_for(lesson, None, "shm", ["shm"], (1, 17)) == (
         "shm", "the default; its lesson moves on no provider here")
+
+
+def test_a_reason_of_one_libfabric_version_rules_out_that_version_only():
+    lesson = {"why_not": {"shm": "...", "tcp": {"2": "2.x's tcp takes every WRITE"}}}
+    assert tour.provider_for(lesson, None, "shm", ["shm", "tcp;ofi_rxm"], (1, 17))[0] == "tcp"
+    assert tour.provider_for(lesson, None, "shm", ["shm", "tcp"], (2, 6))[0] == "shm"
+    assert tour.reason(lesson, "tcp", (2, 6)) == "2.x's tcp takes every WRITE"
+    assert tour.reason(lesson, "tcp;ofi_rxm", (1, 17)) is None
+    assert tour.reason(lesson, "shm", (1, 17)) == tour.reason(lesson, "shm", (2, 6)) == "..."
 
 
 def test_a_nic_s_provider_is_kept_where_no_chapter_rules_it_out():
@@ -184,15 +210,17 @@ def test_p_runs_every_chapter_on_one_provider():
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=[p.stem for p in CHAPTERS])
-def test_a_reason_is_printed_only_for_the_provider_it_ran_on(path):
-    reasons = tour.lesson(path).get("why_not", {})
+@pytest.mark.parametrize("version", [(1, 17), (2, 6)], ids=["1.17", "2.6"])
+def test_a_reason_is_printed_only_for_the_provider_it_ran_on(path, version):
+    lesson = tour.lesson(path)
+    reasons = {name: tour.reason(lesson, name, version) for name in lesson.get("why_not", {})}
     for provider in ("shm", "tcp;ofi_rxm", "efa", "verbs"):
-        said = tour.why_not(path.stem, tour.lesson(path), provider)
+        said = tour.why_not(path.stem, lesson, provider, version)
         assert said.startswith(f"{path.stem} on {tour.base(provider)}: ")
         mine = reasons.get(tour.base(provider))
         assert (mine in said) if mine else "gives no reason" in said
         assert not [other for name, other in reasons.items()
-                    if name != tour.base(provider) and other != mine and other in said]
+                    if name != tour.base(provider) and other and other != mine and other in said]
 
 
 def test_reasons_name_providers_in_the_chapters_order():

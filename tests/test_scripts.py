@@ -1,6 +1,9 @@
 """Every script in scripts/: it answers --help, and it takes what it shares with the other
 scripts from common/, never from another script and never by changing sys.path (the
-project is installed into .venv, so common/ imports as it is)."""
+project is installed into .venv, so common/ imports as it is). Nor does any file of
+tests/, the programs the tests start (tests/stuck.py, ...) included; and a test file
+(test_*.py) takes what it shares with others from a helper of tests/ (a name without
+test_), never from another test file."""
 import ast
 import sys
 
@@ -10,6 +13,7 @@ from common.chapter_pair import ROOT, local_env
 from tests.budget import Budget
 
 SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
+TESTS = sorted((ROOT / "tests").glob("*.py"))
 NAMES = {path.stem for path in SCRIPTS}
 
 
@@ -20,6 +24,19 @@ def imported(tree):
             yield from (alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             yield node.module.split(".")[0]
+
+
+def imported_test_files(tree):
+    """The test files (tests.test_*) the code imports, at any depth."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names if alias.name.startswith("tests.test_"))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "tests":
+            yield from (f"tests.{alias.name}" for alias in node.names
+                        if alias.name.startswith("test_"))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and \
+                node.module.startswith("tests.test_"):
+            yield node.module
 
 
 def touches_sys_path(tree):
@@ -35,6 +52,17 @@ def test_a_script_imports_common_not_other_scripts(path):
     assert others == [], f"{path.name} imports {others}: what scripts share is in common/"
 
 
+@pytest.mark.parametrize("path", TESTS, ids=[p.stem for p in TESTS])
+def test_a_test_leaves_sys_path_alone(path):
+    assert touches_sys_path(ast.parse(path.read_text())) == [], f"{path.name} changes sys.path"
+
+
+@pytest.mark.parametrize("path", TESTS, ids=[p.stem for p in TESTS])
+def test_a_test_imports_helpers_not_other_test_files(path):
+    others = sorted(set(imported_test_files(ast.parse(path.read_text()))))
+    assert others == [], f"{path.name} imports {others}: what tests share is in a helper of tests/"
+
+
 @pytest.mark.parametrize("path", SCRIPTS, ids=[p.stem for p in SCRIPTS])
 def test_a_script_answers_help(path):
     done = Budget(60).run([sys.executable, str(path), "--help"], env=local_env())
@@ -46,3 +74,6 @@ def test_the_checks_see_an_import_of_a_script_and_a_change_of_sys_path():
                      "def f():\n    from scripts import baseline\n")
     assert touches_sys_path(tree) == [2]
     assert set(imported(tree)) & (NAMES | {"scripts"}) == {"pair", "scripts"}
+    tree = ast.parse("import tests.test_a\nfrom tests import fake_info, test_b\n"
+                     "from tests.budget import Budget\ndef f():\n    from tests.test_c import x\n")
+    assert sorted(imported_test_files(tree)) == ["tests.test_a", "tests.test_b", "tests.test_c"]

@@ -13,7 +13,7 @@ from common.transfer import Engine, ipc
 from common.transfer import _ffi, native
 from tests.budget import Budget
 from tests.gpu import needs_gpu
-from tests.test_transfer_engine import launched
+from tests.transfer_launch import launched
 
 
 def test_the_worker_counts_a_finished_command_from_its_inbox_and_not_before():

@@ -20,23 +20,10 @@ from common.fabric import cuda_driver, lib
 from common.chapter_pair import ROOT, local_env
 from tests.budget import Budget
 from tests.gpu import needs_gpu
+from tests.transfer_launch import launched
 
 transfer = pytest.importorskip("common.transfer")  # skipped only if the worker is not built
 from common.transfer import Engine, TransferError  # noqa: E402
-
-LAUNCH = str(ROOT / "scripts" / "launch.py")
-RANKS = str(ROOT / "tests" / "transfer_ranks.py")
-LIMIT = 180  # seconds for a whole launch, 8 tcp ranks on 2 busy cores included
-
-
-def launched(ranks, *args, grace=10, timeout=10):
-    """The ranks' waits (`timeout` for each transfer, a minute to meet) and the launcher's
-    `grace`, all granted from one budget: each ends before the launch is stopped."""
-    budget = Budget(LIMIT)
-    return budget.run([sys.executable, LAUNCH, "-n", str(ranks), "--grace",
-                       str(budget.grant(grace)), RANKS, *args, "--timeout",
-                       str(budget.grant(timeout)), "--join", str(budget.grant(60))],
-                      env=local_env(), cwd=ROOT)
 
 
 @pytest.mark.parametrize("provider,nics,spread", [

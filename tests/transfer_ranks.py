@@ -18,13 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import numpy as np  # noqa: E402
+import numpy as np
 
-import common.fabric as fi  # noqa: E402
-from common import bounds  # noqa: E402
-from common import launch  # noqa: E402
-from common.transfer import Engine  # noqa: E402
+import common.fabric as fi
+from common import bounds
+from common import launch
+from common.transfer import Engine
 
 PAGE = 4096
 
