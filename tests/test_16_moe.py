@@ -443,10 +443,13 @@ def test_a_hung_rank_is_named_and_the_job_ends(per_node):
     finally:
         proc.kill()
     assert proc.returncode == 1 and elapsed < 20, (elapsed, err)
-    # in a stamp wait it names the rank; in a rendezvous barrier, the rendezvous does
+    # in a stamp wait it names the rank; in a rendezvous barrier, the rendezvous does.
+    # Its proxy may be in a provider call the frozen peer holds up (1.x's shm spins there):
+    # then the same line says so and the rank ends without closing (common/bounds.join)
     assert re.search(r"^\[0\] 16_moe.py: error: (no \w[\w ]* from rank 1 within 2 s|stopping: "
-                     r"rank 1 gave no sign of life for 2 s \(frozen, or its host is gone\))$",
-                     err, re.MULTILINE), err
+                     r"rank 1 gave no sign of life for 2 s \(frozen, or its host is gone\))"
+                     r"(; then the proxy: proxy did not stop within \d+ s \(stuck in a provider "
+                     r"call\): exiting without closing)?$", err, re.MULTILINE), err
     assert re.search(r"^launch: rank (0 exited with code 1|1 was killed|1 gave no sign of "
                      r"life)", err, re.MULTILINE), err
 

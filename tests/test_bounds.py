@@ -266,10 +266,28 @@ def test_a_signal_after_main_returned_changes_nothing(tmp_path):
     (held open here by a thread that main() left running) printed a traceback from
     threading's shutdown, or, later, killed the process (-15) after its work was done."""
     finished = tmp_path / "finished.py"
-    finished.write_text("import threading, time\n"
-                        "from common import cli\n\n\ndef main():\n"
+    # 'done' once main() has returned, from inside the exit (cli.run's last flush of
+    # stdout, held a second there): a SIGTERM sent when main() printed it itself could
+    # still come before main() returned, which must end it with 143. main() also leaves a
+    # thread running, which held Python's finalization open.
+    finished.write_text("import os, sys, threading, time\n"
+                        "from common import cli\n\n\n"
+                        "class Held:\n"
+                        "    def __init__(self, out):\n"
+                        "        self.out, self.armed = out, False\n\n"
+                        "    def write(self, text):\n"
+                        "        return self.out.write(text)\n\n"
+                        "    def flush(self):\n"
+                        "        self.out.flush()\n"
+                        "        if self.armed:\n"
+                        "            self.armed = False\n"
+                        "            os.write(1, b'done\\n')\n"
+                        "            time.sleep(1)\n\n\n"
+                        "sys.stdout = Held(sys.stdout)\n\n\n"
+                        "def main():\n"
                         "    threading.Thread(target=time.sleep, args=(5,)).start()\n"
-                        "    print('done', flush=True)\n\n\ncli.run(main)\n")
+                        "    sys.stdout.armed = True\n\n\n"
+                        "cli.run(main)\n")
     proc = subprocess.Popen([sys.executable, str(finished)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=own_timeout())
     try:
