@@ -12,12 +12,12 @@ lanes in its AVs (efa-direct takes a WRITE only from an initiator it knows).
 On shm or tcp, --nics-per-gpu N opens N domains as "virtual NICs" and
 --groups G stands in for G GPUs with host memory: the shape of a p5.
 
-New since chapter 07: the NICs from common/engine/topo.py; a control endpoint
-(CONNECT, heartbeats, LANDED) beside G x N data endpoints ("lanes") on each
-side; one OpQueue per lane (chapter 07's, now common/engine/opqueue.py); keys
-per (buffer, NIC); WRITEs round robin; an immediate per NIC. The code is
-common/engine/multinet.py, which the chapters after this one build on: read
-it beside this page (scripts/diff.sh 09 shows it too).
+New since chapter 07: the NICs (common/engine/nics.py, by chapter 08's
+topology); a control endpoint (CONNECT, heartbeats, LANDED) beside G x N data
+endpoints ("lanes") on each side; one OpQueue per lane (chapter 07's, now
+common/engine/opqueue.py); keys per (buffer, NIC); WRITEs round robin; an
+immediate per NIC. The code is common/engine/multinet.py, which the chapters
+after this one build on: read it beside this page (scripts/diff.sh 09 shows it too).
 
     .venv/bin/python chapters/09_multinet.py                                    # server
     .venv/bin/python chapters/09_multinet.py ADDRESS --nics-per-gpu 4           # 1 group x 4 NICs

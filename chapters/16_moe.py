@@ -50,9 +50,10 @@ LESSON = {"figure": "check"}
 # Peers on the same (emulated) node are written directly, through shared memory; peers on
 # other nodes through libfabric WRITEs with immediate data, posted by a host proxy thread in
 # C (chapters/16_moe.c, GIL released) that this file feeds through a ring in host memory
-# (common/moe/proxy.py opens its NICs: its GPU's, chapter 08's topology, or --nics N
-# virtual ones). Data that arrived is one thing to wait for, whichever way it came: a stamp
-# in an arrival table, written by the node peer, or by the proxy from an immediate.
+# (common/moe/proxy.py opens its NICs, as common/engine/nics.py chooses them: its GPU's by
+# chapter 08's topology, or --nics N virtual ones). Data that arrived is one thing to wait
+# for, whichever way it came: a stamp in an arrival table, written by the node peer, or by
+# the proxy from an immediate.
 
 # %% [markdown]
 # ## Motivation

@@ -70,6 +70,7 @@ from common.baselines import chapter_args, chapter_list, measure, prefix, rma_bw
     rma_bw_gbps, rma_bw_tool, tool_env, tools_libfabric
 from common.chapter_pair import ADDRESS, ROOT, chapter_path, stop_all
 from common.engine import multinet, topo
+from common.engine.nics import lane_nics
 from common.fabric import lib, memory
 from common.launch import Group, PeerGone, Place, owned, place_from_environment
 from common.model.journey import blog_percent
@@ -241,7 +242,7 @@ def here(args):
     lanes, what = first, "no chapter from 09 on"
     if any(c >= 9 for c in args.chapters):  # virtual NICs too: each is a domain of its own
         groups = len(args.gpus) if args.gpus else args.groups
-        infos, what = multinet.lane_infos(args, head, groups, args.nics_per_gpu)
+        infos, what = lane_nics(args, head, groups, args.nics_per_gpu)
         lanes = [nic(i, args.gpus[g] if args.gpus else None, real)
                  for g, group in enumerate(infos) for i in group]
     return {"machine": bench.machine(args.gpus[0] if args.gpus else None), "git": bench.git_sha(),

@@ -4,7 +4,7 @@ and address formats for one domain name, NICs with PCI addresses, an efa or a ve
     head = fake_info.infos(
         fake_info.Entry("rdmap79s0-rdm", fabric="efa-direct", pci="0000:4f:00.0"),
         fake_info.Entry("rdmap79s0-rdm", fabric="efa", pci="0000:4f:00.0"))
-    fi.each(head), topo.nics_here(head), multinet.lane_entries(head), ...
+    fi.each(head), topo.nics_here(head), nics.nic_entries(head), ...
 
 Each entry is an fi_allocinfo'd fi_info, linked by `next`, with what Entry says; the
 list is fi_freeinfo'd when `head` is collected. A NIC's attributes belong to the list

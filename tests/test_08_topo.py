@@ -8,7 +8,8 @@ import types
 
 import pytest
 
-from common.engine import multinet, topo
+from common.engine import topo
+from common.engine.nics import lane_nics
 import common.fabric as fi
 from common.chapter_pair import ROOT, chapter_path, local_env
 from tests import fake_info, fake_sysfs
@@ -153,8 +154,8 @@ def test_rdma_device_bus_follows_the_class_link(tmp_path):
 @pytest.mark.parametrize("per_gpu", [1, 2])
 def test_lanes_of_chapters_09_to_15_use_each_gpus_own_verbs_nics(tmp_path, monkeypatch,
                                                                  per_gpu):
-    """multinet's lane map on the ConnectX-7 box: GPU g's lanes are its own NICs, not
-    every lane on one (what 09-15 did when verbs NICs had no PCI address)."""
+    """The lanes' NICs (nics.lane_nics) on the ConnectX-7 box: GPU g's lanes are its own
+    NICs, not every lane on one (what 09-15 did when verbs NICs had no PCI address)."""
     machine = fake_sysfs.cx7(tmp_path, per_gpu)
     names = [n["name"] for n in machine["nics"]]
     monkeypatch.setattr(topo, "gpus_here", lambda: (machine["gpus"], None))
@@ -165,7 +166,7 @@ def test_lanes_of_chapters_09_to_15_use_each_gpus_own_verbs_nics(tmp_path, monke
     args = types.SimpleNamespace(gpus=list(range(8)), provider_used="verbs")
     for gpus, per in ((list(range(8)), None), ([6, 1], 1)):
         args.gpus = gpus
-        infos, what = multinet.lane_infos(args, head, len(gpus), per)
+        infos, what = lane_nics(args, head, len(gpus), per)
         got = [[fi.string(i.domain_attr.name) for i in group] for group in infos]
         assert got == [[f"mlx5_{g * per_gpu + k}" for k in range(per or per_gpu)]
                        for g in gpus]

@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from common.engine import multinet, topo
+from common.engine.nics import first_of_each, split_among
 from common.fabric import connect
 import common.fabric as fi
 from common.chapter_pair import run_pair
@@ -62,15 +63,15 @@ def nics(count):
 
 
 def test_real_nics_are_shared_out_evenly():
-    assert [len(g) for g in topo.take([nics(4), nics(4)], None)] == [4, 4]
-    assert [len(g) for g in topo.take([nics(4), nics(4)], 2)] == [2, 2]
-    assert [len(g) for g in topo.split(nics(8), 2)] == [4, 4]
+    assert [len(g) for g in first_of_each([nics(4), nics(4)], None)] == [4, 4]
+    assert [len(g) for g in first_of_each([nics(4), nics(4)], 2)] == [2, 2]
+    assert [len(g) for g in split_among(nics(8), 2)] == [4, 4]
     with pytest.raises(ValueError, match="do not split evenly into 3"):
-        topo.take([nics(4)], 3)
+        first_of_each([nics(4)], 3)
     with pytest.raises(ValueError, match="a GPU here has only 4"):
-        topo.take([nics(4)], 8)
+        first_of_each([nics(4)], 8)
     with pytest.raises(ValueError, match="do not split evenly among 3 groups"):
-        topo.split(nics(4), 3)
+        split_among(nics(4), 3)
 
 
 @pytest.mark.parametrize("chapter", [9, 10, 11, 12, 13, 14, 15])

@@ -1,7 +1,8 @@
-"""The proxies of chapters 16 and 17 (common/moe/proxy.py) on several NICs: which NICs a rank drives (its GPU's, chapter 08's
-topology, on the series' p5 rebuilt in a fake sysfs), which of them serves each peer, the
-run on virtual NICs (shm, tcp) end to end; and the GPUDirect flush before a stamp: when
-it is needed (faked device attributes) and the C side that calls it."""
+"""The proxies of chapters 16 and 17 (common/moe/proxy.py) on several NICs: which NICs a
+rank drives (its GPU's by chapter 08's topology, as common/engine/nics.py's rank_nics
+chooses them, on the series' p5 rebuilt in a fake sysfs), which of them serves each peer,
+the run on virtual NICs (shm, tcp) end to end; and the GPUDirect flush before a stamp:
+when it is needed (faked device attributes) and the C side that calls it."""
 import functools
 import re
 import sys
@@ -13,6 +14,7 @@ import pytest
 import common.fabric as fi
 from common import launch
 from common.engine import topo
+from common.engine.nics import rank_nics
 from common.fabric import cuda_driver
 from common.chapter_pair import ROOT, chapter_path, local_env
 from tests import fake_info, fake_sysfs
@@ -38,7 +40,7 @@ def p5(tmp_path, monkeypatch):
     monkeypatch.setattr(topo, "gpus_here", lambda: (machine["gpus"], None))
     monkeypatch.setattr(topo, "nics_here", lambda head: [topo.Nic(n.name, n.bus, n.gbps)
                                                          for n in nics])
-    monkeypatch.setattr(topo, "rank_nics", functools.partial(topo.rank_nics, sysfs=tmp_path))
+    monkeypatch.setattr(topo, "layout", functools.partial(topo.layout, sysfs=tmp_path))
     return fake_info.info_list([n.name for n in nics])
 
 
@@ -50,20 +52,20 @@ def names(infos):
     return [fi.string(i.domain_attr.name) for i in infos]
 
 
-def test_each_gpus_proxy_drives_that_gpus_nics(moe, p5):
+def test_each_gpus_proxy_drives_that_gpus_nics(p5):
     for rank in range(16):  # two p5s: local rank = GPU
         gpu = rank % 8
-        infos, line = moe.proxy_nics(p5, group(rank), gpu)
+        infos, line = rank_nics(p5, group(rank), gpu)
         first = fake_sysfs.P5_NIC_NAMES[gpu]
         assert names(infos) == [f"rdmap{first + k}s0" for k in range(4)]
         assert line == f"4 NICs (GPU {gpu}'s): " + " ".join(names(infos))
-    infos, _ = moe.proxy_nics(p5, group(3), 3, count=2)
+    infos, _ = rank_nics(p5, group(3), 3, count=2)
     assert names(infos) == ["rdmap130s0", "rdmap131s0"]
     with pytest.raises(ValueError, match="do not split evenly into 3"):
-        moe.proxy_nics(p5, group(3), 3, count=3)
+        rank_nics(p5, group(3), 3, count=3)
 
 
-def test_a_nics_entry_of_another_fabric_is_not_taken(moe, p5):
+def test_a_nics_entry_of_another_fabric_is_not_taken(p5):
     """efa and efa-direct share domain names (prov/efa/src/efa_domain.h): a proxy's NICs
     come from the head's fabric and address format only."""
     for info in fi.each(p5):
@@ -73,22 +75,22 @@ def test_a_nics_entry_of_another_fabric_is_not_taken(moe, p5):
     other.domain_attr.name = fi.lib.strdup(b"rdmap79s0")
     other.fabric_attr.name = fi.lib.strdup(b"efa-direct")
     other.fabric_attr.prov_name = fi.lib.strdup(b"efa")
-    infos, _ = moe.proxy_nics(p5, group(0), 0)
+    infos, _ = rank_nics(p5, group(0), 0)
     assert names(infos) == [f"rdmap{79 + k}s0" for k in range(4)]
     assert infos[0] == p5 and fi.string(infos[0].fabric_attr.name) == ""
     second = list(fi.each(p5))[1]
     second.fabric_attr.name = fi.lib.strdup(b"efa-direct")  # rdmap80s0: only efa-direct now
     with pytest.raises(ValueError, match="NIC rdmap80s0 is not in fabric"):
-        moe.proxy_nics(p5, group(0), 0)
+        rank_nics(p5, group(0), 0)
 
 
-def test_host_memory_ranks_share_the_nodes_nics_in_order(moe, p5):
+def test_host_memory_ranks_share_the_nodes_nics_in_order(p5):
     every = names(fi.each(p5))
     for local in range(8):
-        infos, line = moe.proxy_nics(p5, group(local), None)
+        infos, line = rank_nics(p5, group(local), None)
         assert names(infos) == every[4 * local:4 * local + 4]
         assert "a share of the node's" in line
-    infos, _ = moe.proxy_nics(p5, launch.Place(5, 128, 64, None, None, False, "t"), None)
+    infos, _ = rank_nics(p5, launch.Place(5, 128, 64, None, None, False, "t"), None)
     assert names(infos) == [every[5 % 32]]  # fewer NICs than ranks: one each
 
 
@@ -122,12 +124,12 @@ def test_nic_lists_survive_the_allgather():
     assert moe.unpack_nics(moe.pack_nics([])) == []
 
 
-def test_virtual_nics_without_a_pci_address(moe):
+def test_virtual_nics_without_a_pci_address():
     head = fi.getinfo(fi.hints("shm", caps=fi.lib.FI_MSG | fi.lib.FI_RMA))
-    infos, line = moe.proxy_nics(head, group(0), None)
+    infos, line = rank_nics(head, group(0), None)
     assert len(infos) == 1 and line == "1 virtual NIC, each a domain of shm (no NIC with a " \
                                        "PCI address here)"
-    infos, line = moe.proxy_nics(head, group(0), None, count=3)
+    infos, line = rank_nics(head, group(0), None, count=3)
     assert len(infos) == 3 and line.startswith("3 virtual NICs")
 
 

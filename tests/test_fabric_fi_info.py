@@ -8,6 +8,7 @@ import pytest
 
 from common import cli
 from common.engine import multinet
+from common.engine.nics import lane_nics
 from common.fabric import memory
 import common.fabric as fi
 from common.fabric import lib
@@ -117,7 +118,7 @@ def test_every_cq_has_room_for_what_can_be_in_flight(monkeypatch, provider):
 
 def lanes(head, groups=1):
     args = argparse.Namespace(gpus=None, provider_used=fi.provider_of(head))
-    infos, what = multinet.lane_infos(args, head, groups, None)
+    infos, what = lane_nics(args, head, groups, None)
     return [(fi.string(i.domain_attr.name), fi.string(i.fabric_attr.name), i.addr_format)
             for group in infos for i in group], what
 

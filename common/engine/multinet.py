@@ -3,15 +3,16 @@
 Each NIC is a "lane": a domain with its endpoint, CQ, AV and op queue. A
 control endpoint carries CONNECT, heartbeats and LANDED; the data goes on
 G x N lanes, a group's pages round robin over its lanes, one thread visiting
-every lane. Where a host has no NIC, a lane is one more domain of shm or tcp
-(a "virtual NIC"). Chapter 10 passes `warmup`, run before the clock starts.
+every lane. Which NICs: nics.lane_nics, each GPU's own by chapter 08's topology;
+where a host has no NIC, a lane is one more domain of shm or tcp (a "virtual
+NIC"). Chapter 10 passes `warmup`, run before the clock starts.
 """
 import struct
 import threading
 import time
 
 from common import bench, bounds, cli
-from common.engine import topo
+from common.engine.nics import lane_nics
 from common.fabric import connect, memory
 from common.fabric import ffi, lib
 from common.engine.opqueue import HEARTBEAT, Heartbeat, OpQueue, verified, write_messages
@@ -50,53 +51,6 @@ class Lane:
             msg.data = self.iters  # the immediate: how many WRITEs this NIC carried
             q.write(msg, lib.FI_COMPLETION | lib.FI_REMOTE_CQ_DATA)
             self.submitted += 1
-
-
-def lane_infos(args, head, groups, per_group):
-    """The fi_info of each lane, group by group, and a line saying what the NICs are.
-    `per_group` None: every NIC of each GPU (one virtual NIC where there are none)."""
-    by_name = lane_entries(head)
-    nics = [nic for nic in topo.nics_here(head) if nic.name in by_name]
-    if not nics:
-        per_group = per_group or 1
-        return ([[head] * per_group for _ in range(groups)],
-                f"{groups} x {per_group} virtual NICs: independent domains of "
-                f"{args.provider_used} (no NIC with a PCI address here)")
-    if args.gpus:
-        gpu_buses, _ = topo.gpus_here()
-        layout = topo.layout(gpu_buses, nics)
-        if max(args.gpus) >= len(layout):
-            raise ValueError(f"no GPU {max(args.gpus)} in the topology ({len(layout)} GPUs)")
-        mine = [layout[g].nics for g in args.gpus]
-    else:
-        mine = topo.split(nics, groups)
-    chosen = topo.take(mine, per_group)
-    return ([[by_name[n.name] for n in group] for group in chosen],
-            f"{groups} x {len(chosen[0])} NICs: " + "; ".join(" ".join(n.name for n in group)
-                                                           for group in chosen))
-
-
-def lane_entries(head):
-    """{domain name: the fi_info its lane opens}: of each name, an entry with the provider and
-    address format of the control endpoint (the head) and its fabric: only that fabric where
-    we chose it by name (fi.FABRICS), else that one first. One name stands for several
-    entries: efa-direct and efa share the "-rdm" domain names (prov/efa/src/efa_domain.h),
-    verbs and tcp list IPv4 and IPv6 for each NIC; verbs names a fabric per IB subnet, so
-    each rail may have its own (prov/verbs/src/verbs_info.c). A lane of another kind could
-    not reach its peer, or would follow another fabric's rules."""
-    def fabric(info):
-        return fi.string(info.fabric_attr.name)
-
-    def usable(info):
-        return ((fi.provider_of(info), info.addr_format)
-                == (fi.provider_of(head), head.addr_format)
-                and (fi.provider_of(head) not in fi.FABRICS or fabric(info) == fabric(head)))
-    lanes = {}
-    for info in filter(usable, fi.each(head)):
-        name = fi.string(info.domain_attr.name)
-        if name not in lanes or fabric(info) == fabric(head) != fabric(lanes[name]):
-            lanes[name] = info
-    return lanes
 
 
 def server(info, args, warmup=None, engine=None):
@@ -155,7 +109,7 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
         if args.gpus and len(args.gpus) != groups:
             raise ValueError(f"the client has {groups} groups, this server "
                              f"{len(args.gpus)} GPUs")
-        infos, what = lane_infos(args, head, groups, per_group)
+        infos, what = lane_nics(args, head, groups, per_group)
         print(what, flush=True)
         for g in range(groups):
             for n in range(per_group):
@@ -474,7 +428,7 @@ def run(doc, chapter, warmup=None, engine=None, add_args=None, lesson=None):
     info, addr = cli.peer(args, CAPS, hmem=bool(args.gpus), shm=False)
     if addr is None:
         return server(info, args, warmup, engine and (lambda *a: engine(args, *a)))
-    infos, what = lane_infos(args, info, args.groups, args.nics_per_gpu)  # before opening
+    infos, what = lane_nics(args, info, args.groups, args.nics_per_gpu)  # before opening
     print(what)
     lanes, name = args.groups * len(infos[0]), bytes(connect.ADDRESS_BOUND)
     fake = request(args, name, [name] * lanes, bytes(REGION.size * lanes * args.buffers))

@@ -7,7 +7,8 @@ the deepest PCIe bridge with (on a p5: the switch in front of each GPU and its
 4 NICs); a NIC that shares none with any GPU goes to the GPU of its NUMA node
 that has the fewest NICs so far. Each NUMA node's physical cores are split
 evenly among its GPUs; the middle core of a GPU's slice is the one its thread
-will be pinned to.
+will be pinned to. Which of them each user drives is chosen from this layout in
+nics.py.
 
 Everything takes a `sysfs` root so the tests can hand in a fake tree.
 """
@@ -187,41 +188,6 @@ def ranges(values):
             out.append(f"{start}-{v}" if v != start else str(v))
             start = None
     return ",".join(out)
-
-
-def split(nics, groups):
-    """All NICs shared out among `groups` stand-ins for GPUs (host memory), in order."""
-    if not nics or len(nics) % groups:
-        raise ValueError(f"{len(nics)} NICs do not split evenly among {groups} groups")
-    per = len(nics) // groups
-    return [nics[g * per:(g + 1) * per] for g in range(groups)]
-
-
-def rank_nics(nics, gpu_buses, gpu, local_rank, ranks_per_node, sysfs=SYSFS):
-    """The NICs of one of a node's ranks (the MoE chapters' proxies): those of its GPU, as
-    layout() gives them; for host memory (gpu None), or a GPU that got none, an even
-    share of the node's, in order (one of them when there are fewer than ranks)."""
-    if gpu is not None:
-        gpus = layout(gpu_buses, nics, sysfs)
-        if gpu >= len(gpus):
-            raise ValueError(f"no GPU {gpu} in the topology ({len(gpus)} GPUs)")
-        if gpus[gpu].nics:
-            return gpus[gpu].nics
-    n = len(nics)
-    if n < ranks_per_node:
-        return [nics[local_rank % n]]
-    return nics[local_rank * n // ranks_per_node:(local_rank + 1) * n // ranks_per_node]
-
-
-def take(groups, per_group):
-    """The first `per_group` NICs of each group (None: all), if that uses them evenly."""
-    have = min(len(g) for g in groups)
-    per_group = per_group or have
-    if per_group > have:
-        raise ValueError(f"asked for {per_group} NICs per GPU; a GPU here has only {have}")
-    if have % per_group:
-        raise ValueError(f"{have} NICs per GPU do not split evenly into {per_group}")
-    return [g[:per_group] for g in groups]
 
 
 def worker_cores(gpus, groups, sysfs=SYSFS):

@@ -4,8 +4,9 @@ Its loop is chapter 16's C (chapters/16_moe.c, built as common._native16): the d
 (numpy on the host, or GPU kernels) writes commands into a ring in host memory, the loop
 posts them as WRITEs with immediate data and turns each immediate that arrives into a stamp
 in an arrival table. This module opens what the loop drives: an endpoint on each NIC of the
-rank's GPU (chapter 08's topology), each peer on one of them (one rail per pair of ranks),
-the region registered on each, and the peers' addresses, exchanged through the group.
+rank's GPU (chapter 08's topology, as common/engine/nics.py's rank_nics chooses them), each
+peer on one of them (one rail per pair of ranks), the region registered on each, and the
+peers' addresses, exchanged through the group.
 """
 import os
 import struct
@@ -13,7 +14,7 @@ import threading
 import time
 
 from common import bounds
-from common.engine import multinet, topo
+from common.engine.nics import rank_nics
 from common.fabric import cuda_driver, memory
 from common._native16 import ffi, lib as native
 from common.fabric import lib
@@ -42,7 +43,7 @@ class Proxy:
                              f"{fi.provider_of(info)} takes ({info.ep_attr.max_msg_size})")
         self.provider = fi.provider_of(info)
         scope = cuda_driver.flush_scope(self.provider, mem.gpu)
-        infos, self.nics = proxy_nics(info, group, mem.gpu, nics)
+        infos, self.nics = rank_nics(info, group, mem.gpu, nics)
         # at most RING WRITEs in flight per NIC; emulated nodes on one host reach each other by NIC
         domains, self.cqs, avs, eps = zip(*[
             fi.open_endpoint(own, i, cq_size=fi.cq_size_for(i, RING), av_count=group.world,
@@ -167,30 +168,6 @@ def routes(rank, count, peers, far):
     it writes to)} for the peers in `far`; `peers`: every rank's NICs (unpack_nics)."""
     return {r: (peer_nic(rank, r, count), peers[r][peer_nic(rank, r, len(peers[r]))])
             for r in far}
-
-
-def proxy_nics(head, group, gpu, count=None):
-    """The fi_info of each NIC this rank's proxy drives, and a line saying which: its GPU's
-    NICs (chapter 08's topology; for host memory an even share of the node's), the first
-    `count` of them; or `count` (default 1) virtual NICs where no NIC has a PCI address."""
-    nics = topo.nics_here(head)
-    provider = fi.provider_of(head)
-    if not nics:
-        count = count or 1
-        return [head] * count, (f"{count} virtual NIC{'s' * (count > 1)}, each a domain of "
-                                f"{provider} (no NIC with a PCI address here)")
-    gpu_buses = topo.gpus_here()[0] if gpu is not None else []
-    mine = topo.rank_nics(nics, gpu_buses, gpu, group.rank % group.ranks_per_node,
-                          group.ranks_per_node)
-    mine = topo.take([mine], count)[0]
-    entries = multinet.lane_entries(head)  # of each NIC, an entry of the head's kind
-    other = [n.name for n in mine if n.name not in entries]
-    if other:
-        raise ValueError(f"NIC {other[0]} is not in fabric {fi.string(head.fabric_attr.name)} "
-                         "with the first entry's address format")
-    whose = f"GPU {gpu}'s" if gpu is not None else "a share of the node's"
-    return ([entries[n.name] for n in mine],
-            f"{len(mine)} NIC{'s' * (len(mine) > 1)} ({whose}): {' '.join(n.name for n in mine)}")
 
 
 def settle_failure(p):

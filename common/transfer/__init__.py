@@ -1,11 +1,12 @@
 """The transfer engine: what chapters 09-15 taught, as a library for chapters 18 and 19.
 
 One Engine per GPU (or per process, for host memory): a domain, a data endpoint, a CQ and
-an AV on each of the GPU's NICs (chapter 08's topology; virtual NICs, more domains of shm
-or tcp, where no NIC has a PCI address), one C worker thread that owns their data path
-(common/transfer/worker.c, built as common._transfer: lazy batched posting as in chapter
-15, every NIC's CQ reaped, immediates counted), pinned near the GPU (chapter 12), and a
-control endpoint for SEND/RECV that Python drives (control.py).
+an AV on each of the GPU's NICs (chapter 08's topology, as common/engine/nics.py chooses
+them for a rank; virtual NICs, more domains of shm or tcp, where no NIC has a PCI address),
+one C worker thread that owns their data path (common/transfer/worker.c, built as
+common._transfer: lazy batched posting as in chapter 15, every NIC's CQ reaped,
+immediates counted), pinned near the GPU (chapter 12), and a control endpoint for
+SEND/RECV that Python drives (control.py).
 
     with fi.Closer() as own:
         eng = Engine(own, provider="shm")

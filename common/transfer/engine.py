@@ -10,7 +10,8 @@ import zlib
 import numpy as np
 
 import common.fabric as fi
-from common import bounds
+from common import bounds, launch
+from common.engine.nics import rank_nics
 from common.fabric import cuda_driver, lib, memory
 from common.transfer import ipc, wire
 from common.transfer.control import Control
@@ -225,7 +226,8 @@ class Engine:
         # cuFlushGPUDirectRDMAWrites). shm and tcp copy with the CPU or CUDA calls
         # themselves: None, nothing to flush. A device that can do neither: refused here.
         self.flush_scope = cuda_driver.flush_scope(self.provider, gpu)
-        self.infos, self.nics = engine_nics(info, gpu, nics)
+        # the GPU's NICs, or this process's share of the node's: its place from the launcher
+        self.infos, self.nics = rank_nics(info, launch.place_from_environment(), gpu, nics)
         self.cq_data_size = min(i.domain_attr.cq_data_size for i in self.infos)
         self.max_write = min(i.ep_attr.max_msg_size for i in self.infos)
         self.inject_size = inject_size(self.infos)
@@ -662,17 +664,6 @@ def per_peer_nic(a, b, count):
     of the two ids, the same from either end, spreading a node's peers over its NICs."""
     low, high = sorted((a, b))
     return zlib.crc32(struct.pack("<II", low, high)) % count
-
-
-def engine_nics(head, gpu, count):
-    """(fi_info per NIC, a line saying which): the GPU's NICs by chapter 08's topology
-    (as common/moe/proxy.py's proxy_nics picks them, this process's place from the
-    launcher's variables), or `count` (default 1) virtual NICs where none has a PCI
-    address."""
-    from common import launch
-    from common.moe.proxy import proxy_nics
-    place = launch.place_from_environment()
-    return proxy_nics(head, place, gpu, count)
 
 
 def worker_cores(gpu):
