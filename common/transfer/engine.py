@@ -11,6 +11,7 @@ import numpy as np
 
 import common.fabric as fi
 from common import bounds, launch
+from common.engine import topo
 from common.engine.nics import rank_nics
 from common.fabric import cuda_driver, lib, memory
 from common.transfer import ipc, wire
@@ -671,7 +672,6 @@ def worker_cores(gpu):
     if gpu is None:
         return None
     try:
-        from common.engine import topo
         buses, _ = topo.gpus_here()
         gpus = topo.layout(buses, [])
         cores = set(gpus[gpu].cores) & os.sched_getaffinity(0)
