@@ -17,8 +17,10 @@ New since chapter 06: the pending queue (OpQueue); one context per WRITE in
 flight, from a free list, so every completion is matched to exactly one
 WRITE; WRITE messages built once per page; 1 GiB buffers; --iters WRITEs that
 cycle over the pages; a heartbeat SEND, queued like the WRITEs, telling the
-client how far the server is; a live progress line (on a terminal); Gbps,
-Mpps and % of a limit; --json.
+client how far the server is; a Connection (common/engine/opqueue.py) holding
+what serving one client takes: its address, the queue, the heartbeat, the
+inbox, the CONNECTs of others waiting meanwhile; a live progress line (on a
+terminal); Gbps, Mpps and % of a limit; --json.
 
     .venv/bin/python chapters/07_queue.py                                  # server (the writer)
     .venv/bin/python chapters/07_queue.py ADDRESS                          # client: 1,000,000 x 64 KiB
