@@ -17,8 +17,10 @@ New since chapter 06: the pending queue (OpQueue); one context per WRITE in
 flight, from a free list, so every completion is matched to exactly one
 WRITE; WRITE messages built once per page; 1 GiB buffers; --iters WRITEs that
 cycle over the pages; a heartbeat SEND, queued like the WRITEs, telling the
-client how far the server is; a live progress line (on a terminal); Gbps,
-Mpps and % of a limit; --json.
+client how far the server is; a Connection (common/engine/opqueue.py) holding
+what serving one client takes: its address, the queue, the heartbeat, the
+inbox, the CONNECTs of others waiting meanwhile; a live progress line (on a
+terminal); Gbps, Mpps and % of a limit; --json.
 
     .venv/bin/python chapters/07_queue.py                                  # server (the writer)
     .venv/bin/python chapters/07_queue.py ADDRESS                          # client: 1,000,000 x 64 KiB
@@ -95,7 +97,7 @@ import time
 
 from common import bench, bounds, cli
 from common.fabric import connect, memory
-from common.engine.opqueue import HEARTBEAT, Heartbeat, OpQueue, verified, write_messages
+from common.engine.opqueue import HEARTBEAT, Connection, OpQueue, verified, write_messages
 from common.fabric import lib
 import common.fabric as fi
 
@@ -134,8 +136,12 @@ def server(info, args):
                 renew = False
                 try:
                     with fi.Closer() as client_own:  # what one client needs, released after it
-                        serve(client_own, info, domain, ep, av, cq, poller, inbox, backlog,
-                              request, args)
+                        client, request = connect.accept(client_own, av, domain, ep, poller,
+                                                         request, CHAPTER, args.timeout)
+                        # Contexts to spare: the provider, not us, should be the one to say "full".
+                        queue = OpQueue(ep, cq, poller, slots=fi.in_flight(info))
+                        serve(Connection(client_own, domain, client, queue, inbox, backlog,
+                                         args.timeout), info, request, args)
                 except (fi.FabricError, TimeoutError, ValueError) as e:  # serve the next one
                     connect.report(served + 1, e)
                     if isinstance(e, connect.Refused):
@@ -157,52 +163,48 @@ def lends_credits(info):
     return "ofi_rxm" in fi.provider_of(info)
 
 
-def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
-    client, request = connect.accept(own, av, domain, ep, poller, request, CHAPTER, args.timeout)
+def serve(conn, info, request, args):
     seed, page_size, iters, runs, nbufs, delivery = HEADER.unpack_from(request)
     regions = [REGION.unpack_from(request, HEADER.size + i * REGION.size) for i in range(nbufs)]
     pages = connect.unpack_pages(request, HEADER.size + nbufs * REGION.size, runs)
     npages = len(pages)
 
-    # Contexts to spare: the provider, not us, should be the one to say "full".
-    queue = OpQueue(ep, cq, poller, slots=fi.in_flight(info))
-    beat = Heartbeat(own, domain, client)
     try:
         # The data, generated before anything is timed: page j of the request in slot j.
         def keep_talking():  # this can take seconds: the client must not give up on us
-            beat.maybe(queue, queue.completed)
-            queue.progress()
+            conn.beat(conn.queue.completed)
+            conn.queue.progress()
         source = memory.seeded_source(pages, page_size, seed, args.gpu, each=keep_talking)
-        desc = fi.mr_desc(memory.register(own, domain, source, lib.FI_WRITE, key=2000))
+        desc = fi.mr_desc(memory.register(conn.own, conn.domain, source, lib.FI_WRITE, key=2000))
 
         # One WRITE message per page, built once; posting only sets its context.
         messages, _keep = write_messages(source, page_size, pages, range(npages), regions,
-                                         desc, client)
+                                         desc, conn.client)
         flags = lib.FI_COMPLETION | (lib.FI_DELIVERY_COMPLETE if delivery else 0)
-        start = write_all(queue, beat, messages, iters, page_size, args.timeout, flags)
+        start = write_all(conn, messages, iters, page_size, flags)
         # A WRITE's completion says the source may be reused, not that the data has
         # landed (shm's CUDA IPC copies are still queued on the GPU then): the clock
         # stops when the client says its memory holds everything.
-        while len(message := queue.next_message(inbox, args.timeout)) != LANDED.size:
-            backlog.append(message)  # another client's CONNECT: it is served next
+        while len(message := conn.queue.next_message(conn.inbox, conn.timeout)) != LANDED.size:
+            conn.backlog.append(message)  # another client's CONNECT: it is served next
         elapsed = time.perf_counter() - start
     except Exception:  # this client failed: let what is in flight finish, then serve the next
-        queue.drain(args.timeout)  # (not on Ctrl-C: opqueue.drain says why)
+        conn.queue.drain(conn.timeout)  # (not on Ctrl-C: opqueue.drain says why)
         raise
     f = bench.figures(iters, page_size, elapsed)
     memory_kind = "host" if args.gpu is None else "cuda"
     here = bench.machine(args.gpu)
     lim = bench.limit(info, args.provider_used, memory_kind, page_size, here)
-    if queue.completed != iters:
-        raise ValueError(f"{queue.completed} completions for {iters} WRITEs")
+    if conn.queue.completed != iters:
+        raise ValueError(f"{conn.queue.completed} completions for {iters} WRITEs")
     print(f"wrote {npages} pages from {source.kind}, the last WRITE with immediate data {iters}")
-    print(f"completions: {queue.completed}, one per WRITE; -FI_EAGAIN {queue.eagain} times "
-          f"(the provider's queue full), {queue.full} posts held back (all our contexts in "
-          "flight)")
+    print(f"completions: {conn.queue.completed}, one per WRITE; -FI_EAGAIN "
+          f"{conn.queue.eagain} times (the provider's queue full), {conn.queue.full} posts held "
+          "back (all our contexts in flight)")
     print(bench.summary(f, lim), flush=True)
     if args.json:
         path = bench.run_path(args.json, "07_queue", args.provider_used, memory_kind, page_size)
-        f["refused"] = queue.eagain
+        f["refused"] = conn.queue.eagain
         sent = {"seed": seed, "page_size": page_size, "iters": iters,  # in its CONNECT
                 "pages": connect.pages_flag(pages), "buffers": nbufs,
                 "buffer_size": regions[0][1], "delivery_complete": delivery}
@@ -211,7 +213,7 @@ def serve(own, info, domain, ep, av, cq, poller, inbox, backlog, request, args):
         print(f"result: {written}")
 
 
-def write_all(queue, beat, messages, iters, page_size, timeout, flags):
+def write_all(conn, messages, iters, page_size, flags):
     """Post `iters` WRITEs (with `flags`) cycling over the pages, wait for their
     completions; returns when the first was posted.
 
@@ -220,6 +222,7 @@ def write_all(queue, beat, messages, iters, page_size, timeout, flags):
     (shm with FI_DELIVERY_COMPLETE: tx_attr.size; our contexts are four times
     that, fi.in_flight)."""
     progress = bench.Progress("WRITEs completed", iters, page_size)
+    queue, timeout = conn.queue, conn.timeout
     start = time.perf_counter()
     submitted = 0
     stalled = bounds.Deadline(timeout, lambda: f"no WRITE completed for {timeout:g} s "
@@ -242,7 +245,7 @@ def write_all(queue, beat, messages, iters, page_size, timeout, flags):
                 stalled.at = now + timeout
             elif now > stalled.at:
                 raise TimeoutError(stalled.what())
-            if beat.maybe(queue, queue.completed):
+            if conn.beat(queue.completed):
                 progress.update(queue.completed)
     progress.close()
     return start

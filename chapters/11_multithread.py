@@ -50,9 +50,9 @@ from common.engine.warmup import warm_up
 # ## Code
 
 # %%
-def threaded(args, lanes, control, beat, page_size, timeout):
+def threaded(args, lanes, conn, page_size):
     """One worker per group; the main thread keeps the control endpoint going."""
-    errors, control.keep = [], []
+    errors, conn.keep = [], []
     if args.engine == "python":
         total, lock, stop = [0], threading.Lock(), threading.Event()
         halt = stop.set
@@ -74,12 +74,11 @@ def threaded(args, lanes, control, beat, page_size, timeout):
 
         def work(k, mine):  # the same loop in C; it adds to `total` atomically
             memory.current(mine[0].gpu)
-            workers.call(native, mine, errors, control.keep, total, stop)
+            workers.call(native, mine, errors, conn.keep, total, stop)
 
     threads = workers.threads_for(lanes, work, errors)
     print(f"{len(threads)} {args.engine} worker threads, one per GPU", flush=True)
-    return workers.run(threads, lanes, control, beat, page_size, timeout, lambda: total[0],
-                       halt, errors)
+    return workers.run(threads, lanes, conn, page_size, lambda: total[0], halt, errors)
 
 
 def add_args(p):

@@ -55,20 +55,20 @@ from common.engine.warmup import warm_up
 # ## Code
 
 # %%
-def threaded(args, lanes, control, beat, page_size, timeout):
+def threaded(args, lanes, conn, page_size):
     cores = topo.worker_cores(args.gpus, len(workers.by_group(lanes)))
-    errors, control.keep = [], []
+    errors, conn.keep = [], []
     total, stop = native.ffi.new("uint64_t *"), native.ffi.new("int *")
 
     def work(k, mine):  # chapter 11's native worker, pinned: move, then allocate, then run
         os.sched_setaffinity(0, {cores[k]})  # 0: the calling thread only, on Linux
         memory.current(mine[0].gpu)
-        workers.call(native, mine, errors, control.keep, total, stop)  # allocates, runs
+        workers.call(native, mine, errors, conn.keep, total, stop)  # allocates, runs
 
     threads = workers.threads_for(lanes, work, errors)
     print(f"{len(threads)} native worker threads, one per GPU, pinned to cores "
           f"{' '.join(map(str, cores))}", flush=True)
-    return workers.run(threads, lanes, control, beat, page_size, timeout, lambda: total[0],
+    return workers.run(threads, lanes, conn, page_size, lambda: total[0],
                        lambda: stop.__setitem__(0, 1), errors)
 
 

@@ -48,9 +48,9 @@ from common.engine.warmup import warm_up
 # ## Code
 
 # %%
-def threaded(args, lanes, control, beat, page_size, timeout):
+def threaded(args, lanes, conn, page_size):
     """Chapter 12's pinned workers, each with a counter of its own (common/engine/shards.py)."""
-    return shards.run(native, args.gpus, lanes, control, beat, page_size, timeout)
+    return shards.run(native, args.gpus, lanes, conn, page_size)
 
 
 if __name__ == "__main__":

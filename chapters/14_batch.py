@@ -61,9 +61,9 @@ from common.engine.warmup import warm_up
 # ## Code
 
 # %%
-def threaded(args, lanes, control, beat, page_size, timeout):
+def threaded(args, lanes, conn, page_size):
     """Chapter 13's workers (common/engine/shards.py), posting up to args.batch per visit."""
-    return shards.run(native, args.gpus, lanes, control, beat, page_size, timeout, args.batch,
+    return shards.run(native, args.gpus, lanes, conn, page_size, args.batch,
                       say=f", up to {args.batch} WRITEs per visit")
 
 

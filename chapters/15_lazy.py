@@ -58,9 +58,9 @@ from common.engine.warmup import warm_up
 # ## Code
 
 # %%
-def threaded(args, lanes, control, beat, page_size, timeout):
+def threaded(args, lanes, conn, page_size):
     """Chapter 14's workers, whose C loop now posts lazily."""
-    return shards.run(native, args.gpus, lanes, control, beat, page_size, timeout, args.batch,
+    return shards.run(native, args.gpus, lanes, conn, page_size, args.batch,
                       say=f", up to {args.batch} WRITEs per visit, posted lazily")
 
 

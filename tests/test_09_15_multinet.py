@@ -7,6 +7,7 @@ import pytest
 
 from common.engine import multinet, topo
 from common.engine.nics import first_of_each, split_among
+from common.engine.opqueue import Connection
 from common.fabric import connect
 import common.fabric as fi
 from common.chapter_pair import run_pair
@@ -125,11 +126,12 @@ def test_a_refused_client_hears_why_at_once(provider):
                                + multinet.pack_names([fi.getname(lane.ep)]))
         failed = []
 
-        def serve():
+        def serve():  # as multinet.server serves each CONNECT
             try:
-                multinet.serve(own, info, server, server_inbox, [], request,
-                               argparse.Namespace(gpus=[0, 1], number=9, timeout=20.0), None,
-                               None)
+                addr, body = connect.accept(own, server.av, server.domain, server.ep,
+                                            server.poller, request, 9, 20.0)
+                conn = Connection(own, server.domain, addr, server.queue, server_inbox, [], 20.0)
+                multinet.serve(conn, info, body, argparse.Namespace(gpus=[0, 1]), None, None)
             except ValueError as e:
                 failed.append(str(e))
         thread = threading.Thread(target=serve)

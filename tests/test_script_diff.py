@@ -42,7 +42,7 @@ LESSONS = [
                 ["from common.engine.warmup import warm_up",
                  'cli.run(lambda: multinet.run(__doc__, "10_warmup", warm_up, lesson=LESSON))'],
                 ['cli.run(lambda: multinet.run(__doc__, "09_multinet", lesson=LESSON))']),
-            "common/engine/warmup.py": (["def warm_up(lanes, control, timeout):"], [])}),
+            "common/engine/warmup.py": (["def warm_up(lanes, conn):"], [])}),
     ("13", {"chapters/13_shard.c": (
                 ["struct counter {            // one worker's count of completed WRITEs, "
                  "alone on its cache"],

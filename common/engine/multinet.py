@@ -15,7 +15,7 @@ from common import bench, bounds, cli
 from common.engine.nics import lane_nics
 from common.fabric import connect, memory
 from common.fabric import ffi, lib
-from common.engine.opqueue import HEARTBEAT, Heartbeat, OpQueue, verified, write_messages
+from common.engine.opqueue import HEARTBEAT, Connection, OpQueue, verified, write_messages
 import common.fabric as fi
 
 CAPS = lib.FI_MSG | lib.FI_RMA
@@ -70,8 +70,13 @@ def server(info, args, warmup=None, engine=None):
                 continue
             try:
                 with fi.Closer() as client_own:
-                    serve(client_own, info, control, inbox, backlog, request, args, warmup,
-                          engine or write_all)
+                    client, request = connect.accept(client_own, control.av, control.domain,
+                                                     control.ep, control.poller, request,
+                                                     args.number, args.timeout)
+                    # held past client_own's close: the workers' C arrays (conn.keep) with it
+                    conn = Connection(client_own, control.domain, client, control.queue, inbox,
+                                      backlog, args.timeout)
+                    serve(conn, info, request, args, warmup, engine or write_all)
             except (fi.FabricError, TimeoutError, ValueError) as e:
                 connect.report(served + 1, e)
                 if isinstance(e, connect.Refused):
@@ -98,13 +103,10 @@ def unpack_names(data, at, count):
     return names, at
 
 
-def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
-    client, request = connect.accept(own, control.av, control.domain, control.ep, control.poller,
-                                     request, args.number, args.timeout)
+def serve(conn, head, request, args, warmup, engine):
     seed, page_size, iters, runs, nbufs, groups, per_group = HEADER.unpack_from(request)
     names, at = unpack_names(request, HEADER.size, groups * per_group)
-    beat = Heartbeat(own, control.domain, client)
-    lanes, started = [], False
+    own, lanes, started = conn.own, [], False
     try:
         if args.gpus and len(args.gpus) != groups:
             raise ValueError(f"the client has {groups} groups, this server "
@@ -117,7 +119,7 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
                 lane.group = g
                 lane.peer = fi.av_insert(lane.av, names[len(lanes)])
                 lanes.append(lane)
-        introduce(own, control, inbox, client, lanes, backlog, args.timeout)
+        introduce(conn, lanes)
         regions = [REGION.unpack_from(request, at + i * REGION.size)
                    for i in range(groups * per_group * nbufs)]
         pages = connect.unpack_pages(request, at + len(regions) * REGION.size, runs)
@@ -125,8 +127,8 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
         for lane, count in zip(lanes, lane_iters(iters, len(lanes))):
             lane.iters = count
         def keep_talking():  # generating pages can take seconds: heartbeats meanwhile
-            beat.maybe(control.queue, 0)
-            control.queue.progress()
+            conn.beat(0)
+            conn.queue.progress()
         sources = []
         for g in range(groups):
             gpu = args.gpus[g] if args.gpus else None
@@ -137,20 +139,20 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
                 build_messages(own, lanes[k], source, regions[k * nbufs:(k + 1) * nbufs],
                                pages, page_size, n, per_group)
         # chapter 10: first contact on every NIC, before the clock starts
-        compare = warmup(lanes, control, args.timeout) if warmup else None
+        compare = warmup(lanes, conn) if warmup else None
         started, cpu = True, time.process_time()
-        start = engine(lanes, control, beat, page_size, args.timeout)
-        while len(message := control.queue.next_message(inbox, args.timeout)) != LANDED.size:
-            backlog.append(message)
+        start = engine(lanes, conn, page_size)
+        while len(message := conn.queue.next_message(conn.inbox, conn.timeout)) != LANDED.size:
+            conn.backlog.append(message)
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     except Exception as e:  # this client failed (not Ctrl-C: opqueue.drain says why)
         # one timeout for them all, not one each: the next client's CONNECT waits meanwhile
-        deadline = time.monotonic() + args.timeout
-        for lane in lanes + [control]:
-            lane.queue.drain(max(0.0, deadline - time.monotonic()))
+        deadline = time.monotonic() + conn.timeout
+        for queue in [lane.queue for lane in lanes] + [conn.queue]:
+            queue.drain(max(0.0, deadline - time.monotonic()))
         if not started and isinstance(e, (fi.FabricError, ValueError)):
-            connect.refuse(own, control.domain, control.ep, control.poller, client, e,
-                           args.timeout)
+            connect.refuse(own, conn.domain, conn.queue.ep, conn.queue.poller, conn.client, e,
+                           conn.timeout)
         raise
     sent = {"seed": seed, "page_size": page_size, "iters": iters,  # in its CONNECT
             "pages": connect.pages_flag(pages), "buffers": nbufs,
@@ -168,15 +170,15 @@ def serve(own, head, control, inbox, backlog, request, args, warmup, engine):
 # says so, and only then does the server write. Every provider takes the step: one round
 # trip per client, before the clock, and the AVs of efa's RDM fabric need it as well once
 # FI_OPT_EFA_HOMOGENEOUS_PEERS skips its handshake (the same page).
-def introduce(own, control, inbox, client, lanes, backlog, timeout):
+def introduce(conn, lanes):
     """Send the client our lanes' addresses; return once it has them in its AVs.
-    Another client's CONNECT, come meanwhile, waits in `backlog`."""
-    control.poller.send(own, control.domain, control.ep,
-                        pack_names([fi.getname(lane.ep) for lane in lanes]), client, 1004,
-                        timeout, "lane addresses")
-    while (message := control.queue.next_message(inbox, timeout, "our lanes in its AVs")
+    Another client's CONNECT, come meanwhile, waits in the backlog."""
+    conn.queue.poller.send(conn.own, conn.domain, conn.queue.ep,
+                           pack_names([fi.getname(lane.ep) for lane in lanes]), conn.client,
+                           1004, conn.timeout, "lane addresses")
+    while (message := conn.queue.next_message(conn.inbox, conn.timeout, "our lanes in its AVs")
            ) != INSERTED:
-        backlog.append(message)
+        conn.backlog.append(message)
 
 
 def insert_lanes(own, control, inbox, lanes, server, timeout):
@@ -228,9 +230,9 @@ def written(pages, iters, groups, per_group):
     return reached
 
 
-def write_all(lanes, control, beat, page_size, timeout):
+def write_all(lanes, conn, page_size):
     """Every lane's WRITEs, one thread visiting each lane in turn; returns the start time."""
-    total = sum(lane.iters for lane in lanes)
+    timeout, total = conn.timeout, sum(lane.iters for lane in lanes)
     progress = bench.Progress("WRITEs completed", total, page_size)
     start = time.perf_counter()
     busy = [lane for lane in lanes if lane.iters]
@@ -245,11 +247,11 @@ def write_all(lanes, control, beat, page_size, timeout):
                 if lane.queue.progress():
                     stalled.at = time.monotonic() + timeout
             busy = [lane for lane in busy if lane.queue.completed < lane.iters]
-            control.queue.progress()
+            conn.queue.progress()
             done = sum(lane.queue.completed for lane in lanes)
             if time.monotonic() > stalled.at:
                 raise TimeoutError(stalled.what())
-            if beat.maybe(control.queue, done):
+            if conn.beat(done):
                 progress.update(done)
     progress.close()
     return start

@@ -4,7 +4,8 @@ A provider that is full answers -FI_EAGAIN. The operation then waits here, in
 order, while the caller reads the CQ (which is what frees room and, on most
 providers, moves the data); each read posts what waited, oldest first. The
 WRITE messages it posts are built once (write_messages); a post only sets the
-context of the operation.
+context of the operation. A Connection is what the server holds for the client it
+serves: the queue that talks to it, its heartbeats, its inbox and the backlog.
 """
 import collections
 import struct
@@ -174,29 +175,31 @@ class OpQueue:
                     self.free.append(slot)
 
 
-class Heartbeat:
-    """Every BEAT_EVERY seconds, a SEND telling the client how many WRITEs have completed.
+class Connection:
+    """The server's line to the client it serves: the client's address, the op queue of our
+    endpoint that talks to it, the inbox its messages land in, the backlog where the
+    CONNECTs of other clients wait meanwhile (served next), how long it may be silent
+    (timeout), and what is opened for it (own, on our endpoint's domain).
 
-    Without it the client, whose CPU sees nothing of one-sided WRITEs, could
-    not tell a long run from a dead server. One beat at a time: its buffer is
-    in use until the SEND completes.
+    Every BEAT_EVERY seconds a heartbeat SEND tells the client how many WRITEs have
+    completed (beat). Without it the client, whose CPU sees nothing of one-sided WRITEs,
+    could not tell a long run from a dead server. One beat at a time: its buffer is in
+    use until the SEND completes.
     """
 
-    def __init__(self, own, domain, client):
+    def __init__(self, own, domain, client, queue, inbox, backlog, timeout):
+        self.own, self.domain, self.client, self.queue = own, domain, client, queue
+        self.inbox, self.backlog, self.timeout, self.last = inbox, backlog, timeout, 0.0
         self.buf = ffi.new("char[]", HEARTBEAT.size)
         mr = own(fi.mr_reg(domain, self.buf, HEARTBEAT.size, lib.FI_SEND, key=2001))
-        self.iov = ffi.new("struct iovec *", {"iov_base": self.buf, "iov_len": HEARTBEAT.size})
-        self.desc = ffi.new("void *[1]", [fi.mr_desc(mr)])
-        self.msg = ffi.new("struct fi_msg *", {"msg_iov": self.iov, "desc": self.desc,
-                                               "iov_count": 1, "addr": client})
-        self.last = 0.0
+        self.msg, self.pieces = fi.msg(self.buf, HEARTBEAT.size, fi.mr_desc(mr), client, ffi.NULL)
 
-    def maybe(self, queue, completed):
-        """Queue a beat saying `completed` on `queue` (the endpoint that talks to the client)."""
+    def beat(self, completed):
+        """Queue a heartbeat saying `completed`, if one is due; True if it was."""
         now = time.perf_counter()
-        if now - self.last < BEAT_EVERY or queue.sends:
+        if now - self.last < BEAT_EVERY or self.queue.sends:
             return False
         self.buf[0:HEARTBEAT.size] = HEARTBEAT.pack(completed)
-        queue.send(self.msg)
+        self.queue.send(self.msg)
         self.last = now
         return True

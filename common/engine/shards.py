@@ -12,23 +12,23 @@ from common.engine import topo, workers
 from common.fabric import memory
 
 
-def run(native, gpus, lanes, control, beat, page_size, timeout, *before, say=""):
+def run(native, gpus, lanes, conn, page_size, *before, say=""):
     """Run native.lib.worker(lanes, nlanes, *before, counter, stop, &failed) in one pinned
     thread per group; returns the start time. `say`: what the chapter adds to the line
     that describes the workers."""
     cores = topo.worker_cores(gpus, len(workers.by_group(lanes)))
-    errors, control.keep = [], []
+    errors, conn.keep = [], []
     counters, stop = [None] * len(cores), native.ffi.new("int *")
 
     def work(k, mine):
         os.sched_setaffinity(0, {cores[k]})  # 0: the calling thread only, on Linux
         memory.current(mine[0].gpu)
         counters[k] = native.ffi.new("struct counter *")  # its own, allocated after pinning
-        workers.call(native, mine, errors, control.keep, *before, counters[k], stop)
+        workers.call(native, mine, errors, conn.keep, *before, counters[k], stop)
 
     threads = workers.threads_for(lanes, work, errors)
     print(f"{len(threads)} native worker threads, one per GPU, pinned to cores "
           f"{' '.join(map(str, cores))}, a counter each{say}", flush=True)
     done = lambda: sum(c.value for c in counters if c is not None)  # noqa: E731
-    return workers.run(threads, lanes, control, beat, page_size, timeout, done,
-                       lambda: stop.__setitem__(0, 1), errors)
+    return workers.run(threads, lanes, conn, page_size, done, lambda: stop.__setitem__(0, 1),
+                       errors)

@@ -12,11 +12,11 @@ from common import bounds
 from common.fabric import memory
 
 
-def warm_up(lanes, control, timeout):
+def warm_up(lanes, conn):
     """Two WRITEs per lane, one after the other, each waited for: first contact, then a
     warm one; returns what prints the comparison after the run."""
-    first = [one_write(lane, control, timeout, k) for k, lane in enumerate(lanes)]
-    warm = [one_write(lane, control, timeout, k) for k, lane in enumerate(lanes)]
+    first = [one_write(lane, conn, k) for k, lane in enumerate(lanes)]
+    warm = [one_write(lane, conn, k) for k, lane in enumerate(lanes)]
     for lane in lanes:
         lane.queue.completed = 0  # the warmup is not part of the run's count
     print(f"warmup: first WRITE per NIC {1e3 * sum(first) / len(first):.3f} ms on average, "
@@ -35,15 +35,15 @@ def warm_up(lanes, control, timeout):
     return compare
 
 
-def one_write(lane, control, timeout, k):
+def one_write(lane, conn, k):
     """Post one WRITE on `lane` and wait for its completion; its latency in seconds."""
     start = time.perf_counter()
     memory.current(lane.gpu)
     lane.queue.write(lane.messages[0])
-    late = f"warmup WRITE on NIC {k} not completed in {timeout:g} s"
-    with bounds.Deadline(timeout, late) as deadline:
+    late = f"warmup WRITE on NIC {k} not completed in {conn.timeout:g} s"
+    with bounds.Deadline(conn.timeout, late) as deadline:
         while not lane.queue.progress():
-            control.queue.progress()  # heartbeats keep going meanwhile
+            conn.queue.progress()  # heartbeats keep going meanwhile
             if time.monotonic() > deadline.at:
                 raise TimeoutError(late)
     return time.perf_counter() - start

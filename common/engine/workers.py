@@ -42,7 +42,8 @@ def call(native, mine, errors, kept, *args):
     """Run `native.lib.worker(lanes, nlanes, *args, &failed)` on a group's lanes (the GIL is
     released for the call), then copy its counts back for the report. Errors go to
     `errors`; the C arrays to `kept`, alive until the endpoints close: a WRITE still in
-    flight after a failure owns its context."""
+    flight after a failure owns its context. The chapters keep them on the Connection
+    (conn.keep), which the server holds until its next client."""
     array, keep = lane_array(native, mine)
     kept.append(keep)
     failed = native.ffi.new("int *")
@@ -55,11 +56,11 @@ def call(native, mine, errors, kept, *args):
         errors.append(fi.native_error(rc, mine[failed[0]].cq, "fi_writemsg/fi_cq_read (worker)"))
 
 
-def run(threads, lanes, control, beat, page_size, timeout, done, halt, errors):
+def run(threads, lanes, conn, page_size, done, halt, errors):
     """Start the workers; meanwhile this thread sends heartbeats, watches `done()` (WRITEs
     completed so far) for a stall and, on any failure, calls `halt()` and waits for the
     workers to stop. Returns the start time."""
-    total = sum(lane.iters for lane in lanes)
+    timeout, total = conn.timeout, sum(lane.iters for lane in lanes)
     progress = bench.Progress("WRITEs completed", total, page_size)
     start = last = time.perf_counter()
     seen = 0
@@ -67,14 +68,14 @@ def run(threads, lanes, control, beat, page_size, timeout, done, halt, errors):
         for t in threads:
             t.start()
         while any(t.is_alive() for t in threads) and not errors:
-            control.queue.progress()
+            conn.queue.progress()
             now, finished = time.perf_counter(), done()
             if finished != seen:
                 seen, last = finished, now
             elif now - last > timeout:
                 raise TimeoutError(f"no WRITE completed for {timeout:g} s ({finished} of "
                                    f"{total} done): is the client still there?")
-            if beat.maybe(control.queue, finished):
+            if conn.beat(finished):
                 progress.update(finished)
             time.sleep(0.0005)  # the workers do the work; this thread only watches
     finally:
