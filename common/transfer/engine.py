@@ -472,15 +472,14 @@ class Engine:
 
     def _submit(self, command, keep):
         self._check()
-        src_offsets, dst_offsets, lengths, src, dst, peer = keep
+        src, dst, peer = keep[3:]
         if peer.ipc and dst.ipc and src.gpu == self.gpu:
             return self._submit_ipc(peer.ipc, command, keep)
         w = self._w
         if w.head - native.tx_tail(w) >= RING:
             self._until(lambda: w.head - native.tx_tail(w) < RING, self.timeout,
                         lambda: f"room in the worker's ring of {RING} commands")
-        t = Transfer(self, command, keep)
-        self._inflight = [x for x in self._inflight if not x.done] + [t]
+        t = self._track(Transfer(self, command, keep))
         native.tx_submit(w, command)
         return t
 
@@ -494,11 +493,14 @@ class Engine:
         imm = command.imm if command.has_imm else None
         record, seq, staged = route.submit(src, dst, src_offsets, dst_offsets, lengths,
                                            command.length, imm)
-        t = IpcTransfer(self, record, seq, command.count, (keep, staged), queued,
-                        time.monotonic_ns())
-        self._inflight = [x for x in self._inflight if not x.done] + [t]
         self._ipc_commands += 1
-        return t
+        return self._track(IpcTransfer(self, record, seq, command.count, (keep, staged),
+                                       queued, time.monotonic_ns()))
+
+    def _track(self, transfer):
+        """Hold `transfer` (and what it keeps alive) until it is done."""
+        self._inflight = [x for x in self._inflight if not x.done] + [transfer]
+        return transfer
 
     def signal(self, peer, imm):
         """An 8-byte WRITE with `imm` into the peer's signal region: a message that is

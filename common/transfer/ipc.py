@@ -84,7 +84,7 @@ class Inbox:
         self.address = HOST.pack(*host, os.getpid(), self.fd, bus.encode())
 
 
-def export(ptr, pid=None):
+def export(ptr):
     """The descriptor's trailer for GPU memory at `ptr`: its allocation's IPC handle and
     where `ptr` lies in it; None where CUDA cannot share it (memory from a stream-ordered
     pool, for one), which leaves that region to libfabric."""
@@ -94,7 +94,7 @@ def export(ptr, pid=None):
         handle = rt.ipcGetMemHandle(base)
     except Exception:
         return None
-    return HANDLE.pack(MAGIC_HANDLE, bytes(handle), ptr - base, pid or os.getpid())
+    return HANDLE.pack(MAGIC_HANDLE, bytes(handle), ptr - base, os.getpid())
 
 
 def parse_handle(trailer):
@@ -113,7 +113,6 @@ class Routes:
         cp = memory.cupy()
         self.engine, self.ffi, self.cp = engine, ffi, cp
         self.host = this_host()
-        self.routes = []
 
     def route(self, own, peer_host):
         """A Route to the peer whose address carried `peer_host` (HOST), or (None, why)."""
@@ -130,10 +129,9 @@ class Routes:
         if theirs != gpu and not rt.deviceCanAccessPeer(gpu, theirs):
             return None, f"GPU {gpu} cannot access GPU {theirs} (no peer access)"
         try:
-            route = Route(own, self, pid, fd, theirs)
+            route = Route(own, self, pid, fd)
         except OSError as e:
             return None, f"their inbox cannot be opened ({e.strerror})"
-        self.routes.append(route)
         return route, f"CUDA IPC, GPU {gpu} -> GPU {theirs}"
 
     def start(self, own):
@@ -187,9 +185,9 @@ class Route:
     """The writer's CUDA IPC route to one peer of this host: its inbox mapped here (and
     for the GPU, whose kernel stores each command's seq into it), a ring of it ours."""
 
-    def __init__(self, own, routes, pid, fd, device):
+    def __init__(self, own, routes, pid, fd):
         ffi, cp = routes.ffi, routes.cp
-        self.routes, self.pid, self.device = routes, pid, device
+        self.routes = routes
         at = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
         try:
             self.map = mmap.mmap(at, inbox_size())
@@ -200,16 +198,16 @@ class Route:
         own.callback(self.__dict__.clear)  # no view left: mmap.close needs that
         if ffi.buffer(box.magic)[:] != MAGIC or box.writers != WRITERS:
             raise OSError(0, "not an inbox of this version")
-        self.ptr = int(ffi.cast("uintptr_t", box))
-        cp.cuda.runtime.hostRegister(self.ptr, inbox_size(), HOST_MAPPED)
-        own.callback(cp.cuda.runtime.hostUnregister, self.ptr)
+        at = int(ffi.cast("uintptr_t", box))
+        cp.cuda.runtime.hostRegister(at, inbox_size(), HOST_MAPPED)
+        own.callback(cp.cuda.runtime.hostUnregister, at)
         from common._transfer import lib as native
         slot = native.tx_inbox_claim(box, routes.engine.id + 1)
         if slot < 0:
             raise OSError(0, f"all {WRITERS} writer rings of that inbox are taken")
         self.slot, self.records = box.slot[slot], native.tx_inbox_records(box, slot)
         self.head = self.slot.consumed
-        self.box, self.ffi = box, ffi
+        self.ffi = ffi
         self.mapped = {}  # IPC handle: its allocation's address here
         own.callback(self._close)
         routes.start(own)
