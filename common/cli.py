@@ -12,15 +12,12 @@ import sys
 import common.fabric as fi
 from common import bounds
 from common.fabric import FabricError
-from common.patience import patience
+from common.patience import STRETCH, stretched  # noqa: F401 (cli.STRETCH, for the tests)
 from common.records import parse_label  # noqa: F401 (an argparse type: cli.parse_label)
 from common.usage import parse_size  # noqa: F401 (the chapters' cli.parse_size)
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 PEER_TIMEOUT = 10.0  # seconds a chapter waits for its peer before giving up
-# Set (to anything) by a test suite, whose machine is busy by design: the default --timeout
-# then stretches with the load (common/patience.py). A person gets the 10 s they read.
-STRETCH = "FABRIC3200_STRETCH_TIMEOUT"
 
 
 class UsageError(ValueError):
@@ -101,7 +98,7 @@ def parser(doc, **kw):
 
 def peer_timeout():
     """The default --timeout: PEER_TIMEOUT, stretched by the load only where STRETCH is set."""
-    return patience(PEER_TIMEOUT) if os.environ.get(STRETCH) else PEER_TIMEOUT
+    return stretched(PEER_TIMEOUT)
 
 
 def add_peer(p):
