@@ -191,12 +191,16 @@ def gather_ceiling(gpu, page, src_pages, dst_pages, size, repeats):
                              np.asarray(dst_pages, np.uint64) * page])
     count, stream, seq = len(src_pages), copier.stream, 0
 
-    def gather():
+    def spin(ready, why):
+        while not ready():
+            pass
+
+    def gather():  # as the route sends a command: the table through the staging rings
         nonlocal seq
         seq += 1
-        table, keep = copier.table(pieces)
+        mark = seq
+        table = copier.stage([pieces], lambda: seen[0] >= mark, spin)
         copier(src.data.ptr, dst.data.ptr, table, count, page, None, seen.ctypes.data, seq)
-        return keep
 
     def held(enqueue):
         """GPU seconds of what `enqueue()` queues, behind the held stream."""
@@ -222,7 +226,7 @@ def gather_ceiling(gpu, page, src_pages, dst_pages, size, repeats):
         took = held(lambda: copier(src.data.ptr, dst.data.ptr, table, count, page, None,
                                       seen.ctypes.data, seq))
         called = time.perf_counter()
-        keep = gather()  # noqa: F841 (its table stays until the kernel has read it)
+        gather()
         while seen[0] != seq:
             pass
         if repeat:

@@ -3,6 +3,7 @@ processes of one host by a kernel, not a NIC. The GPU tests run two or three ran
 (tests/transfer_ranks.py); the others check, without a GPU, what the route's C half does
 with an inbox (the worker counts a finished command's immediates) and what an engine
 without it says."""
+import collections
 import re
 
 import numpy as np
@@ -36,6 +37,32 @@ def test_the_worker_counts_a_finished_command_from_its_inbox_and_not_before():
         eng.expect(42, 105, Budget(5).seconds)
         eng.expect(43, 3, Budget(5).seconds)
         assert inbox.box.slot[slot].consumed == 3
+
+
+def test_the_staging_ring_reuses_a_span_only_once_its_kernel_ran():
+    """Copier's rings (no GPU needed for their bookkeeping): tables are taken in order
+    around a ring of 16 entries, one that does not fit before the end starts again at 0,
+    and a span is handed out again only after the kernel that read it is done."""
+    ring = ipc.Copier.__new__(ipc.Copier)
+    ring.host, ring.head, ring.spans = np.zeros(16, np.uint64), 0, collections.deque()
+    done = [False] * 5
+
+    def take(i, n):
+        start = ring._room(n)
+        if start is not None:
+            ring.head = start + n
+            ring.spans.append((start, lambda: done[i]))
+        return start
+
+    assert [take(0, 6), take(1, 6)] == [0, 6]
+    assert take(2, 6) is None            # 4 left at the end, the start still in use
+    done[0] = True
+    assert take(2, 6) == 0               # the first kernel ran: its span again, from 0
+    assert take(3, 1) is None            # full: [0, 6) and [6, 12), the end skipped
+    done[1] = True
+    assert take(3, 4) == 6 and take(4, 1) == 10
+    done[2:5] = [True] * 3
+    assert ring._room(16) == 0 and not ring.spans
 
 
 def test_a_host_engine_sends_by_libfabric_and_says_why():

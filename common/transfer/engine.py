@@ -1,5 +1,6 @@
 """The transfer engine itself: Engine, its peers, regions and commands (see the package's
 docstring); the byte formats are wire.py's, the control endpoint control.py's."""
+import collections
 import os
 import secrets
 import struct
@@ -30,6 +31,12 @@ NAP_US = 20            # the worker's sleep when idle a while (it yields before 
 SPREADS = ("round-robin", "per-peer")
 PHASES = ("building", "picking up", "posting", "completing", "seeing")  # Transfer.phases
 CACHE_SIZE = "FI_MR_CACHE_MAX_SIZE"  # see Engine: GPU regions larger than its default
+
+
+# A command, every argument checked: the WRITEs' byte offsets (uint64 arrays, which the
+# worker or the upload to the GPU reads until the command is done: its Transfer holds it)
+Command = collections.namedtuple(
+    "Command", "peer src dst src_offsets dst_offsets length lengths imm inject")
 
 
 class TransferError(fi.FabricError):
@@ -171,7 +178,7 @@ class Group:
         parts = [self.engine._command(p, src, np.array([i * length], np.uint64), d,
                                       np.zeros(1, np.uint64), length, imm)
                  for i, (p, d) in enumerate(zip(self.members, dsts))]
-        return _Several([self.engine._submit(*part) for part in parts])
+        return _Several([self.engine._submit(part) for part in parts])
 
     def barrier(self, imm, timeout=None):
         """An 8-byte WRITE with `imm` to each member's signal region, then wait for one
@@ -378,29 +385,22 @@ class Engine:
         for name, value in (("src_offset", src_offset), ("dst_offset", dst_offset)):
             if not isinstance(value, (int, np.integer)) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
-        return self._submit(*self._command(peer, src, np.array([src_offset], np.uint64), dst,
-                                           np.array([dst_offset], np.uint64), length, imm,
-                                           inject))
+        return self._submit(self._command(peer, src, np.array([src_offset], np.uint64), dst,
+                                          np.array([dst_offset], np.uint64), length, imm,
+                                          inject))
 
     def write_pages(self, peer, src, src_pages, dst, dst_pages, page_size, imm=None,
                     inject=False):
         """Page src_pages[i] of `src` to page dst_pages[i] of `dst` (page p: bytes
         [p*page_size, (p+1)*page_size)), one WRITE each, all posted by the worker."""
-        self._check_ends(peer, src, dst)
         if not isinstance(page_size, (int, np.integer)) or page_size <= 0:
             raise ValueError(f"page_size must be a positive integer, not {page_size!r}")
         src_pages, dst_pages = pages_of(src_pages, "src_pages"), pages_of(dst_pages, "dst_pages")
         if len(src_pages) != len(dst_pages):
             raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} "
                              "destination pages")
-        for pages, region, name in ((src_pages, src, "source"), (dst_pages, dst, "destination")):
-            last = region.size // page_size
-            if len(pages) and pages.max() >= last:
-                raise ValueError(f"{name} page {int(pages.max())} is out of range: the region "
-                                 f"holds {last} pages of {page_size} bytes")
-        return self._submit(*self._command(peer, src, src_pages * np.uint64(page_size), dst,
-                                           dst_pages * np.uint64(page_size), page_size, imm,
-                                           inject, in_range=True))
+        return self._submit(self._command(peer, src, src_pages, dst, dst_pages, page_size,
+                                          imm, inject, page_size=int(page_size)))
 
     def write_list(self, peer, src, src_offsets, dst, dst_offsets, lengths, imm=None,
                    inject=False):
@@ -411,8 +411,10 @@ class Engine:
         if len({len(x) for x in offsets}) != 1:
             raise ValueError(f"{len(offsets[0])} source offsets, {len(offsets[1])} "
                              f"destination offsets and {len(offsets[2])} lengths")
-        return self._submit(*self._command(peer, src, offsets[0], dst, offsets[1],
-                                           offsets[2], imm, inject))
+        if len(offsets[2]) and offsets[2].dtype.kind == "i" and offsets[2].min() < 0:
+            raise ValueError(f"lengths has a negative byte count ({int(offsets[2].min())})")
+        return self._submit(self._command(peer, src, offsets[0], dst, offsets[1],
+                                          offsets[2].astype(np.uint64), imm, inject))
 
     def _check_ends(self, peer, src, dst):
         if not isinstance(peer, Peer) or self._peers.get(peer.id) is not peer:
@@ -423,14 +425,12 @@ class Engine:
         if not isinstance(dst, RemoteRegion):
             raise ValueError("the destination must be a RemoteRegion (Engine.remote)")
 
-    def _command(self, peer, src, src_offsets, dst, dst_offsets, length, imm, inject=False,
-                 in_range=False):
-        """A command for the worker, every argument checked: ValueError, nothing posted.
-        `length`: every WRITE's, or an array of one per WRITE. `in_range`: the caller
-        checked the ends and that every byte lies inside both regions (write_pages: its
-        page numbers), which takes numpy a few microseconds a command."""
-        if not in_range:
-            self._check_ends(peer, src, dst)
+    def _command(self, peer, src, src_items, dst, dst_items, length, imm, inject=False,
+                 page_size=None):
+        """A Command, every argument checked: ValueError, nothing posted. The items are
+        page numbers of `page_size` bytes, or byte offsets (page_size None), int64 or
+        uint64 (pages_of); `length`: every WRITE's, or an array of one per WRITE."""
+        self._check_ends(peer, src, dst)
         lengths = length if isinstance(length, np.ndarray) else None
         if lengths is None and not isinstance(length, (int, np.integer)):
             raise ValueError(f"a WRITE's length must be an integer, not {length!r}")
@@ -440,61 +440,52 @@ class Engine:
             if not 0 < size <= self.max_write:
                 raise ValueError(f"a WRITE's length must be 1 to {self.max_write} bytes "
                                  f"({self.provider}'s largest), not {size}")
-        for offsets, region, name in () if in_range else ((src_offsets, src, "source"),
-                                                          (dst_offsets, dst, "destination")):
-            ends = offsets + (lengths if lengths is not None else np.uint64(length))
-            if len(offsets) and int(ends.max()) > region.size:
-                at = int(np.argmax(ends))
-                raise ValueError(f"{name} bytes {int(offsets[at])}..{int(ends[at])} are out "
-                                 f"of range: the region has {region.size}")
         if imm is not None:
             bits = 8 * self.cq_data_size
             if not isinstance(imm, (int, np.integer)) or not 0 <= imm < 1 << bits:
                 raise ValueError(f"imm {imm!r} does not fit the {self.cq_data_size} bytes of "
                                  f"immediate data {self.provider} carries (0 to {(1 << bits) - 1})")
+        ends = [offsets_of(items, region, name, page_size, length, lengths)
+                for items, region, name in ((src_items, src, "source"),
+                                            (dst_items, dst, "destination"))]
+        return Command(peer, src, dst, *ends, 0 if lengths is not None else int(length),
+                       lengths, imm, inject)
+
+    def _submit(self, command):
+        self._check()
+        peer, src, dst = command.peer, command.src, command.dst
+        if peer.ipc and dst.ipc and src.gpu == self.gpu:
+            return self._submit_ipc(peer.ipc, command)
+        w = self._w
+        if w.head - native.tx_tail(w) >= RING:
+            self._until(lambda: w.head - native.tx_tail(w) < RING, self.timeout,
+                        lambda: f"room in the worker's ring of {RING} commands")
         c = _ffi.new("struct tx_command *")
-        src_offsets = np.ascontiguousarray(src_offsets, np.uint64)
-        dst_offsets = np.ascontiguousarray(dst_offsets, np.uint64)
-        c.count, c.length = len(src_offsets), 0 if lengths is not None else length
-        if lengths is not None:
-            lengths = np.ascontiguousarray(lengths, np.uint64)
-            c.lengths = _ffi.cast("uint64_t *", lengths.ctypes.data)
-        c.src = _ffi.cast("uint64_t *", src_offsets.ctypes.data)
-        c.dst = _ffi.cast("uint64_t *", dst_offsets.ctypes.data)
+        c.count, c.length = len(command.src_offsets), command.length
+        if command.lengths is not None:
+            c.lengths = _ffi.cast("uint64_t *", command.lengths.ctypes.data)
+        c.src = _ffi.cast("uint64_t *", command.src_offsets.ctypes.data)
+        c.dst = _ffi.cast("uint64_t *", command.dst_offsets.ctypes.data)
         c.local_base = _ffi.cast("char *", src.ptr)
         c.local_descs, c.remote_base, c.remote_key = src.descs, dst.bases, dst.keys
         c.addr = peer.addr
         c.round_robin = self.spread == "round-robin"
         c.nic = peer.nic
-        c.has_imm, c.imm = imm is not None, imm or 0
-        c.inject_size = self.inject_size if inject else 0
-        return c, (src_offsets, dst_offsets, lengths, src, dst, peer)
-
-    def _submit(self, command, keep):
-        self._check()
-        src, dst, peer = keep[3:]
-        if peer.ipc and dst.ipc and src.gpu == self.gpu:
-            return self._submit_ipc(peer.ipc, command, keep)
-        w = self._w
-        if w.head - native.tx_tail(w) >= RING:
-            self._until(lambda: w.head - native.tx_tail(w) < RING, self.timeout,
-                        lambda: f"room in the worker's ring of {RING} commands")
-        t = self._track(Transfer(self, command, keep))
-        native.tx_submit(w, command)
+        c.has_imm, c.imm = command.imm is not None, command.imm or 0
+        c.inject_size = self.inject_size if command.inject else 0
+        t = self._track(Transfer(self, c, command))
+        native.tx_submit(w, c)
         return t
 
-    def _submit_ipc(self, route, command, keep):
-        src_offsets, dst_offsets, lengths, src, dst, peer = keep
+    def _submit_ipc(self, route, command):
         if not route.room():
             self._until(route.room, self.timeout, lambda: (
-                f"peer {peer.index} took none of our last {ipc.RECORDS} commands by CUDA IPC "
-                f"within {self.timeout:g} s: is it still running?"))
+                f"peer {command.peer.index} took none of our last {ipc.RECORDS} commands by "
+                f"CUDA IPC within {self.timeout:g} s: is it still running?"))
         queued = time.monotonic_ns()
-        imm = command.imm if command.has_imm else None
-        record, seq, staged = route.submit(src, dst, src_offsets, dst_offsets, lengths,
-                                           command.length, imm)
+        record, seq = route.submit(command, self._until, self.timeout)
         self._ipc_commands += 1
-        return self._track(IpcTransfer(self, record, seq, command.count, (keep, staged),
+        return self._track(IpcTransfer(self, record, seq, len(command.src_offsets), command,
                                        queued, time.monotonic_ns()))
 
     def _track(self, transfer):
@@ -624,12 +615,38 @@ class Engine:
 
 
 def pages_of(pages, name, what="page numbers"):
+    """`pages` as a contiguous int64 or uint64 array (itself where it is one): ValueError
+    unless it is a sequence of integers. offsets_of checks their values."""
     array = np.asarray(pages)
     if array.ndim != 1 or (len(array) and array.dtype.kind not in "iu"):
         raise ValueError(f"{name} must be a sequence of {what}")
-    if len(array) and array.dtype.kind == "i" and array.min() < 0:
-        raise ValueError(f"{name} has a negative {what[:-1]} ({int(array.min())})")
-    return array.astype(np.uint64)  # a copy: the worker reads it after the caller returns
+    if array.dtype not in (np.int64, np.uint64) or not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array, np.uint64 if array.dtype.kind == "u" else np.int64)
+    return array
+
+
+def offsets_of(items, region, side, page_size, length, lengths):
+    """The byte offsets (a new uint64 array) of `items` (pages_of's) in `region`: page
+    numbers of `page_size` bytes, or byte offsets where page_size is None. Built and
+    checked in one pass of C (tx_offsets): ValueError at the first that is negative or
+    puts its WRITE (`length` bytes, or lengths[i]) out of the region."""
+    out = np.empty(len(items), np.uint64)
+    at = native.tx_offsets(_ffi.from_buffer(items), items.dtype.kind == "i", len(items),
+                           page_size or 1, length if lengths is None else 0,
+                           _ffi.NULL if lengths is None else _ffi.from_buffer("uint64_t[]", lengths),
+                           region.size, _ffi.from_buffer("uint64_t[]", out))
+    if at < 0:
+        return out
+    item, n = int(items[at]), int(length if lengths is None else lengths[at])
+    arg = {"source": "src", "destination": "dst"}[side] + ("_pages" if page_size else "_offsets")
+    if item < 0:
+        what = "page number" if page_size else "byte offset"
+        raise ValueError(f"{arg} has a negative {what} ({item})")
+    if page_size:
+        raise ValueError(f"{side} page {item} is out of range: the region holds "
+                         f"{region.size // page_size} pages of {page_size} bytes")
+    raise ValueError(f"{side} bytes {item}..{item + n} are out of range: the region has "
+                     f"{region.size}")
 
 
 def buffer_of(array):

@@ -20,6 +20,7 @@ pages stop coming (expect's timeout); the memory a dead exporter shared stays ma
 the survivor's CUDA context stays usable (tried on an H200: a kernel writing into a
 SIGKILLed peer's region, then a new allocation, both without error).
 """
+import collections
 import mmap
 import os
 import struct
@@ -33,6 +34,7 @@ WRITERS, RECORDS = 32, 1024    # writer rings in an inbox; commands in flight pe
 MAGIC = b"TXIPC01\0"
 THREADS, CHUNK = 256, 8192     # a block's threads, bytes a block copies before it moves on
 BLOCKS_PER_SM = 16
+STAGING = 1 << 22              # bytes of each of the two rings that carry tables to the GPU
 # In an engine's address: this host (boot id, pid namespace), the inbox (pid, fd) and the
 # GPU (its PCI bus id, which names it whatever CUDA_VISIBLE_DEVICES says)
 HOST = struct.Struct("<16sQII16s")
@@ -144,7 +146,10 @@ class Routes:
 
 class Copier:
     """ipc.cu's kernel on a stream of its own, on GPU `gpu` (the ceiling a benchmark
-    compares the route with launches the same one: common/baselines.gather_ceiling)."""
+    compares the route with launches the same one: common/baselines.gather_ceiling), and
+    the rings that carry each command's table to it: one in pinned host memory, where
+    the host writes it, one on the GPU, where an upload on the same stream puts it, both
+    allocated once (an allocation of each per command took tens of microseconds)."""
 
     def __init__(self, gpu):
         from common.moe.kernel_call import KernelCall
@@ -159,6 +164,13 @@ class Copier:
                                blocks_done=self.blocks_done)
         sms = cp.cuda.runtime.getDeviceProperties(gpu)["multiProcessorCount"]
         self.max_blocks = BLOCKS_PER_SM * sms
+        self._pinned = cp.cuda.alloc_pinned_memory(STAGING)
+        self.host = np.frombuffer(self._pinned, np.uint64, STAGING // 8)
+        self.device = cp.cuda.alloc(STAGING)
+        self.head = 0                     # the ring's next free entry
+        self.spans = collections.deque()  # (start, done) of the tables in the rings, oldest first
+        self.large = []                   # (done, memory) of tables too large for them
+        self.upload = cp.cuda.runtime.memcpyAsync
 
     def __call__(self, src, dst, table, count, length, lengths, seq_at, seq):
         """Copy `count` pieces (table: a device address, as ipc.cu reads it) from address
@@ -168,16 +180,57 @@ class Copier:
                   count=count, length=0 if lengths is not None else length,
                   lengths=int(lengths is not None), per_copy=per_copy, seq_at=seq_at, seq=seq)
 
+    def stage(self, parts, done, wait):
+        """The device address of a table made of `parts` (uint64 arrays, one after the
+        other), uploaded on the kernel's stream from the rings' next free span; `done()`
+        says when the kernel that reads it has run, which frees the span. `wait(ready,
+        why)` waits for room (the engine's _until). A table larger than a ring gets memory
+        of its own."""
+        n = sum(len(p) for p in parts)
+        self.large = [x for x in self.large if not x[0]()]
+        if n > len(self.host):
+            address, keep = self.table(np.concatenate(parts))
+            self.large.append((done, keep))
+            return address
+        if n == 0:
+            return self.device.ptr  # nothing to read: the kernel only stores its mark
+        start = self._room(n)
+        if start is None:
+            wait(lambda: self._room(n) is not None,
+                 lambda: f"room for a table of {n} entries in the staging ring")
+            start = self._room(n)
+        np.concatenate(parts, out=self.host[start:start + n])
+        self.head = start + n
+        self.spans.append((start, done))
+        self.upload(self.device.ptr + 8 * start, self.host.ctypes.data + 8 * start, 8 * n,
+                    TO_DEVICE, self.stream.ptr)
+        return self.device.ptr + 8 * start
+
+    def _room(self, n):
+        """Where a table of `n` entries fits now (the spans of finished kernels freed), or
+        None. Spans are taken in order around the ring (a table that does not fit before
+        its end starts again at 0), so those in use run from the oldest's start up to head:
+        head equal to that start means the ring is full."""
+        while self.spans and self.spans[0][1]():
+            self.spans.popleft()
+        if not self.spans:
+            return 0
+        oldest = self.spans[0][0]
+        if self.head > oldest:  # in use: [oldest, head)
+            if self.head + n <= len(self.host):
+                return self.head
+            return 0 if n <= oldest else None
+        return self.head if self.head + n <= oldest else None  # in use: all but [head, oldest)
+
     def table(self, pieces):
-        """(device address, what to keep until the kernel ran) of a table (uint64 numpy),
-        copied there from pinned memory on the kernel's stream."""
+        """(device address, what to keep until the kernel ran) of a table (uint64 numpy)
+        in memory of its own, copied there from pinned memory on the kernel's stream."""
         cp = memory.cupy()
         pinned = cp.cuda.alloc_pinned_memory(pieces.nbytes)
         staged = np.frombuffer(pinned, np.uint64, len(pieces))
         staged[:] = pieces
         device = cp.cuda.alloc(pieces.nbytes)
-        cp.cuda.runtime.memcpyAsync(device.ptr, staged.ctypes.data, pieces.nbytes, TO_DEVICE,
-                                    self.stream.ptr)
+        self.upload(device.ptr, staged.ctypes.data, pieces.nbytes, TO_DEVICE, self.stream.ptr)
         return device.ptr, (pinned, device)
 
 
@@ -234,15 +287,21 @@ class Route:
     def room(self):
         return self.head - self.slot.consumed < RECORDS
 
-    def submit(self, src, dst, src_offsets, dst_offsets, lengths, length, imm):
-        """One command as one kernel; its record says the peer's worker what came."""
+    def submit(self, command, until, timeout):
+        """One command (engine.Command) as one kernel; its record says the peer's worker
+        what came. Returns (record, seq): done once record.seq reaches seq."""
         copier = self.routes.copier
         memory.current(self.routes.engine.gpu)
-        table, staged = copier.table(np.concatenate(
-            [src_offsets, dst_offsets] + ([lengths] if lengths is not None else [])))
-        record = self.records + (self.head & (RECORDS - 1))
-        record.imm, record.count, record.has_imm = imm or 0, len(src_offsets), imm is not None
-        self.head += 1
-        copier(src.ptr, self.address_of(dst), table, len(src_offsets), length, lengths,
-               int(self.ffi.cast("uintptr_t", record)), self.head)
-        return record, self.head, staged
+        record, seq = self.records + (self.head & (RECORDS - 1)), self.head + 1
+        parts = [command.src_offsets, command.dst_offsets]
+        if command.lengths is not None:
+            parts.append(command.lengths)
+        table = copier.stage(parts, lambda: record.seq >= seq,
+                             lambda ready, why: until(ready, timeout, why))
+        count = len(command.src_offsets)
+        record.imm, record.count = command.imm or 0, count
+        record.has_imm = command.imm is not None
+        self.head = seq
+        copier(command.src.ptr, self.address_of(command.dst), table, count, command.length,
+               command.lengths, int(self.ffi.cast("uintptr_t", record)), seq)
+        return record, seq

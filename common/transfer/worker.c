@@ -68,6 +68,8 @@ uint64_t tx_tail(struct tx_worker *w);
 uint64_t tx_done(struct tx_command *c);
 int32_t tx_status(struct tx_command *c);
 uint64_t tx_arrived(struct tx_worker *w, uint64_t imm);
+int64_t tx_offsets(const void *items, int is_signed, uint64_t n, uint64_t scale,
+                   uint64_t length, const uint64_t *lengths, uint64_t size, uint64_t *out);
 uint64_t tx_hash(uint64_t imm, uint32_t size);
 */
 /* The transfer engine's worker: one thread per GPU that owns its NICs' data path.
@@ -475,4 +477,29 @@ uint64_t tx_done(struct tx_command *c)
 int32_t tx_status(struct tx_command *c)
 {
     return __atomic_load_n(&c->status, __ATOMIC_ACQUIRE);
+}
+
+/* A command's byte offsets, built and checked in one pass (numpy took six over the
+   arrays): out[i] = items[i] * scale, where items are int64 (is_signed) or uint64 page
+   numbers (scale: the page size) or offsets (scale 1, which `lengths` needs), and WRITE
+   i, `length` bytes or lengths[i], must lie inside a region of `size` bytes. Returns -1, or the index of the
+   first item that is negative or out of range: the caller refuses the command. */
+int64_t tx_offsets(const void *items, int is_signed, uint64_t n, uint64_t scale,
+                   uint64_t length, const uint64_t *lengths, uint64_t size, uint64_t *out)
+{
+    const int64_t *signed_items = items;
+    const uint64_t *unsigned_items = items;
+    /* the largest item whose WRITE fits: one division, not one per item (tens of cycles) */
+    uint64_t last = length <= size ? (size - length) / scale : 0;
+    if (!lengths && length > size && n)
+        return 0;
+    for (uint64_t i = 0; i < n; i++) {
+        if (is_signed && signed_items[i] < 0)
+            return (int64_t)i;
+        uint64_t item = unsigned_items[i];
+        if (lengths ? lengths[i] > size || item > size - lengths[i] : item > last)
+            return (int64_t)i;  /* lengths come with scale 1 (byte offsets) */
+        out[i] = item * scale;
+    }
+    return -1;
 }
