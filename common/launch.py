@@ -459,6 +459,7 @@ class Group:
 MAX_RANKS = 128   # 16 emulated p5 nodes of 8 GPUs; each rank is a Python process of its own
 KILL_WAIT = 5.0   # seconds between SIGTERM and SIGKILL for a rank that does not stop
 JOIN_WAIT = 1.0   # seconds for a rank the rendezvous lost to end, when others ended first
+PF_EXITING = 0x4  # include/linux/sched.h: the task is exiting
 STOPS = {signal.SIGINT: "was interrupted (Ctrl-C)", signal.SIGTERM: "got SIGTERM",
          signal.SIGHUP: "got SIGHUP (its terminal closed)"}
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -621,18 +622,22 @@ class Job:
                     p.send_signal(signal.SIGCONT)  # a stopped rank acts on it only then
 
     def failed(self):
-        """The rank that failed, preferring the one the rendezvous lost first, then one
-        killed by a signal: the others that exit with an error then only followed it. A
-        killed rank's socket closes before its memory is freed: on a busy machine the
-        others, told at once, could end before it did (JOIN_WAIT for it)."""
+        """The rank that failed, preferring one killed by a signal, then the one the
+        rendezvous lost first: the others that exit with an error only followed it. (The
+        rendezvous reads the closes of one moment in any order: a survivor that tcp told
+        of a SIGKILLed peer at once can close first.) A killed rank's sockets close after
+        its memory is freed but before it is reaped: so once one rank ended, the rank the
+        rendezvous lost and any rank still exiting get JOIN_WAIT to end."""
         gone = self.server.gone
-        if gone is not None and gone < len(self.procs) and any(
-                p.poll() not in (None, 0) for r, p in enumerate(self.procs) if r != gone):
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.procs[gone].wait(JOIN_WAIT)
+        if any(p.poll() not in (None, 0) for p in self.procs):
+            until = time.monotonic() + JOIN_WAIT
+            for r, p in enumerate(self.procs):
+                if r == gone or (p.poll() is None and exiting(p.pid)):
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        p.wait(max(0.0, until - time.monotonic()))
         dead = [(rank, p.returncode) for rank, p in enumerate(self.procs)
                 if p.poll() not in (None, 0)]
-        dead.sort(key=lambda d: (d[0] != gone, d[1] > 0))
+        dead.sort(key=lambda d: (d[1] > 0, d[0] != gone))
         if dead:
             self.server.abort(f"rank {dead[0][0]} {_how(dead[0][1])}")
         return dead[0] if dead else None
@@ -660,6 +665,16 @@ def runs(pid):
     except (OSError, IndexError):
         return True
     return state not in ("T", "t", "Z", "X")
+
+
+def exiting(pid):
+    """Whether process `pid` is on its way out (PF_EXITING in the flags of /proc/<pid>/stat,
+    proc(5)): killed or exiting, not yet a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return bool(int(stat.read().rsplit(")", 1)[1].split()[6]) & PF_EXITING)
+    except (OSError, IndexError, ValueError):
+        return False
 
 
 def _how(rc):
