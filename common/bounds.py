@@ -37,8 +37,8 @@ for a launcher stopping its ranks while leaving the clean way room on a busy mac
 SLACK tells a call that never returns from one a loaded machine made late; SLACK, and
 TIDY_BOUND + CLOSE_BOUND + SLACK, fit in the 5 s after --timeout. --timeout itself is
 what the user asked for or 10 s, not stretched by the machine's load: only a test suite,
-whose machine is busy by design, asks chapters to stretch it and SLACK (patience.STRETCH):
-there a close starved of CPU by four other jobs is late, not stuck.
+whose machine is busy by design, asks chapters to stretch it and CLOSE_BOUND
+(patience.STRETCH): there a close starved of CPU by four other jobs is late, not stuck.
 
 The watchdog is a daemon thread (watch(), started by cli.run): it reads the wakeup fd
 that Python's C-level signal handler writes to from whatever thread the signal came to,
@@ -113,6 +113,11 @@ def armed(timeout, what):
     """A Deadline for `timeout` seconds, or, for a wait without one (None), a block that
     arms nothing."""
     return Deadline(timeout, what) if timeout is not None else contextlib.nullcontext()
+
+
+def close_bound():
+    """CLOSE_BOUND, stretched by the load where a test suite asked (patience.STRETCH)."""
+    return stretched(CLOSE_BOUND)
 
 
 def tidy(timeout):
@@ -246,10 +251,9 @@ def _watch(fd):
             end(f"interrupted ({name}), but a call did not return within {STOP_GRACE:g} s: "
                 "exiting without closing", exit_code())
         late = next((d for d in list(_armed.values()) if now > d.at + SLACK), None)
-        slack = stretched(SLACK) if late is not None else None  # the load, read only then
-        if late is not None and now > late.at + slack:
+        if late is not None:
             end(f"error: {_said(late)}, and the provider call did not return within "
-                f"{slack:.2g} s more: exiting without closing", EXIT_STUCK)
+                f"{SLACK:g} s more: exiting without closing", EXIT_STUCK)
 
 
 def _said(deadline):

@@ -26,8 +26,8 @@ STUCK = str(Path(__file__).with_name("stuck.py"))
 
 
 def own_timeout():
-    """The environment of a chapter whose --timeout is its own, not the suite's stretched
-    one (tests/conftest.py): the bounds promised are the chapter's."""
+    """The environment of a chapter whose --timeout and SLACK are its own, not the suite's
+    stretched ones (tests/conftest.py): the bounds promised are the chapter's."""
     env = local_env()
     env.pop(cli.STRETCH, None)
     return env
@@ -149,7 +149,7 @@ def test_a_dead_shm_address_is_given_up_at_the_chapters_own_timeout():
 
 def stuck(*args):
     proc = subprocess.Popen([sys.executable, STUCK, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=local_env())
+                            stderr=subprocess.PIPE, text=True, env=own_timeout())
     assert proc.stdout.readline() == "waiting\n", proc.stderr.read()
     time.sleep(0.2)  # from its print into the call that hangs
     return proc

@@ -494,8 +494,8 @@ class Closer(contextlib.ExitStack):
         return obj
 
     def __exit__(self, *exc):
-        with bounds.Deadline(bounds.CLOSE_BOUND, "closing the fabric's objects took more "
-                             f"than {bounds.CLOSE_BOUND:g} s"):
+        bound = bounds.close_bound()
+        with bounds.Deadline(bound, f"closing the fabric's objects took more than {bound:.2g} s"):
             return super().__exit__(*exc)
 
 
