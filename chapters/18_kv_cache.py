@@ -14,7 +14,8 @@ every byte. The cell "Layer by layer" below has the details.
 New since chapters 09-15: what they add up to, made reusable as common/transfer: one C
 worker per GPU posting lazily in batches over its NICs, memory registered once as a
 descriptor a peer can use, paged WRITEs with immediates, completion by count, control
-messages.
+messages. The prompt's compute (the model's layers, bf16 on the tensor cores) is in
+common/kv_cache/, not the lesson.
 
     .venv/bin/python chapters/18_kv_cache.py                  # the decoder: prints its address
     .venv/bin/python chapters/18_kv_cache.py -p shm ADDRESS   # the prefiller, as it prints
@@ -75,7 +76,6 @@ LESSON = {"figure": "check"}
 
 # %%
 import common  # first: a Ctrl-C during the imports below is one line (common/bounds.py)
-import functools
 import json
 import os
 import struct
@@ -87,18 +87,11 @@ import numpy as np
 from common import bench, bounds, cli, records
 import common.fabric as fi
 from common.fabric import memory
+from common.kv_cache.prefill import MODELS, Layers, Shape, describe, prefill_alone
 from common.transfer import Engine
 
 KERNELS = os.path.splitext(os.path.abspath(__file__))[0] + ".cu"  # the GPU's counter bump
 
-# Qwen3-235B-A22B at TP4, one rank's shard: 94 layers, hidden 4096, 64 query heads and 4 KV
-# heads of 128 (16 and 1 a rank), 8 of 128 experts of 1536 active (3072 a rank's worth).
-MODELS = {
-    "qwen3-235b-tp4": dict(layers=94, hidden=4096, q_dim=2048, kv_heads=1, head_dim=128,
-                           ffn=3072),
-    # the same layer, scaled down for a small machine's CPU (said in the output)
-    "small": dict(layers=8, hidden=512, q_dim=256, kv_heads=1, head_dim=128, ffn=768),
-}
 CONTEXT = 255  # the immediate's layer field for the last token's hidden state
 REQUEST, CANCEL, CANCELLED, DONE, CHECKING, CHECKED = (
     b"REQ", b"CAN", b"CAD", b"DON", b"CKG", b"CHK")
@@ -108,126 +101,9 @@ REQUEST, CANCEL, CANCELLED, DONE, CHECKING, CHECKED = (
 # ## Code
 
 # %%
-class Shape:
-    """A model's KV pages: each (layer, K or V, page) is page_tokens x kv_heads x head_dim
-    bf16, one contiguous page; and the dtype its layers' matrix products run in."""
-
-    def __init__(self, model, tokens, page_tokens, dtype="fp32"):
-        self.__dict__.update(MODELS[model])
-        self.model, self.tokens, self.page_tokens = model, tokens, page_tokens
-        self.dtype = dtype
-        self.pages = -(-tokens // page_tokens)      # pages a request needs, per (layer, K|V)
-        self.page_bytes = page_tokens * self.kv_heads * self.head_dim * 2
-
-    def page_set(self, layer, first, count, slots):
-        """Page indices in a cache of `slots` pages per (layer, K|V): layer's K, then V."""
-        return [(2 * layer + kv) * slots + first + p for kv in (0, 1) for p in range(count)]
-
-
 def imm(request, layer):
     """The immediate of a request's layer: 24 bits of request, 8 of layer (32 on EFA)."""
     return (request & 0xFFFFFF) << 8 | layer
-
-
-# --- bf16 products on a GPU ---------------------------------------------------------------
-# A real prefill multiplies bf16 matrices on the GPU's tensor cores; cupy's float32 `@` does
-# not use them, and cupy has no bf16 dtype of its own. So bf16 values live as their bits in
-# uint16 and the product goes to cuBLAS directly: gemmEx, bf16 in, float32 accumulated and out.
-CUDA_R_16BF, CUDA_R_32F = 14, 0  # cudaDataType (library_types.h); cupy 13 lacks the first
-ONE, ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # alpha, beta: host scalars
-ROUND_BF16 = """
-unsigned int bits = __float_as_uint(x);
-h = x != x ? (unsigned short)0x7FC0
-           : (unsigned short)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-"""  # to nearest, ties to even; NaN stays NaN: common/moe/reference.py's to_bf16, one pass
-
-
-@functools.cache
-def round_bf16():
-    import cupy
-    return cupy.ElementwiseKernel("float32 x", "uint16 h", ROUND_BF16, "tut_round_bf16")
-
-
-def to_bf16(x):
-    """float32 cupy array -> its bf16 bits (uint16, C-contiguous), rounded to nearest even."""
-    return round_bf16()(x)
-
-
-def gemm_bf16(a, b):
-    """a[M, K] @ b[K, N] -> float32 [M, N] on the tensor cores: a and b bf16 bits (uint16,
-    C-contiguous cupy arrays), products accumulated in float32. cuBLAS reads matrices
-    column-major, where a row-major [M, N] is an [N, M]: it computes C^T = B^T A^T, so
-    (N, M, K) with b first."""
-    import cupy
-    cublas = cupy.cuda.cublas
-    (m, k), (kb, n) = a.shape, b.shape
-    if k != kb or a.dtype != b.dtype or a.dtype != cupy.uint16 or \
-            not (a.flags.c_contiguous and b.flags.c_contiguous):
-        raise ValueError(f"gemm_bf16 wants C-contiguous uint16 [M, K] and [K, N], got "
-                         f"{a.dtype}{a.shape} and {b.dtype}{b.shape}")
-    c = cupy.empty((m, n), cupy.float32)
-    handle = cupy.cuda.device.get_cublas_handle()
-    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)  # cupy's default too
-    cublas.gemmEx(handle, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, n, m, k,
-                  ONE.ctypes.data, b.data.ptr, CUDA_R_16BF, n,
-                  a.data.ptr, CUDA_R_16BF, k,
-                  ZERO.ctypes.data, c.data.ptr, CUDA_R_32F, n,
-                  cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
-    return c
-
-
-class Layers:
-    """The prompt run layer by layer: seeded weights, real matrix products of the layer's
-    size (projections and MLP; attention's scores left out), each layer's K and V laid out
-    as KV pages. numpy on the host, cupy on a GPU; both sides compute the same bytes. In
-    bf16 (a GPU only) the weights and each product's input are rounded to bf16, the rest
-    (the residual, the activation) stays float32, as in a bf16 model's float32 epilogues."""
-
-    def __init__(self, shape, seed, xp):
-        self.s, self.xp, self.seed = shape, xp, seed
-        self.bf16 = shape.dtype == "bf16"
-        if self.bf16 and xp is np:
-            raise ValueError("bf16 products need a GPU (--gpu)")
-        rng = np.random.default_rng(seed)
-
-        def weight(n, m):  # one set of weights for every layer: memory, not bytes, matters
-            w = xp.asarray((rng.standard_normal((n, m)) / np.sqrt(n)).astype(np.float32))
-            return to_bf16(w) if self.bf16 else w
-        s = shape
-        self.wq, self.wo = weight(s.hidden, s.q_dim), weight(s.q_dim, s.hidden)
-        self.wk, self.wv = (weight(s.hidden, s.kv_heads * s.head_dim) for _ in range(2))
-        self.w1, self.w2 = weight(s.hidden, s.ffn), weight(s.ffn, s.hidden)
-        self.x = xp.asarray(rng.standard_normal((s.tokens, s.hidden)).astype(np.float32))
-
-    def step(self, layer, out):
-        """One layer: K and V (bf16) into out[2, pages, page bytes]; x moves on."""
-        xp, s, x, mm, operand = self.xp, self.s, self.x, self.mm, self.operand
-        pad = s.pages * s.page_tokens - s.tokens
-        a = operand(x)
-        for kv, w in enumerate((self.wk, self.wv)):
-            rows = xp.pad(self.kv_bits(mm(a, w)), ((0, pad), (0, 0)))
-            out[kv] = rows.reshape(s.pages, -1).view(xp.uint8)
-        attended = mm(operand(mm(a, self.wq)), self.wo)
-        hidden = mm(operand(xp.maximum(mm(operand(x + attended), self.w1), 0)), self.w2)
-        self.x = (x + attended + hidden) / xp.float32(3.0)
-
-    def operand(self, x):
-        """A product's input: its bf16 bits (bf16), or the float32 as it is."""
-        return to_bf16(x) if self.bf16 else x
-
-    def mm(self, a, w):
-        """a @ w in float32: bf16 on the tensor cores, or float32's own `@`."""
-        return gemm_bf16(a, w) if self.bf16 else a @ w
-
-    def kv_bits(self, y):
-        """K or V as the pages hold it: bf16, rounded (bf16) or truncated (fp32)."""
-        if self.bf16:
-            return to_bf16(y)
-        return (y.view(self.xp.uint32) >> 16).astype(self.xp.uint16)
-
-    def context(self):
-        """The last token's hidden state: what decoding starts from."""
-        return self.x[-1:]
 
 
 def now():
@@ -343,11 +219,6 @@ def shape_flags(args):
     given = [(f"--{name.replace('_', '-')}", getattr(args, name))
              for name in ("model", "layers", "tokens", "page_tokens", "gpu", "dtype")]
     return [str(v) for flag, value in given if value is not None for v in (flag, value)]
-
-
-def describe(s):
-    return (f"{s.layers} layers, hidden {s.hidden}, {s.kv_heads} KV head(s) of {s.head_dim}, "
-            f"{s.tokens} tokens, {s.page_tokens} a page, {s.dtype} products")
 
 
 # --- the prefiller (client) -------------------------------------------------------------
@@ -573,20 +444,6 @@ def wind_down(watcher):
     while watcher.is_alive() and now() - watcher.progress <= watcher.timeout:
         watcher.join(0.05)
     bounds.join([watcher], "the transfer watcher")
-
-
-def prefill_alone(s, seed, xp, gpu):
-    """The prompt's prefill without any transfer: time to first token, were it local (the
-    second of two runs: the first pays for warming up the libraries and the memory)."""
-    took = []
-    for _ in range(2):
-        layers, out = Layers(s, seed, xp), xp.empty((2, s.pages, s.page_bytes), xp.uint8)
-        start = now()
-        for layer in range(s.layers):
-            layers.step(layer, out)
-        memory.synchronize(gpu)
-        took.append(now() - start)
-    return took[-1]
 
 
 def main():

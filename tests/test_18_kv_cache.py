@@ -14,6 +14,7 @@ import pytest
 
 from common import shm_files
 from common.chapter_pair import ADDRESS, chapter_module, chapter_path, local_env, run_pair
+from common.kv_cache.bf16 import gemm_bf16, to_bf16
 from common.moe import reference as ref
 from tests.budget import Budget
 from tests.gpu import needs_gpu
@@ -165,14 +166,14 @@ def cupy_or_skip():
 
 
 def test_gpu_bf16_rounding_is_the_references():
-    """The chapter's one-pass kernel gives the bits of common/moe/reference.py's to_bf16:
-    ties to even, overflow to infinity, NaN kept, signed zeros."""
+    """common/kv_cache/bf16.py's one-pass kernel gives the bits of common/moe/reference.py's
+    to_bf16: ties to even, overflow to infinity, NaN kept, signed zeros."""
     cupy = cupy_or_skip()
     special = [1.0, -2.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -7, 0.0, -0.0, np.inf,
                -np.inf, np.nan, 3.4e38, -3.4e38, 1e-40, -1e-45]
     x = np.concatenate([np.array(special, np.float32),
                         np.random.default_rng(0).standard_normal(100_000).astype(np.float32)])
-    got = cupy.asnumpy(chapter_module(18).to_bf16(cupy.asarray(x)))
+    got = cupy.asnumpy(to_bf16(cupy.asarray(x)))
     assert got.dtype == np.uint16 and np.array_equal(got, ref.to_bf16(x))
 
 
@@ -182,10 +183,10 @@ def test_gpu_bf16_gemm_is_the_product_of_its_bf16_inputs(m, k, n):
     of the same bf16 values: within bf16's own rounding step (2^-8) of the size of the
     terms; a wrong layout or transposition is off by the order of the terms themselves."""
     cupy = cupy_or_skip()
-    ch, rng = chapter_module(18), np.random.default_rng(m + k + n)
+    rng = np.random.default_rng(m + k + n)
     a = ref.to_bf16(rng.standard_normal((m, k)).astype(np.float32))
     b = ref.to_bf16((rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32))
-    got = cupy.asnumpy(ch.gemm_bf16(cupy.asarray(a), cupy.asarray(b)))
+    got = cupy.asnumpy(gemm_bf16(cupy.asarray(a), cupy.asarray(b)))
     a64, b64 = ref.from_bf16(a).astype(np.float64), ref.from_bf16(b).astype(np.float64)
     want, scale = a64 @ b64, np.abs(a64) @ np.abs(b64)
     assert got.dtype == np.float32 and got.shape == (m, n)
