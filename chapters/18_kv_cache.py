@@ -14,8 +14,8 @@ every byte. The cell "Layer by layer" below has the details.
 New since chapters 09-15: what they add up to, made reusable as common/transfer: one C
 worker per GPU posting lazily in batches over its NICs, memory registered once as a
 descriptor a peer can use, paged WRITEs with immediates, completion by count, control
-messages. The prompt's compute (the model's layers, bf16 on the tensor cores) is in
-common/kv_cache/, not the lesson.
+messages. The prompt's compute (the model's layers, bf16 on the tensor cores) and the
+report are in common/kv_cache/, not the lesson.
 
     .venv/bin/python chapters/18_kv_cache.py                  # the decoder: prints its address
     .venv/bin/python chapters/18_kv_cache.py -p shm ADDRESS   # the prefiller, as it prints
@@ -84,10 +84,11 @@ import time
 
 import numpy as np
 
-from common import bench, bounds, cli, records
+from common import bounds, cli
 import common.fabric as fi
 from common.fabric import memory
 from common.kv_cache.prefill import MODELS, Layers, Shape, describe, prefill_alone
+from common.kv_cache.report import per_layer, record, say, summary
 from common.transfer import Engine
 
 KERNELS = os.path.splitext(os.path.abspath(__file__))[0] + ".cu"  # the GPU's counter bump
@@ -182,36 +183,6 @@ def check(s, seed, xp, cache, slots, first, context, checked):
         wrong += int((got != out.reshape(2 * s.pages, -1)).sum())
         checked()
     return wrong + int((context.view(xp.uint8) != layers.context().view(xp.uint8)).sum())
-
-
-def summary(s, start, compute, posted, done, watch, alone):
-    """The prefiller's timings in a few numbers (a control message holds no more): per
-    layer the compute and the transfer, and how much of each layer's transfer ran while
-    the next layer computed (the last has nothing to hide behind)."""
-    compute, posted, done = np.array(compute), np.array(posted), np.array(done)
-    transfer = done - posted
-    hidden = np.clip(np.minimum(done[:-1], compute[1:]) - posted[:-1], 0, None) / \
-        np.maximum(transfer[:-1], 1e-9)
-    took = np.diff(np.concatenate([[start], compute]))
-    return {"compute": float(np.median(took)), "transfer": float(np.median(transfer)),
-            "hidden": float(np.median(hidden)) if len(hidden) else 0.0,
-            "last": float(transfer[-1]), "watch50": float(np.percentile(watch, 50)),
-            "watch99": float(np.percentile(watch, 99)), "alone": alone}
-
-
-def say(s, t, ttft, wrong):
-    print(f"per layer (median of {s.layers}): compute {1e3 * t['compute']:.2f} ms, "
-          f"transfer {1e3 * t['transfer']:.2f} ms ({2 * s.pages} pages of {s.page_bytes} B "
-          f"by {t['route']}, "
-          f"{2 * s.pages * s.page_bytes * 8 / t['transfer'] / 1e9:.2f} Gbps); hidden behind "
-          f"the next layer: {100 * t['hidden']:.0f}% (all but the last layer; the last "
-          f"one's {1e3 * t['last']:.2f} ms is not)")
-    print(f"watcher, counter to first post: p50 {1e6 * t['watch50']:.0f} us, "
-          f"p99 {1e6 * t['watch99']:.0f} us")
-    print(f"time to first token: {1e3 * t['alone']:.1f} ms prefill alone, "
-          f"{1e3 * ttft:.1f} ms with the transfer ({s.tokens} tokens, {s.layers} layers)")
-    print(f"checked {s.layers * 2 * s.pages} pages and the context: {wrong} wrong bytes",
-          flush=True)
 
 
 def shape_flags(args):
@@ -387,26 +358,10 @@ def prefiller(args, s, xp, addr):
         print(f"prefiller: {s.layers} layers sent, {2 * s.layers * s.pages} pages; "
               f"{eng.stats()}; the decoder found {wrong} wrong bytes", flush=True)
         if args.json:
-            took = np.diff(np.concatenate([[start], compute]))
-            layers_of = {"compute_s": took.tolist(),
-                         "transfer_s": (np.array(watcher.done) - watcher.posted).tolist(),
-                         "watch_s": watch}
-            path = bench.run_path(args.json, "18_kv_cache", s.model, f"{s.tokens}tokens")
-            print(f"result: {record(path, args, eng, s, figures, layers_of, answer, wrong)}")
+            layers_of = per_layer(start, compute, watcher.posted, watcher.done, watch)
+            ttft = struct.unpack("<d", answer[len(DONE):])[0]
+            print(f"result: {record(args, eng, s, figures, layers_of, ttft, wrong)}")
         return 0
-
-
-def record(path, args, eng, s, figures, layers_of, done, wrong):
-    """The run as JSON: what ran, where, the summary and each layer's times."""
-    return records.write_json(path, {
-        "chapter": "18_kv_cache", "args": records.arguments(), "provider": eng.provider,
-        "libfabric": "%d.%d" % fi.version(), "machine": records.machine(args.gpu),
-        "git": records.git_sha(), "memory": "cuda" if args.gpu is not None else "host",
-        "model": s.model, "shape": describe(s), "dtype": s.dtype, "tokens": s.tokens,
-        "layers": s.layers, "page_bytes": s.page_bytes, "pages_per_layer": 2 * s.pages,
-        **figures,
-        "ttft_s": struct.unpack("<d", done[len(DONE):])[0], "wrong_bytes": wrong,
-        "per_layer": layers_of})
 
 
 def heard(eng, timeout, what):
