@@ -1,10 +1,12 @@
 """Every script in scripts/: it answers --help, and it takes what it shares with the other
 scripts from common/, never from another script and never by changing sys.path (the
 project is installed into .venv, so common/ imports as it is). Nor does any file of
-tests/, the programs the tests start (tests/stuck.py, ...) included; and a test file
+tests/, the programs the tests start (tests/stuck.py, ...) included, nor a notebook's
+code cell; and a test file
 (test_*.py) takes what it shares with others from a helper of tests/ (a name without
 test_), never from another test file."""
 import ast
+import json
 import sys
 
 import pytest
@@ -14,6 +16,7 @@ from tests.budget import Budget
 
 SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
 TESTS = sorted((ROOT / "tests").glob("*.py"))
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 NAMES = {path.stem for path in SCRIPTS}
 
 
@@ -55,6 +58,13 @@ def test_a_script_imports_common_not_other_scripts(path):
 @pytest.mark.parametrize("path", TESTS, ids=[p.stem for p in TESTS])
 def test_a_test_leaves_sys_path_alone(path):
     assert touches_sys_path(ast.parse(path.read_text())) == [], f"{path.name} changes sys.path"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_a_notebook_leaves_sys_path_alone(path):
+    cells = json.loads(path.read_text())["cells"]
+    code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    assert touches_sys_path(ast.parse(code)) == [], f"{path.name} changes sys.path"
 
 
 @pytest.mark.parametrize("path", TESTS, ids=[p.stem for p in TESTS])
