@@ -75,8 +75,6 @@ LESSON = {"figure": "check"}
 
 # %%
 import common  # first: a Ctrl-C during the imports below is one line (common/bounds.py)
-import contextlib
-import json
 import os
 import signal
 import time
@@ -88,15 +86,15 @@ import common.fabric as fi
 from common import cli, launch
 from common.moe import reference as ref
 from common.transfer import Engine
-from common.weights import BARRIER, BLOCK, EDGES, LANDED, imm, split
-from common.weights.model import MODELS, Param, aligned, checksum, describe, inference_tensors, \
-    lay_out, model_config, parameters, shard_rows, values, versions_at
+from common.weights import BARRIER, BLOCK, EDGES, LANDED, harness, imm, split
+from common.weights.harness import everyone, exchange, updates
+from common.weights.model import Param, aligned, check_piece, checksum, inference_tensors, \
+    lay_out, layers_named, model_config, parameters, shard_rows, values
 from common.weights.naive import fp8_bytes, naive_inference, naive_trainer
 from common.weights.ops import CudaOps, HostOps
-from common.weights.report import STAGES, Report
+from common.weights.report import Clock, Report
 
 KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "19_weight_update.cu")
-LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "launch.py")
 RENDEZVOUS = 30  # x --timeout: how long the layouts' exchange and the checks may take
 
 
@@ -164,29 +162,6 @@ class Job:
             row = (piece.at_row - piece.row0) // BLOCK + b0
             self.writes += split("scales", tensor.scales + row * (tensor.cols // BLOCK) * 4,
                                  self.scale_bytes, plan.max_write)
-
-
-def check_piece(names, r, tensor, piece):
-    name, rows, cols = piece.source, piece.source_rows, piece.source_cols
-    p = names.get(name)
-    if p is None:
-        within = f" (in {tensor.name})" if tensor.name != name else ""
-        raise ValueError(f"inference rank {r} asks for {name}{within}, which the trainers do "
-                         "not hold")
-    if (p.rows, p.cols) != (rows, cols):
-        raise ValueError(f"{name}: the trainers hold {p.rows} x {p.cols}, inference rank {r} "
-                         f"expects {rows} x {cols}")
-    row0, row1, col0, col1 = piece.row0, piece.row1, piece.col0, piece.col1
-    if not (0 <= row0 < row1 <= rows and 0 <= col0 < col1 <= cols):
-        raise ValueError(f"{tensor.name} on inference rank {r}: rows {row0}..{row1} x cols "
-                         f"{col0}..{col1} are outside {name}'s {rows} x {cols}")
-    if not p.fp8 and (col0, col1) != (0, cols):
-        raise ValueError(f"{tensor.name} on inference rank {r}: bf16 pieces take whole rows")
-    if p.fp8 and any(x % BLOCK for x in (row0, row1, col0, col1, piece.at_row)):
-        raise ValueError(f"{tensor.name} on inference rank {r}: its piece of {name} (rows "
-                         f"{row0}..{row1}, cols {col0}..{col1}) is not on the {BLOCK} x "
-                         f"{BLOCK} fp8 blocks: use fewer inference ranks")
-    return p
 
 
 # %% [markdown]
@@ -407,21 +382,6 @@ class Batch:
                 for c in self.commands]
 
 
-class Clock:
-    """Seconds spent in each stage, summed over the times it is entered."""
-
-    def __init__(self):
-        self.times = dict.fromkeys(STAGES, 0.0)
-
-    @contextlib.contextmanager
-    def __call__(self, stage):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.times[stage] += time.perf_counter() - start
-
-
 # %% [markdown]
 # ## Code: an inference rank's side, and the naive way
 
@@ -512,62 +472,16 @@ class Inference:
                 "bytes": self.tensors[-1].end}
 
 
-def layers_named(groups):
-    names = ["outside the layers" if g == 0 else f"layer {g - 1}" for g in groups]
-    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "") \
-        if names else "no layer"
-
-
 # %% [markdown]
 # ## Main: who is who, the layouts exchanged, the updates
 
 # %%
 def main():
     p = cli.parser(__doc__)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu: numpy and host memory (default); cuda: cupy and GPU memory, the "
-                   "rank's GPU from scripts/launch.py --gpus, else its local rank")
-    p.add_argument("--trainers", type=cli.count(1, 1024),
-                   help="ranks 0..T-1 train, the others serve (default: two thirds)")
-    p.add_argument("--model", choices=list(MODELS), default="qwen3-30b-a3b")
-    p.add_argument("--layers", type=cli.count(1, 1024), help="fewer layers (default: all on "
-                   "cuda, 1 on cpu)")
-    p.add_argument("--experts", type=cli.count(1, 4096), help="fewer experts (default: all "
-                   "on cuda, 8 on cpu)")
-    p.add_argument("--vocab", type=cli.count(1, 1 << 22), help="a smaller vocabulary "
-                   "(default: all on cuda, 8192 on cpu)")
-    p.add_argument("--inference-config", default="", metavar="KEY=N,...",
-                   help="the inference side's model differs (e.g. hidden=1024): refused")
-    p.add_argument("--updates", type=cli.count(1, 255), default=2)
-    p.add_argument("--naive", choices=("yes", "no"), default="yes",
-                   help="also the naive way, after the last update (default yes)")
-    p.add_argument("--staging", type=cli.parse_size, help="a cap on a trainer's staging "
-                   "memory, two halves that each hold a layer's quantised rows (default: "
-                   "just that)")
-    p.add_argument("--fail", choices=("trainer", "inference"),
-                   help="the last rank of that side kills itself in update 2")
-    p.add_argument("--nics", type=cli.count(1, 64), help="virtual NICs where none has a "
-                   "PCI address (default 1)")
-    p.add_argument("--seed", type=int, default=19)
-    p.add_argument("--no-cuda-ipc", action="store_true", help="GPU memory by libfabric even "
-                   "between ranks of this host (by default, CUDA IPC: common/transfer/ipc.py)")
-    p.add_argument("--json", nargs="?", const="auto", help="write the run as JSON to this "
-                   "file (default results/runs/...)")
+    harness.add_arguments(p)
     args = p.parse_args()
-    small = args.device == "cpu" and args.model == "qwen3-30b-a3b"
-    args.layers = args.layers or (1 if small else None)
-    args.experts = args.experts or (8 if small else None)
-    args.vocab = args.vocab or (8192 if small else None)
     place = launch.place_from_environment()
-    if place.world < 2:
-        raise cli.UsageError("it takes trainers and inference ranks: "
-                             + cli.command("-n", "3", cli.shown(__file__), program=LAUNCHER))
-    trainers = args.trainers or max(1, (2 * place.world) // 3)
-    if trainers >= place.world:
-        raise cli.UsageError(f"--trainers {trainers} leaves no inference rank of "
-                             f"{place.world}")
-    if args.fail and args.updates < 2:
-        raise cli.UsageError("--fail acts in update 2: give --updates 2 or more")
+    trainers = harness.check_arguments(args, place, __file__)
     model = model_config(args)
     inference_model = model_config(args, args.inference_config)
     gpu = place.gpu if place.gpu is not None else place.rank % place.ranks_per_node
@@ -601,17 +515,7 @@ def run(own, group, args, trainers, model, inference_model, ops, gpu):
     params = [Param(i, *m) for i, m in enumerate(metas[0])]
     plan = Plan(params, trainers, [lay_out(m) for m in metas[trainers:]], eng.max_write)
     if me == 0:
-        print(f"{trainers} trainer{'s' * (trainers > 1)} (bf16, FSDP dim-0 shards) -> "
-              f"{inference_ranks} inference rank{'s' * (inference_ranks > 1)} (fp8 e4m3, 128 x "
-              f"128 blocks; attention TP{inference_ranks}, experts EP{inference_ranks}); device "
-              f"{args.device}; provider {eng.provider}; {eng.nics}", flush=True)
-        routes = sorted({f"{p.route} ({p.why})" for p in peers.values()})
-        print(f"pages between ranks by {'; '.join(routes)}", flush=True)
-        full = MODELS[args.model]
-        scaled = [f"{model[k]} of {full[k]} {k}" for k in ("layers", "experts", "vocab")
-                  if model[k] != full[k]]
-        print(f"model {args.model}: {describe(model, params)}"
-              + (f" (scaled down: {', '.join(scaled)})" if scaled else ""), flush=True)
+        harness.say_setup(args, eng, peers, model, plan)
     report = Report(me, args, plan, eng, ops, trainers, gpu)
     side(eng, group, peers, plan, ops, args, report)  # trainer() or inference(): chosen above
     return report.finish()
@@ -682,27 +586,6 @@ def inference(eng, group, peers, plan, ops, args, report):
             side.receive(n, args.fail == "inference" and n == 2 and me == group.world - 1)
         report.update(n, last, everyone(group, side.check(versions, before)))
         before = versions
-
-
-def updates(args, params):
-    """(n, naive, each parameter's version) of each update: --updates of them, then, with
-    --naive yes, the naive way on the last one's weights."""
-    for n in range(1, args.updates + (2 if args.naive == "yes" else 1)):
-        yield n, n > args.updates, versions_at(params, min(n, args.updates))
-
-
-def everyone(group, value):
-    """`value` from every rank, in rank order (as JSON)."""
-    return [json.loads(x) for x in group.allgather(json.dumps(value).encode())]
-
-
-def exchange(group, eng, regions):
-    """Our regions ({name: Region, None where this rank has none}) to every rank; every
-    rank's as {name: RemoteRegion}, None for our own."""
-    ours = {name: r.descriptor().hex() for name, r in regions.items() if r is not None}
-    return [None if k == group.rank else
-            {name: eng.remote(bytes.fromhex(d)) for name, d in theirs.items()}
-            for k, theirs in enumerate(everyone(group, ours))]
 
 
 if __name__ == "__main__":
