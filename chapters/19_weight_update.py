@@ -87,12 +87,14 @@ from common import cli, launch
 from common.moe import reference as ref
 from common.transfer import Engine
 from common.weights import BARRIER, BLOCK, EDGES, LANDED, harness, imm, split
+from common.weights.check import Check
 from common.weights.harness import everyone, exchange, updates
-from common.weights.model import Param, aligned, check_piece, checksum, inference_tensors, \
-    lay_out, layers_named, model_config, parameters, shard_rows, values
+from common.weights.model import Param, aligned, check_piece, inference_tensors, lay_out, \
+    layers_named, model_config, parameters, shard_rows
 from common.weights.naive import fp8_bytes, naive_inference, naive_trainer
 from common.weights.ops import CudaOps, HostOps
 from common.weights.report import Clock, Report
+from common.weights.shards import Shards
 
 KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "19_weight_update.cu")
 RENDEZVOUS = 30  # x --timeout: how long the layouts' exchange and the checks may take
@@ -177,21 +179,13 @@ class Edge(NamedTuple):
     count: int          # how many
 
 
-class Trainer:
-    """Trainer t: its shards (bf16), the block maxima of its rows, staging in two halves,
-    and the batches of its WRITEs, laid out once from the plan."""
+class Trainer(Shards):
+    """Trainer t: its shards (bf16) and the block maxima of its rows (Shards), staging in
+    two halves, and the batches of its WRITEs, laid out once from the plan."""
 
     def __init__(self, eng, plan, t, ops, seed, staging, minimum=0):
-        self.eng, self.plan, self.t, self.ops, self.seed = eng, plan, t, ops, seed
-        xp, rows = ops.xp, plan.rows[t]
-        self.shard_at, self.amax_at, at, blocks = {}, {}, 0, 0
-        for p in plan.params:
-            t0, t1 = rows[p.index]
-            self.shard_at[p.index], at = at, at + (t1 - t0) * p.cols
-            if p.fp8 and t0 < t1:
-                self.amax_at[p.index], blocks = blocks, blocks + self._blocks(p)
-        self.shard = xp.zeros(max(at, 1), xp.uint16)
-        self.amax, self.scales = xp.zeros(blocks + 1, xp.float32), xp.zeros(blocks + 1, xp.float32)
+        super().__init__(plan.params, plan.rows[t], ops, seed)
+        self.eng, self.plan, self.t, xp = eng, plan, t, ops.xp
         self.edges = self._edges()
         need = max([sum(aligned(j.bytes) + aligned(j.scale_bytes) for j in jobs if j.p.fp8)
                     for jobs in plan.jobs[t].values()] + [64])  # 64: a trainer of no rows
@@ -203,16 +197,6 @@ class Trainer:
         self.batches = self._batches()
         self.regions = {name: eng.register(a) for name, a in (
             ("shard", self.shard), ("staging", self.staging), ("edges", self.edge_buffer))}
-        self.versions = {}
-
-    def view(self, p):
-        t0, t1 = self.plan.rows[self.t][p.index]
-        at = self.shard_at[p.index]
-        return self.shard[at:at + (t1 - t0) * p.cols].reshape(t1 - t0, p.cols)
-
-    def _block_index(self, p, b, col_blocks):
-        t0 = self.plan.rows[self.t][p.index][0]
-        return self.amax_at[p.index] + (b - t0 // BLOCK) * (p.cols // BLOCK) + col_blocks
 
     def _edges(self):
         """{trainer u: Edge} for every trainer we share blocks with."""
@@ -221,7 +205,7 @@ class Trainer:
         sent = sum(size.values())
         out, at = {}, 0
         for u in sorted(mine):
-            index = np.concatenate([self._block_index(p, b, np.arange(p.cols // BLOCK))
+            index = np.concatenate([self.block_index(p, b, np.arange(p.cols // BLOCK))
                                     for p, b in mine[u]])
             theirs = {s: sum(p.cols // BLOCK for p, _ in blocks)  # u's, the same way
                       for s, blocks in self.plan.edges(u).items()}
@@ -246,17 +230,6 @@ class Trainer:
         trainer -> its edge buffer."""
         self.peers, self.remotes, self.trainer_edges = peers, remotes, trainers
 
-    def fill(self, versions):
-        """The training step's result: new values of the parameters whose version moved."""
-        for p in self.plan.params:
-            if self.versions.get(p.index) != versions[p.index] and p.index in self.shard_at:
-                t0, t1 = self.plan.rows[self.t][p.index]
-                if t0 < t1:
-                    self.view(p)[...] = values(self.ops.xp, self.seed, p, versions[p.index],
-                                               t0, t1)
-        self.versions = dict(versions)
-        self.ops.sync()
-
     def update(self, n, fail=False):
         """One update; returns each stage's seconds and what was posted."""
         eng, ops, xp, clock = self.eng, self.ops, self.ops.xp, Clock()
@@ -265,7 +238,7 @@ class Trainer:
             for index, at in self.amax_at.items():
                 p = self.plan.params[index]
                 ops.amax(self.view(p), self.plan.rows[self.t][index][0],
-                         self.amax[at:at + self._blocks(p)])
+                         self.amax[at:at + self.blocks(p)])
             for e in self.edges.values():
                 self.edge_buffer[e.send_at:e.send_at + e.count] = self.amax[e.amax_index]
             ops.sync()
@@ -315,10 +288,6 @@ class Trainer:
             x.wait()
         self.eng.expect(imm(n, LANDED | batch.group), len(batch.commands_to))
 
-    def _blocks(self, p):
-        """How many block maxima of p this trainer keeps: its block rows x p's columns."""
-        t0, t1 = self.plan.rows[self.t][p.index]
-        return ((t1 - 1) // BLOCK - t0 // BLOCK + 1) * (p.cols // BLOCK)
 
 
 class Command(NamedTuple):
@@ -345,7 +314,7 @@ class Batch:
             if job.scale_bytes:  # the scales of the blocks that begin in our rows
                 b0, b1 = job.blocks
                 cols = job.col0 // BLOCK + np.arange(job.width // BLOCK)
-                src += [trainer._block_index(job.p, b, cols) for b in range(b0, b1)]
+                src += [trainer.block_index(job.p, b, cols) for b in range(b0, b1)]
                 dst.append(scales // 4 + np.arange(job.scale_bytes // 4))
             for w in job.writes:
                 staged.setdefault(job.r, []).append(
@@ -368,7 +337,7 @@ class Batch:
         ops, rows = trainer.ops, trainer.plan.rows[trainer.t]
         for job, codes in self.jobs:
             p, t0 = job.p, rows[job.p.index][0]
-            at = trainer._block_index(p, job.lo // BLOCK, 0)
+            at = trainer.block_index(p, job.lo // BLOCK, 0)
             ops.codes(trainer.view(p)[job.lo - t0:job.hi - t0], job.lo, trainer.scales[at:],
                       p.cols // BLOCK, job.col0, job.width,
                       trainer.staging[codes:codes + job.bytes])
@@ -398,21 +367,11 @@ class Inference:
         self.counts = {g: c for g, c in plan.counts(r).items() if c}
         self.senders = {g: [t for t in range(plan.trainers) if any(
             job.r == r for job in plan.jobs[t][g])] for g in self.counts}
-        self.sums, self.serving = {}, None
+        self.check = Check(plan.params, self.tensors, self.weights, ops.xp, seed)
+        self.serving = None
 
     def connect(self, peers):
         self.peers = peers
-
-    def views(self, tensor):
-        """(codes or bf16 values, scales or None) of a tensor, as arrays over the region."""
-        xp, w = self.ops.xp, self.weights
-        if not tensor.fp8:
-            data = w[tensor.offset:tensor.offset + tensor.bytes].view(xp.uint16)
-            return data.reshape(tensor.rows, tensor.cols), None
-        data = w[tensor.offset:tensor.offset + tensor.bytes].reshape(tensor.rows, tensor.cols)
-        size = (tensor.rows // BLOCK) * (tensor.cols // BLOCK) * 4
-        scales = w[tensor.scales:tensor.scales + size].view(xp.float32)
-        return data, scales.reshape(tensor.rows // BLOCK, tensor.cols // BLOCK)
 
     def receive(self, n, fail=False):
         """Wait for every layer's WRITEs by count, in any order, then the barrier. A
@@ -443,33 +402,6 @@ class Inference:
                                   f"{layers_named(stale)} stale (not all their WRITEs came), "
                                   f"not serving this model ({e})") from None
         self.serving = n
-
-    def check(self, versions, before):
-        """Wrong bytes against the plain quantisation of each whole tensor (numpy, or
-        cupy on the GPU), and the tensors whose bytes changed against those that should."""
-        xp, wrong, changed, expected = self.ops.xp, 0, 0, 0
-        names = {p.name: p for p in self.plan.params}
-        for tensor in self.tensors:
-            data, scales = self.views(tensor)
-            sources = [names[piece.source] for piece in tensor.pieces]
-            for p, piece in zip(sources, tensor.pieces):
-                x = values(xp, self.seed, p, versions[p.index], piece.row0, piece.row1)
-                mine = data[piece.at_row:piece.at_row + piece.row1 - piece.row0]
-                if not p.fp8:
-                    wrong += 2 * int(xp.count_nonzero(mine != x))
-                    continue
-                codes, s = ref.quantize_fp8(ref.from_bf16(x), BLOCK)
-                wrong += int(xp.count_nonzero(mine != codes[:, piece.col0:piece.col1]))
-                b = piece.at_row // BLOCK
-                theirs = s[:, piece.col0 // BLOCK:piece.col1 // BLOCK]
-                wrong += 4 * int(xp.count_nonzero(scales[b:b + len(theirs)] != theirs))
-            total = checksum(xp, self.weights[tensor.offset:tensor.end])
-            changed += tensor.name in self.sums and self.sums[tensor.name] != total
-            expected += tensor.name in self.sums and any(
-                before.get(p.index) != versions[p.index] for p in sources)
-            self.sums[tensor.name] = total
-        return {"wrong": wrong, "changed": changed, "expected_changed": expected,
-                "bytes": self.tensors[-1].end}
 
 
 # %% [markdown]

@@ -156,6 +156,18 @@ def lay_out(tensors):
     return out
 
 
+
+def views(xp, weights, tensor):
+    """(codes or bf16 values, scales or None) of `tensor`, as arrays over `weights`, the
+    region of its inference rank."""
+    data = weights[tensor.offset:tensor.offset + tensor.bytes]
+    if not tensor.fp8:
+        return data.view(xp.uint16).reshape(tensor.rows, tensor.cols), None
+    size = (tensor.rows // BLOCK) * (tensor.cols // BLOCK) * 4
+    scales = weights[tensor.scales:tensor.scales + size].view(xp.float32)
+    return data.reshape(tensor.rows, tensor.cols), \
+        scales.reshape(tensor.rows // BLOCK, tensor.cols // BLOCK)
+
 def check_piece(names, r, tensor, piece):
     """The trainers' parameter (from `names`, name -> Param) that inference rank r's
     `piece` of `tensor` takes its rows from, once the name, the shape and the piece's

@@ -7,7 +7,7 @@ import numpy as np
 
 from common.moe import reference as ref
 from common.weights import BARRIER, BLOCK, BROADCAST, FREE, GATHERED, imm, split
-from common.weights.model import aligned
+from common.weights.model import aligned, views
 
 
 def fp8_bytes(p):
@@ -78,7 +78,7 @@ def naive_inference(inf, n, inbox):
         else:
             codes = inbox[:2 * p.rows * p.cols].view(xp.uint16).reshape(p.rows, p.cols)
         for tensor, piece in mine.get(p.name, ()):
-            data, into = inf.views(tensor)
+            data, into = views(xp, inf.weights, tensor)
             at, height = piece.at_row, piece.row1 - piece.row0
             data[at:at + height] = codes[piece.row0:piece.row1, piece.col0:piece.col1]
             if p.fp8:
