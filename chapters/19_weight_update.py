@@ -76,28 +76,21 @@ LESSON = {"figure": "check"}
 # %%
 import common  # first: a Ctrl-C during the imports below is one line (common/bounds.py)
 import os
-import signal
 import time
 from typing import NamedTuple
 
 import numpy as np
 
-import common.fabric as fi
 from common import cli, launch
 from common.moe import reference as ref
-from common.transfer import Engine
-from common.weights import BARRIER, BLOCK, EDGES, LANDED, harness, imm, split
+from common.weights import BARRIER, BLOCK, EDGES, LANDED, harness, imm, naive, split
 from common.weights.check import Check
-from common.weights.harness import everyone, exchange, updates
 from common.weights.model import Param, aligned, check_piece, inference_tensors, lay_out, \
-    layers_named, model_config, parameters, shard_rows
-from common.weights.naive import fp8_bytes, naive_inference, naive_trainer
-from common.weights.ops import CudaOps, HostOps
+    layers_named, parameters, shard_rows
 from common.weights.report import Clock, Report
-from common.weights.shards import Shards
+from common.weights.shards import Shards, staging_half
 
 KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "19_weight_update.cu")
-RENDEZVOUS = 30  # x --timeout: how long the layouts' exchange and the checks may take
 
 
 # %% [markdown]
@@ -187,12 +180,7 @@ class Trainer(Shards):
         super().__init__(plan.params, plan.rows[t], ops, seed)
         self.eng, self.plan, self.t, xp = eng, plan, t, ops.xp
         self.edges = self._edges()
-        need = max([sum(aligned(j.bytes) + aligned(j.scale_bytes) for j in jobs if j.p.fp8)
-                    for jobs in plan.jobs[t].values()] + [64])  # 64: a trainer of no rows
-        if staging is not None and staging < 2 * need:
-            raise ValueError(f"--staging {staging}: trainer {t} quantises up to {need} B a "
-                             f"layer, into each of two halves: give at least {2 * need}")
-        self.half = aligned(need if staging is None else staging // 2)
+        self.half = staging_half(plan.jobs[t], t, staging)  # each holds a layer's codes
         self.staging = xp.zeros(max(2 * self.half, minimum), xp.uint8)
         self.batches = self._batches()
         self.regions = {name: eng.register(a) for name, a in (
@@ -235,10 +223,7 @@ class Trainer(Shards):
         eng, ops, xp, clock = self.eng, self.ops, self.ops.xp, Clock()
         start = time.perf_counter()
         with clock("edge maxima"):  # 1. our part of every block, the shared ones sent
-            for index, at in self.amax_at.items():
-                p = self.plan.params[index]
-                ops.amax(self.view(p), self.plan.rows[self.t][index][0],
-                         self.amax[at:at + self.blocks(p)])
+            self.local_maxima()
             for e in self.edges.values():
                 self.edge_buffer[e.send_at:e.send_at + e.count] = self.amax[e.amax_index]
             ops.sync()
@@ -265,9 +250,7 @@ class Trainer(Shards):
                 flying[batch.half] = batch, batch.submit(self, n)
             writes += batch.writes
             if fail and k == len(self.batches) // 2:
-                print(f"trainer {self.t}: killing myself mid-update {n} (--fail trainer)",
-                      flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+                harness.fail_here(f"trainer {self.t}", n)
         with clock("transfer not hidden"):
             for last in flying:
                 self._landed(n, last)
@@ -287,7 +270,6 @@ class Trainer(Shards):
         for x in transfers:
             x.wait()
         self.eng.expect(imm(n, LANDED | batch.group), len(batch.commands_to))
-
 
 
 class Command(NamedTuple):
@@ -359,8 +341,8 @@ class Inference:
     """Inference rank r: its weight region, laid out by its tensors, and the count of
     WRITEs each layer brings (from the plan)."""
 
-    def __init__(self, eng, plan, r, ops, seed):
-        self.eng, self.plan, self.r, self.ops, self.seed = eng, plan, r, ops, seed
+    def __init__(self, eng, plan, r, ops, seed, peers):
+        self.eng, self.plan, self.r, self.ops, self.peers = eng, plan, r, ops, peers
         self.tensors = plan.layouts[r]
         self.weights = ops.xp.zeros(max(self.tensors[-1].end, 1), ops.xp.uint8)
         self.region = eng.register(self.weights)
@@ -368,14 +350,11 @@ class Inference:
         self.senders = {g: [t for t in range(plan.trainers) if any(
             job.r == r for job in plan.jobs[t][g])] for g in self.counts}
         self.check = Check(plan.params, self.tensors, self.weights, ops.xp, seed)
-        self.serving = None
-
-    def connect(self, peers):
-        self.peers = peers
 
     def receive(self, n, fail=False):
-        """Wait for every layer's WRITEs by count, in any order, then the barrier. A
-        trainer gone: which layers are stale, in one line."""
+        """Wait for every layer's WRITEs by count, in any order, then the barrier: from
+        then on this rank serves update n's weights. A trainer gone: which layers are
+        stale, in one line."""
         done = []
         try:
             for g, count in self.counts.items():
@@ -385,9 +364,7 @@ class Inference:
                     self.eng.signal(self.peers[t], imm(n, LANDED | g))
                 done.append(g)
                 if fail:
-                    print(f"inference rank {self.r}: killing myself mid-update {n} "
-                          "(--fail inference)", flush=True)
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    harness.fail_here(f"inference rank {self.r}", n)
             self.eng.group(list(self.peers.values())).barrier(imm(n, BARRIER))
         except TimeoutError as e:
             complete = sum(self.eng.arrived(imm(n, g)) >= c for g, c in self.counts.items()
@@ -401,49 +378,26 @@ class Inference:
             raise launch.PeerGone(f"inference rank {self.r}: update {n} incomplete, "
                                   f"{layers_named(stale)} stale (not all their WRITEs came), "
                                   f"not serving this model ({e})") from None
-        self.serving = n
 
 
 # %% [markdown]
 # ## Main: who is who, the layouts exchanged, the updates
 
 # %%
-def main():
-    p = cli.parser(__doc__)
-    harness.add_arguments(p)
-    args = p.parse_args()
-    place = launch.place_from_environment()
-    trainers = harness.check_arguments(args, place, __file__)
-    model = model_config(args)
-    inference_model = model_config(args, args.inference_config)
-    gpu = place.gpu if place.gpu is not None else place.rank % place.ranks_per_node
-    ops = CudaOps(gpu, KERNELS) if args.device == "cuda" else HostOps()
-    # the rendezvous waits longer: ranks lay out gigabytes and check them between updates
-    # (a rank that dies is still seen at once: its connection closes; one frozen, once
-    # silent for --timeout)
-    with launch.Group(place, RENDEZVOUS * args.timeout, args.timeout) as group, \
-            fi.Closer() as own:
-        return run(own, group, args, trainers, model, inference_model, ops,
-                   gpu if args.device == "cuda" else None)
-
-
-def run(own, group, args, trainers, model, inference_model, ops, gpu):
-    """What both sides share: the engine, a connection to every rank, the layouts
-    exchanged and the plan from them; then this rank's side; then the report."""
-    eng = Engine(own, args.provider, gpu=gpu, nics=args.nics, timeout=args.timeout,
-                 cuda_ipc=not args.no_cuda_ipc)
-    eng.watch(group.check)
+def run(eng, group, args, trainers, model, inference_model, ops, gpu):
+    """What both sides share, in the engine harness.main opened: a connection to every
+    rank, the layouts exchanged and the plan from them; then this rank's side; then the
+    report."""
     me, world = group.rank, group.world
     peers = {k: eng.connect(a) for k, a in enumerate(group.allgather(eng.address()))
              if k != me}
-    inference_ranks = world - trainers
     # the one place the two sides part: what each knows of itself, and its story below
     if me < trainers:  # a trainer: the parameters it trains
         side, mine = trainer, [[p.name, p.rows, p.cols, p.fp8, p.group] for p in parameters(model)]
     else:  # an inference rank: the tensors it serves, and from which pieces of which
-        side, mine = inference, inference_tensors(inference_model, inference_ranks, me - trainers)
+        side, mine = inference, inference_tensors(inference_model, world - trainers, me - trainers)
     # both sides' layouts, as each side knows its own, to every rank: the plan from them
-    metas = everyone(group, mine)
+    metas = harness.everyone(group, mine)
     params = [Param(i, *m) for i, m in enumerate(metas[0])]
     plan = Plan(params, trainers, [lay_out(m) for m in metas[trainers:]], eng.max_write)
     if me == 0:
@@ -462,63 +416,54 @@ def trainer(eng, group, peers, plan, ops, args, report):
     buffer to gather whole tensors in, for the naive way). Each update: the training
     step's new values, then its WRITEs into every inference rank (Trainer.update: edge
     maxima, quantise, WRITE, barrier); its seconds go to the report."""
-    me, trainers, naive = group.rank, plan.trainers, args.naive == "yes"
-    whole = max(2 * p.rows * p.cols for p in plan.params)  # the naive way's gathered tensor
-    whole_fp8 = max([fp8_bytes(p) for p in plan.params if p.fp8] + [0])  # naively quantised
+    me, trainers, naive_way = group.rank, plan.trainers, args.naive == "yes"
     side = Trainer(eng, plan, me, ops, args.seed, args.staging,
-                   whole_fp8 if naive and me == 0 else 0)
-    if naive and me == 0:
-        side.gather = ops.xp.zeros(whole // 2, ops.xp.uint16)
-        side.regions["gather"] = eng.register(side.gather)
+                   naive.staging_at_least(plan) if naive_way and me == 0 else 0)
+    if naive_way and me == 0:  # the naive way gathers whole tensors on trainer 0
+        naive.add_gather(side)
     if me == 0:
         print(f"trainer 0: staging {2 * side.half / 1e6:.1f} MB (two halves, each a "
               "layer's quantised rows)", flush=True)
     # every rank's regions: we WRITE into the inference ranks' weights and the other
     # trainers' edge buffers (the naive way: into the inboxes and trainer 0's gather buffer)
-    remote = exchange(group, eng, {"edges": side.regions["edges"],
-                                   "gather": side.regions.get("gather")})
-    inference_regions = remote[trainers:]
-    side.connect(peers, [r["weights"] for r in inference_regions],
+    remote = harness.exchange(group, eng, {"edges": side.regions["edges"],
+                                           "gather": side.regions.get("gather")})
+    side.connect(peers, [r["weights"] for r in remote[trainers:]],
                  {u: remote[u]["edges"] for u in range(trainers) if u != me})
-    for n, last, versions in updates(args, plan.params):
+    for n, last, versions in harness.updates(args, plan.params):
         side.fill(versions)  # the training step
         group.barrier()
         if last:  # the naive way: trainer 0 gathers, quantises and sends everything
-            gather = remote[0]["gather"] if me else None
-            mine = {"seconds": naive_trainer(side, n, gather,
-                                             [r["inbox"] for r in inference_regions])}
+            mine = {"seconds": naive.naive_trainer(side, n, remote)}
         else:
             fail = args.fail == "trainer" and n == 2 and me == trainers - 1
             try:
                 mine = side.update(n, fail)
             except launch.PeerGone as e:
                 raise launch.PeerGone(f"trainer {me}: update {n} stopped ({e})") from None
-        report.update(n, last, everyone(group, mine))
+        report.update(n, last, harness.everyone(group, mine))
 
 
 def inference(eng, group, peers, plan, ops, args, report):
     """An inference rank: its weights registered (and for the naive way an inbox of the
     largest whole tensor). Each update: every layer's WRITEs waited for by count and the
     barrier (Inference.receive), then every weight and scale checked, for the report."""
-    me, naive = group.rank, args.naive == "yes"
-    side = Inference(eng, plan, me - plan.trainers, ops, args.seed)
-    whole = max(2 * p.rows * p.cols for p in plan.params)  # the naive way's bf16 tensors
-    largest = max([fp8_bytes(p) for p in plan.params if p.fp8] + [whole])
-    inbox = ops.xp.zeros(aligned(largest), ops.xp.uint8) if naive else None
+    me, naive_way = group.rank, args.naive == "yes"
+    side = Inference(eng, plan, me - plan.trainers, ops, args.seed, peers)
+    inbox = naive.inbox(plan, ops.xp) if naive_way else None
     # every rank's regions (ours the trainers WRITE into; we WRITE into none)
-    exchange(group, eng, {"weights": side.region,
-                          "inbox": eng.register(inbox) if naive else None})
-    side.connect(peers)
+    harness.exchange(group, eng, {"weights": side.region,
+                                  "inbox": eng.register(inbox) if naive_way else None})
     before = {}
-    for n, last, versions in updates(args, plan.params):
+    for n, last, versions in harness.updates(args, plan.params):
         group.barrier()
         if last:  # the naive way: each whole tensor into the inbox, our slices out of it
-            naive_inference(side, n, inbox)
+            naive.naive_inference(side, n, inbox)
         else:
             side.receive(n, args.fail == "inference" and n == 2 and me == group.world - 1)
-        report.update(n, last, everyone(group, side.check(versions, before)))
+        report.update(n, last, harness.everyone(group, side.check(versions, before)))
         before = versions
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(lambda: harness.main(__doc__, __file__, KERNELS, run))

@@ -1,15 +1,48 @@
-"""What chapter 19 runs around its update: its flags and their checks against the job,
-what rank 0 says of the run before the first update, the updates' schedule, and what
-every rank tells every other through the launcher's group (JSON, memory regions).
+"""What chapter 19 runs around its update: its main() (flags and their checks against the
+job, the job's group), what rank 0 says of the run before the first update, the updates'
+schedule, what every rank tells every other through the launcher's group (JSON, memory
+regions), and --fail's rank that kills itself.
 """
 import json
 import os
+import signal
 
-from common import cli
-from common.weights.model import MODELS, describe, versions_at
+import common.fabric as fi
+from common import cli, launch
+from common.transfer import Engine
+from common.weights.model import MODELS, describe, model_config, versions_at
+from common.weights.ops import CudaOps, HostOps
 
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts",
                         "launch.py")
+RENDEZVOUS = 30  # x --timeout: how long the layouts' exchange and the checks may take
+
+
+def main(doc, chapter, kernels, run):
+    """Chapter 19's main(): its flags, refused before anything is opened; both sides'
+    models (the inference side's may differ: --inference-config); where quantising runs
+    (numpy, or `kernels` on this rank's GPU); then the job's group and the transfer
+    engine (chapter 18's), and in them the chapter's run(eng, group, args, trainers,
+    model, inference_model, ops, gpu)."""
+    p = cli.parser(doc)
+    add_arguments(p)
+    args = p.parse_args()
+    place = launch.place_from_environment()
+    trainers = check_arguments(args, place, chapter)
+    model = model_config(args)
+    inference_model = model_config(args, args.inference_config)
+    gpu = place.gpu if place.gpu is not None else place.rank % place.ranks_per_node
+    ops = CudaOps(gpu, kernels) if args.device == "cuda" else HostOps()
+    # the rendezvous waits longer: ranks lay out gigabytes and check them between updates
+    # (a rank that dies is still seen at once: its connection closes; one frozen, once
+    # silent for --timeout)
+    with launch.Group(place, RENDEZVOUS * args.timeout, args.timeout) as group, \
+            fi.Closer() as own:
+        gpu = gpu if args.device == "cuda" else None
+        eng = Engine(own, args.provider, gpu=gpu, nics=args.nics, timeout=args.timeout,
+                     cuda_ipc=not args.no_cuda_ipc)
+        eng.watch(group.check)
+        return run(eng, group, args, trainers, model, inference_model, ops, gpu)
 
 
 def add_arguments(p):
@@ -100,3 +133,10 @@ def exchange(group, eng, regions):
     return [None if k == group.rank else
             {name: eng.remote(bytes.fromhex(d)) for name, d in theirs.items()}
             for k, theirs in enumerate(everyone(group, ours))]
+
+
+def fail_here(who, n):
+    """--fail: this rank (`who`: "trainer 1", "inference rank 2") says so and kills itself
+    mid-update n, as a crash would: no goodbye to anyone."""
+    print(f"{who}: killing myself mid-update {n} (--fail {who.split()[0]})", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)

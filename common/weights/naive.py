@@ -15,11 +15,31 @@ def fp8_bytes(p):
     return aligned(p.rows * p.cols) + (p.rows // BLOCK) * (p.cols // BLOCK) * 4
 
 
-def naive_trainer(tr, n, gather, inboxes):
+def staging_at_least(plan):
+    """Trainer 0's staging, at least: the largest fp8 tensor whole, quantised."""
+    return max([fp8_bytes(p) for p in plan.params if p.fp8] + [0])
+
+
+def add_gather(tr):
+    """Trainer 0's buffer to gather a whole bf16 tensor in, registered as "gather"."""
+    tr.gather = tr.ops.xp.zeros(max(p.rows * p.cols for p in tr.plan.params), tr.ops.xp.uint16)
+    tr.regions["gather"] = tr.eng.register(tr.gather)
+
+
+def inbox(plan, xp):
+    """An inference rank's buffer for the largest whole tensor as the naive way sends it."""
+    whole = max(2 * p.rows * p.cols for p in plan.params)  # bf16
+    return xp.zeros(aligned(max([fp8_bytes(p) for p in plan.params if p.fp8] + [whole])),
+                    xp.uint8)
+
+
+def naive_trainer(tr, n, remote):
     """Trainer 0 gathers each tensor whole (the others WRITE their rows into it),
     quantises it, and WRITEs all of it to every inference rank; tensor by tensor, as a
-    broadcast from rank 0 would. Returns its seconds."""
+    broadcast from rank 0 would. `remote`: every rank's regions. Returns its seconds."""
     eng, ops, plan, xp = tr.eng, tr.ops, tr.plan, tr.ops.xp
+    gather = remote[0]["gather"] if tr.t else None
+    inboxes = [r["inbox"] for r in remote[plan.trainers:]]
     largest, inference = eng.max_write, range(plan.trainers, plan.trainers + len(plan.layouts))
     start = time.perf_counter()
     for p in plan.params:

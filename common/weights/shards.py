@@ -1,10 +1,22 @@
 """A trainer's memory in chapter 19: its rows of every parameter (FSDP's dim-0 shards, bf16)
-in one array, the block maxima and scales of its fp8 rows, and the training step that
-gives them new values. Chapter 19's Trainer is one of these, with its staging, its edge
-buffer and its batches of WRITEs.
+in one array, the block maxima and scales of its fp8 rows, the training step that gives
+them new values, and the size of its staging. Chapter 19's Trainer is one of these, with
+its staging, its edge buffer and its batches of WRITEs.
 """
 from common.weights import BLOCK
-from common.weights.model import values
+from common.weights.model import aligned, values
+
+
+def staging_half(layers, t, staging):
+    """Bytes of each of trainer t's two staging halves: its largest layer's quantised rows
+    (`layers`: {group: [Job]}, the plan's for t), or half of --staging (`staging`), refused
+    in one line where it cannot hold that."""
+    need = max([sum(aligned(j.bytes) + aligned(j.scale_bytes) for j in jobs if j.p.fp8)
+                for jobs in layers.values()] + [64])  # 64: a trainer of no rows
+    if staging is not None and staging < 2 * need:
+        raise ValueError(f"--staging {staging}: trainer {t} quantises up to {need} B a "
+                         f"layer, into each of two halves: give at least {2 * need}")
+    return aligned(need if staging is None else staging // 2)
 
 
 class Shards:
@@ -40,6 +52,13 @@ class Shards:
         amax and scales."""
         t0 = self.rows[p.index][0]
         return self.amax_at[p.index] + (b - t0 // BLOCK) * (p.cols // BLOCK) + col_blocks
+
+    def local_maxima(self):
+        """The largest magnitude of our rows of each block of every fp8 parameter, into
+        amax (where 128 rows straddle two trainers, ours of them only)."""
+        for index, at in self.amax_at.items():
+            p = self.params[index]
+            self.ops.amax(self.view(p), self.rows[index][0], self.amax[at:at + self.blocks(p)])
 
     def fill(self, versions):
         """The training step's result: new values of the parameters whose version moved."""
