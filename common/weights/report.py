@@ -1,5 +1,6 @@
 """What chapter 19's rank 0 prints after each update, beside the published per-rank
-breakdown (results/weight_update_published.json), and the run's record.
+breakdown (results/weight_update_published.json), the clock a trainer keeps of its
+stages, and the run's record.
 """
 import contextlib
 import json
