@@ -16,8 +16,10 @@ cell "An update, step by step" below has the details.
 New since chapter 18: Engine.write_list (one command of WRITEs of several lengths),
 Engine.signal and Engine.arrived (common/transfer); 128 x 128 blocks and bf16 input in
 common/moe/reference.py's quantize_fp8 and in this chapter's kernels (19_weight_update.cu,
-on common/moe/fp8.cuh, chapter 16's rounding); the two sides' layouts, the kernels' numpy
-twin, the naive way and the report in common/weights/.
+on common/moe/fp8.cuh, chapter 16's rounding); in common/weights/, what is not the update:
+the two sides' layouts (model.py), a trainer's shards (shards.py), the kernels' numpy
+twin (ops.py), the check (check.py), the naive way (naive.py), the report (report.py),
+and main() with its flags (harness.py).
 
     .venv/bin/python scripts/launch.py -n 3 chapters/19_weight_update.py -p shm
     .venv/bin/python scripts/launch.py -n 5 chapters/19_weight_update.py -p tcp --trainers 3
@@ -75,29 +77,22 @@ LESSON = {"figure": "check"}
 
 # %%
 import common  # first: a Ctrl-C during the imports below is one line (common/bounds.py)
-import contextlib
-import json
 import os
-import signal
 import time
 from typing import NamedTuple
 
 import numpy as np
 
-import common.fabric as fi
 from common import cli, launch
 from common.moe import reference as ref
-from common.transfer import Engine
-from common.weights import BARRIER, BLOCK, EDGES, LANDED, imm, split
-from common.weights.model import MODELS, Param, aligned, checksum, describe, inference_tensors, \
-    lay_out, model_config, parameters, shard_rows, values, versions_at
-from common.weights.naive import fp8_bytes, naive_inference, naive_trainer
-from common.weights.ops import CudaOps, HostOps
-from common.weights.report import STAGES, Report
+from common.weights import BARRIER, BLOCK, EDGES, LANDED, harness, imm, naive, split
+from common.weights.check import Check
+from common.weights.model import Param, aligned, check_piece, inference_tensors, lay_out, \
+    layers_named, parameters, shard_rows
+from common.weights.report import Clock, Report
+from common.weights.shards import Shards, staging_half
 
 KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "19_weight_update.cu")
-LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "launch.py")
-RENDEZVOUS = 30  # x --timeout: how long the layouts' exchange and the checks may take
 
 
 # %% [markdown]
@@ -166,29 +161,6 @@ class Job:
                                  self.scale_bytes, plan.max_write)
 
 
-def check_piece(names, r, tensor, piece):
-    name, rows, cols = piece.source, piece.source_rows, piece.source_cols
-    p = names.get(name)
-    if p is None:
-        within = f" (in {tensor.name})" if tensor.name != name else ""
-        raise ValueError(f"inference rank {r} asks for {name}{within}, which the trainers do "
-                         "not hold")
-    if (p.rows, p.cols) != (rows, cols):
-        raise ValueError(f"{name}: the trainers hold {p.rows} x {p.cols}, inference rank {r} "
-                         f"expects {rows} x {cols}")
-    row0, row1, col0, col1 = piece.row0, piece.row1, piece.col0, piece.col1
-    if not (0 <= row0 < row1 <= rows and 0 <= col0 < col1 <= cols):
-        raise ValueError(f"{tensor.name} on inference rank {r}: rows {row0}..{row1} x cols "
-                         f"{col0}..{col1} are outside {name}'s {rows} x {cols}")
-    if not p.fp8 and (col0, col1) != (0, cols):
-        raise ValueError(f"{tensor.name} on inference rank {r}: bf16 pieces take whole rows")
-    if p.fp8 and any(x % BLOCK for x in (row0, row1, col0, col1, piece.at_row)):
-        raise ValueError(f"{tensor.name} on inference rank {r}: its piece of {name} (rows "
-                         f"{row0}..{row1}, cols {col0}..{col1}) is not on the {BLOCK} x "
-                         f"{BLOCK} fp8 blocks: use fewer inference ranks")
-    return p
-
-
 # %% [markdown]
 # ## Code: a trainer's update
 
@@ -202,42 +174,19 @@ class Edge(NamedTuple):
     count: int          # how many
 
 
-class Trainer:
-    """Trainer t: its shards (bf16), the block maxima of its rows, staging in two halves,
-    and the batches of its WRITEs, laid out once from the plan."""
+class Trainer(Shards):
+    """Trainer t: its shards (bf16) and the block maxima of its rows (Shards), staging in
+    two halves, and the batches of its WRITEs, laid out once from the plan."""
 
     def __init__(self, eng, plan, t, ops, seed, staging, minimum=0):
-        self.eng, self.plan, self.t, self.ops, self.seed = eng, plan, t, ops, seed
-        xp, rows = ops.xp, plan.rows[t]
-        self.shard_at, self.amax_at, at, blocks = {}, {}, 0, 0
-        for p in plan.params:
-            t0, t1 = rows[p.index]
-            self.shard_at[p.index], at = at, at + (t1 - t0) * p.cols
-            if p.fp8 and t0 < t1:
-                self.amax_at[p.index], blocks = blocks, blocks + self._blocks(p)
-        self.shard = xp.zeros(max(at, 1), xp.uint16)
-        self.amax, self.scales = xp.zeros(blocks + 1, xp.float32), xp.zeros(blocks + 1, xp.float32)
+        super().__init__(plan.params, plan.rows[t], ops, seed)
+        self.eng, self.plan, self.t, xp = eng, plan, t, ops.xp
         self.edges = self._edges()
-        need = max([sum(aligned(j.bytes) + aligned(j.scale_bytes) for j in jobs if j.p.fp8)
-                    for jobs in plan.jobs[t].values()] + [64])  # 64: a trainer of no rows
-        if staging is not None and staging < 2 * need:
-            raise ValueError(f"--staging {staging}: trainer {t} quantises up to {need} B a "
-                             f"layer, into each of two halves: give at least {2 * need}")
-        self.half = aligned(need if staging is None else staging // 2)
+        self.half = staging_half(plan.jobs[t], t, staging)  # each holds a layer's codes
         self.staging = xp.zeros(max(2 * self.half, minimum), xp.uint8)
         self.batches = self._batches()
         self.regions = {name: eng.register(a) for name, a in (
             ("shard", self.shard), ("staging", self.staging), ("edges", self.edge_buffer))}
-        self.versions = {}
-
-    def view(self, p):
-        t0, t1 = self.plan.rows[self.t][p.index]
-        at = self.shard_at[p.index]
-        return self.shard[at:at + (t1 - t0) * p.cols].reshape(t1 - t0, p.cols)
-
-    def _block_index(self, p, b, col_blocks):
-        t0 = self.plan.rows[self.t][p.index][0]
-        return self.amax_at[p.index] + (b - t0 // BLOCK) * (p.cols // BLOCK) + col_blocks
 
     def _edges(self):
         """{trainer u: Edge} for every trainer we share blocks with."""
@@ -246,7 +195,7 @@ class Trainer:
         sent = sum(size.values())
         out, at = {}, 0
         for u in sorted(mine):
-            index = np.concatenate([self._block_index(p, b, np.arange(p.cols // BLOCK))
+            index = np.concatenate([self.block_index(p, b, np.arange(p.cols // BLOCK))
                                     for p, b in mine[u]])
             theirs = {s: sum(p.cols // BLOCK for p, _ in blocks)  # u's, the same way
                       for s, blocks in self.plan.edges(u).items()}
@@ -271,26 +220,12 @@ class Trainer:
         trainer -> its edge buffer."""
         self.peers, self.remotes, self.trainer_edges = peers, remotes, trainers
 
-    def fill(self, versions):
-        """The training step's result: new values of the parameters whose version moved."""
-        for p in self.plan.params:
-            if self.versions.get(p.index) != versions[p.index] and p.index in self.shard_at:
-                t0, t1 = self.plan.rows[self.t][p.index]
-                if t0 < t1:
-                    self.view(p)[...] = values(self.ops.xp, self.seed, p, versions[p.index],
-                                               t0, t1)
-        self.versions = dict(versions)
-        self.ops.sync()
-
     def update(self, n, fail=False):
         """One update; returns each stage's seconds and what was posted."""
         eng, ops, xp, clock = self.eng, self.ops, self.ops.xp, Clock()
         start = time.perf_counter()
         with clock("edge maxima"):  # 1. our part of every block, the shared ones sent
-            for index, at in self.amax_at.items():
-                p = self.plan.params[index]
-                ops.amax(self.view(p), self.plan.rows[self.t][index][0],
-                         self.amax[at:at + self._blocks(p)])
+            self.local_maxima()
             for e in self.edges.values():
                 self.edge_buffer[e.send_at:e.send_at + e.count] = self.amax[e.amax_index]
             ops.sync()
@@ -317,9 +252,7 @@ class Trainer:
                 flying[batch.half] = batch, batch.submit(self, n)
             writes += batch.writes
             if fail and k == len(self.batches) // 2:
-                print(f"trainer {self.t}: killing myself mid-update {n} (--fail trainer)",
-                      flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+                harness.fail_here(f"trainer {self.t}", n)
         with clock("transfer not hidden"):
             for last in flying:
                 self._landed(n, last)
@@ -339,11 +272,6 @@ class Trainer:
         for x in transfers:
             x.wait()
         self.eng.expect(imm(n, LANDED | batch.group), len(batch.commands_to))
-
-    def _blocks(self, p):
-        """How many block maxima of p this trainer keeps: its block rows x p's columns."""
-        t0, t1 = self.plan.rows[self.t][p.index]
-        return ((t1 - 1) // BLOCK - t0 // BLOCK + 1) * (p.cols // BLOCK)
 
 
 class Command(NamedTuple):
@@ -370,7 +298,7 @@ class Batch:
             if job.scale_bytes:  # the scales of the blocks that begin in our rows
                 b0, b1 = job.blocks
                 cols = job.col0 // BLOCK + np.arange(job.width // BLOCK)
-                src += [trainer._block_index(job.p, b, cols) for b in range(b0, b1)]
+                src += [trainer.block_index(job.p, b, cols) for b in range(b0, b1)]
                 dst.append(scales // 4 + np.arange(job.scale_bytes // 4))
             for w in job.writes:
                 staged.setdefault(job.r, []).append(
@@ -393,7 +321,7 @@ class Batch:
         ops, rows = trainer.ops, trainer.plan.rows[trainer.t]
         for job, codes in self.jobs:
             p, t0 = job.p, rows[job.p.index][0]
-            at = trainer._block_index(p, job.lo // BLOCK, 0)
+            at = trainer.block_index(p, job.lo // BLOCK, 0)
             ops.codes(trainer.view(p)[job.lo - t0:job.hi - t0], job.lo, trainer.scales[at:],
                       p.cols // BLOCK, job.col0, job.width,
                       trainer.staging[codes:codes + job.bytes])
@@ -407,21 +335,6 @@ class Batch:
                 for c in self.commands]
 
 
-class Clock:
-    """Seconds spent in each stage, summed over the times it is entered."""
-
-    def __init__(self):
-        self.times = dict.fromkeys(STAGES, 0.0)
-
-    @contextlib.contextmanager
-    def __call__(self, stage):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.times[stage] += time.perf_counter() - start
-
-
 # %% [markdown]
 # ## Code: an inference rank's side, and the naive way
 
@@ -430,33 +343,20 @@ class Inference:
     """Inference rank r: its weight region, laid out by its tensors, and the count of
     WRITEs each layer brings (from the plan)."""
 
-    def __init__(self, eng, plan, r, ops, seed):
-        self.eng, self.plan, self.r, self.ops, self.seed = eng, plan, r, ops, seed
+    def __init__(self, eng, plan, r, ops, seed, peers):
+        self.eng, self.plan, self.r, self.ops, self.peers = eng, plan, r, ops, peers
         self.tensors = plan.layouts[r]
         self.weights = ops.xp.zeros(max(self.tensors[-1].end, 1), ops.xp.uint8)
         self.region = eng.register(self.weights)
         self.counts = {g: c for g, c in plan.counts(r).items() if c}
         self.senders = {g: [t for t in range(plan.trainers) if any(
             job.r == r for job in plan.jobs[t][g])] for g in self.counts}
-        self.sums, self.serving = {}, None
-
-    def connect(self, peers):
-        self.peers = peers
-
-    def views(self, tensor):
-        """(codes or bf16 values, scales or None) of a tensor, as arrays over the region."""
-        xp, w = self.ops.xp, self.weights
-        if not tensor.fp8:
-            data = w[tensor.offset:tensor.offset + tensor.bytes].view(xp.uint16)
-            return data.reshape(tensor.rows, tensor.cols), None
-        data = w[tensor.offset:tensor.offset + tensor.bytes].reshape(tensor.rows, tensor.cols)
-        size = (tensor.rows // BLOCK) * (tensor.cols // BLOCK) * 4
-        scales = w[tensor.scales:tensor.scales + size].view(xp.float32)
-        return data, scales.reshape(tensor.rows // BLOCK, tensor.cols // BLOCK)
+        self.check = Check(plan.params, self.tensors, self.weights, ops.xp, seed)
 
     def receive(self, n, fail=False):
-        """Wait for every layer's WRITEs by count, in any order, then the barrier. A
-        trainer gone: which layers are stale, in one line."""
+        """Wait for every layer's WRITEs by count, in any order, then the barrier: from
+        then on this rank serves update n's weights. A trainer gone: which layers are
+        stale, in one line."""
         done = []
         try:
             for g, count in self.counts.items():
@@ -466,9 +366,7 @@ class Inference:
                     self.eng.signal(self.peers[t], imm(n, LANDED | g))
                 done.append(g)
                 if fail:
-                    print(f"inference rank {self.r}: killing myself mid-update {n} "
-                          "(--fail inference)", flush=True)
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    harness.fail_here(f"inference rank {self.r}", n)
             self.eng.group(list(self.peers.values())).barrier(imm(n, BARRIER))
         except TimeoutError as e:
             complete = sum(self.eng.arrived(imm(n, g)) >= c for g, c in self.counts.items()
@@ -482,136 +380,30 @@ class Inference:
             raise launch.PeerGone(f"inference rank {self.r}: update {n} incomplete, "
                                   f"{layers_named(stale)} stale (not all their WRITEs came), "
                                   f"not serving this model ({e})") from None
-        self.serving = n
-
-    def check(self, versions, before):
-        """Wrong bytes against the plain quantisation of each whole tensor (numpy, or
-        cupy on the GPU), and the tensors whose bytes changed against those that should."""
-        xp, wrong, changed, expected = self.ops.xp, 0, 0, 0
-        names = {p.name: p for p in self.plan.params}
-        for tensor in self.tensors:
-            data, scales = self.views(tensor)
-            sources = [names[piece.source] for piece in tensor.pieces]
-            for p, piece in zip(sources, tensor.pieces):
-                x = values(xp, self.seed, p, versions[p.index], piece.row0, piece.row1)
-                mine = data[piece.at_row:piece.at_row + piece.row1 - piece.row0]
-                if not p.fp8:
-                    wrong += 2 * int(xp.count_nonzero(mine != x))
-                    continue
-                codes, s = ref.quantize_fp8(ref.from_bf16(x), BLOCK)
-                wrong += int(xp.count_nonzero(mine != codes[:, piece.col0:piece.col1]))
-                b = piece.at_row // BLOCK
-                theirs = s[:, piece.col0 // BLOCK:piece.col1 // BLOCK]
-                wrong += 4 * int(xp.count_nonzero(scales[b:b + len(theirs)] != theirs))
-            total = checksum(xp, self.weights[tensor.offset:tensor.end])
-            changed += tensor.name in self.sums and self.sums[tensor.name] != total
-            expected += tensor.name in self.sums and any(
-                before.get(p.index) != versions[p.index] for p in sources)
-            self.sums[tensor.name] = total
-        return {"wrong": wrong, "changed": changed, "expected_changed": expected,
-                "bytes": self.tensors[-1].end}
-
-
-def layers_named(groups):
-    names = ["outside the layers" if g == 0 else f"layer {g - 1}" for g in groups]
-    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "") \
-        if names else "no layer"
 
 
 # %% [markdown]
 # ## Main: who is who, the layouts exchanged, the updates
 
 # %%
-def main():
-    p = cli.parser(__doc__)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu: numpy and host memory (default); cuda: cupy and GPU memory, the "
-                   "rank's GPU from scripts/launch.py --gpus, else its local rank")
-    p.add_argument("--trainers", type=cli.count(1, 1024),
-                   help="ranks 0..T-1 train, the others serve (default: two thirds)")
-    p.add_argument("--model", choices=list(MODELS), default="qwen3-30b-a3b")
-    p.add_argument("--layers", type=cli.count(1, 1024), help="fewer layers (default: all on "
-                   "cuda, 1 on cpu)")
-    p.add_argument("--experts", type=cli.count(1, 4096), help="fewer experts (default: all "
-                   "on cuda, 8 on cpu)")
-    p.add_argument("--vocab", type=cli.count(1, 1 << 22), help="a smaller vocabulary "
-                   "(default: all on cuda, 8192 on cpu)")
-    p.add_argument("--inference-config", default="", metavar="KEY=N,...",
-                   help="the inference side's model differs (e.g. hidden=1024): refused")
-    p.add_argument("--updates", type=cli.count(1, 255), default=2)
-    p.add_argument("--naive", choices=("yes", "no"), default="yes",
-                   help="also the naive way, after the last update (default yes)")
-    p.add_argument("--staging", type=cli.parse_size, help="a cap on a trainer's staging "
-                   "memory, two halves that each hold a layer's quantised rows (default: "
-                   "just that)")
-    p.add_argument("--fail", choices=("trainer", "inference"),
-                   help="the last rank of that side kills itself in update 2")
-    p.add_argument("--nics", type=cli.count(1, 64), help="virtual NICs where none has a "
-                   "PCI address (default 1)")
-    p.add_argument("--seed", type=int, default=19)
-    p.add_argument("--no-cuda-ipc", action="store_true", help="GPU memory by libfabric even "
-                   "between ranks of this host (by default, CUDA IPC: common/transfer/ipc.py)")
-    p.add_argument("--json", nargs="?", const="auto", help="write the run as JSON to this "
-                   "file (default results/runs/...)")
-    args = p.parse_args()
-    small = args.device == "cpu" and args.model == "qwen3-30b-a3b"
-    args.layers = args.layers or (1 if small else None)
-    args.experts = args.experts or (8 if small else None)
-    args.vocab = args.vocab or (8192 if small else None)
-    place = launch.place_from_environment()
-    if place.world < 2:
-        raise cli.UsageError("it takes trainers and inference ranks: "
-                             + cli.command("-n", "3", cli.shown(__file__), program=LAUNCHER))
-    trainers = args.trainers or max(1, (2 * place.world) // 3)
-    if trainers >= place.world:
-        raise cli.UsageError(f"--trainers {trainers} leaves no inference rank of "
-                             f"{place.world}")
-    if args.fail and args.updates < 2:
-        raise cli.UsageError("--fail acts in update 2: give --updates 2 or more")
-    model = model_config(args)
-    inference_model = model_config(args, args.inference_config)
-    gpu = place.gpu if place.gpu is not None else place.rank % place.ranks_per_node
-    ops = CudaOps(gpu, KERNELS) if args.device == "cuda" else HostOps()
-    # the rendezvous waits longer: ranks lay out gigabytes and check them between updates
-    # (a rank that dies is still seen at once: its connection closes; one frozen, once
-    # silent for --timeout)
-    with launch.Group(place, RENDEZVOUS * args.timeout, args.timeout) as group, \
-            fi.Closer() as own:
-        return run(own, group, args, trainers, model, inference_model, ops,
-                   gpu if args.device == "cuda" else None)
-
-
-def run(own, group, args, trainers, model, inference_model, ops, gpu):
-    """What both sides share: the engine, a connection to every rank, the layouts
-    exchanged and the plan from them; then this rank's side; then the report."""
-    eng = Engine(own, args.provider, gpu=gpu, nics=args.nics, timeout=args.timeout,
-                 cuda_ipc=not args.no_cuda_ipc)
-    eng.watch(group.check)
+def run(eng, group, args, trainers, model, inference_model, ops, gpu):
+    """What both sides share, in the engine harness.main opened: a connection to every
+    rank, the layouts exchanged and the plan from them; then this rank's side; then the
+    report."""
     me, world = group.rank, group.world
     peers = {k: eng.connect(a) for k, a in enumerate(group.allgather(eng.address()))
              if k != me}
-    inference_ranks = world - trainers
     # the one place the two sides part: what each knows of itself, and its story below
     if me < trainers:  # a trainer: the parameters it trains
         side, mine = trainer, [[p.name, p.rows, p.cols, p.fp8, p.group] for p in parameters(model)]
     else:  # an inference rank: the tensors it serves, and from which pieces of which
-        side, mine = inference, inference_tensors(inference_model, inference_ranks, me - trainers)
+        side, mine = inference, inference_tensors(inference_model, world - trainers, me - trainers)
     # both sides' layouts, as each side knows its own, to every rank: the plan from them
-    metas = everyone(group, mine)
+    metas = harness.everyone(group, mine)
     params = [Param(i, *m) for i, m in enumerate(metas[0])]
     plan = Plan(params, trainers, [lay_out(m) for m in metas[trainers:]], eng.max_write)
     if me == 0:
-        print(f"{trainers} trainer{'s' * (trainers > 1)} (bf16, FSDP dim-0 shards) -> "
-              f"{inference_ranks} inference rank{'s' * (inference_ranks > 1)} (fp8 e4m3, 128 x "
-              f"128 blocks; attention TP{inference_ranks}, experts EP{inference_ranks}); device "
-              f"{args.device}; provider {eng.provider}; {eng.nics}", flush=True)
-        routes = sorted({f"{p.route} ({p.why})" for p in peers.values()})
-        print(f"pages between ranks by {'; '.join(routes)}", flush=True)
-        full = MODELS[args.model]
-        scaled = [f"{model[k]} of {full[k]} {k}" for k in ("layers", "experts", "vocab")
-                  if model[k] != full[k]]
-        print(f"model {args.model}: {describe(model, params)}"
-              + (f" (scaled down: {', '.join(scaled)})" if scaled else ""), flush=True)
+        harness.say_setup(args, eng, peers, model, plan)
     report = Report(me, args, plan, eng, ops, trainers, gpu)
     side(eng, group, peers, plan, ops, args, report)  # trainer() or inference(): chosen above
     return report.finish()
@@ -626,84 +418,54 @@ def trainer(eng, group, peers, plan, ops, args, report):
     buffer to gather whole tensors in, for the naive way). Each update: the training
     step's new values, then its WRITEs into every inference rank (Trainer.update: edge
     maxima, quantise, WRITE, barrier); its seconds go to the report."""
-    me, trainers, naive = group.rank, plan.trainers, args.naive == "yes"
-    whole = max(2 * p.rows * p.cols for p in plan.params)  # the naive way's gathered tensor
-    whole_fp8 = max([fp8_bytes(p) for p in plan.params if p.fp8] + [0])  # naively quantised
+    me, trainers, naive_way = group.rank, plan.trainers, args.naive == "yes"
     side = Trainer(eng, plan, me, ops, args.seed, args.staging,
-                   whole_fp8 if naive and me == 0 else 0)
-    if naive and me == 0:
-        side.gather = ops.xp.zeros(whole // 2, ops.xp.uint16)
-        side.regions["gather"] = eng.register(side.gather)
+                   naive.staging_at_least(plan) if naive_way and me == 0 else 0)
+    if naive_way and me == 0:  # the naive way gathers whole tensors on trainer 0
+        naive.add_gather(side)
     if me == 0:
         print(f"trainer 0: staging {2 * side.half / 1e6:.1f} MB (two halves, each a "
               "layer's quantised rows)", flush=True)
     # every rank's regions: we WRITE into the inference ranks' weights and the other
     # trainers' edge buffers (the naive way: into the inboxes and trainer 0's gather buffer)
-    remote = exchange(group, eng, {"edges": side.regions["edges"],
-                                   "gather": side.regions.get("gather")})
-    inference_regions = remote[trainers:]
-    side.connect(peers, [r["weights"] for r in inference_regions],
+    remote = harness.exchange(group, eng, {"edges": side.regions["edges"],
+                                           "gather": side.regions.get("gather")})
+    side.connect(peers, [r["weights"] for r in remote[trainers:]],
                  {u: remote[u]["edges"] for u in range(trainers) if u != me})
-    for n, last, versions in updates(args, plan.params):
+    for n, last, versions in harness.updates(args, plan.params):
         side.fill(versions)  # the training step
         group.barrier()
         if last:  # the naive way: trainer 0 gathers, quantises and sends everything
-            gather = remote[0]["gather"] if me else None
-            mine = {"seconds": naive_trainer(side, n, gather,
-                                             [r["inbox"] for r in inference_regions])}
+            mine = {"seconds": naive.naive_trainer(side, n, remote)}
         else:
             fail = args.fail == "trainer" and n == 2 and me == trainers - 1
             try:
                 mine = side.update(n, fail)
             except launch.PeerGone as e:
                 raise launch.PeerGone(f"trainer {me}: update {n} stopped ({e})") from None
-        report.update(n, last, everyone(group, mine))
+        report.update(n, last, harness.everyone(group, mine))
 
 
 def inference(eng, group, peers, plan, ops, args, report):
     """An inference rank: its weights registered (and for the naive way an inbox of the
     largest whole tensor). Each update: every layer's WRITEs waited for by count and the
     barrier (Inference.receive), then every weight and scale checked, for the report."""
-    me, naive = group.rank, args.naive == "yes"
-    side = Inference(eng, plan, me - plan.trainers, ops, args.seed)
-    whole = max(2 * p.rows * p.cols for p in plan.params)  # the naive way's bf16 tensors
-    largest = max([fp8_bytes(p) for p in plan.params if p.fp8] + [whole])
-    inbox = ops.xp.zeros(aligned(largest), ops.xp.uint8) if naive else None
+    me, naive_way = group.rank, args.naive == "yes"
+    side = Inference(eng, plan, me - plan.trainers, ops, args.seed, peers)
+    inbox = naive.inbox(plan, ops.xp) if naive_way else None
     # every rank's regions (ours the trainers WRITE into; we WRITE into none)
-    exchange(group, eng, {"weights": side.region,
-                          "inbox": eng.register(inbox) if naive else None})
-    side.connect(peers)
+    harness.exchange(group, eng, {"weights": side.region,
+                                  "inbox": eng.register(inbox) if naive_way else None})
     before = {}
-    for n, last, versions in updates(args, plan.params):
+    for n, last, versions in harness.updates(args, plan.params):
         group.barrier()
         if last:  # the naive way: each whole tensor into the inbox, our slices out of it
-            naive_inference(side, n, inbox)
+            naive.naive_inference(side, n, inbox)
         else:
             side.receive(n, args.fail == "inference" and n == 2 and me == group.world - 1)
-        report.update(n, last, everyone(group, side.check(versions, before)))
+        report.update(n, last, harness.everyone(group, side.check(versions, before)))
         before = versions
 
 
-def updates(args, params):
-    """(n, naive, each parameter's version) of each update: --updates of them, then, with
-    --naive yes, the naive way on the last one's weights."""
-    for n in range(1, args.updates + (2 if args.naive == "yes" else 1)):
-        yield n, n > args.updates, versions_at(params, min(n, args.updates))
-
-
-def everyone(group, value):
-    """`value` from every rank, in rank order (as JSON)."""
-    return [json.loads(x) for x in group.allgather(json.dumps(value).encode())]
-
-
-def exchange(group, eng, regions):
-    """Our regions ({name: Region, None where this rank has none}) to every rank; every
-    rank's as {name: RemoteRegion}, None for our own."""
-    ours = {name: r.descriptor().hex() for name, r in regions.items() if r is not None}
-    return [None if k == group.rank else
-            {name: eng.remote(bytes.fromhex(d)) for name, d in theirs.items()}
-            for k, theirs in enumerate(everyone(group, ours))]
-
-
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(lambda: harness.main(__doc__, __file__, KERNELS, run))

@@ -11,7 +11,9 @@
 # chapter's own (short) file follows. NEW lists the common/ modules that hold a
 # chapter's lesson, shown as new files after its own; the helpers around them are
 # not (for 16 and 17: the launcher, the proxy's opening of NICs, the reference, the
-# checks and the benchmark, all in common/). Where the lesson is a loop in C or the
+# checks and the benchmark, all in common/; for 19: all of common/weights/, model.py
+# too, which describes the model and the two sides' layouts that the chapter's routing
+# table is computed from, not the update). Where the lesson is a loop in C or the
 # kernels of a GPU, the C or CUDA comes first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +23,7 @@ declare -A LESSON=([09]=common/engine/multinet.py)
 declare -A NEW=([07]=common/engine/opqueue.py [08]=common/engine/topo.py
                 [10]=common/engine/warmup.py
                 [11]="common/engine/lane.h common/engine/workers.py"
-                [13]=common/engine/shards.py [19]=common/weights/model.py)
+                [13]=common/engine/shards.py)
 C_FIRST=" 11 12 13 14 15 17 "
 
 die() { echo "diff: $*" >&2; exit 2; }

@@ -18,7 +18,9 @@ from common import shm_files
 from common.launch import KILL_WAIT
 from common.moe import reference as ref
 from common.weights import BLOCK
-from common.weights.model import MODELS, inference_tensors, lay_out, parameters, values
+from common.weights.check import Check
+from common.weights.model import MODELS, inference_tensors, lay_out, parameters, values, \
+    views
 from common.weights.ops import HostOps, e4m3
 from common.chapter_pair import ROOT, chapter_module, local_env
 from tests.budget import Budget
@@ -123,14 +125,13 @@ def test_the_kernels_rounding_in_numpy_matches_the_reference():
 
 def test_the_check_counts_a_flipped_byte(ch19):
     plan = plan_of(ch19, 2, 1)
-    inf = object.__new__(ch19.Inference)
-    inf.plan, inf.r, inf.ops, inf.seed, inf.tensors, inf.sums = plan, 0, HostOps(), 5, \
-        plan.layouts[0], {}
-    inf.weights = np.zeros(inf.tensors[-1].end, np.uint8)
+    tensors = plan.layouts[0]
+    weights = np.zeros(tensors[-1].end, np.uint8)
+    check = Check(plan.params, tensors, weights, np, 5)
     versions = {p.index: 1 for p in plan.params}
     names = {p.name: p for p in plan.params}
-    for tensor in inf.tensors:  # what the updates should leave, from the reference
-        data, scales = inf.views(tensor)
+    for tensor in tensors:  # what the updates should leave, from the reference
+        data, scales = views(np, weights, tensor)
         for piece in tensor.pieces:
             x = values(np, 5, names[piece.source], 1, piece.row0, piece.row1)
             at, height = piece.at_row, piece.row1 - piece.row0
@@ -141,11 +142,11 @@ def test_the_check_counts_a_flipped_byte(ch19):
             data[at:at + height] = codes[:, piece.col0:piece.col1]
             scales[at // BLOCK:(at + height) // BLOCK] = \
                 s[:, piece.col0 // BLOCK:piece.col1 // BLOCK]
-    assert inf.check(versions, {})["wrong"] == 0
-    qkv = next(t for t in inf.tensors if t.name.endswith("qkv_proj.weight"))
-    inf.weights[qkv.offset + 777] ^= 1
-    inf.weights[qkv.scales + 5] ^= 0x40
-    found = inf.check(versions, versions)
+    assert check(versions, {})["wrong"] == 0
+    qkv = next(t for t in tensors if t.name.endswith("qkv_proj.weight"))
+    weights[qkv.offset + 777] ^= 1
+    weights[qkv.scales + 5] ^= 0x40
+    found = check(versions, versions)
     assert found["wrong"] == 1 + 4 and found["changed"] == 1 and found["expected_changed"] == 0
 
 

@@ -1,5 +1,8 @@
 """Chapter 19's weight update, what its file does not teach: the two sides' layouts
-(model), where quantising runs (ops), the naive baseline (naive) and the report (report).
+(model), a trainer's shards and staging (shards), where quantising runs (ops), the
+inference side's bit-for-bit check (check), the naive baseline (naive), the report and
+the stages' clock (report), and main() with its flags, the updates' schedule and the
+ranks' exchanges (harness).
 
 Both the chapter and the baseline name their WRITEs the same way: an immediate of the
 update (8 bits) and the layer, or one of the kinds below, and WRITEs split at the

@@ -54,6 +54,13 @@ def parameters(m):
     return [Param(n, *s) for n, s in enumerate(shapes)]
 
 
+def layers_named(groups):
+    """Groups (a layer + 1, or 0) in words, for a message: the first six named."""
+    names = ["outside the layers" if g == 0 else f"layer {g - 1}" for g in groups]
+    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "") \
+        if names else "no layer"
+
+
 def shard_rows(rows, trainers, t):
     """FSDP2's dim-0 shard of trainer t: ceil(rows / trainers) rows each, the last short."""
     chunk = -(-rows // trainers)
@@ -147,6 +154,45 @@ def lay_out(tensors):
         out.append(Tensor(*t, at))
         at = out[-1].end
     return out
+
+
+
+def views(xp, weights, tensor):
+    """(codes or bf16 values, scales or None) of `tensor`, as arrays over `weights`, the
+    region of its inference rank."""
+    data = weights[tensor.offset:tensor.offset + tensor.bytes]
+    if not tensor.fp8:
+        return data.view(xp.uint16).reshape(tensor.rows, tensor.cols), None
+    size = (tensor.rows // BLOCK) * (tensor.cols // BLOCK) * 4
+    scales = weights[tensor.scales:tensor.scales + size].view(xp.float32)
+    return data.reshape(tensor.rows, tensor.cols), \
+        scales.reshape(tensor.rows // BLOCK, tensor.cols // BLOCK)
+
+def check_piece(names, r, tensor, piece):
+    """The trainers' parameter (from `names`, name -> Param) that inference rank r's
+    `piece` of `tensor` takes its rows from, once the name, the shape and the piece's
+    bounds agree with what the trainers hold; else ValueError, one line, the first
+    mismatch."""
+    name, rows, cols = piece.source, piece.source_rows, piece.source_cols
+    p = names.get(name)
+    if p is None:
+        within = f" (in {tensor.name})" if tensor.name != name else ""
+        raise ValueError(f"inference rank {r} asks for {name}{within}, which the trainers do "
+                         "not hold")
+    if (p.rows, p.cols) != (rows, cols):
+        raise ValueError(f"{name}: the trainers hold {p.rows} x {p.cols}, inference rank {r} "
+                         f"expects {rows} x {cols}")
+    row0, row1, col0, col1 = piece.row0, piece.row1, piece.col0, piece.col1
+    if not (0 <= row0 < row1 <= rows and 0 <= col0 < col1 <= cols):
+        raise ValueError(f"{tensor.name} on inference rank {r}: rows {row0}..{row1} x cols "
+                         f"{col0}..{col1} are outside {name}'s {rows} x {cols}")
+    if not p.fp8 and (col0, col1) != (0, cols):
+        raise ValueError(f"{tensor.name} on inference rank {r}: bf16 pieces take whole rows")
+    if p.fp8 and any(x % BLOCK for x in (row0, row1, col0, col1, piece.at_row)):
+        raise ValueError(f"{tensor.name} on inference rank {r}: its piece of {name} (rows "
+                         f"{row0}..{row1}, cols {col0}..{col1}) is not on the {BLOCK} x "
+                         f"{BLOCK} fp8 blocks: use fewer inference ranks")
+    return p
 
 
 def checksum(xp, data):

@@ -7,7 +7,7 @@ import numpy as np
 
 from common.moe import reference as ref
 from common.weights import BARRIER, BLOCK, BROADCAST, FREE, GATHERED, imm, split
-from common.weights.model import aligned
+from common.weights.model import aligned, views
 
 
 def fp8_bytes(p):
@@ -15,11 +15,31 @@ def fp8_bytes(p):
     return aligned(p.rows * p.cols) + (p.rows // BLOCK) * (p.cols // BLOCK) * 4
 
 
-def naive_trainer(tr, n, gather, inboxes):
+def staging_at_least(plan):
+    """Trainer 0's staging, at least: the largest fp8 tensor whole, quantised."""
+    return max([fp8_bytes(p) for p in plan.params if p.fp8] + [0])
+
+
+def add_gather(tr):
+    """Trainer 0's buffer to gather a whole bf16 tensor in, registered as "gather"."""
+    tr.gather = tr.ops.xp.zeros(max(p.rows * p.cols for p in tr.plan.params), tr.ops.xp.uint16)
+    tr.regions["gather"] = tr.eng.register(tr.gather)
+
+
+def inbox(plan, xp):
+    """An inference rank's buffer for the largest whole tensor as the naive way sends it."""
+    whole = max(2 * p.rows * p.cols for p in plan.params)  # bf16
+    return xp.zeros(aligned(max([fp8_bytes(p) for p in plan.params if p.fp8] + [whole])),
+                    xp.uint8)
+
+
+def naive_trainer(tr, n, remote):
     """Trainer 0 gathers each tensor whole (the others WRITE their rows into it),
     quantises it, and WRITEs all of it to every inference rank; tensor by tensor, as a
-    broadcast from rank 0 would. Returns its seconds."""
+    broadcast from rank 0 would. `remote`: every rank's regions. Returns its seconds."""
     eng, ops, plan, xp = tr.eng, tr.ops, tr.plan, tr.ops.xp
+    gather = remote[0]["gather"] if tr.t else None
+    inboxes = [r["inbox"] for r in remote[plan.trainers:]]
     largest, inference = eng.max_write, range(plan.trainers, plan.trainers + len(plan.layouts))
     start = time.perf_counter()
     for p in plan.params:
@@ -78,7 +98,7 @@ def naive_inference(inf, n, inbox):
         else:
             codes = inbox[:2 * p.rows * p.cols].view(xp.uint16).reshape(p.rows, p.cols)
         for tensor, piece in mine.get(p.name, ()):
-            data, into = inf.views(tensor)
+            data, into = views(xp, inf.weights, tensor)
             at, height = piece.at_row, piece.row1 - piece.row0
             data[at:at + height] = codes[piece.row0:piece.row1, piece.col0:piece.col1]
             if p.fp8:

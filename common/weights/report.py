@@ -1,8 +1,11 @@
 """What chapter 19's rank 0 prints after each update, beside the published per-rank
-breakdown (results/weight_update_published.json), and the run's record.
+breakdown (results/weight_update_published.json), the clock a trainer keeps of its
+stages, and the run's record.
 """
+import contextlib
 import json
 import os
+import time
 
 import common.fabric as fi
 from common import bench, records
@@ -11,6 +14,21 @@ PUBLISHED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                          "weight_update_published.json")
 STAGES = ("edge maxima", "waiting for other ranks", "host-to-device", "quantise",
           "fuse projections", "RDMA submit", "transfer not hidden")  # the published order
+
+
+class Clock:
+    """Seconds spent in each stage, summed over the times it is entered."""
+
+    def __init__(self):
+        self.times = dict.fromkeys(STAGES, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, stage):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[stage] += time.perf_counter() - start
 
 
 class Report:
