@@ -13,8 +13,8 @@ import os
 
 MOST = 10.0  # a peer that is gone is still seen within 10x the quiet-machine wait
 # Set (to anything) by a test suite, whose machine is busy by design: a chapter's default
-# --timeout and its watchdog's SLACK then stretch with the load. A person gets the bounds
-# they read.
+# --timeout and the time it gives closing (bounds.close_bound) then stretch with the load.
+# A person gets the bounds they read.
 STRETCH = "FABRIC3200_STRETCH_TIMEOUT"
 
 
