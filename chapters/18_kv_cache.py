@@ -415,11 +415,8 @@ def main():
     p.add_argument("--page-tokens", type=cli.count(1, 4096), default=128)
     p.add_argument("--cache-pages", type=cli.count(1, 1 << 20),
                    help="decoder: pages a (layer, K|V) in its cache (default: two requests)")
-    p.add_argument("--nics", type=cli.count(1, 64), help="virtual NICs where none has a "
-                   "PCI address (default 1)")
+    cli.add_engine(p)
     p.add_argument("--seed", type=int, default=18)
-    p.add_argument("--no-cuda-ipc", action="store_true", help="GPU pages by libfabric even to "
-                   "a decoder on this host (by default, CUDA IPC: common/transfer/ipc.py)")
     cli.side("client", p.add_argument("--json", nargs="?", const="auto", help="write the run "
                                       "as JSON to this file (default results/runs/...)"))
     cli.side("server", p.add_argument("--cancel-after", type=int, help="cancel the request "

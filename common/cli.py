@@ -178,6 +178,14 @@ def add_pages(p, pages, buffer_size, gpu=True):
     add_clients(p)
 
 
+def add_engine(p):
+    """The transfer engine's flags, alike in chapters 18 and 19 and scripts/transfer_bench.py."""
+    p.add_argument("--nics", type=count(1, 64), help="virtual NICs where none has a PCI "
+                   "address (default 1)")
+    p.add_argument("--no-cuda-ipc", action="store_true", help="GPU memory by libfabric even "
+                   "between ranks of this host (by default CUDA IPC: common/transfer/ipc.py)")
+
+
 def add_clients(p):
     side("server", p.add_argument("--clients", type=count(0), default=0,
                                   help="exit after this many clients (default: serve until "

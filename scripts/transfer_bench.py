@@ -57,14 +57,13 @@ CAP = 1 << 26  # bytes of each side's buffer at most: 10,000 pages of 64 KiB wra
 
 
 def parse():
-    from common.cli import parse_size
+    from common import cli
     p = usage.Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("-p", "--provider", default=None)
     p.add_argument("--page-sizes", default="1K,4K,8K,16K,64K",
                    help="comma-separated sizes (K/M/G)")
     p.add_argument("--pages", default="100,10000", help="comma-separated page counts")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--nics", type=int, default=None, help="virtual NICs where there are none")
     p.add_argument("--spread", default="round-robin", choices=["round-robin", "per-peer"])
     p.add_argument("--window", type=int, help="the WRITEs cycle over this many pages at each "
                    "end, and fi_rma_bw runs with -W of it: both touch the same bytes (by "
@@ -78,12 +77,11 @@ def parse():
                    "the same run, in GPU memory with --gpu")
     p.add_argument("--gpu", type=int, help="both ranks' pages in this GPU's memory (cupy), "
                    "fi_rma_bw with -D cuda on it too")
-    p.add_argument("--no-cuda-ipc", action="store_true", help="with --gpu: GPU pages by "
-                   "libfabric, not by the engine's CUDA IPC route")
+    cli.add_engine(p)
     p.add_argument("--json", nargs="?", const="auto", help="write a record (results/runs/...)")
     args = p.parse_args()
     try:
-        args.sizes = [parse_size(s) for s in args.page_sizes.split(",")]
+        args.sizes = [cli.parse_size(s) for s in args.page_sizes.split(",")]
         args.counts = [int(n) for n in args.pages.split(",")]
     except (ValueError, argparse.ArgumentTypeError) as e:
         p.error(str(e))

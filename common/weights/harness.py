@@ -69,11 +69,8 @@ def add_arguments(p):
                    "just that)")
     p.add_argument("--fail", choices=("trainer", "inference"),
                    help="the last rank of that side kills itself in update 2")
-    p.add_argument("--nics", type=cli.count(1, 64), help="virtual NICs where none has a "
-                   "PCI address (default 1)")
+    cli.add_engine(p)
     p.add_argument("--seed", type=int, default=19)
-    p.add_argument("--no-cuda-ipc", action="store_true", help="GPU memory by libfabric even "
-                   "between ranks of this host (by default, CUDA IPC: common/transfer/ipc.py)")
     p.add_argument("--json", nargs="?", const="auto", help="write the run as JSON to this "
                    "file (default results/runs/...)")
 
