@@ -30,9 +30,6 @@ terminal); Gbps, Mpps and % of a limit; --json.
 Transcripts and figures: results/07_queue/README.md
 """
 # LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
-# Pages over 4 KiB (SMR_INJECT_SIZE): 1.x's shm sends a smaller WRITE with
-# FI_DELIVERY_COMPLETE in segments, one such WRITE per peer at a time (smr_select_proto,
-# sar_status), which refuses nearly every post and leaves little of the throughput.
 LESSON = {"figure": "refused", "visible": {"at_least": 1}, "field": "refused",
           "client": "--delivery-complete --page-size 64K --buffer-size 4M --pages 0-63 "
                     "--iters 20000",
@@ -59,7 +56,10 @@ LESSON = {"figure": "refused", "visible": {"at_least": 1}, "field": "refused",
 # (lends_credits). 2.x's own tcp takes every WRITE (no bound: xnet_alloc_tx) and
 # never refuses, and -p 'tcp;ofi_rxm' shows the lesson there. The server prints
 # the provider's refusals apart from the posts held back because every context
-# of ours was in flight.
+# of ours was in flight. The printed client asks for pages over 4 KiB
+# (SMR_INJECT_SIZE): 1.x's shm sends a smaller WRITE with FI_DELIVERY_COMPLETE in
+# segments, one such WRITE per peer at a time (smr_select_proto, sar_status), which
+# refuses nearly every post and leaves little of the throughput.
 
 # %% [markdown]
 # ## efa-direct: what a WRITE demands of the device alone (-p efa-direct)
@@ -97,7 +97,7 @@ import time
 
 from common import bench, bounds, cli
 from common.fabric import connect, memory
-from common.engine.opqueue import HEARTBEAT, Connection, OpQueue, verified, write_messages
+from common.engine.opqueue import HEARTBEAT, Connection, OpQueue
 from common.fabric import lib
 import common.fabric as fi
 
@@ -178,8 +178,8 @@ def serve(conn, info, request, args):
         desc = fi.mr_desc(memory.register(conn.own, conn.domain, source, lib.FI_WRITE, key=2000))
 
         # One WRITE message per page, built once; posting only sets its context.
-        messages, _keep = write_messages(source, page_size, pages, range(npages), regions,
-                                         desc, conn.client)
+        messages, _keep = connect.write_messages(source, page_size, pages, range(npages),
+                                                 regions, desc, conn.client)
         flags = lib.FI_COMPLETION | (lib.FI_DELIVERY_COMPLETE if delivery else 0)
         start = write_all(conn, messages, iters, page_size, flags)
         # A WRITE's completion says the source may be reused, not that the data has
@@ -283,7 +283,8 @@ def client(info, args, addr):
         print(f"remote write completion: FI_REMOTE_CQ_DATA, immediate data {data}")
         reached = pages[:args.iters]  # WRITE i goes to page i modulo the pages (write_all)
         wrong = memory.count_wrong(buffers, args.page_size, args.seed, reached)
-        print(verified(len(reached), len(pages), len(pages), args.iters, args.page_size, wrong))
+        print(connect.verified(len(reached), len(pages), len(pages), args.iters, args.page_size,
+                               wrong))
         if data != args.iters or wrong:
             raise ValueError(f"{wrong} wrong bytes, immediate data {data} (expected {args.iters})")
 
@@ -301,11 +302,11 @@ def main():
     p = cli.parser(__doc__)
     cli.add_peer(p)
     cli.add_pages(p, pages="the first 1000 of each buffer", buffer_size=1 << 30)
+    cli.side("client", p.add_argument("--bad-key", action="store_true", help="send a wrong "
+                                      "key, to see how a failed WRITE is reported"))
     cli.side("client",
              p.add_argument("--iters", type=int, default=1_000_000,
                             help="WRITEs to post, cycling over the pages (default 1000000)"),
-             p.add_argument("--bad-key", action="store_true",
-                            help="send a wrong key, to see how a failed WRITE is reported"),
              p.add_argument("--delivery-complete", action="store_true",
                             help="have the server post every WRITE with FI_DELIVERY_COMPLETE: "
                             "on shm its queue is then full, and says so, on every run"))

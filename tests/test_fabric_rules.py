@@ -119,7 +119,7 @@ from common import cli
 from common.engine import multinet, workers
 from common.fabric import memory
 from common.fabric import ffi, lib
-from common.engine.opqueue import write_messages
+from common.fabric.connect import write_messages
 import common.fabric as fi
 
 def main():

@@ -15,7 +15,7 @@ from common import bench, bounds, cli
 from common.engine.nics import lane_nics
 from common.fabric import connect, memory
 from common.fabric import ffi, lib
-from common.engine.opqueue import HEARTBEAT, Connection, OpQueue, verified, write_messages
+from common.engine.opqueue import HEARTBEAT, Connection, OpQueue
 import common.fabric as fi
 
 CAPS = lib.FI_MSG | lib.FI_RMA
@@ -202,9 +202,9 @@ def build_messages(own, lane, source, regions, pages, page_size, n, per_group):
     """This lane's WRITE messages: pages n, n + N, n + 2N, ... of its group, with the
     source registered on this lane's domain and the client's keys for this NIC."""
     desc = fi.mr_desc(memory.register(own, lane.domain, source, lib.FI_WRITE, key=2000))
-    lane.messages, lane.keep = write_messages(source, page_size, pages,
-                                              lane_pages(n, per_group, len(pages)), regions,
-                                              desc, lane.peer)
+    lane.messages, lane.keep = connect.write_messages(source, page_size, pages,
+                                                      lane_pages(n, per_group, len(pages)),
+                                                      regions, desc, lane.peer)
 
 
 def lane_iters(iters, lanes):
@@ -324,8 +324,8 @@ def client(info, args, addr, infos):
         wrong = [memory.count_wrong(bs, args.page_size, args.seed + g, reached[g])
                  for g, bs in enumerate(buffers)]
         asked = f"{groups} x {len(args.pages)}"
-        print(verified(sum(map(len, reached)), asked, groups * len(args.pages), args.iters,
-                       args.page_size, sum(wrong)))
+        print(connect.verified(sum(map(len, reached)), asked, groups * len(args.pages),
+                               args.iters, args.page_size, sum(wrong)))
         if sum(data) != args.iters or sum(wrong):
             raise ValueError(f"{sum(wrong)} wrong bytes, immediates add up to {sum(data)} "
                              f"(expected {args.iters})")

@@ -3,9 +3,9 @@
 A provider that is full answers -FI_EAGAIN. The operation then waits here, in
 order, while the caller reads the CQ (which is what frees room and, on most
 providers, moves the data); each read posts what waited, oldest first. The
-WRITE messages it posts are built once (write_messages); a post only sets the
-context of the operation. A Connection is what the server holds for the client it
-serves: the queue that talks to it, its heartbeats, its inbox and the backlog.
+WRITE messages it posts are built once (connect.write_messages); a post only sets
+the context of the operation. A Connection is what the server holds for the client
+it serves: the queue that talks to it, its heartbeats, its inbox and the backlog.
 """
 import collections
 import struct
@@ -18,36 +18,6 @@ from common.fabric import ffi, lib
 WRITE, SEND = 1, 2               # what an operation in flight is
 HEARTBEAT = struct.Struct("<Q")  # server -> client: WRITEs completed so far
 BEAT_EVERY = 0.5                 # seconds between heartbeats
-
-
-def write_messages(source, page_size, pages, which, regions, desc, dest):
-    """The fi_msg_rma of each WRITE, built once (posting then only sets a context):
-    for j in `which`, slot j of `source` to page pages[j] of the peer's buffers,
-    `regions` being their (remote address, size, key). Returns (messages, what
-    they point to): keep the second alive as long as the first."""
-    per_buffer = regions[0][1] // page_size
-    n = len(which)
-    keep = (ffi.new("struct iovec[]", n), ffi.new("struct fi_rma_iov[]", n),
-            ffi.new("void *[1]", [desc]), ffi.new("struct fi_msg_rma[]", n))
-    iovs, rmas, descs, messages = keep
-    for i, j in enumerate(which):
-        base, _, key = regions[pages[j] // per_buffer]
-        iovs[i] = {"iov_base": ffi.cast("void *", source.ptr + j * page_size),
-                   "iov_len": page_size}
-        rmas[i] = {"addr": base + (pages[j] % per_buffer) * page_size, "len": page_size,
-                   "key": key}
-        messages[i] = {"msg_iov": iovs + i, "desc": descs, "iov_count": 1, "addr": dest,
-                       "rma_iov": rmas + i, "rma_iov_count": 1}
-    return [messages + i for i in range(n)], keep
-
-
-def verified(checked, asked, total, iters, page_size, wrong):
-    """The client's line on its check: `checked` pages of the `total` it asked for (`asked`
-    names them, "64" or "2 x 64"), which are those that `iters` WRITEs cycling over them
-    reach: only the first ones when there are fewer WRITEs than pages."""
-    what = f"{asked} pages" if checked == total else f"{checked} of {asked} pages"
-    reach = "" if checked == total else f", the ones {iters} WRITEs reach"
-    return f"verified {what} ({checked * page_size} bytes){reach}: {wrong} wrong bytes"
 
 
 class OpQueue:

@@ -16,6 +16,7 @@ import sys
 
 from common import cli, shm_files
 import common.fabric as fi
+from common.fabric import ffi
 
 MAGIC = b"LFtu"                    # "libfabric tutorial"
 PREAMBLE = struct.Struct("<4sBH")  # magic, the client's chapter, its address length
@@ -133,6 +134,36 @@ def unpack_pages(data, at, runs):
         first, count = RUN.unpack_from(data, at + i * RUN.size)
         pages.extend(range(first, first + count))
     return pages
+
+
+def write_messages(source, page_size, pages, which, regions, desc, dest):
+    """The fi_msg_rma of each WRITE, built once (posting then only sets a context):
+    for j in `which`, slot j of `source` to page pages[j] of the peer's buffers,
+    `regions` being their (remote address, size, key). Returns (messages, what
+    they point to): keep the second alive as long as the first."""
+    per_buffer = regions[0][1] // page_size
+    n = len(which)
+    keep = (ffi.new("struct iovec[]", n), ffi.new("struct fi_rma_iov[]", n),
+            ffi.new("void *[1]", [desc]), ffi.new("struct fi_msg_rma[]", n))
+    iovs, rmas, descs, messages = keep
+    for i, j in enumerate(which):
+        base, _, key = regions[pages[j] // per_buffer]
+        iovs[i] = {"iov_base": ffi.cast("void *", source.ptr + j * page_size),
+                   "iov_len": page_size}
+        rmas[i] = {"addr": base + (pages[j] % per_buffer) * page_size, "len": page_size,
+                   "key": key}
+        messages[i] = {"msg_iov": iovs + i, "desc": descs, "iov_count": 1, "addr": dest,
+                       "rma_iov": rmas + i, "rma_iov_count": 1}
+    return [messages + i for i in range(n)], keep
+
+
+def verified(checked, asked, total, iters, page_size, wrong):
+    """The client's line on its check: `checked` pages of the `total` it asked for (`asked`
+    names them, "64" or "2 x 64"), which are those that `iters` WRITEs cycling over them
+    reach: only the first ones when there are fewer WRITEs than pages."""
+    what = f"{asked} pages" if checked == total else f"{checked} of {asked} pages"
+    reach = "" if checked == total else f", the ones {iters} WRITEs reach"
+    return f"verified {what} ({checked * page_size} bytes){reach}: {wrong} wrong bytes"
 
 
 def gone(error):
