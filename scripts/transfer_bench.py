@@ -24,9 +24,15 @@ call to its mark), and one contiguous device copy of as many bytes.
     .venv/bin/python scripts/transfer_bench.py -p tcp --page-sizes 4K,64K --pages 100 --repeats 5 --json
     .venv/bin/python scripts/transfer_bench.py -p shm --nics 2 --spread per-peer
     .venv/bin/python scripts/transfer_bench.py -p shm --page-sizes 4K,16K --window 64 --inject
+    .venv/bin/python scripts/transfer_bench.py -p shm --page-sizes 4K --pages 1000 --stream 8
     .venv/bin/python scripts/transfer_bench.py -p shm --nixl /path/to/python-with-nixl --json
     .venv/bin/python scripts/transfer_bench.py -p shm --gpu 0      # GPU memory (both ranks)
     .venv/bin/python scripts/transfer_bench.py -p shm --gpu 0 --no-cuda-ipc   # by libfabric
+
+--stream K: rank 0 makes K such commands back to back in each repeat and waits for them
+once, as a stream of KV-cache pages does: the host's work on one command then overlaps the
+previous one's WRITEs or kernel. Gbps count all K; the phases are the last command's; the
+ceiling is K kernels.
 
 --inject: rank 0 injects every WRITE of at most the provider's inject size (4 KiB on shm;
 write_pages(inject=True)), as fi_rma_bw does. Its clock then stops once the last WRITE is
@@ -68,6 +74,9 @@ def parse():
     p.add_argument("--window", type=int, help="the WRITEs cycle over this many pages at each "
                    "end, and fi_rma_bw runs with -W of it: both touch the same bytes (by "
                    "default ours touch up to 64 MiB a side, fi_rma_bw its 64 messages)")
+    p.add_argument("--stream", type=cli.count(1, 256), default=1, help="commands in flight "
+                   "in each repeat: rank 0 makes them back to back and waits once, as a "
+                   "stream of KV-cache pages does (default 1: each command alone)")
     p.add_argument("--inject", action="store_true", help="rank 0 injects each WRITE of at "
                    "most the provider's inject size (no completion; write_pages(inject=True))")
     p.add_argument("--timeout", type=float, default=30.0)
@@ -87,6 +96,8 @@ def parse():
         p.error(str(e))
     if min(args.repeats, *args.counts, *args.sizes, 1 if args.window is None else args.window) < 1:
         p.error("--repeats, --pages, --page-sizes and --window must be positive")
+    if args.nixl and args.stream > 1:
+        p.error("--nixl moves one command at a time: compare it with --stream 1")
     if args.window and args.window * max(args.sizes) > CAP:
         p.error(f"--window {args.window} of {max(args.sizes)}-byte pages is more than the "
                 f"{CAP >> 20} MiB buffer")
@@ -151,11 +162,16 @@ def rank_main(args):
                         eng.recv(timeout)  # rank 1: ready
                         before = eng.stats()
                         started = time.monotonic_ns()
-                        t = eng.write_pages(peer, region, src, theirs, dst, page, imm=imm,
-                                            inject=args.inject).wait()
+                        calls, stream = [], []
+                        for _ in range(args.stream):  # each call returns once queued
+                            calls.append(time.monotonic_ns())
+                            stream.append(eng.write_pages(peer, region, src, theirs, dst, page,
+                                                          imm=imm, inject=args.inject))
+                        for t in stream:
+                            t.wait()
                         ended = time.monotonic_ns()
                         times.append((ended - started) * 1e-9)
-                        phases.append(t.phases(started, ended))
+                        phases.append(t.phases(calls[-1], ended))  # the last command's
                         after = eng.stats()
                         refused = after["eagain"] - before["eagain"]
                         injected = after["injected"] - before["injected"]
@@ -163,23 +179,28 @@ def rank_main(args):
                         wholes.append((seen - started) * 1e-9)
                     else:
                         eng.send(peer, b"ready")
-                        eng.expect(imm, count, timeout)
+                        eng.expect(imm, count * args.stream, timeout)
                         eng.send(peer, f"seen {time.monotonic_ns()}".encode())
                 if me == 0:
                     elapsed = float(np.median(times))
                     median = phases[int(np.argsort(times)[len(times) // 2])]
+                    moved = count * args.stream  # pages in a repeat
                     rows.append({"page_size": page, "pages": count, "repeats": args.repeats,
-                                 "elapsed_s": elapsed, "gbps": 8 * count * page / elapsed / 1e9,
-                                 "mpps": count / elapsed / 1e6, "wrong_bytes": wrong,
+                                 "stream": args.stream, "elapsed_s": elapsed,
+                                 "gbps": 8 * moved * page / elapsed / 1e9,
+                                 "mpps": moved / elapsed / 1e6, "wrong_bytes": wrong,
                                  "eagain_last": refused, "injected_last": injected,
                                  "phases_s": median, "whole_s": float(np.median(wholes)),
                                  "route": peer.route})
                     r = rows[-1]
-                    print(f"{page:>6} B x {count:>5} pages: {r['gbps']:8.3f} Gbps "
+                    streamed = f" x {args.stream} commands" if args.stream > 1 else ""
+                    print(f"{page:>6} B x {count:>5} pages{streamed}: {r['gbps']:8.3f} Gbps "
                           f"{r['mpps']:7.3f} Mpps (median of {args.repeats}; {wrong} wrong "
                           f"bytes; {refused} refusals, {injected} injected in the last)",
                           flush=True)
-                    print(f"{'':>6}   the median repeat, {1e6 * sum(median.values()):.0f} us: "
+                    last = " (its last command)" if args.stream > 1 else ""
+                    took = 1e6 * sum(median.values())
+                    print(f"{'':>6}   the median repeat{last}, {took:.0f} us: "
                           + ", ".join(f"{name} {1e6 * took:.0f}" for name, took in median.items())
                           + f"; whole (to rank 1's expect) {1e6 * r['whole_s']:.0f} us",
                           flush=True)
@@ -197,15 +218,17 @@ def ceiling(row, gpu, page, src, dst, size, repeats):
     from common import baselines
     c = baselines.gather_ceiling(gpu, page, src, dst, size, max(repeats, 3))
     bits = 8 * len(src) * page
+    kernels = c["gather_kernel_s"] * row["stream"]  # one kernel's time per command
     row.update(c, gather_gbps=bits / c["gather_kernel_s"] / 1e9,
                device_copy_gbps=bits / c["device_copy_s"] / 1e9,
-               percent_of_gather=100 * c["gather_kernel_s"] / row["elapsed_s"],
-               whole_per_gather_kernel=row["whole_s"] / c["gather_kernel_s"])
+               percent_of_gather=100 * kernels / row["elapsed_s"],
+               whole_per_gather_kernel=row["whole_s"] / kernels)
     print(f"{'':>6}   on this GPU: the gather kernel {row['gather_gbps']:.0f} Gbps "
           f"({1e6 * c['gather_kernel_s']:.1f} us; {1e6 * c['gather_call_s']:.1f} us from "
           f"the call), one device copy {row['device_copy_gbps']:.0f} Gbps; this route "
           f"{row['percent_of_gather']:.1f}% of the gather, whole "
-          f"{row['whole_per_gather_kernel']:.1f}x its kernel", flush=True)
+          f"{row['whole_per_gather_kernel']:.1f}x its kernel"
+          + (f"s ({row['stream']} commands)" if row["stream"] > 1 else ""), flush=True)
 
 
 def fabtests(provider, sizes, timeout, gpu=None, repeats=1, window=None):

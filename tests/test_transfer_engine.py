@@ -589,6 +589,22 @@ def test_the_benchmark_checks_its_pages_and_reports_each_case(tmp_path, inject, 
             for r in record["runs"]] == [(4096, 10, 0, 10 * inject)]
 
 
+def test_the_benchmark_streams_commands_and_counts_them_all(tmp_path):
+    """--stream 3: three commands in flight per repeat; rank 1 waits for all their pages
+    (one fewer would leave it waiting), and the figures count all of them."""
+    path = tmp_path / "bench.json"
+    done = Budget(120).run([sys.executable, str(ROOT / "scripts" / "transfer_bench.py"), "-p",
+                            "shm", "--page-sizes", "4K", "--pages", "10", "--repeats", "2",
+                            "--stream", "3", "--no-fabtests", "--json", str(path)],
+                           env=local_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"4096 B x +10 pages x 3 commands: .*0 wrong bytes", done.stdout), done.stdout
+    assert "the median repeat (its last command)" in done.stdout, done.stdout
+    (row,) = json.loads(path.read_text())["runs"]
+    assert row["stream"] == 3 and row["wrong_bytes"] == 0
+    assert round(row["mpps"] * 1e6 * row["elapsed_s"]) == 30  # pages moved in a repeat
+
+
 @pytest.mark.parametrize("window, said", [("0", "must be positive"),
                                           ("1025", "more than the 64 MiB buffer")])
 def test_a_window_the_buffer_cannot_hold_is_refused_in_one_line(window, said):
