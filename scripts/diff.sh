@@ -6,7 +6,8 @@
 #   bash scripts/diff.sh 04 07       # any two chapters
 #
 # A chapter builds on the one before it unless PARENT says otherwise; "-" means
-# it stands alone and is shown whole. Where a chapter's code moved into common/,
+# it stands alone and is shown whole (16: an all-to-all among ranks and its proxy
+# share no line with 07's server and client). Where a chapter's code moved into common/,
 # LESSON names that file: the parent's program is compared with it, then the
 # chapter's own (short) file follows. NEW lists the common/ modules that hold a
 # chapter's lesson, shown as new files after its own; the helpers around them are
@@ -18,7 +19,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-declare -A PARENT=([03]=- [04]=- [08]=- [09]=07 [16]=07 [17]=16 [18]=- [19]=-)
+declare -A PARENT=([03]=- [04]=- [08]=- [09]=07 [16]=- [17]=16 [18]=- [19]=-)
 declare -A LESSON=([09]=common/engine/multinet.py)
 declare -A NEW=([07]=common/engine/opqueue.py [08]=common/engine/topo.py
                 [10]=common/engine/warmup.py

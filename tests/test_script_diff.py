@@ -48,6 +48,8 @@ LESSONS = [
                  "alone on its cache"],
                 ["__atomic_add_fetch((uint64_t *)total, (uint64_t)rc, __ATOMIC_RELAXED);"])}),
     ("15", {"chapters/15_lazy.c": (["static int enqueue(struct lane *l, unsigned batch)"], [])}),
+    ("16", {"chapters/16_moe.py": (["class AllToAll(Stages):"], []),
+            "chapters/16_moe.c": (["int m16_proxy_run(struct m16_proxy *p)"], [])}),
 ]
 
 
@@ -86,6 +88,15 @@ def test_where_the_lesson_is_c_the_c_comes_first():
     files = list(shown(diff("17").stdout))
     assert files[0] == "chapters/17_gpu_driven.cu"
     assert any("__global__" in line for line in shown(diff("17").stdout)[files[0]][0])
+
+
+@pytest.mark.parametrize("chapter", ["04", "16", "18"])
+def test_a_chapter_that_stands_alone_is_shown_whole(chapter):
+    """PARENT "-": every file is new, nothing of another chapter taken away."""
+    done = diff(chapter)
+    files = shown(done.stdout)
+    assert files and all(not removed for _, removed in files.values()), list(files)
+    assert done.stdout.count("--- /dev/null") == len(files)
 
 
 def test_unchanged_code_is_said_in_one_line():
