@@ -7,4 +7,4 @@ from setuptools import setup
 native = [f"common/_build_native.py:ch{p.name[:2]}"
           for p in sorted(Path(__file__).parent.glob("chapters/[0-9][0-9]_*.c"))]
 setup(cffi_modules=["common/fabric/_build.py:ffibuilder", *native,
-                    "common/_build_native.py:transfer"])
+                    "common/_build_native.py:transfer", "common/_build_native.py:proxy"])

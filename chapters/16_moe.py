@@ -8,7 +8,7 @@ by the router; each is split into a send and a receive half. A sender first ship
 per-expert counts with its first tokens into a small slot each receiver keeps for it
 (COUNTS); once every rank has every count, the rest go with one WRITE per peer
 (OVERFLOW). Node peers are written through shared memory, other nodes by libfabric
-WRITEs with immediate data, posted by a host proxy thread in C (chapters/16_moe.c).
+WRITEs with immediate data, posted by a host proxy thread in C (common/moe/proxy.c).
 The cell "The protocol" below says it in full.
 
 New since chapter 07 (08's topology aside): ranks and a rendezvous (common/launch.py,
@@ -49,7 +49,7 @@ LESSON = {"figure": "check"}
 #
 # Peers on the same (emulated) node are written directly, through shared memory; peers on
 # other nodes through libfabric WRITEs with immediate data, posted by a host proxy thread in
-# C (chapters/16_moe.c, GIL released) that this file feeds through a ring in host memory
+# C (common/moe/proxy.c, GIL released) that this file feeds through a ring in host memory
 # (common/moe/proxy.py opens its NICs, as common/engine/nics.py chooses them: its GPU's by
 # chapter 08's topology, or --nics N virtual ones). Data that arrived is one thing to wait
 # for, whichever way it came: a stamp in an arrival table, written by the node peer, or by
@@ -78,7 +78,7 @@ import time
 import numpy as np
 
 from common import cli, launch
-from common._native16 import ffi, lib as native
+from common._proxy import ffi, lib as native
 from common.moe import harness
 from common.moe import reference as ref
 from common.moe.bookkeeping import Shape, Stages, Wire, aligned, check_shape, check_tokens, \

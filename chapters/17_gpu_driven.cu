@@ -32,10 +32,7 @@ enum M17_FAR { M17_NODE_FIRST, M17_NODE_SIZE, M17_OUT_SLOTS, M17_OUT_STRIPES,
                M17_COMBINE_OUT, M17_SIGNAL_IN, M17_SIGNAL_OUT, M17_RING, M17_HEAD,
                M17_RING_SIZE, M17_STAMPS };
 
-struct m16_write {  // as chapters/16_moe.c declares it
-    unsigned long long local, remote, len;
-    unsigned int peer, imm;
-};
+#include "ring.h"  // struct m16_write: the proxy's ring entry (common/moe/ring.h)
 
 __device__ bool m17_near(const long long *far, int rank)
 {

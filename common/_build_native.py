@@ -9,7 +9,9 @@ compiled with common/fabric/rules.h, so with FABRIC_RULES (efa, efa-direct, verb
 worker's calls are checked like Python's.
 setup.py builds them all (module common._nativeNN); `.venv/bin/python common/_build_native.py`
 builds them in place. The transfer engine's worker (common/transfer/worker.c, the engine
-under chapters 18-19) is built the same way, as common._transfer.
+under chapters 18-19) is built the same way, as common._transfer, and so is the MoE host
+proxy of chapters 16-17 (common/moe/proxy.c, with the ring entry of common/moe/ring.h
+ahead of it), as common._proxy.
 """
 import glob
 import importlib.util
@@ -39,10 +41,13 @@ def cdef_of(path):
     return cdef[1]
 
 
-def builder(path, module=None, with_lane=True):
+def builder(path, module=None, with_lane=True, header=None):
     """The cffi builder of one C file: module common._nativeNN for chapters/NN_*.c, or
-    `module`. `with_lane`: compile common/engine/lane.h's struct lane ahead of it."""
-    lane, mine = cdef_of(LANE) if with_lane else "", cdef_of(path)  # chapters 11-17 use it
+    `module`. `with_lane`: compile common/engine/lane.h's struct lane ahead of it;
+    `header`: a plain C header declared and compiled ahead of it, whole."""
+    lane, mine = cdef_of(LANE) if with_lane else "", cdef_of(path)  # chapters 11-15 use it
+    if header:
+        lane += open(header).read()
     ffi = FFI()
     ffi.include(fabric)
     ffi.cdef(re.sub(r"//.*", "", lane + mine))
@@ -60,8 +65,12 @@ for _path in SOURCES:  # ch11, ch12, ...: the names setup.py's cffi_modules poin
     globals()["ch" + os.path.basename(_path)[:2]] = builder(_path)
 WORKER = os.path.join(HERE, "transfer", "worker.c")
 transfer = builder(WORKER, "common._transfer", with_lane=False)  # setup.py: ...:transfer
+PROXY = os.path.join(HERE, "moe", "proxy.c")
+proxy = builder(PROXY, "common._proxy", with_lane=False,  # setup.py: ...:proxy
+                header=os.path.join(HERE, "moe", "ring.h"))
 
 if __name__ == "__main__":
     for _path in SOURCES:
         globals()["ch" + os.path.basename(_path)[:2]].compile(verbose=True)
     transfer.compile(verbose=True)
+    proxy.compile(verbose=True)

@@ -24,7 +24,7 @@ declare -A LESSON=([09]=common/engine/multinet.py)
 declare -A NEW=([07]=common/engine/opqueue.py [08]=common/engine/topo.py
                 [10]=common/engine/warmup.py
                 [11]="common/engine/lane.h common/engine/workers.py"
-                [13]=common/engine/shards.py)
+                [13]=common/engine/shards.py [16]=common/moe/proxy.c)
 C_FIRST=" 11 12 13 14 15 17 "
 
 die() { echo "diff: $*" >&2; exit 2; }

@@ -49,7 +49,7 @@ LESSONS = [
                 ["__atomic_add_fetch((uint64_t *)total, (uint64_t)rc, __ATOMIC_RELAXED);"])}),
     ("15", {"chapters/15_lazy.c": (["static int enqueue(struct lane *l, unsigned batch)"], [])}),
     ("16", {"chapters/16_moe.py": (["class AllToAll(Stages):"], []),
-            "chapters/16_moe.c": (["int m16_proxy_run(struct m16_proxy *p)"], [])}),
+            "common/moe/proxy.c": (["int m16_proxy_run(struct m16_proxy *p)"], [])}),
 ]
 
 

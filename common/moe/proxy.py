@@ -1,6 +1,6 @@
 """The host proxy of chapters 16 and 17: the thread that drives the NICs for the device side.
 
-Its loop is chapter 16's C (chapters/16_moe.c, built as common._native16): the device side
+Its loop is in C (proxy.c, built as common._proxy; chapter 16 teaches it): the device side
 (numpy on the host, or GPU kernels) writes commands into a ring in host memory, the loop
 posts them as WRITEs with immediate data and turns each immediate that arrives into a stamp
 in an arrival table. This module opens what the loop drives: an endpoint on each NIC of the
@@ -16,7 +16,7 @@ import time
 from common import bounds
 from common.engine.nics import rank_nics
 from common.fabric import cuda_driver, memory
-from common._native16 import ffi, lib as native
+from common._proxy import ffi, lib as native
 from common.fabric import lib
 import common.fabric as fi
 
@@ -25,7 +25,7 @@ PEER = struct.Struct("<QQH")  # region base, MR key, address length (+ the addre
 
 
 class Proxy:
-    """The host proxy: chapters/16_moe.c's loop in a thread of its own (GIL released).
+    """The host proxy: proxy.c's loop in a thread of its own (GIL released).
 
     It drives each NIC of this rank (its GPU's, chapter 08's topology; a virtual NIC, one
     more domain of shm or tcp, where there is none) and serves each peer through one of

@@ -1,10 +1,4 @@
 /* cdef
-struct m16_write {            // one WRITE the device side asks the proxy for
-    uint64_t local, remote;   // byte offsets into this rank's and the peer's region
-    uint64_t len;
-    uint32_t peer;            // the peer's rank
-    uint32_t imm;             // immediate data: what the peer's proxy will see
-};
 struct m16_proxy {
     struct fid_ep **eps;            // per NIC of this rank (one endpoint each) ...
     struct fid_cq **cqs;            // ... its CQ ...
@@ -40,7 +34,7 @@ int m16_settle(struct m16_proxy *p);
 void m16_set_stamp(uint32_t *table, size_t at, uint32_t stamp);
 int m16_all_stamped(uint32_t *row, int64_t *sources, size_t n, uint32_t stamp);
 */
-/* Chapter 16's host proxy: the thread that drives the NIC for the device side.
+/* The host proxy of chapter 16 (and 17): the thread that drives the NIC for the device side.
  *
  * The device side (the GPU kernels; numpy with --device cpu) never calls
  * libfabric. It writes commands ("WRITE these bytes to that peer, with this
