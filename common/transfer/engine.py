@@ -507,7 +507,9 @@ class Engine:
     def expect(self, imm, n, timeout=None):
         """Wait until `n` WRITEs with immediate `imm` have arrived (from any peer, NIC,
         in any order), flush them where the GPU needs it (flush_scope), then take them: a
-        later expect(imm, ...) needs new ones."""
+        later expect(imm, ...) needs new ones. On shm of libfabric 2.x, arrivals from a
+        peer that keeps writing are counted once it pauses (README, "Using another
+        libfabric")."""
         timeout = self.timeout if timeout is None else timeout
         taken = self._taken.get(imm, 0)
         arrived = lambda: self.arrived(imm)  # noqa: E731
