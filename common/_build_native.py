@@ -45,18 +45,17 @@ def builder(path, module=None, with_lane=True, header=None):
     """The cffi builder of one C file: module common._nativeNN for chapters/NN_*.c, or
     `module`. `with_lane`: compile common/engine/lane.h's struct lane ahead of it;
     `header`: a plain C header declared and compiled ahead of it, whole."""
-    lane, mine = cdef_of(LANE) if with_lane else "", cdef_of(path)  # chapters 11-15 use it
-    if header:
-        lane += open(header).read()
+    ahead = (cdef_of(LANE) if with_lane else "") + (open(header).read() if header else "")
+    mine = cdef_of(path)  # the lane: chapters 11-15; a header: the MoE proxy
     ffi = FFI()
     ffi.include(fabric)
-    ffi.cdef(re.sub(r"//.*", "", lane + mine))
+    ffi.cdef(re.sub(r"//.*", "", ahead + mine))
     flags = _flags()
     flags["include_dirs"] = flags.get("include_dirs", []) + [HERE]  # engine/, fabric/
     # The declarations are C too: compiled ahead of the file, they are written once.
     # rules.h first: with FABRIC_RULES the workers' calls are checked like Python's.
     ffi.set_source(module or f"common._native{os.path.basename(path)[:2]}",
-                   '#include "fabric/rules.h"\n' + lane + mine + open(path).read(), **flags)
+                   '#include "fabric/rules.h"\n' + ahead + mine + open(path).read(), **flags)
     return ffi
 
 
