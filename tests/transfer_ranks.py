@@ -151,13 +151,16 @@ def kill(eng, group, args):
         print("got the first round; dying", flush=True)
         group.barrier()
         os.kill(os.getpid(), signal.SIGKILL)
-    eng.write_pages(peer, region, range(pages), theirs, range(pages), PAGE, imm=5).wait(timeout)
+
+    def write_round():
+        eng.write_pages(peer, region, range(pages), theirs, range(pages), PAGE,
+                        imm=5).wait(timeout)
+    write_round()
     group.barrier()  # rank 1 has the first round: from now on it may be gone at any time
     started = time.monotonic()
     try:
         for round_ in range(1, 10 ** 6):
-            eng.write_pages(peer, region, range(pages), theirs, range(pages), PAGE,
-                            imm=5).wait(timeout)
+            write_round()
     except Exception as e:  # what the survivor says: one line
         print(f"survivor: after {time.monotonic() - started:.1f} s, round {round_}: "
               f"{type(e).__name__}: {e}", flush=True)
