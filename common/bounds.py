@@ -20,8 +20,9 @@ The bounds, the same for a server, a client and a rank:
   one that does not stop (it spins in the provider) ends the process the same way.
 - Before a program's first import of the project (Python's own start, milliseconds) no
   code of ours runs: a signal then ends it Python's way, by the signal or with Python's
-  fatal error, or, cutting into its look at argv[0], is printed and lost by CPython,
-  which runs the program on (scripts/chaos.py counts such a fault apart).
+  fatal error, or, cutting into its look at argv[0] or a callback of its import system,
+  is printed and lost by CPython, which runs the program on (scripts/chaos.py counts
+  such a fault apart).
 - Where a server does not outlive its client's fault, in libfabric 1.x: a server that the
   watchdog ended on a dead client's lock (1.17's shm) serves no next client. On rxm
   (`tcp;ofi_rxm`, 1.x's tcp; `verbs;ofi_rxm`) a frozen client's WRITEs hold tx credits

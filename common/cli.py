@@ -91,7 +91,7 @@ def parser(doc, **kw):
                    "efa's fabric efa-direct; default: the first of efa, verbs, shm, tcp usable "
                    "here")
     p.add_argument("--timeout", type=float, default=peer_timeout(),
-                   help=f"seconds to wait for the peer (default %(default).3g): a peer "
+                   help="seconds to wait for the peer (default %(default).3g): a peer "
                    "silent that long is taken for gone")
     return p
 
@@ -227,12 +227,16 @@ def run(main):
             code = e.code
         except BrokenPipeError:  # piped into `head`: the reader has what it wanted
             os._exit(0)
-        except UsageError as e:
-            _last_words(f"{name}: error: {e}", EXIT_USAGE)
-        except (FabricError, TimeoutError, ValueError, ConnectionError) as e:
+        except Exception as e:
+            # an interrupt that cut into code whose clean-up then failed is still the
+            # interrupt (argparse's, once: an AttributeError from its `finally`)
             if interrupted(e):
                 raise KeyboardInterrupt from e
-            _last_words(f"{name}: error: {e}", EXIT_ERROR)
+            if isinstance(e, UsageError):
+                _last_words(f"{name}: error: {e}", EXIT_USAGE)
+            if isinstance(e, (FabricError, TimeoutError, ValueError, ConnectionError)):
+                _last_words(f"{name}: error: {e}", EXIT_ERROR)
+            raise  # a bug: its traceback
     except KeyboardInterrupt:  # also one that cut in while an error above was being said
         _last_words(f"{name}: interrupted, resources closed",
                     bounds.exit_code(EXIT_INTERRUPTED))

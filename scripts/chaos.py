@@ -57,6 +57,10 @@ SIGNALLED = 2.0  # seconds a signalled process may take to end
 # CPython's start prints this when a KeyboardInterrupt cuts into its look at argv[0] (is it
 # a zip to import from?), and runs the program on: the Ctrl-C is lost before any code of ours
 PYTHON_RAN_ON = "Failed checking if argv[0] is an import path entry"
+# ... and this when one lands in a callback of its own import system (a module lock's,
+# collected), which it may not raise from: "Exception ignored", and the program runs on
+PYTHON_IGNORED = re.compile(r'Exception ignored in: .*\nTraceback \(most recent call last\):\n'
+                            r'(  File "<frozen [^"]+".*\n)+KeyboardInterrupt')
 GRACE = 2.0      # the launcher's --grace: seconds the ranks get to stop by themselves
 
 
@@ -407,6 +411,12 @@ def signalled_ok(run, proc, fault, since):
         run.problem(proc, f"{len(lines)} lines on stderr on {fault}, not one", since)
 
 
+def python_dropped(err):
+    """Whether CPython itself printed a KeyboardInterrupt and ran the program on, at its start
+    before any code of ours had the signals: a lost Ctrl-C that no program can see."""
+    return PYTHON_RAN_ON in err or bool(PYTHON_IGNORED.search(err))
+
+
 def python_starting(proc, fault):
     """Whether the fault ended the victim while Python itself was still starting, before the
     program's first import of ours gave the signals to our handlers (common/__init__): the
@@ -414,7 +424,7 @@ def python_starting(proc, fault):
     raised at that first import (tests/test_bounds.py allows the same). Milliseconds of a
     start, which no code of ours can reach."""
     err = "".join(proc.err)
-    if "Fatal Python error" in err or PYTHON_RAN_ON in err:
+    if "Fatal Python error" in err or python_dropped(err):
         return True
     if "Traceback" not in err:
         return proc.rc is not None and proc.rc == -FAULTS[fault]
