@@ -9,7 +9,8 @@ compiled with common/fabric/rules.h, so with FABRIC_RULES (efa, efa-direct, verb
 worker's calls are checked like Python's.
 setup.py builds them all (module common._nativeNN); `.venv/bin/python common/_build_native.py`
 builds them in place. The transfer engine's worker (common/transfer/worker.c, the engine
-under chapters 18-19) is built the same way, as common._transfer, and so is the MoE host
+under chapters 18-19, with copier.c, its CUDA IPC route's launches) is built the same
+way, as common._transfer, and so is the MoE host
 proxy of chapters 16-17 (common/moe/proxy.c, with the ring entry of common/moe/ring.h
 ahead of it), as common._proxy.
 """
@@ -41,21 +42,23 @@ def cdef_of(path):
     return cdef[1]
 
 
-def builder(path, module=None, with_lane=True, header=None):
+def builder(path, module=None, with_lane=True, header=None, more=()):
     """The cffi builder of one C file: module common._nativeNN for chapters/NN_*.c, or
     `module`. `with_lane`: compile common/engine/lane.h's struct lane ahead of it;
-    `header`: a plain C header declared and compiled ahead of it, whole."""
+    `header`: a plain C header declared and compiled ahead of it, whole; `more`: C files
+    compiled after it, in the same module (each with its own cdef comment)."""
     ahead = (cdef_of(LANE) if with_lane else "") + (open(header).read() if header else "")
-    mine = cdef_of(path)  # the lane: chapters 11-15; a header: the MoE proxy
+    mine = "".join(cdef_of(p) for p in (path, *more))  # lane: 11-15; header: MoE proxy
     ffi = FFI()
     ffi.include(fabric)
     ffi.cdef(re.sub(r"//.*", "", ahead + mine))
     flags = _flags()
     flags["include_dirs"] = flags.get("include_dirs", []) + [HERE]  # engine/, fabric/
-    # The declarations are C too: compiled ahead of the file, they are written once.
+    # The declarations are C too: compiled ahead of the files, they are written once.
     # rules.h first: with FABRIC_RULES the workers' calls are checked like Python's.
+    sources = "".join(open(p).read() for p in (path, *more))
     ffi.set_source(module or f"common._native{os.path.basename(path)[:2]}",
-                   '#include "fabric/rules.h"\n' + ahead + mine + open(path).read(), **flags)
+                   '#include "fabric/rules.h"\n' + ahead + mine + sources, **flags)
     return ffi
 
 
@@ -63,7 +66,9 @@ SOURCES = sorted(glob.glob(os.path.join(CHAPTERS, "[0-9][0-9]_*.c")))
 for _path in SOURCES:  # ch11, ch12, ...: the names setup.py's cffi_modules point at
     globals()["ch" + os.path.basename(_path)[:2]] = builder(_path)
 WORKER = os.path.join(HERE, "transfer", "worker.c")
-transfer = builder(WORKER, "common._transfer", with_lane=False)  # setup.py: ...:transfer
+COPIER = os.path.join(HERE, "transfer", "copier.c")  # the CUDA IPC route's launches
+transfer = builder(WORKER, "common._transfer", with_lane=False,  # setup.py: ...:transfer
+                   more=[COPIER])
 PROXY = os.path.join(HERE, "moe", "proxy.c")
 proxy = builder(PROXY, "common._proxy", with_lane=False,  # setup.py: ...:proxy
                 header=os.path.join(HERE, "moe", "ring.h"))

@@ -3,7 +3,6 @@ processes of one host by a kernel, not a NIC. The GPU tests run two or three ran
 (tests/transfer_ranks.py); the others check, without a GPU, what the route's C half does
 with an inbox (the worker counts a finished command's immediates) and what an engine
 without it says."""
-import collections
 import re
 
 import numpy as np
@@ -39,30 +38,146 @@ def test_the_worker_counts_a_finished_command_from_its_inbox_and_not_before():
         assert inbox.box.slot[slot].consumed == 3
 
 
-def test_the_staging_ring_reuses_a_span_only_once_its_kernel_ran():
-    """Copier's rings (no GPU needed for their bookkeeping): tables are taken in order
-    around a ring of 16 entries, one that does not fit before the end starts again at 0,
-    and a span is handed out again only after the kernel that read it is done."""
-    ring = ipc.Copier.__new__(ipc.Copier)
-    ring.host, ring.head, ring.spans = np.zeros(16, np.uint64), 0, collections.deque()
-    done = [False] * 5
+DEVICE = 1 << 62  # where FakeDriver's 'device' ring is: no host address
 
-    def take(i, n):
-        start = ring._room(n)
-        if start is not None:
-            ring.head = start + n
-            ring.spans.append((start, lambda: done[i]))
-        return start
 
-    assert [take(0, 6), take(1, 6)] == [0, 6]
-    assert take(2, 6) is None            # 4 left at the end, the start still in use
-    done[0] = True
-    assert take(2, 6) == 0               # the first kernel ran: its span again, from 0
-    assert take(3, 1) is None            # full: [0, 6) and [6, 12), the end skipped
-    done[1] = True
-    assert take(3, 4) == 6 and take(4, 1) == 10
-    done[2:5] = [True] * 3
-    assert ring._room(16) == 0 and not ring.spans
+class FakeDriver:
+    """ipc.Copier as copier.c drives it, with this process standing in for CUDA: an upload
+    copies into a numpy 'device' ring, a launch runs ipc.cu's copies on the host (numpy
+    buffers' addresses as src and dst) and, once `finish()` lets it, stores the kernel's
+    marks as the GPU would. No GPU needed."""
+
+    def __init__(self, entries, direct):
+        self.ffi = _ffi
+        self.host, self.device = np.zeros(entries, np.uint64), np.zeros(entries, np.uint64)
+        self.finished = np.zeros(1, np.uint64)
+        self.pending, self.kernels, self.uploads = [], [], 0
+        self.upload = _ffi.callback("int(uint64_t, void *, size_t, void *)", self._upload,
+                                    error=-1)  # a CUDA error: the copier says so
+        self.launch = _ffi.callback("int(void *, unsigned, unsigned, unsigned, unsigned, "
+                                    "unsigned, unsigned, unsigned, void *, void **, void **)",
+                                    self._launch, error=-1)
+        copier = self.copier = ipc.Copier.__new__(ipc.Copier)
+        copier.ffi, copier.native = _ffi, native
+        c = copier.c = _ffi.new("struct tx_copier *")
+        c.launch, c.upload = (_ffi.cast("void *", f) for f in (self.launch, self.upload))
+        c.host, c.device = _ffi.cast("uint64_t *", self.host.ctypes.data), DEVICE
+        c.entries, c.direct, c.chunk, c.threads, c.max_blocks = entries, direct, 8192, 256, 64
+        c.finished = _ffi.cast("uint64_t *", self.finished.ctypes.data)
+
+    def _upload(self, dst, src, size, stream):
+        at = (dst - DEVICE) // 8
+        self.device[at:at + size // 8] = np.frombuffer(_ffi.buffer(src, size), np.uint64)
+        self.uploads += 1
+        return 0
+
+    def _launch(self, f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        word = lambda i: _ffi.cast("uint64_t *", params[i])[0]  # noqa: E731
+        src, dst, table, scale, count, length = (word(i) for i in range(6))
+        lengths = _ffi.cast("int *", params[6])[0]
+        uploaded = table >= DEVICE
+        ring, base = (self.device, DEVICE) if uploaded else (self.host, self.host.ctypes.data)
+        entries = ring[(table - base) // 8:][:(3 if lengths else 2) * count].copy()
+        for i in range(count):
+            n = int(entries[2 * count + i]) if lengths else length
+            _ffi.memmove(_ffi.cast("char *", dst + int(entries[count + i]) * scale),
+                         _ffi.cast("char *", src + int(entries[i]) * scale), n)
+        self.kernels.append((count, not uploaded))
+        self.pending.append((word(9), word(10), word(12)))  # seq_at, seq, its number
+        return 0
+
+    def finish(self, kernels=None):
+        """Let the oldest `kernels` queued kernels (all: None) store their marks."""
+        for seq_at, seq, number in self.pending[:kernels]:
+            if seq_at:
+                _ffi.cast("uint64_t *", seq_at)[0] = seq
+            self.finished[0] = number
+        del self.pending[:kernels]
+
+    def send(self, src, src_pages, dst, dst_pages, page, mark, seq, wait=None, **kw):
+        def never(ready, why):
+            raise AssertionError(f"waited for {why()}")
+        return self.copier.send(src.ctypes.data, np.asarray(src_pages, np.int64),
+                                dst.ctypes.data, np.asarray(dst_pages, np.int64), page,
+                                wait or never, (src.nbytes, dst.nbytes), page_size=page,
+                                seq_at=mark.ctypes.data, seq=seq, **kw)
+
+
+@pytest.mark.parametrize("direct", [0, 1 << 20], ids=["uploaded", "read-in-place"])
+def test_the_copier_builds_each_table_and_launches_one_kernel(direct):
+    """copier.c, with a fake driver: the table of a command's pages (checked, written in
+    the ring, then times the page size in the kernel) moves exactly those pages, uploaded or read in
+    place; the kernel stores the command's seq; bad items are refused before any launch."""
+    fake = FakeDriver(4096, direct)
+    rng = np.random.default_rng(7)
+    page = 64
+    src = rng.integers(0, 256, 50 * page, np.uint8)
+    dst, mark = np.zeros(40 * page, np.uint8), np.zeros(1, np.uint64)
+    src_pages, dst_pages = rng.permutation(50)[:30], rng.permutation(40)[:30]
+    assert fake.send(src, src_pages, dst, dst_pages, page, mark, 5) is None
+    fake.finish()
+    want = np.zeros_like(dst)
+    for s, d in zip(src_pages, dst_pages):
+        want[d * page:(d + 1) * page] = src[s * page:(s + 1) * page]
+    assert int((dst != want).sum()) == 0 and mark[0] == 5
+    assert fake.kernels == [(30, direct > 0)] and fake.uploads == (0 if direct else 1)
+    for pages, bad in [(([0, 50], [0, 1]), (0, 1)), (([0, 1], [39, 40]), (1, 1)),
+                       (([-1], [0]), (0, 0))]:
+        assert fake.send(src, *pages[:1], dst, *pages[1:], page, mark, 6) == bad
+    assert len(fake.kernels) == 1 and mark[0] == 5
+    lengths = np.array([3, 64, 17], np.uint64)  # byte offsets, each its own length
+    assert fake.copier.send(src.ctypes.data, np.array([1, 100, 7]), dst.ctypes.data,
+                            np.array([2000, 0, 500]), 0, None, (src.nbytes, dst.nbytes),
+                            lengths=lengths, seq_at=mark.ctypes.data, seq=7) is None
+    fake.finish()
+    assert mark[0] == 7 and bytes(dst[2000:2003]) == bytes(src[1:4])
+    assert bytes(dst[:64]) == bytes(src[100:164]) and bytes(dst[500:517]) == bytes(src[7:24])
+
+
+def test_the_copier_reuses_a_table_s_entries_only_once_its_kernel_ran():
+    """A ring of 16 entries: tables of 3 pages (6 entries) are taken in order, one that
+    does not fit before the end starts again at 0, and the copier waits (the engine's
+    wait) until the kernel that read a span has run before it writes there again."""
+    fake = FakeDriver(16, 0)
+    page = 8
+    src, dst = np.arange(64 * page, dtype=np.uint8), np.zeros(64 * page, np.uint8)
+    mark, starts, waits = np.zeros(1, np.uint64), [], []
+
+    def wait(ready, why):
+        assert not ready()
+        waits.append(why())
+        fake.finish(1)  # the oldest kernel runs: its span is free again
+        assert ready()
+
+    for seq in range(1, 6):
+        assert fake.send(src, [seq, seq + 10, seq + 20], dst, [seq, seq + 10, seq + 20],
+                         page, mark, seq, wait) is None
+        starts.append(int(fake.copier.c.head) - 6)
+    assert starts == [0, 6, 0, 6, 0]
+    assert waits == ["room for a table of 6 entries in the staging ring"] * 3
+    fake.finish()
+    assert mark[0] == 5 and bytes(dst) == bytes(np.where(
+        np.isin(np.arange(64 * page) // page, [s + k for s in range(1, 6) for k in (0, 10, 20)]),
+        src, 0).astype(np.uint8))
+
+
+def test_a_command_longer_than_half_the_ring_goes_as_several_kernels_checked_first():
+    """A command of 20 pages through a ring of 16 entries: kernels of 4 pages (8 entries,
+    half the ring), only the last storing the command's seq; a bad page at its end is
+    refused before the first kernel."""
+    fake = FakeDriver(16, 0)
+    page = 8
+    src = np.arange(40 * page, dtype=np.uint8)
+    dst, mark = np.zeros(40 * page, np.uint8), np.zeros(1, np.uint64)
+    assert fake.send(src, list(range(20)) + [40], dst, range(21), page, mark, 1) == (0, 20)
+    assert fake.kernels == []
+
+    def wait(ready, why):
+        fake.finish(1)
+    assert fake.send(src, range(20), dst, range(20, 40), page, mark, 1, wait) is None
+    assert [k[0] for k in fake.kernels] == [4] * 5 and mark[0] == 0
+    fake.finish()
+    assert mark[0] == 1 and bytes(dst[20 * page:]) == bytes(src[:20 * page])
 
 
 def test_a_host_engine_sends_by_libfabric_and_says_why():
@@ -134,3 +249,44 @@ def test_gpu_a_peer_killed_mid_transfer_by_cuda_ipc_is_seen(watch):
     else:
         assert "took none of our last 1024 commands by CUDA IPC within 2 s" in line[0], line[0]
     assert "rank 1 was killed by SIGKILL" in done.stderr
+
+
+@needs_gpu
+def test_gpu_the_route_refuses_bad_items_in_one_line_and_cuts_a_long_command():
+    """One engine writing to itself by CUDA IPC: out-of-range items give the libfabric
+    route's lines (test_transfer_engine) with nothing launched; 140,000 pages, more than a
+    kernel takes from the staging ring, go as two kernels and all arrive."""
+    import cupy as cp
+    with fi.Closer() as own:
+        eng = Engine(own, provider="shm", gpu=0, timeout=Budget(20).seconds)
+        me = eng.connect(eng.address())
+        assert me.route == "cuda-ipc", me.why
+        n, page = 140_000, 64
+        rng = np.random.default_rng(3)
+        host = rng.integers(0, 256, n * page, np.uint8)
+        src = eng.register(cp.asarray(host))
+        out = cp.zeros(n * page, cp.uint8)
+        dst = eng.remote(eng.register(out).descriptor())
+        for call, pattern in [
+            (lambda: eng.write_pages(me, src, [0, n], dst, [0, 1], page),
+             f"source page {n} is out of range"),
+            (lambda: eng.write_pages(me, src, [0, 1], dst, [n - 1, n], page),
+             f"destination page {n} is out of range"),
+            (lambda: eng.write_pages(me, src, [-1], dst, [0], page), "negative page"),
+            (lambda: eng.write(me, src, 0, dst, 1, n * page), "destination bytes 1.."),
+            (lambda: eng.write_list(me, src, [0], dst, [n * page - 2], [3]),
+             f"destination bytes {n * page - 2}..{n * page + 1} are out"),
+            (lambda: eng.write_pages(me, src, np.arange(n), dst, np.arange(1, n + 1), page),
+             f"destination page {n} is out of range"),
+        ]:
+            with pytest.raises(ValueError) as excinfo:
+                call()
+            assert pattern in str(excinfo.value) and "\n" not in str(excinfo.value)
+        copier = eng._routes.copier.c
+        assert eng.stats()["cuda_ipc_commands"] == 0 and copier.launched == 0
+        perm = rng.permutation(n)
+        eng.write_pages(me, src, perm, dst, np.arange(n), page, imm=9)
+        eng.expect(9, n, Budget(10).seconds)
+        want = host.reshape(n, page)[perm].ravel()
+        assert int((cp.asnumpy(out) != want).sum()) == 0
+        assert copier.launched == 2

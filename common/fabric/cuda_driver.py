@@ -1,13 +1,15 @@
 """The few CUDA driver calls we make ourselves, loaded at run time (no CUDA toolkit to build).
 
 libcuda.so.1 comes with the NVIDIA driver, so it is there wherever a GPU is, and loaded
-already where cupy runs. The calls: cuLaunchKernel (common/moe/kernel_call.py), a dmabuf fd
-for a range of GPU memory and whether the thread has the current context its export needs
-(registration by dmabuf, common/fabric/memory.py), where an allocation starts (CUDA IPC,
-common/transfer/ipc.py), and what chapter 16's proxy and the
-transfer engine need before they tell a GPU that a NIC's WRITE has landed in its memory
-(flush_scope: the device's GPUDirect RDMA write ordering, and the flush where it falls
-short). Numbers are cuda.h's.
+already where cupy runs. The calls: cuLaunchKernel (common/moe/kernel_call.py; with
+cuMemcpyHtoDAsync and an event between two streams, from C: common/transfer/copier.c),
+the batched copy the CUDA IPC route is measured against (cuMemcpyBatchAsync, CUDA
+12.8's: common/baselines.py), a dmabuf fd for a range of GPU memory and whether the
+thread has the current context its export needs (registration by dmabuf,
+common/fabric/memory.py), where an allocation starts (CUDA IPC, common/transfer/ipc.py),
+and what chapter 16's proxy and the transfer engine need before they tell a GPU that a
+NIC's WRITE has landed in its memory (flush_scope: the device's GPUDirect RDMA write
+ordering, and the flush where it falls short). Numbers are cuda.h's.
 """
 import os
 
@@ -25,8 +27,20 @@ int cuFlushGPUDirectRDMAWrites(int target, int scope);
 int cuGetErrorName(int error, const char **name);
 int cuCtxGetCurrent(void **ctx);
 int cuMemGetAddressRange_v2(unsigned long long *base, size_t *size, unsigned long long dptr);
+int cuMemcpyHtoDAsync_v2(unsigned long long dst, const void *src, size_t bytes, void *stream);
+int cuEventRecord(void *event, void *stream);
+int cuStreamWaitEvent(void *stream, void *event, unsigned flags);
+struct cu_memcpy_attributes {  // CUmemcpyAttributes: an order, two CUmemLocations, flags
+    int src_access_order, src_type, src_id, dst_type, dst_id;
+    unsigned flags;
+};
+int cuMemcpyBatchAsync_v2(unsigned long long *dsts, unsigned long long *srcs, size_t *sizes,
+                          size_t count, struct cu_memcpy_attributes *attrs, size_t *indices,
+                          size_t attrs_count, void *stream);
 """)
 DMA_BUF_FD = 1                 # CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
+IN_STREAM_ORDER = 1            # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+ON_DEVICE = 1                  # CU_MEM_LOCATION_TYPE_DEVICE
 WRITES_ORDERING = 118          # CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING
 DMA_BUF_SUPPORTED = 124        # CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED
 FLUSH_OPTIONS = 117            # CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS
@@ -56,6 +70,11 @@ def function(name):
         return getattr(driver(), name)
     except (AttributeError, NotImplementedError):
         raise ValueError(f"the CUDA driver has no {name} (too old)") from None
+
+
+def address(function):
+    """Where a driver function is, for C that calls it (common/transfer/copier.c)."""
+    return int(ffi.cast("uintptr_t", function))
 
 
 def error_name(rc):

@@ -33,10 +33,11 @@ PHASES = ("building", "picking up", "posting", "completing", "seeing")  # Transf
 CACHE_SIZE = "FI_MR_CACHE_MAX_SIZE"  # see Engine: GPU regions larger than its default
 
 
-# A command, every argument checked: the WRITEs' byte offsets (uint64 arrays, which the
-# worker or the upload to the GPU reads until the command is done: its Transfer holds it)
+# A command, every argument checked but its items (pages_of's arrays): WRITE i goes from
+# page src_items[i] of src to page dst_items[i] of dst, or from byte offset to byte offset
+# where page_size is None; length bytes each, or lengths[i]
 Command = collections.namedtuple(
-    "Command", "peer src dst src_offsets dst_offsets length lengths imm inject")
+    "Command", "peer src dst src_items dst_items page_size length lengths imm inject")
 
 
 class TransferError(fi.FabricError):
@@ -134,8 +135,8 @@ class IpcTransfer:
     """One command sent by CUDA IPC (ipc.py): done once its kernel stored its sequence
     number into the peer's inbox; nothing can fail after the launch but the GPU itself."""
 
-    def __init__(self, engine, record, seq, count, keep, queued, launched):
-        self.engine, self.record, self.seq, self._keep = engine, record, seq, keep
+    def __init__(self, engine, record, seq, count, queued, launched):
+        self.engine, self.record, self.seq = engine, record, seq
         self.count, self.ns = count, (queued, launched, 0)  # ns: queued, launched, seen
 
     @property
@@ -178,6 +179,8 @@ class Group:
         parts = [self.engine._command(p, src, np.array([i * length], np.uint64), d,
                                       np.zeros(1, np.uint64), length, imm)
                  for i, (p, d) in enumerate(zip(self.members, dsts))]
+        for part in parts:  # all checked before the first is posted
+            offsets_of(part, 0), offsets_of(part, 1)
         return _Several([self.engine._submit(part) for part in parts])
 
     def barrier(self, imm, timeout=None):
@@ -427,9 +430,10 @@ class Engine:
 
     def _command(self, peer, src, src_items, dst, dst_items, length, imm, inject=False,
                  page_size=None):
-        """A Command, every argument checked: ValueError, nothing posted. The items are
-        page numbers of `page_size` bytes, or byte offsets (page_size None), int64 or
-        uint64 (pages_of); `length`: every WRITE's, or an array of one per WRITE."""
+        """A Command, every argument checked but the items (_submit's route checks them as
+        it builds the WRITEs' offsets): ValueError, nothing posted. The items are page
+        numbers of `page_size` bytes, or byte offsets (page_size None), int64 or uint64
+        (pages_of); `length`: every WRITE's, or an array of one per WRITE."""
         self._check_ends(peer, src, dst)
         lengths = length if isinstance(length, np.ndarray) else None
         if lengths is None and not isinstance(length, (int, np.integer)):
@@ -445,27 +449,25 @@ class Engine:
             if not isinstance(imm, (int, np.integer)) or not 0 <= imm < 1 << bits:
                 raise ValueError(f"imm {imm!r} does not fit the {self.cq_data_size} bytes of "
                                  f"immediate data {self.provider} carries (0 to {(1 << bits) - 1})")
-        ends = [offsets_of(items, region, name, page_size, length, lengths)
-                for items, region, name in ((src_items, src, "source"),
-                                            (dst_items, dst, "destination"))]
-        return Command(peer, src, dst, *ends, 0 if lengths is not None else int(length),
-                       lengths, imm, inject)
+        return Command(peer, src, dst, src_items, dst_items, page_size,
+                       0 if lengths is not None else int(length), lengths, imm, inject)
 
     def _submit(self, command):
         self._check()
         peer, src, dst = command.peer, command.src, command.dst
         if peer.ipc and dst.ipc and src.gpu == self.gpu:
             return self._submit_ipc(peer.ipc, command)
+        src_offsets, dst_offsets = offsets_of(command, 0), offsets_of(command, 1)
         w = self._w
         if w.head - native.tx_tail(w) >= RING:
             self._until(lambda: w.head - native.tx_tail(w) < RING, self.timeout,
                         lambda: f"room in the worker's ring of {RING} commands")
         c = _ffi.new("struct tx_command *")
-        c.count, c.length = len(command.src_offsets), command.length
+        c.count, c.length = len(src_offsets), command.length
         if command.lengths is not None:
             c.lengths = _ffi.cast("uint64_t *", command.lengths.ctypes.data)
-        c.src = _ffi.cast("uint64_t *", command.src_offsets.ctypes.data)
-        c.dst = _ffi.cast("uint64_t *", command.dst_offsets.ctypes.data)
+        c.src = _ffi.cast("uint64_t *", src_offsets.ctypes.data)
+        c.dst = _ffi.cast("uint64_t *", dst_offsets.ctypes.data)
         c.local_base = _ffi.cast("char *", src.ptr)
         c.local_descs, c.remote_base, c.remote_key = src.descs, dst.bases, dst.keys
         c.addr = peer.addr
@@ -473,7 +475,7 @@ class Engine:
         c.nic = peer.nic
         c.has_imm, c.imm = command.imm is not None, command.imm or 0
         c.inject_size = self.inject_size if command.inject else 0
-        t = self._track(Transfer(self, c, command))
+        t = self._track(Transfer(self, c, (command, src_offsets, dst_offsets)))
         native.tx_submit(w, c)
         return t
 
@@ -483,10 +485,13 @@ class Engine:
                 f"peer {command.peer.index} took none of our last {ipc.RECORDS} commands by "
                 f"CUDA IPC within {self.timeout:g} s: is it still running?"))
         queued = time.monotonic_ns()
-        record, seq = route.submit(command, self._until, self.timeout)
+        record, seq, bad = route.submit(
+            command, lambda ready, why: self._until(ready, self.timeout, why))
+        if bad:
+            refuse(command, *bad)
         self._ipc_commands += 1
-        return self._track(IpcTransfer(self, record, seq, len(command.src_offsets), command,
-                                       queued, time.monotonic_ns()))
+        return self._track(IpcTransfer(self, record, seq, len(command.src_items), queued,
+                                       time.monotonic_ns()))
 
     def _track(self, transfer):
         """Hold `transfer` (and what it keeps alive) until it is done."""
@@ -627,27 +632,37 @@ def pages_of(pages, name, what="page numbers"):
     return array
 
 
-def offsets_of(items, region, side, page_size, length, lengths):
-    """The byte offsets (a new uint64 array) of `items` (pages_of's) in `region`: page
-    numbers of `page_size` bytes, or byte offsets where page_size is None. Built and
-    checked in one pass of C (tx_offsets): ValueError at the first that is negative or
-    puts its WRITE (`length` bytes, or lengths[i]) out of the region."""
+def offsets_of(command, side):
+    """The byte offsets (a new uint64 array) of a command's items on `side` (0: source,
+    1: destination), built and checked in one pass of C (tx_offsets); refuse() the first
+    that is negative or puts its WRITE out of its region."""
+    items = command.dst_items if side else command.src_items
     out = np.empty(len(items), np.uint64)
+    lengths = command.lengths
     at = native.tx_offsets(_ffi.from_buffer(items), items.dtype.kind == "i", len(items),
-                           page_size or 1, length if lengths is None else 0,
+                           command.page_size or 1, command.length,
                            _ffi.NULL if lengths is None else _ffi.from_buffer("uint64_t[]", lengths),
-                           region.size, _ffi.from_buffer("uint64_t[]", out))
-    if at < 0:
-        return out
-    item, n = int(items[at]), int(length if lengths is None else lengths[at])
-    arg = {"source": "src", "destination": "dst"}[side] + ("_pages" if page_size else "_offsets")
+                           (command.dst if side else command.src).size,
+                           _ffi.from_buffer("uint64_t[]", out))
+    if at >= 0:
+        refuse(command, side, at)
+    return out
+
+
+def refuse(command, side, at):
+    """ValueError for item `at` of the command's `side`, found out of range."""
+    items, region = (command.dst_items, command.dst) if side else (command.src_items, command.src)
+    paged, item = command.page_size is not None, int(items[at])
+    n = int(command.length if command.lengths is None else command.lengths[at])
+    where = ("destination", "dst") if side else ("source", "src")
+    arg = where[1] + ("_pages" if paged else "_offsets")
     if item < 0:
-        what = "page number" if page_size else "byte offset"
+        what = "page number" if paged else "byte offset"
         raise ValueError(f"{arg} has a negative {what} ({item})")
-    if page_size:
-        raise ValueError(f"{side} page {item} is out of range: the region holds "
-                         f"{region.size // page_size} pages of {page_size} bytes")
-    raise ValueError(f"{side} bytes {item}..{item + n} are out of range: the region has "
+    if paged:
+        raise ValueError(f"{where[0]} page {item} is out of range: the region holds "
+                         f"{region.size // command.page_size} pages of {command.page_size} bytes")
+    raise ValueError(f"{where[0]} bytes {item}..{item + n} are out of range: the region has "
                      f"{region.size}")
 
 

@@ -20,7 +20,6 @@ pages stop coming (expect's timeout); the memory a dead exporter shared stays ma
 the survivor's CUDA context stays usable (tried on an H200: a kernel writing into a
 SIGKILLed peer's region, then a new allocation, both without error).
 """
-import collections
 import mmap
 import os
 import struct
@@ -35,6 +34,7 @@ MAGIC = b"TXIPC01\0"
 THREADS, CHUNK = 256, 8192     # a block's threads, bytes a block copies before it moves on
 BLOCKS_PER_SM = 16
 STAGING = 1 << 22              # bytes of each of the two rings that carry tables to the GPU
+DIRECT = 512                   # tables this short (entries) the kernel reads in host memory
 # In an engine's address: this host (boot id, pid namespace), the inbox (pid, fd) and the
 # GPU (its PCI bus id, which names it whatever CUDA_VISIBLE_DEVICES says)
 HOST = struct.Struct("<16sQII16s")
@@ -43,7 +43,6 @@ HANDLE = struct.Struct("<4s64sQI")
 MAGIC_HANDLE = b"IPC1"
 HOST_MAPPED = 2                # cudaHostRegisterMapped
 LAZY_PEER_ACCESS = 1           # cudaIpcMemLazyEnablePeerAccess
-TO_DEVICE = 1                  # cudaMemcpyHostToDevice
 KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ipc.cu")
 
 
@@ -146,92 +145,70 @@ class Routes:
 
 class Copier:
     """ipc.cu's kernel on a stream of its own, on GPU `gpu` (the ceiling a benchmark
-    compares the route with launches the same one: common/baselines.gather_ceiling), and
-    the rings that carry each command's table to it: one in pinned host memory, where
-    the host writes it, one on the GPU, where an upload on the same stream puts it, both
-    allocated once (an allocation of each per command took tens of microseconds)."""
+    compares the route with launches the same one: common/baselines.gather_ceiling),
+    launched by copier.c, which writes each command's table into a ring of pinned host
+    memory and uploads it, on a second stream, to a ring on the GPU, both allocated once.
+    A table of at most `direct` entries the kernel reads from the pinned ring itself."""
 
-    def __init__(self, gpu):
-        from common.moe.kernel_call import KernelCall
+    def __init__(self, gpu, direct=None):
+        from common._transfer import ffi, lib as native
         cp = memory.cupy()
         memory.current(gpu)
+        self.ffi, self.native = ffi, native
         self.stream = cp.cuda.Stream(non_blocking=True)
-        self.blocks_done = cp.zeros(1, cp.uint32)  # one: the stream runs one kernel at a time
-        kernel = cp.RawModule(code=open(KERNELS).read()).get_function("ipc_copy")
-        self.call = KernelCall(kernel, self.stream, THREADS, src=None, dst=None, table=None,
-                               count=None, length=None, lengths=None, chunk=CHUNK,
-                               per_copy=None, seq_at=None, seq=None,
-                               blocks_done=self.blocks_done)
-        sms = cp.cuda.runtime.getDeviceProperties(gpu)["multiProcessorCount"]
-        self.max_blocks = BLOCKS_PER_SM * sms
-        self._pinned = cp.cuda.alloc_pinned_memory(STAGING)
-        self.host = np.frombuffer(self._pinned, np.uint64, STAGING // 8)
-        self.device = cp.cuda.alloc(STAGING)
-        self.head = 0                     # the ring's next free entry
-        self.spans = collections.deque()  # (start, done) of the tables in the rings, oldest first
-        self.large = []                   # (done, memory) of tables too large for them
-        self.upload = cp.cuda.runtime.memcpyAsync
+        self.kernel = cp.RawModule(code=open(KERNELS).read()).get_function("ipc_copy")
+        self.blocks_done = cp.zeros(1, cp.uint32)  # one: the stream runs a kernel at a time
+        self._memory = [cp.cuda.alloc(STAGING), cp.cuda.alloc_pinned_memory(STAGING),
+                        cp.cuda.alloc_pinned_memory(8)]  # the rings, the last kernel done
+        device, host, finished = self._memory
+        np.frombuffer(finished, np.uint64)[0] = 0
+        driver = cuda_driver.function
+        c = self.c = ffi.new("struct tx_copier *")
+        c.launch, c.upload, c.record, c.wait = (
+            ffi.cast("void *", cuda_driver.address(driver(name))) for name in (
+                "cuLaunchKernel", "cuMemcpyHtoDAsync_v2", "cuEventRecord", "cuStreamWaitEvent"))
+        self.uploads = cp.cuda.Stream(non_blocking=True)
+        self.uploaded = cp.cuda.Event(disable_timing=True)
+        c.kernel = ffi.cast("void *", self.kernel.kernel.ptr)
+        c.stream, c.uploads, c.uploaded = (ffi.cast("void *", x.ptr) for x in (
+            self.stream, self.uploads, self.uploaded))
+        c.host, c.device = ffi.cast("uint64_t *", host.ptr), device.ptr
+        c.entries, c.direct = STAGING // 8, DIRECT if direct is None else direct
+        c.blocks_done, c.chunk, c.threads = self.blocks_done.data.ptr, CHUNK, THREADS
+        c.max_blocks = BLOCKS_PER_SM * cp.cuda.runtime.getDeviceProperties(gpu)[
+            "multiProcessorCount"]
+        c.finished = ffi.cast("uint64_t *", finished.ptr)
 
-    def __call__(self, src, dst, table, count, length, lengths, seq_at, seq):
-        """Copy `count` pieces (table: a device address, as ipc.cu reads it) from address
-        `src` to `dst`, then store `seq` at host address `seq_at`."""
-        per_copy = -(-(int(lengths.max()) if lengths is not None else length) // CHUNK)
-        self.call(min(count * per_copy, self.max_blocks), src=src, dst=dst, table=table,
-                  count=count, length=0 if lengths is not None else length,
-                  lengths=int(lengths is not None), per_copy=per_copy, seq_at=seq_at, seq=seq)
-
-    def stage(self, parts, done, wait):
-        """The device address of a table made of `parts` (uint64 arrays, one after the
-        other), uploaded on the kernel's stream from the rings' next free span; `done()`
-        says when the kernel that reads it has run, which frees the span. `wait(ready,
-        why)` waits for room (the engine's _until). A table larger than a ring gets memory
-        of its own."""
-        n = sum(len(p) for p in parts)
-        self.large = [x for x in self.large if not x[0]()]
-        if n > len(self.host):
-            address, keep = self.table(np.concatenate(parts))
-            self.large.append((done, keep))
-            return address
-        if n == 0:
-            return self.device.ptr  # nothing to read: the kernel only stores its mark
-        start = self._room(n)
-        if start is None:
-            wait(lambda: self._room(n) is not None,
-                 lambda: f"room for a table of {n} entries in the staging ring")
-            start = self._room(n)
-        np.concatenate(parts, out=self.host[start:start + n])
-        self.head = start + n
-        self.spans.append((start, done))
-        self.upload(self.device.ptr + 8 * start, self.host.ctypes.data + 8 * start, 8 * n,
-                    TO_DEVICE, self.stream.ptr)
-        return self.device.ptr + 8 * start
-
-    def _room(self, n):
-        """Where a table of `n` entries fits now (the spans of finished kernels freed), or
-        None. Spans are taken in order around the ring (a table that does not fit before
-        its end starts again at 0), so those in use run from the oldest's start up to head:
-        head equal to that start means the ring is full."""
-        while self.spans and self.spans[0][1]():
-            self.spans.popleft()
-        if not self.spans:
-            return 0
-        oldest = self.spans[0][0]
-        if self.head > oldest:  # in use: [oldest, head)
-            if self.head + n <= len(self.host):
-                return self.head
-            return 0 if n <= oldest else None
-        return self.head if self.head + n <= oldest else None  # in use: all but [head, oldest)
-
-    def table(self, pieces):
-        """(device address, what to keep until the kernel ran) of a table (uint64 numpy)
-        in memory of its own, copied there from pinned memory on the kernel's stream."""
-        cp = memory.cupy()
-        pinned = cp.cuda.alloc_pinned_memory(pieces.nbytes)
-        staged = np.frombuffer(pinned, np.uint64, len(pieces))
-        staged[:] = pieces
-        device = cp.cuda.alloc(pieces.nbytes)
-        self.upload(device.ptr, staged.ctypes.data, pieces.nbytes, TO_DEVICE, self.stream.ptr)
-        return device.ptr, (pinned, device)
+    def send(self, src, src_items, dst, dst_items, length, wait, sizes, page_size=None,
+             lengths=None, seq_at=0, seq=0):
+        """Queue the copies of one command on the stream: WRITE i from page (or byte
+        offset, page_size None) src_items[i] of the memory at device address `src` to
+        dst_items[i] of `dst`, `length` bytes or lengths[i] (pages_of's arrays), then
+        store `seq` at host address `seq_at` (none where 0). `sizes`: the two regions'
+        sizes (an int: both). `wait(ready, why)` waits for room in the rings (the engine's
+        _until). Returns None, or (side, index) of the first item out of range (side 0:
+        source, 1: destination): then nothing was queued."""
+        ffi = self.ffi
+        a = ffi.new("struct tx_copy *")
+        a.src_items, a.dst_items = ffi.from_buffer(src_items), ffi.from_buffer(dst_items)
+        a.src_signed, a.dst_signed = src_items.dtype.kind == "i", dst_items.dtype.kind == "i"
+        a.count, a.scale, a.length = len(src_items), page_size or 1, length
+        if lengths is not None:
+            a.lengths = ffi.from_buffer("uint64_t[]", lengths)
+        a.src_size, a.dst_size = (sizes, sizes) if isinstance(sizes, int) else sizes
+        a.src, a.dst, a.seq_at, a.seq = src, dst, ffi.cast("uint64_t *", seq_at), seq
+        while True:
+            rc = self.native.tx_copy(self.c, a)
+            if rc == 0:
+                return None
+            if rc == 1:
+                return a.bad_side, a.bad
+            if rc != 2:
+                raise ValueError("the CUDA IPC route's launch failed: "
+                                 f"{cuda_driver.error_name(self.c.rc)}")
+            need = (2 if lengths is None else 3) * self.native.tx_copy_piece(self.c, a)
+            wait(lambda: self.native.tx_copier_room(self.c, need),
+                 lambda: f"room for a table of {need} entries in the staging ring")
 
 
 class Route:
@@ -287,21 +264,19 @@ class Route:
     def room(self):
         return self.head - self.slot.consumed < RECORDS
 
-    def submit(self, command, until, timeout):
-        """One command (engine.Command) as one kernel; its record says the peer's worker
-        what came. Returns (record, seq): done once record.seq reaches seq."""
-        copier = self.routes.copier
+    def submit(self, command, wait):
+        """One command (engine.Command) as the copier's kernels; its record says the peer's
+        worker what came. Returns (record, seq, None): done once record.seq reaches seq;
+        or (None, None, (side, index)) for an item out of range, nothing sent."""
         memory.current(self.routes.engine.gpu)
         record, seq = self.records + (self.head & (RECORDS - 1)), self.head + 1
-        parts = [command.src_offsets, command.dst_offsets]
-        if command.lengths is not None:
-            parts.append(command.lengths)
-        table = copier.stage(parts, lambda: record.seq >= seq,
-                             lambda ready, why: until(ready, timeout, why))
-        count = len(command.src_offsets)
-        record.imm, record.count = command.imm or 0, count
+        record.imm, record.count = command.imm or 0, len(command.src_items)
         record.has_imm = command.imm is not None
+        bad = self.routes.copier.send(
+            command.src.ptr, command.src_items, self.address_of(command.dst),
+            command.dst_items, command.length, wait, (command.src.size, command.dst.size),
+            command.page_size, command.lengths, int(self.ffi.cast("uintptr_t", record)), seq)
+        if bad:
+            return None, None, bad
         self.head = seq
-        copier(command.src.ptr, self.address_of(command.dst), table, count, command.length,
-               command.lengths, int(self.ffi.cast("uintptr_t", record)), seq)
-        return record, seq
+        return record, seq, None

@@ -482,8 +482,9 @@ int32_t tx_status(struct tx_command *c)
 /* A command's byte offsets, built and checked in one pass (numpy took six over the
    arrays): out[i] = items[i] * scale, where items are int64 (is_signed) or uint64 page
    numbers (scale: the page size) or offsets (scale 1, which `lengths` needs), and WRITE
-   i, `length` bytes or lengths[i], must lie inside a region of `size` bytes. Returns -1, or the index of the
-   first item that is negative or out of range: the caller refuses the command. */
+   i, `length` bytes or lengths[i], must lie inside a region of `size` bytes. Returns -1,
+   or the index of the first item that is negative or out of range: the caller refuses
+   the command. */
 int64_t tx_offsets(const void *items, int is_signed, uint64_t n, uint64_t scale,
                    uint64_t length, const uint64_t *lengths, uint64_t size, uint64_t *out)
 {
@@ -499,7 +500,8 @@ int64_t tx_offsets(const void *items, int is_signed, uint64_t n, uint64_t scale,
         uint64_t item = unsigned_items[i];
         if (lengths ? lengths[i] > size || item > size - lengths[i] : item > last)
             return (int64_t)i;  /* lengths come with scale 1 (byte offsets) */
-        out[i] = item * scale;
+        if (out)  /* NULL: only check */
+            out[i] = item * scale;
     }
     return -1;
 }

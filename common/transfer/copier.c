@@ -1,0 +1,212 @@
+/* cdef
+struct tx_copier {                  // ipc.py's Copier: ipc.cu's kernel and the ring of its tables
+    void *launch, *upload;          // the driver's cuLaunchKernel and cuMemcpyHtoDAsync_v2 ...
+    void *record, *wait;            // ... cuEventRecord and cuStreamWaitEvent
+    void *kernel, *stream;          // ipc_copy (a CUfunction) and the stream its commands run on
+    void *uploads, *uploaded;       // a stream for the uploads and its event (or NULL: `stream`)
+    uint64_t *host;                 // the ring: pinned host memory, where tables are written ...
+    uint64_t device;                // ... and a copy on the GPU, where uploads put them
+    uint64_t entries, head;         // the ring's size (uint64 entries) and its next free entry
+    uint64_t direct;                // tables this short are read by the kernel from `host`
+    uint64_t blocks_done;           // the kernel's counter of finished blocks (device memory)
+    uint64_t chunk;                 // bytes a block copies before it takes the next piece
+    uint32_t threads, max_blocks;
+    volatile uint64_t *finished;    // the number of the last kernel that ran (it stores it
+    uint64_t launched;              // there: pinned memory) and of the last one launched
+    uint64_t span_start[1024], span_kernel[1024];  // the tables in use, oldest first, and the
+    uint64_t spans_queued, spans_freed;            // kernel each waits for
+    int rc;                         // a failed driver call's CUresult
+};
+struct tx_copy {                    // one command, as Engine.write_pages & co. give it
+    const void *src_items, *dst_items;  // page numbers or byte offsets, int64 or uint64 ...
+    int src_signed, dst_signed;
+    uint64_t count, scale;          // ... times `scale` (the kernel's product): byte offsets
+    uint64_t length;                // every copy's length, or 0 and ...
+    const uint64_t *lengths;        // ... each one's
+    uint64_t src_size, dst_size;    // the two regions' sizes ...
+    uint64_t src, dst;              // ... and device addresses (dst: the peer's, mapped here)
+    volatile uint64_t *seq_at;      // where the last kernel stores `seq` (the peer's record,
+    uint64_t seq;                   // or NULL)
+    uint64_t sent;                  // copies launched so far (a call may stop for room)
+    int64_t bad;                    // out: the first item out of range, and on which side
+    int bad_side;                   // (0: source, 1: destination)
+};
+int tx_copy(struct tx_copier *c, struct tx_copy *a);
+int tx_copier_room(struct tx_copier *c, uint64_t entries);
+uint64_t tx_copy_piece(struct tx_copier *c, struct tx_copy *a);
+*/
+/* The CUDA IPC route's launches (common/transfer/ipc.py), in C: a command's page lists
+ * checked and turned into the table ipc.cu reads, written straight into a pinned ring,
+ * uploaded and launched by the driver's own calls, which Python hands over as pointers
+ * (no CUDA toolkit to build). In Python the same took 30-90 us a command on an H200 box,
+ * as long as the kernel of 100 pages, or the kernel of 10,000 pages of 4 KiB.
+ *
+ * A table (source items, destination items, then lengths where they differ) takes
+ * consecutive entries of the ring, which it keeps until the kernel that reads it is done:
+ * each kernel stores its number in `finished` last (the stream runs them in order). A table of at most `direct` entries
+ * is read by the kernel from pinned memory (mapped for the GPU: one copy fewer to queue);
+ * a longer one is uploaded first, on a stream of its own that the kernel's waits for, so
+ * that the upload of one command's table overlaps the kernel of the one before. A command too long for half the
+ * ring goes as several kernels, in the stream's order, its items all checked before the
+ * first; only the last stores the command's seq.
+ */
+typedef int (*tx_launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                            unsigned by, unsigned bz, unsigned shared, void *stream,
+                            void **params, void **extra);
+typedef int (*tx_upload_fn)(uint64_t dst, const void *src, size_t bytes, void *stream);
+typedef int (*tx_record_fn)(void *event, void *stream);
+typedef int (*tx_wait_fn)(void *stream, void *event, unsigned flags);
+
+static void tx_copier_free(struct tx_copier *c)
+{
+    while (c->spans_freed < c->spans_queued) {
+        if (*c->finished < c->span_kernel[c->spans_freed & 1023])
+            break;
+        c->spans_freed++;
+    }
+}
+
+/* Where a table of `n` entries fits now, or -1. Tables are taken in order around the
+   ring (one that does not fit before its end starts again at 0), so those in use run
+   from the oldest's start up to head; head equal to that start means the ring is full. */
+static int64_t tx_copier_at(struct tx_copier *c, uint64_t n)
+{
+    tx_copier_free(c);
+    if (c->spans_queued == c->spans_freed)
+        return 0;
+    if (c->spans_queued - c->spans_freed == 1024)
+        return -1;
+    uint64_t oldest = c->span_start[c->spans_freed & 1023];
+    if (c->head > oldest)  /* in use: [oldest, head) */
+        return c->head + n <= c->entries ? (int64_t)c->head : n <= oldest ? 0 : -1;
+    return c->head + n <= oldest ? (int64_t)c->head : -1;  /* in use: all but [head, oldest) */
+}
+
+int tx_copier_room(struct tx_copier *c, uint64_t entries)
+{
+    return tx_copier_at(c, entries) >= 0;
+}
+
+/* The copies the next kernel of `a` takes: all that are left where they fit half the ring */
+uint64_t tx_copy_piece(struct tx_copier *c, struct tx_copy *a)
+{
+    uint64_t per = a->lengths ? 3 : 2, most = c->entries / 2 / per;
+    uint64_t left = a->count - a->sent;
+    return left < most ? left : most;
+}
+
+/* Copy n items to `out` (where not NULL): the index of the first above `last`, or -1.
+   One pass without a branch an item, then a second only where one is out of range: the
+   engine's one-pass check (tx_offsets, with its multiply) took 2 ns an item on an H200
+   box's Xeon, 20 us for 10,000 pages, as long as the kernel that copies them at 4 KiB;
+   the kernel multiplies instead. */
+static int64_t tx_items(const uint64_t *restrict item, uint64_t n, uint64_t last,
+                        uint64_t *restrict out)
+{
+    uint64_t largest = 0;
+    if (out) {
+        for (uint64_t i = 0; i < n; i++) {
+            out[i] = item[i];
+            largest = item[i] > largest ? item[i] : largest;
+        }
+    } else {
+        for (uint64_t i = 0; i < n; i++)
+            largest = item[i] > largest ? item[i] : largest;
+    }
+    for (uint64_t i = 0; largest > last && i < n; i++)
+        if (item[i] > last)
+            return (int64_t)i;
+    return -1;
+}
+
+/* Check the items of copies [from, from + n) of `a` and, where `out` is not NULL, write
+   their table there. Returns 0, or 1 with a->bad and a->bad_side set. */
+static int tx_copy_table(struct tx_copy *a, uint64_t from, uint64_t n, uint64_t *out)
+{
+    const uint64_t *lengths = a->lengths ? a->lengths + from : NULL;
+    const char *items[2] = {a->src_items, a->dst_items};
+    int is_signed[2] = {a->src_signed, a->dst_signed};
+    uint64_t sizes[2] = {a->src_size, a->dst_size};
+    for (int side = 0; side < 2; side++) {
+        const uint64_t *mine = (const uint64_t *)(items[side] + 8 * from);
+        uint64_t *to = out ? out + side * n : NULL;
+        int64_t at;
+        if (lengths) {  /* byte offsets (scale 1), each its own length */
+            at = tx_offsets(mine, is_signed[side], n, 1, 0, lengths, sizes[side], to);
+        } else if (a->length > sizes[side]) {
+            at = n ? 0 : -1;
+        } else {  /* the largest item whose copy fits; a negative one, as unsigned, is more */
+            uint64_t last = (sizes[side] - a->length) / a->scale;
+            at = tx_items(mine, n, is_signed[side] && last > INT64_MAX ? INT64_MAX : last, to);
+        }
+        if (at >= 0) {
+            a->bad = (int64_t)from + at;
+            a->bad_side = side;
+            return 1;
+        }
+    }
+    if (out && lengths)
+        memcpy(out + 2 * n, lengths, 8 * n);
+    return 0;
+}
+
+/* Launch what is left of command `a`: 0 once all of it is queued on the stream; 1: an
+   item is out of range (nothing launched); 2: no room in the ring yet (a->sent says how
+   far it got: call again); -1: a driver call failed (c->rc). */
+int tx_copy(struct tx_copier *c, struct tx_copy *a)
+{
+    if (a->sent == 0 && tx_copy_piece(c, a) < a->count && tx_copy_table(a, 0, a->count, NULL))
+        return 1;  /* several kernels: every item checked before the first */
+    while (a->sent < a->count || a->count == 0) {
+        uint64_t n = tx_copy_piece(c, a), per = a->lengths ? 3 : 2, entries = per * n;
+        int64_t start = tx_copier_at(c, entries);
+        if (start < 0)
+            return 2;
+        uint64_t *table = c->host + start;
+        if (tx_copy_table(a, a->sent, n, table))
+            return 1;
+        uint64_t longest = a->length;
+        for (uint64_t i = 0; a->lengths && i < n; i++)
+            longest = a->lengths[a->sent + i] > longest ? a->lengths[a->sent + i] : longest;
+        int last = a->sent + n == a->count;
+        uint64_t device = c->device + 8 * (uint64_t)start;
+        if (entries > c->direct) {
+            c->rc = ((tx_upload_fn)c->upload)(device, table, 8 * entries,
+                                              c->uploads ? c->uploads : c->stream);
+            if (!c->rc && c->uploads)
+                c->rc = ((tx_record_fn)c->record)(c->uploaded, c->uploads);
+            if (!c->rc && c->uploads)
+                c->rc = ((tx_wait_fn)c->wait)(c->stream, c->uploaded, 0);
+            if (c->rc)
+                return -1;
+        } else {
+            device = (uint64_t)(uintptr_t)table;  /* pinned: the same address for the GPU */
+        }
+        uint64_t per_copy = (longest + c->chunk - 1) / c->chunk, count = n;
+        uint64_t blocks = count * per_copy < c->max_blocks ? count * per_copy : c->max_blocks;
+        int has_lengths = a->lengths != NULL;
+        uint64_t length = has_lengths ? 0 : a->length;
+        const uint64_t src = a->src, dst = a->dst;
+        volatile uint64_t *seq_at = last ? a->seq_at : NULL;
+        uint64_t number = c->launched + 1;
+        void *params[] = {(void *)&src, (void *)&dst, &device, &a->scale, &count, &length,
+                          &has_lengths,
+                          &c->chunk, &per_copy, (void *)&seq_at, &a->seq, (void *)&c->finished,
+                          &number, &c->blocks_done};
+        c->rc = ((tx_launch_fn)c->launch)(c->kernel, blocks ? (unsigned)blocks : 1, 1, 1,
+                                          c->threads, 1, 1, 0, c->stream, params, NULL);
+        if (c->rc)
+            return -1;
+        c->launched = number;
+        if (entries) {  /* its span, free once this kernel ran */
+            uint64_t i = c->spans_queued++ & 1023;
+            c->span_start[i] = (uint64_t)start;
+            c->span_kernel[i] = number;
+            c->head = (uint64_t)start + entries;
+        }
+        a->sent += n;
+        if (a->count == 0)
+            break;
+    }
+    return 0;
+}
