@@ -175,32 +175,36 @@ def gather_ceiling(gpu, page, src_pages, dst_pages, size, repeats):
     engine's CUDA IPC route (common/transfer/ipc.py) on that GPU: medians over `repeats`
     of (1) the route's own kernel gathering page src_pages[i] of one buffer of `size`
     bytes to page dst_pages[i] of another, its GPU time alone (CUDA events around it,
-    queued behind a held stream: no launch in the time), (2) the same from the Python call
-    to seeing its mark in host memory (table upload, launch and all), and (3) one
-    contiguous device copy of as many bytes (events, held the same way)."""
+    queued behind a held stream: no launch and no table upload in the time), (2) the same
+    from the Python call to seeing its mark in host memory, as the route sends a command
+    (ipc.Copier.send: the table built, uploaded, the kernel launched), (3) one
+    contiguous device copy of as many bytes (events, held the same way) and (4) CUDA's
+    batched copy of the same pages (cuMemcpyBatchAsync), from the call, its address lists
+    built, to the stream's end (None where the driver has none)."""
     import cupy as cp
     import numpy as np
-    from common.transfer.ipc import Copier
-    copier = Copier(gpu)
+    from common.moe.kernel_call import KernelCall
+    from common.transfer import ipc
+    copier = ipc.Copier(gpu)
     hold = cp.RawKernel(HOLD, "hold")
     src, dst = cp.ones(size, cp.uint8), cp.zeros(size, cp.uint8)
     whole_src, whole_dst = (cp.zeros(len(src_pages) * page, cp.uint8) for _ in range(2))
-    marks = cp.cuda.alloc_pinned_memory(16)
-    seen, gate = np.frombuffer(marks, np.uint64, 1), np.frombuffer(marks, np.uint32, 1, 8)
-    pieces = np.concatenate([np.asarray(src_pages, np.uint64) * page,
-                             np.asarray(dst_pages, np.uint64) * page])
-    count, stream, seq = len(src_pages), copier.stream, 0
+    marks = cp.cuda.alloc_pinned_memory(24)
+    seen, finished = np.frombuffer(marks, np.uint64, 2)[:1], np.frombuffer(marks, np.uint64, 2)[1:]
+    gate = np.frombuffer(marks, np.uint32, 1, 16)
+    src_pages, dst_pages = (np.ascontiguousarray(x, np.int64) for x in (src_pages, dst_pages))
+    table = cp.asarray(np.concatenate([src_pages, dst_pages]).astype(np.uint64))
+    count, stream = len(src_pages), copier.stream
+    per_copy = -(-page // ipc.CHUNK)
+    kernel = KernelCall(copier.kernel, stream, ipc.THREADS, src=src, dst=dst, table=table,
+                        scale=page, count=count, length=page, lengths=0, chunk=ipc.CHUNK,
+                        per_copy=per_copy, seq_at=0, seq=0, finished=finished.ctypes.data,
+                        number=0, blocks_done=copier.blocks_done)
+    blocks = min(count * per_copy, copier.c.max_blocks)
 
     def spin(ready, why):
         while not ready():
             pass
-
-    def gather():  # as the route sends a command: the table through the staging rings
-        nonlocal seq
-        seq += 1
-        mark = seq
-        table = copier.stage([pieces], lambda: seen[0] >= mark, spin)
-        copier(src.data.ptr, dst.data.ptr, table, count, page, None, seen.ctypes.data, seq)
 
     def held(enqueue):
         """GPU seconds of what `enqueue()` queues, behind the held stream."""
@@ -219,23 +223,68 @@ def gather_ceiling(gpu, page, src_pages, dst_pages, size, repeats):
         cp.cuda.runtime.memcpyAsync(whole_dst.data.ptr, whole_src.data.ptr, count * page,
                                     cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
 
-    kernel, whole, contiguous = [], [], []
+    kernel_s, whole, contiguous, batched = [], [], [], []
     for repeat in range(repeats + 1):  # the first: untimed (modules load, pools fill)
-        table, keep = copier.table(pieces)  # before the hold: its upload is not timed
-        seq += 1
-        took = held(lambda: copier(src.data.ptr, dst.data.ptr, table, count, page, None,
-                                      seen.ctypes.data, seq))
+        took = held(lambda: kernel(blocks))
+        stream.synchronize()
         called = time.perf_counter()
-        gather()
-        while seen[0] != seq:
+        copier.send(src.data.ptr, src_pages, dst.data.ptr, dst_pages, page, spin, size,
+                    page_size=page, seq_at=seen.ctypes.data, seq=repeat + 1)
+        while seen[0] != repeat + 1:
             pass
         if repeat:
-            kernel.append(took)
+            kernel_s.append(took)
             whole.append(time.perf_counter() - called)
             contiguous.append(held(copy))
         stream.synchronize()
-    return {"gather_kernel_s": statistics.median(kernel), "gather_call_s": statistics.median(whole),
-            "device_copy_s": statistics.median(contiguous)}
+    # The batched copy last (it slowed the calls above when it came first), not behind a
+    # held stream: a long batch blocks its caller until the GPU has taken most of it.
+    batch = batch_copy(src, src_pages, dst, dst_pages, page, stream)
+    for repeat in range(repeats + 1 if batch else 0):
+        called = time.perf_counter()
+        batch()
+        stream.synchronize()
+        if repeat:
+            batched.append(time.perf_counter() - called)
+    median = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    return {"gather_kernel_s": median(kernel_s), "gather_call_s": median(whole),
+            "device_copy_s": median(contiguous), "batch_call_s": median(batched)}
+
+
+def batch_copy(src, src_pages, dst, dst_pages, page, stream):
+    """CUDA's batched copy of page src_pages[i] of `src` to page dst_pages[i] of `dst`
+    (cupy arrays) on `stream`: a function that builds the address lists and queues the
+    batch; None where the driver has no cuMemcpyBatchAsync (CUDA 12.8's) or refuses it
+    (said in one line)."""
+    import numpy as np
+    from common.fabric import cuda_driver
+    ffi = cuda_driver.ffi
+    try:
+        call = cuda_driver.function("cuMemcpyBatchAsync_v2")
+    except ValueError:
+        return None
+    attrs = ffi.new("struct cu_memcpy_attributes *", dict(
+        src_access_order=cuda_driver.IN_STREAM_ORDER, src_type=cuda_driver.ON_DEVICE,
+        src_id=src.device.id, dst_type=cuda_driver.ON_DEVICE, dst_id=dst.device.id))
+    first = ffi.new("size_t *", 0)
+    count, on = len(src_pages), ffi.cast("void *", stream.ptr)
+    sizes = ffi.from_buffer("size_t[]", np.full(count, page, np.uint64))
+    failed = []
+
+    def queue():
+        lists = [np.asarray(pages, np.uint64) * np.uint64(page) + np.uint64(base.data.ptr)
+                 for pages, base in ((dst_pages, dst), (src_pages, src))]
+        at = [ffi.from_buffer("unsigned long long[]", x) for x in lists]
+        rc = call(*at, sizes, count, attrs, first, 1, on)
+        if rc:
+            failed.append(cuda_driver.error_name(rc))
+
+    queue()
+    stream.synchronize()
+    if failed:
+        print(f"cuMemcpyBatchAsync refused: {failed[0]}", flush=True)
+        return None
+    return queue
 
 
 def iterations(size, total_bytes, at_least=200):

@@ -18,7 +18,8 @@ engine's CUDA IPC route (one kernel a command, common/transfer/ipc.py) unless
 --no-cuda-ipc sends them by libfabric; the first line says which. Then each case is also
 measured against the same GPU's ceiling in the same run (common/baselines.gather_ceiling):
 the route's kernel gathering the same pages in one process (the GPU's time, and from the
-call to its mark), and one contiguous device copy of as many bytes.
+call to its mark), CUDA's batched copy of the same pages (cuMemcpyBatchAsync), and one
+contiguous device copy of as many bytes.
 
     .venv/bin/python scripts/transfer_bench.py -p shm
     .venv/bin/python scripts/transfer_bench.py -p tcp --page-sizes 4K,64K --pages 100 --repeats 5 --json
@@ -223,10 +224,15 @@ def ceiling(row, gpu, page, src, dst, size, repeats):
                device_copy_gbps=bits / c["device_copy_s"] / 1e9,
                percent_of_gather=100 * kernels / row["elapsed_s"],
                whole_per_gather_kernel=row["whole_s"] / kernels)
+    batch = "no cuMemcpyBatchAsync in this driver"
+    if c["batch_call_s"]:
+        row["batch_gbps"] = bits / c["batch_call_s"] / 1e9
+        batch = (f"cuMemcpyBatchAsync {row['batch_gbps']:.0f} Gbps "
+                 f"({1e6 * c['batch_call_s']:.1f} us from the call)")
     print(f"{'':>6}   on this GPU: the gather kernel {row['gather_gbps']:.0f} Gbps "
           f"({1e6 * c['gather_kernel_s']:.1f} us; {1e6 * c['gather_call_s']:.1f} us from "
-          f"the call), one device copy {row['device_copy_gbps']:.0f} Gbps; this route "
-          f"{row['percent_of_gather']:.1f}% of the gather, whole "
+          f"the call), {batch}, one device copy {row['device_copy_gbps']:.0f} Gbps; this "
+          f"route {row['percent_of_gather']:.1f}% of the gather, whole "
           f"{row['whole_per_gather_kernel']:.1f}x its kernel"
           + (f"s ({row['stream']} commands)" if row["stream"] > 1 else ""), flush=True)
 
