@@ -56,9 +56,10 @@ LESSON = {"figure": "check"}
 # engine maps the decoder's cache into the prefiller by CUDA IPC and copies each layer's
 # pages with one kernel (`peer.route == "cuda-ipc"`, common/transfer/ipc.py); libfabric's
 # shm makes one CUDA IPC copy per WRITE. The same calls, expect() unchanged. On one H200
-# (both on GPU 0, 10,000 pages of 16 KiB, scripts/transfer_bench.py --gpu 0, one run):
-# 4,150 Gbps by the kernel route, 25.9 by shm, 15.8 by NIXL; the GPU gathers them alone
-# at 16,450 (results/transfer/README.md: what the route still loses, and where).
+# (both on GPU 0, libfabric 2.6, 10,000 pages of 16 KiB in one command,
+# scripts/transfer_bench.py --gpu 0, three runs minutes apart): 9,942 Gbps by the kernel
+# route (15,075 when commands stream), 31.5 by shm, 23.4 by NIXL; the GPU gathers them
+# alone at 16,306 (results/transfer/README.md: the commands, and where the rest goes).
 # --no-cuda-ipc takes the NIC's path, for comparison.
 
 # %% [markdown]

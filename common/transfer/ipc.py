@@ -7,9 +7,11 @@ two GPUs, or within one). So an engine made for a GPU exports its regions by CUD
 handle in Region.descriptor()) and keeps an inbox, host memory shared with the peers of
 its host (a memfd they open as /proc/<pid>/fd/<n>: nothing in /dev/shm to leave behind).
 A writer whose peer is on this host (same boot, same pid namespace) and whose GPU can
-reach the peer's sends each command to it as one kernel (ipc.cu): the command's offsets
-copied to the GPU, the pages copied into the peer's memory, then, after a system-wide
-fence, the command's sequence number stored into the writer's ring in the peer's inbox.
+reach the peer's sends each command to it as one kernel (ipc.cu, launched from C by
+copier.c): the command's page numbers checked and handed to the GPU (a short table read
+where it lies in pinned host memory, a long one uploaded), the pages copied into the
+peer's memory, then, after a system-wide fence, the command's sequence number stored into
+the writer's ring in the peer's inbox.
 The peer's C worker polls its inbox and counts the command's immediates in the same table
 as a NIC's (worker.c, tx_inbox_poll): expect() does not know which route they took.
 
