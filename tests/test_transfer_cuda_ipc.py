@@ -124,6 +124,9 @@ def test_the_copier_builds_each_table_and_launches_one_kernel(direct):
     for pages, bad in [(([0, 50], [0, 1]), (0, 1)), (([0, 1], [39, 40]), (1, 1)),
                        (([-1], [0]), (0, 0))]:
         assert fake.send(src, *pages[:1], dst, *pages[1:], page, mark, 6) == bad
+    for at in range(9):  # anywhere in the command: the first pass takes the largest only
+        pages = [*range(at), 50, *range(at + 1, 9)]
+        assert fake.send(src, pages, dst, range(9), page, mark, 6) == (0, at)
     assert len(fake.kernels) == 1 and mark[0] == 5
     lengths = np.array([3, 64, 17], np.uint64)  # byte offsets, each its own length
     assert fake.copier.send(src.ctypes.data, np.array([1, 100, 7]), dst.ctypes.data,
