@@ -43,12 +43,13 @@ uint64_t tx_copy_piece(struct tx_copier *c, struct tx_copy *a);
  *
  * A table (source items, destination items, then lengths where they differ) takes
  * consecutive entries of the ring, which it keeps until the kernel that reads it is done:
- * each kernel stores its number in `finished` last (the stream runs them in order). A table of at most `direct` entries
- * is read by the kernel from pinned memory (mapped for the GPU: one copy fewer to queue);
- * a longer one is uploaded first, on a stream of its own that the kernel's waits for, so
- * that the upload of one command's table overlaps the kernel of the one before. A command too long for half the
- * ring goes as several kernels, in the stream's order, its items all checked before the
- * first; only the last stores the command's seq.
+ * each kernel stores its number in `finished` last (the stream runs them in order). A
+ * table of at most `direct` entries is read by the kernel from pinned memory (mapped for
+ * the GPU: one copy fewer to queue); a longer one is uploaded first, on a stream of its
+ * own that the kernel's waits for, so that the upload of one command's table overlaps the
+ * kernel of the one before. A command too long for half the ring goes as several
+ * kernels, in the stream's order, its items all checked before the first; only the last
+ * stores the command's seq.
  */
 typedef int (*tx_launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                             unsigned by, unsigned bz, unsigned shared, void *stream,
@@ -190,9 +191,8 @@ int tx_copy(struct tx_copier *c, struct tx_copy *a)
         volatile uint64_t *seq_at = last ? a->seq_at : NULL;
         uint64_t number = c->launched + 1;
         void *params[] = {(void *)&src, (void *)&dst, &device, &a->scale, &count, &length,
-                          &has_lengths,
-                          &c->chunk, &per_copy, (void *)&seq_at, &a->seq, (void *)&c->finished,
-                          &number, &c->blocks_done};
+                          &has_lengths, &c->chunk, &per_copy, (void *)&seq_at, &a->seq,
+                          (void *)&c->finished, &number, &c->blocks_done};
         c->rc = ((tx_launch_fn)c->launch)(c->kernel, blocks ? (unsigned)blocks : 1, 1, 1,
                                           c->threads, 1, 1, 0, c->stream, params, NULL);
         if (c->rc)
