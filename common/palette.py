@@ -18,6 +18,7 @@ TOOLS = {            # by the start of a tool's name in results/
     "cudaMemcpyPeer": "tab:gray",
     "nccl": "tab:olive",
     "nixl": "tab:cyan",
+    "gather kernel": "goldenrod",  # the same GPU gathering the same pages (a ceiling)
 }
 SETUP_STYLES = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", "-"), ("P", "--")]
 
