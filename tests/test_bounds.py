@@ -262,20 +262,25 @@ def test_a_signal_while_a_chapter_starts_is_its_exit_and_one_line(sig):
     assert not wrong, wrong
 
 
+def program(folder, name, source, stdout=subprocess.DEVNULL):
+    """Start the Python program `source`, written to folder/name; its stderr piped."""
+    path = folder / name
+    path.write_text(source)
+    return subprocess.Popen([sys.executable, str(path)], stdout=stdout, stderr=subprocess.PIPE,
+                            text=True, env=own_timeout())
+
+
 def test_a_signal_whose_clean_up_then_failed_is_still_the_signal(tmp_path):
     """A SIGTERM cut into argparse's parse_intermixed_args, whose `finally` then read an
     attribute its `try` had not set yet: an AttributeError's traceback, exit 1, not 143."""
-    cut = tmp_path / "cut.py"
-    cut.write_text("import os, signal\n"
-                   "from common import cli\n\n\n"
-                   "def main():\n"
-                   "    try:\n"
-                   "        os.kill(os.getpid(), signal.SIGTERM)\n"
-                   "    finally:\n"
-                   "        object().save_nargs\n\n\n"
-                   "cli.run(main)\n")
-    proc = subprocess.Popen([sys.executable, str(cut)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=own_timeout())
+    proc = program(tmp_path, "cut.py", "import os, signal\n"
+                                       "from common import cli\n\n\n"
+                                       "def main():\n"
+                                       "    try:\n"
+                                       "        os.kill(os.getpid(), signal.SIGTERM)\n"
+                                       "    finally:\n"
+                                       "        object().save_nargs\n\n\n"
+                                       "cli.run(main)\n")
     try:
         code, err, _ = ended(proc, bounds.STOP_BOUND + STOP_MARGIN)
         assert code == 128 + signal.SIGTERM, err
@@ -288,31 +293,29 @@ def test_a_signal_after_main_returned_changes_nothing(tmp_path):
     """A launcher stopping ranks that have just finished: a SIGTERM while Python finalized
     (held open here by a thread that main() left running) printed a traceback from
     threading's shutdown, or, later, killed the process (-15) after its work was done."""
-    finished = tmp_path / "finished.py"
     # 'done' once main() has returned, from inside the exit (cli.run's last flush of
     # stdout, held a second there): a SIGTERM sent when main() printed it itself could
     # still come before main() returned, which must end it with 143. main() also leaves a
     # thread running, which held Python's finalization open.
-    finished.write_text("import os, sys, threading, time\n"
-                        "from common import cli\n\n\n"
-                        "class Held:\n"
-                        "    def __init__(self, out):\n"
-                        "        self.out, self.armed = out, False\n\n"
-                        "    def write(self, text):\n"
-                        "        return self.out.write(text)\n\n"
-                        "    def flush(self):\n"
-                        "        self.out.flush()\n"
-                        "        if self.armed:\n"
-                        "            self.armed = False\n"
-                        "            os.write(1, b'done\\n')\n"
-                        "            time.sleep(1)\n\n\n"
-                        "sys.stdout = Held(sys.stdout)\n\n\n"
-                        "def main():\n"
-                        "    threading.Thread(target=time.sleep, args=(5,)).start()\n"
-                        "    sys.stdout.armed = True\n\n\n"
-                        "cli.run(main)\n")
-    proc = subprocess.Popen([sys.executable, str(finished)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=own_timeout())
+    proc = program(tmp_path, "finished.py", "import os, sys, threading, time\n"
+                                            "from common import cli\n\n\n"
+                                            "class Held:\n"
+                                            "    def __init__(self, out):\n"
+                                            "        self.out, self.armed = out, False\n\n"
+                                            "    def write(self, text):\n"
+                                            "        return self.out.write(text)\n\n"
+                                            "    def flush(self):\n"
+                                            "        self.out.flush()\n"
+                                            "        if self.armed:\n"
+                                            "            self.armed = False\n"
+                                            "            os.write(1, b'done\\n')\n"
+                                            "            time.sleep(1)\n\n\n"
+                                            "sys.stdout = Held(sys.stdout)\n\n\n"
+                                            "def main():\n"
+                                            "    threading.Thread(target=time.sleep,"
+                                            " args=(5,)).start()\n"
+                                            "    sys.stdout.armed = True\n\n\n"
+                                            "cli.run(main)\n", stdout=subprocess.PIPE)
     try:
         assert proc.stdout.readline() == "done\n", proc.stderr.read()
         proc.send_signal(signal.SIGTERM)
