@@ -9,7 +9,9 @@ The bounds, the same for a server, a client and a rank:
   signal (it is inside a provider call that does not return: Python runs signal handlers
   only between bytecodes), the watchdog ends it.
 - A dead or frozen peer: every wait for a peer has a deadline, the chapter's --timeout
-  from its start (or from the peer's last sign of life), and raises TimeoutError there.
+  from its start (or from the peer's last sign of life), and raises TimeoutError there
+  (a gather at the rendezvous first asks it which ranks have not come: 0.5 s at most,
+  common/launch.LATE_ANSWER, the rendezvous being no provider call, out of SLACK).
   A survivor then waits for its operations in flight (TIDY_BOUND) and closes what it
   opened (CLOSE_BOUND + SLACK), and ends (a client) or is ready for its next client (a
   server): within --timeout + 5 s. A provider call that never returns is the watchdog's: SLACK

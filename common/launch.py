@@ -16,7 +16,9 @@ torchrun or Slurm, rank 0 serves it on MASTER_PORT + 1 (torchrun's own store
 holds MASTER_PORT). The server also watches: a rank whose connection closes
 before it said goodbye is gone (killed, crashed), and every other rank is
 told so. Ranks ask (`check`, cheap, from their wait loops), so they stop
-within a bounded time with a clear message instead of waiting forever.
+within a bounded time with a clear message instead of waiting forever. A
+gather that runs out of time asks the rendezvous which ranks have not come
+(an answer within LATE_ANSWER), so that its line names them.
 
 A frozen rank (SIGSTOP, a host that stopped answering) closes nothing, so each
 side also says that it lives, every ALIVE_EVERY seconds, from a thread of its
@@ -44,10 +46,12 @@ from common import shm_files
 
 FRAME = struct.Struct("<IB")   # payload length, message type
 HELLO = struct.Struct("<IIId")  # rank, world size, ranks per node, seconds it may be silent
-JOIN, WELCOME, GATHER, GATHERED, ABORT, BYE, ALIVE = range(1, 8)
+JOIN, WELCOME, GATHER, GATHERED, ABORT, BYE, ALIVE, LATE, MISSING = range(1, 10)
 LENGTH = struct.Struct("<I")
+SECONDS = struct.Struct("<d")
 CHECK_EVERY = 0.01  # seconds between two looks at the rendezvous from a wait loop
 ALIVE_EVERY = 0.5   # seconds between two signs of life (at most a quarter of the silence)
+LATE_ANSWER = 0.5   # seconds a rank whose gather ran out waits to hear who is missing
 
 
 class PeerGone(ConnectionError):
@@ -235,6 +239,8 @@ class RendezvousServer(threading.Thread):
                     sockets[sock] = self._join(sock, payload)
                 elif kind == GATHER:
                     self._gather(rank, payload)
+                elif kind == LATE:
+                    self._late(rank, sock, *SECONDS.unpack(payload))
                 elif kind == BYE:
                     self.left.add(rank)
                     if self.gathered and rank not in self.gathered:
@@ -308,6 +314,28 @@ class RendezvousServer(threading.Thread):
                         _send(sock, GATHERED, reply)
                     except OSError:  # that rank is gone: its close is read next
                         pass
+
+    def _late(self, rank, sock, timeout):
+        """`rank` waited `timeout` s in a gather: name the ranks that have not come, to it
+        and, stopping the job, to all. (A rank frozen just after its last sign of life is
+        called silent only later; the gather's own words then name it first.) If the gather
+        has completed since, its reply is on the way: nothing to say."""
+        if rank not in self.gathered or self.failure is not None:
+            return
+        missing = sorted(set(range(self.world)) - set(self.gathered))
+        why = f"no allgather from {_ranks(missing)} within {timeout:g} s"
+        with self.lock:
+            with contextlib.suppress(OSError):  # that rank is gone: its close is read next
+                _send(sock, MISSING, why.encode())
+        self.abort(why)
+
+
+def _ranks(ranks, shown=4):
+    """'rank 1', 'ranks 1, 3', 'ranks 1, 2, 3, 4 and 12 more'."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    names = ", ".join(str(r) for r in ranks[:shown])
+    return f"ranks {names}" + (f" and {len(ranks) - shown} more" if len(ranks) > shown else "")
 
 
 # --- a rank's side ---------------------------------------------------------------
@@ -408,8 +436,19 @@ class Group:
         """Every rank's `payload` (bytes), in rank order."""
         if self.world == 1:
             return [payload]
+        timeout = timeout or self.timeout
         self._say(GATHER, payload)
-        _, reply = self._reply(timeout or self.timeout, "allgather from every rank")
+        try:
+            kind, reply = self._reply(timeout, "allgather from every rank")
+        except TimeoutError as late:
+            # the rendezvous knows which ranks have not come: ask it, so the line names them
+            self._say(LATE, SECONDS.pack(timeout))
+            try:
+                kind, reply = self._reply(LATE_ANSWER, "answer")
+            except TimeoutError:
+                raise late from None
+            if kind == MISSING:
+                raise TimeoutError(reply.decode()) from None
         return _unpack_list(reply)
 
     def barrier(self, timeout=None):

@@ -207,6 +207,45 @@ def test_a_frozen_rendezvous_is_seen_by_the_ranks():
         kept[0].close()
 
 
+def test_a_gather_that_runs_out_names_the_ranks_that_did_not_come():
+    """A rank that lives but is not at the gather (busy, or frozen just after its last sign
+    of life, so not yet silent for long enough): the gather that runs out names it, not
+    'every rank', and the job stops in the same words for the others."""
+    budget = Budget(LIMIT)
+    server = launch.RendezvousServer(3, 3, join_timeout=budget.grant(60))
+    groups = {}
+    def join(rank):
+        place = launch.Place(rank, 3, 3, None, server.address, False, "test")
+        groups[rank] = launch.Group(place, budget.grant(60))
+    joiners = [threading.Thread(target=join, args=(rank,)) for rank in range(3)]
+    for thread in joiners:
+        thread.start()
+    for thread in joiners:
+        thread.join(budget.left())
+    stopped = []
+    def wait_at_the_gather():
+        with pytest.raises(launch.PeerGone) as raised:
+            groups[2].allgather(b"2", budget.grant(60))
+        stopped.append(str(raised.value))
+    waiter = threading.Thread(target=wait_at_the_gather)
+    try:
+        waiter.start()
+        while 2 not in server.gathered:  # rank 2 is at the gather before rank 0 runs out
+            assert time.monotonic() < budget.deadline
+            time.sleep(0.01)
+        with pytest.raises(TimeoutError, match=r"^no allgather from rank 1 within 0.5 s$"):
+            groups[0].allgather(b"0", 0.5)
+        waiter.join(budget.left())
+        assert stopped == ["stopping: no allgather from rank 1 within 0.5 s"]
+        assert server.failure == "no allgather from rank 1 within 0.5 s"
+    finally:
+        for group in groups.values():
+            group.close()
+        waiter.join(budget.left())
+        server.join(budget.left())
+    assert not server.is_alive()
+
+
 # A rank that leaves a child holding its output: the launcher, its ranks ended, still reads
 # what they wrote (a second for each stream) when SIGTERM comes.
 LINGERER = "import subprocess\nprint(subprocess.Popen(['sleep', '30']).pid, flush=True)\n"
