@@ -11,8 +11,9 @@ first contact is compared with: a latency with a latency, printed after the
 run.
 
 New since chapter 09: warm_up() (common/engine/warmup.py, shown by scripts/diff.sh 10),
-run by the engine of chapter 09 (common/engine/multinet.py) between building the WRITE
-messages and starting the clock; the comparison printed after the run.
+and warmed(), which wraps chapter 09's engine (common/engine/multinet.write_all) to run it
+after the WRITE messages are built and before the clock starts; the comparison is printed
+after the run.
 
     .venv/bin/python chapters/10_warmup.py                                  # server
     .venv/bin/python chapters/10_warmup.py ADDRESS --nics-per-gpu 4         # client
@@ -35,7 +36,7 @@ LESSON = {"figure": "first WRITE", "visible": {"at_least": 2}, "field": "first_v
 # %%
 from common import cli
 from common.engine import multinet
-from common.engine.warmup import warm_up
+from common.engine.warmup import warmed
 
 if __name__ == "__main__":
-    cli.run(lambda: multinet.run(__doc__, "10_warmup", warm_up, lesson=LESSON))
+    cli.run(lambda: multinet.run(__doc__, "10_warmup", warmed(), lesson=LESSON))

@@ -43,7 +43,7 @@ from common import cli
 from common.engine import multinet, workers
 from common.fabric import memory
 import common._native11 as native
-from common.engine.warmup import warm_up
+from common.engine.warmup import warmed
 
 
 # %% [markdown]
@@ -88,4 +88,4 @@ def add_args(p):
 
 
 if __name__ == "__main__":
-    cli.run(lambda: multinet.run(__doc__, "11_multithread", warm_up, threaded, add_args, LESSON))
+    cli.run(lambda: multinet.run(__doc__, "11_multithread", warmed(threaded), add_args, LESSON))

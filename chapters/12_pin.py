@@ -48,7 +48,7 @@ from common import cli
 from common.engine import multinet, topo, workers
 from common.fabric import memory
 import common._native12 as native
-from common.engine.warmup import warm_up
+from common.engine.warmup import warmed
 
 
 # %% [markdown]
@@ -73,4 +73,4 @@ def threaded(args, lanes, conn, page_size):
 
 
 if __name__ == "__main__":
-    cli.run(lambda: multinet.run(__doc__, "12_pin", warm_up, threaded, lesson=LESSON))
+    cli.run(lambda: multinet.run(__doc__, "12_pin", warmed(threaded), lesson=LESSON))

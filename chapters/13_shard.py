@@ -41,7 +41,7 @@ LESSON = {"figure": "CPU per WRITE", "visible": {"than": "12", "by": 1.2},
 from common import cli
 from common.engine import multinet, shards
 import common._native13 as native
-from common.engine.warmup import warm_up
+from common.engine.warmup import warmed
 
 
 # %% [markdown]
@@ -54,4 +54,4 @@ def threaded(args, lanes, conn, page_size):
 
 
 if __name__ == "__main__":
-    cli.run(lambda: multinet.run(__doc__, "13_shard", warm_up, threaded, lesson=LESSON))
+    cli.run(lambda: multinet.run(__doc__, "13_shard", warmed(threaded), lesson=LESSON))

@@ -54,7 +54,7 @@ LESSON = {"figure": "CPU per WRITE", "visible": {"than": "13", "by": 1.2},
 from common import cli
 from common.engine import multinet, shards
 import common._native14 as native
-from common.engine.warmup import warm_up
+from common.engine.warmup import warmed
 
 
 # %% [markdown]
@@ -74,4 +74,4 @@ def add_args(p):
 
 
 if __name__ == "__main__":
-    cli.run(lambda: multinet.run(__doc__, "14_batch", warm_up, threaded, add_args, LESSON))
+    cli.run(lambda: multinet.run(__doc__, "14_batch", warmed(threaded), add_args, LESSON))

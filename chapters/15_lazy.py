@@ -51,7 +51,7 @@ LESSON = {"figure": "refused", "visible": {"than": "14", "by": 2}, "field": "ref
 from common import cli
 from common.engine import multinet, shards
 import common._native15 as native
-from common.engine.warmup import warm_up
+from common.engine.warmup import warmed
 
 
 # %% [markdown]
@@ -71,4 +71,4 @@ def add_args(p):
 
 
 if __name__ == "__main__":
-    cli.run(lambda: multinet.run(__doc__, "15_lazy", warm_up, threaded, add_args, LESSON))
+    cli.run(lambda: multinet.run(__doc__, "15_lazy", warmed(threaded), add_args, LESSON))

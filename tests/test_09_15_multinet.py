@@ -131,7 +131,7 @@ def test_a_refused_client_hears_why_at_once(provider):
                 addr, body = connect.accept(own, server.av, server.domain, server.ep,
                                             server.poller, request, 9, 20.0)
                 conn = Connection(own, server.domain, addr, server.queue, server_inbox, [], 20.0)
-                multinet.serve(conn, info, body, argparse.Namespace(gpus=[0, 1]), None, None)
+                multinet.serve(conn, info, body, argparse.Namespace(gpus=[0, 1]), None)
             except ValueError as e:
                 failed.append(str(e))
         thread = threading.Thread(target=serve)

@@ -38,11 +38,16 @@ LESSONS = [
     ("07", {"chapters/07_queue.py": (
                 ["queue = OpQueue(ep, cq, poller, slots=fi.in_flight(info))"], []),
             "common/engine/opqueue.py": (["class OpQueue:", "if rc == -lib.FI_EAGAIN:"], [])}),
+    ("09", {"common/engine/multinet.py": (["class Lane:", "def write_all(args, lanes, conn, "
+                                                          "page_size):"], []),
+            "chapters/09_multinet.py": (
+                ['cli.run(lambda: multinet.run(__doc__, "09_multinet", lesson=LESSON))'], [])}),
     ("10", {"chapters/10_warmup.py": (
-                ["from common.engine.warmup import warm_up",
-                 'cli.run(lambda: multinet.run(__doc__, "10_warmup", warm_up, lesson=LESSON))'],
+                ["from common.engine.warmup import warmed",
+                 'cli.run(lambda: multinet.run(__doc__, "10_warmup", warmed(), lesson=LESSON))'],
                 ['cli.run(lambda: multinet.run(__doc__, "09_multinet", lesson=LESSON))']),
-            "common/engine/warmup.py": (["def warm_up(lanes, conn):"], [])}),
+            "common/engine/warmup.py": (["def warmed(engine=write_all):",
+                                         "def warm_up(lanes, conn):"], [])}),
     ("13", {"chapters/13_shard.c": (
                 ["struct counter {            // one worker's count of completed WRITEs, "
                  "alone on its cache"],
@@ -90,7 +95,7 @@ def test_where_the_lesson_is_c_the_c_comes_first():
     assert any("__global__" in line for line in shown(diff("17").stdout)[files[0]][0])
 
 
-@pytest.mark.parametrize("chapter", ["04", "16", "18"])
+@pytest.mark.parametrize("chapter", ["04", "09", "16", "18"])
 def test_a_chapter_that_stands_alone_is_shown_whole(chapter):
     """PARENT "-": every file is new, nothing of another chapter taken away."""
     done = diff(chapter)

@@ -5,14 +5,18 @@ control endpoint carries CONNECT, heartbeats and LANDED; the data goes on
 G x N lanes, a group's pages round robin over its lanes, one thread visiting
 every lane. Which NICs: nics.lane_nics, each GPU's own by chapter 08's topology;
 where a host has no NIC, a lane is one more domain of shm or tcp (a "virtual
-NIC"). Chapter 10 passes `warmup`, run before the clock starts.
+NIC"). What posts the WRITEs is an `engine` (write_all here, one thread; worker
+threads from chapter 11 on); the flags are flags.py's, the report report.py's.
 """
 import struct
 import threading
 import time
+from typing import NamedTuple
 
 from common import bench, bounds, cli
+from common.engine.flags import parse
 from common.engine.nics import lane_nics
+from common.engine.report import report
 from common.fabric import connect, memory
 from common.fabric import ffi, lib
 from common.engine.opqueue import HEARTBEAT, Connection, OpQueue
@@ -25,6 +29,14 @@ NAME = struct.Struct("<H")  # each address's length before it: shm's ":9:0" and 
 LANDED = struct.Struct("<Q")
 INSERTED = b"lanes in AVs"  # client -> server: each of its lanes' AVs holds the server's lane
 BURST = 1  # new WRITEs per lane per visit: one, as in the series; chapter 14 posts more
+
+
+class Started(NamedTuple):
+    """What an engine returns: when it started the clock, its figures for the record, and
+    what it prints once the run's time is known (given it: seconds), if anything."""
+    at: float
+    figures: dict
+    then: object = None
 
 
 class Lane:
@@ -53,7 +65,7 @@ class Lane:
             self.submitted += 1
 
 
-def server(info, args, warmup=None, engine=None):
+def server(info, args, engine):
     with fi.Closer() as own:
         control = Lane(own, info)
         inbox = fi.Inbox(own, control.domain, control.ep, fi.max_send(info))
@@ -76,7 +88,7 @@ def server(info, args, warmup=None, engine=None):
                     # held past client_own's close: the workers' C arrays (conn.keep) with it
                     conn = Connection(client_own, control.domain, client, control.queue, inbox,
                                       backlog, args.timeout)
-                    serve(conn, info, request, args, warmup, engine or write_all)
+                    serve(conn, info, request, args, engine)
             except (fi.FabricError, TimeoutError, ValueError) as e:
                 connect.report(served + 1, e)
                 if isinstance(e, connect.Refused):
@@ -103,7 +115,7 @@ def unpack_names(data, at, count):
     return names, at
 
 
-def serve(conn, head, request, args, warmup, engine):
+def serve(conn, head, request, args, engine):
     seed, page_size, iters, runs, nbufs, groups, per_group = HEADER.unpack_from(request)
     names, at = unpack_names(request, HEADER.size, groups * per_group)
     own, lanes, started = conn.own, [], False
@@ -138,13 +150,11 @@ def serve(conn, head, request, args, warmup, engine):
                 k = g * per_group + n
                 build_messages(own, lanes[k], source, regions[k * nbufs:(k + 1) * nbufs],
                                pages, page_size, n, per_group)
-        # chapter 10: first contact on every NIC, before the clock starts
-        compare = warmup(lanes, conn) if warmup else None
         started, cpu = True, time.process_time()
-        start = engine(lanes, conn, page_size)
+        run = engine(args, lanes, conn, page_size)
         while len(message := conn.queue.next_message(conn.inbox, conn.timeout)) != LANDED.size:
             conn.backlog.append(message)
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+        elapsed, cpu = time.perf_counter() - run.at, time.process_time() - cpu
     except Exception as e:  # this client failed (not Ctrl-C: opqueue.drain says why)
         # one timeout for them all, not one each: the next client's CONNECT waits meanwhile
         deadline = time.monotonic() + conn.timeout
@@ -157,10 +167,9 @@ def serve(conn, head, request, args, warmup, engine):
     sent = {"seed": seed, "page_size": page_size, "iters": iters,  # in its CONNECT
             "pages": connect.pages_flag(pages), "buffers": nbufs,
             "buffer_size": regions[0][1], "groups": groups, "nics_per_gpu": per_group}
-    report(args, lanes, sources, iters, page_size, elapsed, cpu, sent,
-           compare.figures if compare else {}, threaded=engine is not write_all)
-    if compare:
-        compare(elapsed)
+    report(args, lanes, sources, iters, page_size, elapsed, cpu, sent, run.figures)
+    if run.then:
+        run.then(elapsed)
 
 
 # The client's lanes are the targets of the server's WRITEs, and efa-direct's device takes
@@ -230,8 +239,8 @@ def written(pages, iters, groups, per_group):
     return reached
 
 
-def write_all(lanes, conn, page_size):
-    """Every lane's WRITEs, one thread visiting each lane in turn; returns the start time."""
+def write_all(args, lanes, conn, page_size):
+    """Every lane's WRITEs, one thread visiting each lane in turn (the engine of 09 and 10)."""
     timeout, total = conn.timeout, sum(lane.iters for lane in lanes)
     progress = bench.Progress("WRITEs completed", total, page_size)
     start = time.perf_counter()
@@ -254,41 +263,7 @@ def write_all(lanes, conn, page_size):
             if conn.beat(done):
                 progress.update(done)
     progress.close()
-    return start
-
-
-def report(args, lanes, sources, iters, page_size, elapsed, cpu, sent, warm, threaded):
-    """What the run showed, printed; with --json also recorded, with the client's flags
-    (`sent`), the warmup's figures (`warm`) and what each chapter's lesson moves."""
-    done = [lane.queue.completed for lane in lanes]
-    if sum(done) != iters or any(d != lane.iters for d, lane in zip(done, lanes)):
-        raise ValueError(f"completions per NIC {done}, expected {[l.iters for l in lanes]}")
-    print(f"wrote from {len(sources)} x {' / '.join(sorted({s.kind for s in sources}))}; "
-          f"WRITEs per NIC: "
-          f"{' '.join(map(str, done))}, each NIC's last with immediate data; "
-          f"-FI_EAGAIN {sum(lane.queue.eagain for lane in lanes)} times")
-    f = bench.figures(iters, page_size, elapsed)
-    f["cpu_us_per_write"] = 1e6 * cpu / iters  # in the --json record too
-    f.update(warm, nics=len(lanes), groups=len(sources), writes_per_nic=done,
-             workers=len(sources) if threaded else 1,
-             refused=sum(lane.queue.eagain for lane in lanes))
-    memory_kind = "cuda" if args.gpus else "host"
-    here = bench.machine(args.gpus[0] if args.gpus else None)
-    # GPUs writing to each other: what NVLink carries both ways at once is the ceiling
-    both_ways = args.gpus and len(set(args.gpus)) == 2
-    lim = bench.limit([lane.info for lane in lanes], args.provider_used, memory_kind,
-                      page_size, here, "cudaMemcpyPeer both ways" if both_ways else "fi_rma_bw")
-    print(bench.summary(f, lim))
-    # what the writer's threads spend per WRITE, polling included: it moves on a small
-    # machine where the Gbps is noise (chapter 11's C loop against Python's)
-    print(f"CPU time: {f['cpu_us_per_write']:.2f} us per WRITE (this process, all threads)",
-          flush=True)
-    if args.json:
-        path = bench.run_path(args.json, args.chapter, args.provider_used, memory_kind,
-                              f"{len(lanes)}nics", page_size)
-        record = bench.record(path, args.chapter, args, lanes[0].info, memory_kind, here, f, lim,
-                              sent, args.lesson["field"])
-        print(f"result: {record}")
+    return Started(start, {"workers": 1})
 
 
 def client(info, args, addr, infos):
@@ -382,54 +357,16 @@ def request(args, me, names, regions):
                         + pack_names(names) + regions + pages)
 
 
-def parse(doc, add_args=None):
-    """The arguments of chapters 09 on, checked before anything is opened."""
-    p = cli.parser(doc)
-    if add_args:
-        add_args(p)
-    cli.add_peer(p)
-    cli.add_pages(p, pages="the first 1000 of each buffer", buffer_size=1 << 30, gpu=False)
-    p.add_argument("--gpus", help="GPUs whose memory (and NICs) to use, e.g. 0,1")
-    cli.side("client",
-             p.add_argument("--groups", type=int, default=1,
-                            help="without --gpus: how many GPUs to stand in for with host memory"),
-             p.add_argument("--nics-per-gpu", type=int, help="NICs per GPU (default: all of "
-                            "them; where there are none: virtual NICs, default 1)"),
-             p.add_argument("--iters", type=int, default=1_000_000, help="WRITEs over all NICs"))
-    cli.side("server", p.add_argument("--json", nargs="?", const="auto",
-                                      help="write the figures as JSON"))
-    args = p.parse_args()
-    try:
-        args.gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
-    except ValueError:
-        raise cli.UsageError(f"--gpus takes GPU numbers like 0,1, not '{args.gpus}'") from None
-    groups = len(args.gpus) if args.gpus else args.groups
-    nics = 1 if args.nics_per_gpu is None else args.nics_per_gpu
-    if not 1 <= groups <= 64 or not 1 <= nics <= 64:
-        raise cli.UsageError("--groups/--gpus and --nics-per-gpu must be 1..64")
-    cli.check_pages(args, lambda per_buffer: [b * per_buffer + i for b in range(args.buffers)
-                                              for i in range(min(1000, per_buffer))])
-    lanes = groups * nics
-    if not lanes <= args.iters < 1 << 32:
-        raise cli.UsageError(f"--iters must be {lanes}..{(1 << 32) - 1}: at least one WRITE "
-                             "per NIC")
-    for gpu in reversed(args.gpus or []):  # each must exist; the first ends up current
-        memory.use_gpu(gpu)
-
-    args.groups = groups
-    return args
-
-
-def run(doc, chapter, warmup=None, engine=None, add_args=None, lesson=None):
+def run(doc, chapter, engine=write_all, add_args=None, lesson=None):
     """A chapter's main(): server or client, as chapter 09 shows them. Later chapters
-    pass `warmup` (run before the clock), `engine` (what posts the WRITEs: write_all
-    by default) and `add_args` (their own flags); `lesson`: the chapter's LESSON,
+    pass their `engine` (what posts the WRITEs: engine(args, lanes, conn, page_size),
+    returning Started) and `add_args` (their own flags); `lesson`: the chapter's LESSON,
     whose client run the server prints as the client command."""
     args = parse(doc, add_args)
     args.chapter, args.number, args.lesson = chapter, int(chapter[:2]), lesson
     info, addr = cli.peer(args, CAPS, hmem=bool(args.gpus), shm=False)
     if addr is None:
-        return server(info, args, warmup, engine and (lambda *a: engine(args, *a)))
+        return server(info, args, engine)
     infos, what = lane_nics(args, info, args.groups, args.nics_per_gpu)  # before opening
     print(what)
     lanes, name = args.groups * len(infos[0]), bytes(connect.ADDRESS_BOUND)

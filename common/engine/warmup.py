@@ -9,7 +9,18 @@ NIC, once the first is done.
 import time
 
 from common import bounds
+from common.engine.multinet import Started, write_all
 from common.fabric import memory
+
+
+def warmed(engine=write_all):
+    """`engine`, with the warmup before its clock starts: chapter 10's engine, and that of
+    every chapter after it."""
+    def warm_then_run(args, lanes, conn, page_size):
+        compare = warm_up(lanes, conn)
+        run = engine(args, lanes, conn, page_size)
+        return Started(run.at, {**run.figures, **compare.figures}, compare)
+    return warm_then_run
 
 
 def warm_up(lanes, conn):

@@ -11,6 +11,7 @@ import threading
 import time
 
 from common import bench, bounds
+from common.engine.multinet import Started
 import common.fabric as fi
 
 
@@ -59,7 +60,7 @@ def call(native, mine, errors, kept, *args):
 def run(threads, lanes, conn, page_size, done, halt, errors):
     """Start the workers; meanwhile this thread sends heartbeats, watches `done()` (WRITEs
     completed so far) for a stall and, on any failure, calls `halt()` and waits for the
-    workers to stop. Returns the start time."""
+    workers to stop. Returns multinet.Started."""
     timeout, total = conn.timeout, sum(lane.iters for lane in lanes)
     progress = bench.Progress("WRITEs completed", total, page_size)
     start = last = time.perf_counter()
@@ -84,7 +85,7 @@ def run(threads, lanes, conn, page_size, done, halt, errors):
         progress.close()
     if errors:
         raise errors[0]
-    return start
+    return Started(start, {"workers": len(threads)})
 
 
 def threads_for(lanes, work, errors):
