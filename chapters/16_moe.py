@@ -314,18 +314,14 @@ def main():
             return AllToAll(own, group, args.max_tokens, args.experts, args.topk, args.hidden,
                             dtype, private, args.provider, args.timeout, args.device,
                             args.combine_dtype, args.nics)
-        if group.rank == 0:
-            where = f"{group.nodes} emulated nodes of {group.ranks_per_node}" \
-                if group.nodes > 1 else "one node"
-            how = {"cpu": "numpy, host memory; same node: shared memory",
-                   "cuda": "GPU memory, cupy; same node: CUDA IPC copies"}[args.device]
-            print(f"{group.world} ranks ({place.source}), {where}; device {args.device}: {how}"
-                  + ("; other nodes: libfabric WRITEs through the proxy" if group.nodes > 1
-                     else ""), flush=True)
-            if group.nodes == 1:
-                again = cli.command("-n", "4", "--ranks-per-node", "2", cli.shown(__file__),
-                                    program=LAUNCHER)
-                print(f"one node: libfabric carries no token; across two: {again}", flush=True)
+        how = {"cpu": "numpy, host memory; same node: shared memory",
+               "cuda": "GPU memory, cupy; same node: CUDA IPC copies"}[args.device]
+        harness.say_world(group, place.source, f"device {args.device}: {how}",
+                          "libfabric WRITEs through the proxy")
+        if group.rank == 0 and group.nodes == 1:
+            again = cli.command("-n", "4", "--ranks-per-node", "2", cli.shown(__file__),
+                                program=LAUNCHER)
+            print(f"one node: libfabric carries no token; across two: {again}", flush=True)
         rows, provider = harness.run(group, args, {"ours": ours})
         harness.write(group, args, "16_moe", rows, provider)
 

@@ -12,7 +12,8 @@ out on the caller's stream (the cell "A serving engine calls it" below).
 
 New since chapter 16: the kernels (chapters/17_gpu_driven.cu); each sender owns a stripe
 of the receiver's region, so it needs nobody's counts before it sends the rest; --counts
-device, --graph, --baseline nccl; AllToAll, the layer a serving engine calls.
+device, --graph, --baseline nccl; AllToAll, the layer a serving engine calls (its arrays
+and stream taken as common/moe/serving.py says; the graph's check, common/moe/graphs.py).
 
     .venv/bin/python scripts/launch.py -n 1 --gpus 0 chapters/17_gpu_driven.py
     .venv/bin/python scripts/launch.py -n 2 --gpus 0 chapters/17_gpu_driven.py --counts device --graph
@@ -68,12 +69,13 @@ import numpy as np
 from common import cli, launch
 import common.fabric as fi
 from common.fabric import memory
-from common.moe import harness
+from common.moe import graphs, harness
 from common.moe.bookkeeping import Shape, Stages, Wire, aligned, check_shape, check_tokens, \
     index_error
 from common.moe.kernel_call import KernelCall
 from common.moe.memory import CudaMemory
 from common.moe.nccl import NcclAllToAll
+from common.moe.serving import Caller
 from common.moe.proxy import Proxy
 from common.moe.reference import FP8_BLOCK
 
@@ -216,8 +218,7 @@ class AllToAll(Stages):
             if L.dtype == "fp8" else (self.tokens.view(cp.uint16), None, self.received)
         self.out = cp.zeros((L.max_tokens, L.hidden), cp.float32)  # combine's, in a graph
         self.done = cp.zeros(2, cp.uint32)  # the last-block counters of the two pushes
-        self.forked, self.joined = (cp.cuda.Event(disable_timing=True) for _ in range(2))
-        self.ndarray, self.stream_ptr = cp.ndarray, self.mem.stream.ptr
+        self.caller = Caller(cp, self.mem.stream)  # the serving engine's arrays and stream
 
     def _bind_kernels(self):
         """Each kernel of chapters/17_gpu_driven.cu with its arguments, in the order of its
@@ -263,39 +264,6 @@ class AllToAll(Stages):
             round_at=self.round_at, timeout_ns=self.timeout_ns, out=None,
             report=self.report_at, far=self.far, gate=self.gate)
 
-    # --- the caller's arrays and stream ---------------------------------------------
-    def _take(self, *arrays):
-        """The caller's arrays as cupy arrays (torch tensors through DLPack: no copy, and
-        our stream waits for torch's); remembers which kind to hand back."""
-        self.torch = False
-        if all(type(a) is self.ndarray for a in arrays):  # the common case, at no cost
-            return arrays
-        self.torch = any(type(a).__module__.startswith("torch") for a in arrays)
-        return [self.xp.from_dlpack(a) if type(a).__module__.startswith("torch") else a
-                for a in arrays]
-
-    def _give(self, array):
-        if array is None or not self.torch:
-            return array
-        import torch  # the caller has it: it gave us torch tensors
-        return torch.from_dlpack(array)  # torch's stream waits for ours
-
-    def _enter(self):
-        """Our stream waits for the caller's (a cupy user's current stream), and cupy's
-        own work in the half goes on ours, as the kernels do."""
-        caller = self.xp.cuda.get_current_stream()
-        self.caller = None if caller.ptr == self.stream_ptr else caller
-        if self.caller is not None:
-            self.forked.record(self.caller)
-            self.mem.stream.wait_event(self.forked)
-            self.mem.stream.use()
-
-    def _leave(self):
-        if self.caller is not None:
-            self.joined.record(self.mem.stream)
-            self.caller.wait_event(self.joined)
-            self.caller.use()
-
     def capturing(self):
         return self.mem.stream.is_capturing()
 
@@ -331,27 +299,26 @@ class AllToAll(Stages):
         indices' values are checked on the GPU: a bad batch is refused (nothing sent) and
         said by dispatch_recv (counts on the host) or combine_recv / check()."""
         L, xp = self.L, self.xp
-        x, indices = self._take(x, indices)
+        x, indices = self.caller.take(x, indices)
         indices = check_tokens(xp, x, indices, L, values=False, keep=(np.int32, np.int64))
         if self.counts_on == "host" and self.capturing():
             raise ValueError("a CUDA graph cannot wait on the host: capture with counts on "
                              "the device (--counts device)")
         self._stage("idle", "dispatch sent")
-        self._enter()
-        self.indices, entries = indices, indices.size
-        if L.dtype == "fp8":  # the route kernel quantises them into self.rows
-            x = xp.ascontiguousarray(x, dtype=xp.float32)
-            self.sending, rows, quantize = x, self.rows, len(x)  # kept: read after we return
-        else:
-            rows = self.sending = self.wire.encode(x)
-            quantize = 0
-        groups = quantize * L.hidden // FP8_BLOCK  # two a block, after the experts' blocks
-        size = indices.itemsize
-        self.route(L.experts + (groups + 1) // 2, indices=indices, index_bytes=size,
-                   entries=entries, x=x if quantize else 0, tokens=quantize)
-        self.push(entries + L.world, rows=rows, indices=indices, index_bytes=size,
-                  entries=entries)
-        self._leave()
+        with self.caller:  # on our stream, after the caller's work, before its next
+            self.indices, entries = indices, indices.size
+            if L.dtype == "fp8":  # the route kernel quantises them into self.rows
+                x = xp.ascontiguousarray(x, dtype=xp.float32)
+                self.sending, rows, quantize = x, self.rows, len(x)  # kept: read after we return
+            else:
+                rows = self.sending = self.wire.encode(x)
+                quantize = 0
+            groups = quantize * L.hidden // FP8_BLOCK  # two a block, after the experts' blocks
+            size = indices.itemsize
+            self.route(L.experts + (groups + 1) // 2, indices=indices, index_bytes=size,
+                       entries=entries, x=x if quantize else 0, tokens=quantize)
+            self.push(entries + L.world, rows=rows, indices=indices, index_bytes=size,
+                      entries=entries)
 
     def dispatch_recv(self):
         """Wait for every sender, lay the rows out expert-major. Returns (tokens, scales,
@@ -360,139 +327,59 @@ class AllToAll(Stages):
         the GPU does the waiting (see the class)."""
         L = self.L
         self._stage("dispatch sent", "dispatched")
-        self._enter()
-        self.plan_kernel(1)
-        self.gather(min(len(self.tokens), BLOCKS))
-        self._leave()
+        with self.caller:
+            self.plan_kernel(1)
+            self.gather(min(len(self.tokens), BLOCKS))
         if self.counts_on == "device":
-            return tuple(self._give(b) for b in self.buffers)
+            return tuple(self.caller.give(b) for b in self.buffers)
         report = self.check("dispatch")
         self.total = n = int(report[L.local])
         tokens, scales, _ = self.buffers
-        return (self._give(tokens[:n]), self._give(None if scales is None else scales[:n]),
-                report[:L.local].astype(np.int64))
+        give = self.caller.give
+        return give(tokens[:n]), give(None if scales is None else scales[:n]), \
+            report[:L.local].astype(np.int64)
 
     def combine_send(self, expert_out):
         """Send each expert output (float32, expert-major as dispatch_recv gave the
         tokens) back as bf16, straight into its source's memory."""
         L, xp = self.L, self.xp
-        (expert_out,) = self._take(expert_out)
+        (expert_out,) = self.caller.take(expert_out)
         rows = self.total if self.counts_on == "host" else len(self.tokens)
         if self.stage == "dispatched" and expert_out.shape != (rows, L.hidden):
             raise ValueError(f"expert outputs must be ({rows}, {L.hidden}), "
                              f"got {expert_out.shape}")
         self._stage("dispatched", "combine sent")
-        self._enter()
-        self.expert_out = xp.ascontiguousarray(expert_out, dtype=xp.float32)
-        self.combine_push(min(rows, BLOCKS), expert_out=self.expert_out)
-        self._leave()
+        with self.caller:
+            self.expert_out = xp.ascontiguousarray(expert_out, dtype=xp.float32)
+            self.combine_push(min(rows, BLOCKS), expert_out=self.expert_out)
 
     def combine_recv(self, weights):
         """Wait for every peer's outputs (the barrier before the next dispatch), then the
         weighted sum. weights: (n, topk); returns (n, hidden) float32 (in a graph, this
         object's buffer: each replay writes it)."""
         L, xp = self.L, self.xp
-        (weights,) = self._take(weights)
+        (weights,) = self.caller.take(weights)
         n = len(self.indices) if self.stage == "combine sent" else None
         if n is not None and weights.shape != (n, L.topk):
             raise ValueError(f"weights must be ({n}, {L.topk}), got {weights.shape}")
         self._stage("combine sent", "idle")
-        self._enter()
-        weights = self.weights = xp.ascontiguousarray(weights, dtype=xp.float32)
-        captured = self.capturing()
-        out = self.out[:n] if captured else xp.empty((n, L.hidden), xp.float32)
-        self.combine_sum(n, indices=self.indices, index_bytes=self.indices.itemsize,
-                         weights=weights, tokens=n, out=out)
-        self._leave()
+        with self.caller:
+            weights = self.weights = xp.ascontiguousarray(weights, dtype=xp.float32)
+            captured = self.capturing()
+            out = self.out[:n] if captured else xp.empty((n, L.hidden), xp.float32)
+            self.combine_sum(n, indices=self.indices, index_bytes=self.indices.itemsize,
+                             weights=weights, tokens=n, out=out)
         if not captured:
             self.check("combine")
-        return self._give(out)
+        return self.caller.give(out)
 
 
 # %% [markdown]
-# ## Check: one layer in a CUDA graph
-# The layer (both halves of dispatch and of combine, the experts' outputs read from a
-# buffer) is captured once; each replay gets new inputs in the same buffers, and every
-# replay is checked against the reference, as harness.check_case checks a round.
+# ## Run: the checks and the benchmark of chapter 16, then one layer in a CUDA graph
+# common/moe/graphs.py captures the four halves once and replays them with new inputs,
+# each replay checked against the reference, then times replays of each half.
 
 # %%
-def graph_check(a2a, group, args, replays):
-    """Capture one layer, replay it `replays` times with fresh inputs; rank 0 says what
-    every rank saw."""
-    cp, L, stream = a2a.xp, a2a.L, a2a.mem.stream
-    seed = harness.agreed_seed(group, args)
-    cases = [harness.case_inputs(L, group.rank, a2a.wire.dtype, "random", seed + i)
-             for i in range(replays)]
-    x, indices, weights, answers = (cp.asarray(a) for a in cases[0][:4])
-    a2a.mem.ready()
-    with stream:
-        stream.begin_capture()
-        a2a.dispatch_send(x, indices)
-        tokens, scales, counts = a2a.dispatch_recv()
-        a2a.combine_send(answers)
-        out = a2a.combine_recv(weights)
-        graph = stream.end_capture()
-    wrong = 0
-    for case in cases:
-        for buffer, values in zip((x, indices, weights, answers), case[:4]):
-            buffer.set(values, stream=stream)
-        graph.launch(stream)
-        a2a.check("a replay")
-        host = a2a.mem.host
-        ok, _ = harness.verdict(case, host(counts), host(tokens),
-                                None if scales is None else host(scales), host(out))
-        wrong += not ok
-    every = group.allgather(wrong.to_bytes(4, "little"))
-    bad = [r for r, w in enumerate(every) if int.from_bytes(w, "little")]
-    if group.rank == 0:
-        print(f"check graph {a2a.wire.dtype}: one layer captured, replayed {replays} times "
-              f"with new inputs, each replay exact on {group.world - len(bad)} of "
-              f"{group.world} ranks" + (f"; FAILED on ranks {bad}" if bad else ""), flush=True)
-    if bad:
-        raise ValueError(f"replays went wrong on ranks {bad} (seed {seed}: --seed {seed} "
-                         "repeats them)")
-
-
-def graph_benchmark(a2a, group, args, tokens):
-    """Dispatch and combine each captured as a graph at `tokens` tokens, replayed; rank 0
-    prints the medians (of each rank, then across ranks)."""
-    cp, L, stream, mem = a2a.xp, a2a.L, a2a.mem.stream, a2a.mem
-    x, indices, weights, _ = (cp.asarray(a) for a in harness.case_inputs(
-        L, group.rank, a2a.wire.dtype, "random", args.seed, tokens)[:4])
-    expert_out = cp.zeros((L.world * L.per_peer, L.hidden), cp.float32)
-    with stream:
-        graphs = []
-        for half in (lambda: (a2a.dispatch_send(x, indices), a2a.dispatch_recv()),
-                     lambda: (a2a.combine_send(expert_out), a2a.combine_recv(weights))):
-            stream.begin_capture()
-            half()
-            graphs.append(stream.end_capture())
-    times = []
-    mem.ready()
-    group.barrier()
-    for i in range(args.warmup + args.iters):
-        t0 = mem.mark()
-        graphs[0].launch(stream)
-        t1 = mem.mark()
-        graphs[1].launch(stream)
-        t2 = mem.mark()
-        if i >= args.warmup:
-            times.append((mem.seconds(t0, t1), mem.seconds(t1, t2)))
-    a2a.check("the replays")
-    medians = np.median(np.array(times), axis=0)
-    every = np.array([np.frombuffer(b, np.float64) for b in group.allgather(medians.tobytes())])
-    if group.rank == 0:
-        print(f"graph replays, {tokens} tokens per rank, the median of each rank, then across "
-              "ranks:")
-        for name, col in zip(("dispatch", "combine"), every.T):
-            print(f"  {name:<14} p50 {1e6 * np.median(col):9.1f} us   max "
-                  f"{1e6 * col.max():9.1f} us", flush=True)
-        return {"implementation": "ours, CUDA graphs", "tokens": tokens,
-                "dispatch_p50_us": 1e6 * float(np.median(every[:, 0])),
-                "combine_p50_us": 1e6 * float(np.median(every[:, 1]))}
-    return None
-
-
 def main():
     p = cli.parser(__doc__)
     harness.add_arguments(p)
@@ -522,21 +409,17 @@ def main():
             return NcclAllToAll(own, group, args.max_tokens, args.experts, args.topk,
                                 args.hidden, dtype, args.combine_dtype)
         builds = {"ours": ours, **({"nccl": nccl} if args.baseline else {})}
-        if group.rank == 0:
-            where = f"{group.nodes} emulated nodes of {group.ranks_per_node}" \
-                if group.nodes > 1 else "one node"
-            print(f"{group.world} ranks ({place.source}), {where}; GPU memory, kernels push "
-                  "over NVLink (CUDA IPC)" + ("; other nodes: the kernels feed the proxy"
-                                              if group.nodes > 1 else "")
-                  + ("; counts left on the GPU" if args.counts == "device" else ""), flush=True)
+        harness.say_world(group, place.source, "GPU memory, kernels push over NVLink "
+                          "(CUDA IPC)" + ("; counts left on the GPU" if args.counts == "device"
+                                          else ""), "the kernels feed the proxy")
         rows, provider = harness.run(group, args, builds)
         if args.graph:  # the benchmark's dtype (bf16's encoding allocates: not in a graph)
             with fi.Closer() as own:
                 a2a = ours(own, args.dispatch_dtype, args.private_tokens)
                 if args.cases:
-                    graph_check(a2a, group, args, 100)
+                    graphs.check(a2a, group, args, 100)
                 for tokens in args.tokens if args.iters else ():
-                    rows.append(graph_benchmark(a2a, group, args, tokens))
+                    rows.append(graphs.benchmark(a2a, group, args, tokens))
                 group.barrier()
         harness.write(group, args, "17_gpu_driven", rows, provider,
                       {"counts": args.counts, "graph": args.graph})

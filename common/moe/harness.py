@@ -94,6 +94,16 @@ def run(group, args, builds):
     return rows, provider
 
 
+def say_world(group, source, how, far):
+    """Rank 0 says who runs (`source`: who started the ranks), where, and how the bytes
+    move on one node (`how`) and, with several, to the others (`far`)."""
+    if group.rank == 0:
+        where = f"{group.nodes} emulated nodes of {group.ranks_per_node}" \
+            if group.nodes > 1 else "one node"
+        print(f"{group.world} ranks ({source}), {where}; {how}"
+              + (f"; other nodes: {far}" if group.nodes > 1 else ""), flush=True)
+
+
 def say_provider(a2a, group):
     """Rank 0 says which provider and NICs the proxy uses; returns the provider (None on
     one node, where no proxy runs)."""
