@@ -84,6 +84,9 @@ KINDS = 3          # what the proxy's stamps say arrived: counts, overflow, comb
 THREADS = 256
 BLOCKS = 4096  # at most, for kernels that stride over rows the host may not know the count of
 PLAN_SHARED = 48 * 1024  # bytes of shared memory the plan kernel may take without opting in
+# what the kernels need to reach peers on other nodes, in the order of M17_FAR in the .cu
+FAR = ("node_first", "node_size", "out_slots", "out_stripes", "combine_out", "signal_in",
+       "signal_out", "ring", "head", "ring_size", "stamps")
 
 
 # %% [markdown]
@@ -163,22 +166,22 @@ class AllToAll(Stages):
         self.wire = Wire(dispatch_dtype, hidden, mem)
         node = range(group.node * group.ranks_per_node, (group.node + 1) * group.ranks_per_node)
         self.proxy = None
-        ring = head = ring_size = table = 0  # one node: the kernels never look at them
+        reach = {"node_first": node.start, "node_size": len(node), "out_slots": L.out_slots,
+                 "out_stripes": L.out_stripes, "combine_out": L.combine_out,
+                 "signal_in": L.signal_in, "signal_out": L.signal_out,
+                 "ring": 0, "head": 0, "ring_size": 0, "stamps": 0}  # one node: never read
         if far:
             # the arrival table: only our proxy and our GPU use it (no node peer stamps it)
             self.stamps = mem.host_shared(4 * KINDS * group.world)
-            table = self.stamps.ctypes.data
             largest = max(L.slot, L.per_peer * L.row, L.per_peer * L.out_row)
-            self.proxy = p = Proxy(own, group, mem, table, KINDS, provider, timeout, largest,
-                                   kernels_wait=True, nics=nics)
-            if KINDS * group.world > p.p.ring_size:
+            self.proxy = p = Proxy(own, group, mem, self.stamps.ctypes.data, KINDS, provider,
+                                   timeout, largest, kernels_wait=True, nics=nics)
+            if KINDS * group.world > p.ring_size:
                 raise ValueError(f"{group.world} ranks queue more WRITEs a round than the "
-                                 f"proxy's ring holds ({p.p.ring_size})")
-            head = p.shared.ctypes.data  # the ring's head, then the ring (pinned: mapped)
-            ring, ring_size = head + 8, p.p.ring_size
-        self.far = cp.asarray(np.array(  # as M17_FAR in chapters/17_gpu_driven.cu
-            [node.start, len(node), L.out_slots, L.out_stripes, L.combine_out, L.signal_in,
-             L.signal_out, ring, head, ring_size, table], np.int64))
+                                 f"proxy's ring holds ({p.ring_size})")
+            reach.update(ring=p.ring_at, head=p.head_at, ring_size=p.ring_size,
+                         stamps=self.stamps.ctypes.data)  # host memory, mapped for the GPU
+        self.far = cp.asarray(np.array([reach[k] for k in FAR], np.int64))
         handles = group.allgather(mem.handle())
         self.peers = cp.asarray(np.array(
             [mem.mine if r == group.rank else mem.open(own, r, handles[r]) if r in node else 0

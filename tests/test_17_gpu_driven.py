@@ -33,6 +33,15 @@ def test_bad_input_is_one_line(args, pattern):
     assert_one_line_error(run(17, *SMALL, *args)[0], pattern)
 
 
+def test_what_reaches_other_nodes_is_named_in_the_kernels_order():
+    """The chapter's FAR names the numbers of `far` in the order the kernels index them
+    (enum M17_FAR in the .cu): a name out of place would hand a kernel the wrong address."""
+    enum = re.search(r"enum M17_FAR \{([^}]*)\}", (ROOT / "chapters" / "17_gpu_driven.cu")
+                     .read_text())[1]
+    kernels = [name.strip().removeprefix("M17_").lower() for name in enum.split(",")]
+    assert list(chapter_module(17).FAR) == kernels
+
+
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is here")
 def test_no_cupy_is_one_line():
     assert_one_line_error(run(17, *SMALL, "--iters", "0")[0], "cupy")

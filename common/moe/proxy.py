@@ -56,7 +56,9 @@ class Proxy:
         p = self.p = ffi.new("struct m16_proxy *")
         # the ring and its head in host memory the device side can write (a GPU too)
         self.shared = mem.host_shared(8 + RING * ffi.sizeof("struct m16_write"))
-        at = ffi.cast("char *", self.shared.ctypes.data)
+        self.head_at = self.shared.ctypes.data  # where a GPU writing the ring finds it
+        self.ring_at, self.ring_size = self.head_at + 8, RING
+        at = ffi.cast("char *", self.head_at)
         p.head, p.ring = ffi.cast("uint64_t *", at), ffi.cast("struct m16_write *", at + 8)
         n, world = len(infos), group.world
         self.keep = [ffi.new("struct fid_ep *[]", eps), ffi.new("struct fid_cq *[]", self.cqs),
