@@ -75,9 +75,9 @@ from common.moe.bookkeeping import Shape, Stages, Wire, aligned, check_shape, ch
 from common.moe.kernel_call import KernelCall
 from common.moe.memory import CudaMemory
 from common.moe.nccl import NcclAllToAll
-from common.moe.serving import Caller
 from common.moe.proxy import Proxy
 from common.moe.reference import FP8_BLOCK
+from common.moe.serving import Caller
 
 KERNELS = os.path.splitext(os.path.abspath(__file__))[0] + ".cu"  # 17_gpu_driven.cu
 KINDS = 3          # what the proxy's stamps say arrived: counts, overflow, combine

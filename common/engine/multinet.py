@@ -151,10 +151,10 @@ def serve(conn, head, request, args, engine):
                 build_messages(own, lanes[k], source, regions[k * nbufs:(k + 1) * nbufs],
                                pages, page_size, n, per_group)
         started, cpu = True, time.process_time()
-        run = engine(args, lanes, conn, page_size)
+        this_run = engine(args, lanes, conn, page_size)
         while len(message := conn.queue.next_message(conn.inbox, conn.timeout)) != LANDED.size:
             conn.backlog.append(message)
-        elapsed, cpu = time.perf_counter() - run.at, time.process_time() - cpu
+        elapsed, cpu = time.perf_counter() - this_run.at, time.process_time() - cpu
     except Exception as e:  # this client failed (not Ctrl-C: opqueue.drain says why)
         # one timeout for them all, not one each: the next client's CONNECT waits meanwhile
         deadline = time.monotonic() + conn.timeout
@@ -167,9 +167,9 @@ def serve(conn, head, request, args, engine):
     sent = {"seed": seed, "page_size": page_size, "iters": iters,  # in its CONNECT
             "pages": connect.pages_flag(pages), "buffers": nbufs,
             "buffer_size": regions[0][1], "groups": groups, "nics_per_gpu": per_group}
-    report(args, lanes, sources, iters, page_size, elapsed, cpu, sent, run.figures)
-    if run.then:
-        run.then(elapsed)
+    report(args, lanes, sources, iters, page_size, elapsed, cpu, sent, this_run.figures)
+    if this_run.then:
+        this_run.then(elapsed)
 
 
 # The client's lanes are the targets of the server's WRITEs, and efa-direct's device takes
