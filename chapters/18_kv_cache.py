@@ -13,9 +13,10 @@ every byte. The cell "Layer by layer" below has the details.
 
 New since chapters 09-15: what they add up to, made reusable as common/transfer: one C
 worker per GPU posting lazily in batches over its NICs, memory registered once as a
-descriptor a peer can use, paged WRITEs with immediates, completion by count, control
-messages. The prompt's compute (the model's layers, bf16 on the tensor cores) and the
-report are in common/kv_cache/, not the lesson.
+descriptor a peer can use, paged WRITEs with immediates (a request's layer-0 command
+prepared once, each layer writing it shifted), completion by count, control messages. The
+prompt's compute (the model's layers, bf16 on the tensor cores) and the report are in
+common/kv_cache/, not the lesson.
 
     .venv/bin/python chapters/18_kv_cache.py                  # the decoder: prints its address
     .venv/bin/python chapters/18_kv_cache.py -p shm ADDRESS   # the prefiller, as it prints
@@ -271,6 +272,11 @@ class Watcher(threading.Thread):
 
     def _run(self):
         s, seen = self.s, 0
+        # Layer l's pages are layer 0's, 2*l pages on at each end (K and V): one command,
+        # checked (and on the CUDA IPC route put on the GPU) once, written shifted per layer
+        layer0 = self.eng.prepare_pages(
+            self.peer, self.stage, s.page_set(0, 0, s.pages, s.pages), self.cache,
+            s.page_set(0, self.first, s.pages, self.slots), s.page_bytes)
         while seen < s.layers and not self.cancelled:
             self._reap()
             if self.counter.done() == seen:
@@ -279,10 +285,9 @@ class Watcher(threading.Thread):
             if len(self.done) == len(self.transfers):  # nothing in flight: the clock starts
                 self.progress = now()
             self.posted.append(now())
-            self.transfers.append(self.eng.write_pages(
-                self.peer, self.stage, s.page_set(seen, 0, s.pages, s.pages), self.cache,
-                s.page_set(seen, self.first, s.pages, self.slots), s.page_bytes,
-                imm=imm(self.request, seen)))
+            self.transfers.append(layer0.write(imm(self.request, seen),
+                                               src_shift=2 * seen * s.pages,
+                                               dst_shift=2 * seen * self.slots))
             seen += 1
         while len(self.done) < len(self.transfers):
             self._reap()

@@ -13,8 +13,8 @@ knows which layers are complete by those counts. Every weight and scale is check
 for bit, beside the naive way (trainer 0 gathers, quantises and sends everything). The
 cell "An update, step by step" below has the details.
 
-New since chapter 18: Engine.write_list (one command of WRITEs of several lengths),
-Engine.signal and Engine.arrived (common/transfer); 128 x 128 blocks and bf16 input in
+New since chapter 18: Engine.prepare_list (one command of WRITEs of several lengths,
+made at the first update and written at every one), Engine.signal and Engine.arrived (common/transfer); 128 x 128 blocks and bf16 input in
 common/moe/reference.py's quantize_fp8 and in this chapter's kernels (19_weight_update.cu,
 on common/moe/fp8.cuh, chapter 16's rounding); in common/weights/, what is not the update:
 the two sides' layouts (model.py), a trainer's shards (shards.py), the kernels' numpy
@@ -275,7 +275,8 @@ class Trainer(Shards):
 
 
 class Command(NamedTuple):
-    """WRITEs to one inference rank, posted as one command (Engine.write_list)."""
+    """WRITEs to one inference rank, posted as one command (Engine.prepare_list: its
+    offsets checked, and by CUDA IPC its table put on the GPU, once for every update)."""
     region: str          # from the trainer's "staging" or "shard"
     rank: int            # to this inference rank's weights
     src: np.ndarray      # one offset a WRITE in the region (uint64)
@@ -289,7 +290,7 @@ class Batch:
 
     def __init__(self, trainer, group, half, fp8, bf16):
         xp, t0s = trainer.ops.xp, trainer.plan.rows[trainer.t]
-        self.group, self.half, self.jobs = group, half, []
+        self.group, self.half, self.jobs, self.prepared = group, half, [], None
         at, staged, direct, src, dst = half * trainer.half, {}, {}, [], []
         for job in fp8:
             codes, scales = at, at + aligned(job.bytes)
@@ -329,10 +330,11 @@ class Batch:
             trainer.staging.view(ops.xp.float32)[self.scale_dst] = trainer.scales[self.scale_src]
 
     def submit(self, trainer, n):
-        return [trainer.eng.write_list(trainer.peers[trainer.plan.trainers + c.rank],
-                                       trainer.regions[c.region], c.src, trainer.remotes[c.rank],
-                                       c.dst, c.lengths, imm(n, self.group))
-                for c in self.commands]
+        if self.prepared is None:  # made at the first update: the next ones reuse them
+            self.prepared = [trainer.eng.prepare_list(
+                trainer.peers[trainer.plan.trainers + c.rank], trainer.regions[c.region], c.src,
+                trainer.remotes[c.rank], c.dst, c.lengths) for c in self.commands]
+        return [command.write(imm(n, self.group)) for command in self.prepared]
 
 
 # %% [markdown]

@@ -35,6 +35,11 @@ once, as a stream of KV-cache pages does: the host's work on one command then ov
 previous one's WRITEs or kernel. Gbps count all K; the phases are the last command's; the
 ceiling is K kernels.
 
+--prepared: rank 0 makes each case's command once, outside the clock
+(Engine.prepare_pages: its pages checked, on the CUDA IPC route its table put on the GPU),
+and each repeat writes it (Prepared.write: one launch), as a KV cache's layers are sent.
+The data check of each size goes through a prepared command too.
+
 --inject: rank 0 injects every WRITE of at most the provider's inject size (4 KiB on shm;
 write_pages(inject=True)), as fi_rma_bw does. Its clock then stops once the last WRITE is
 posted, before the last ones have landed; so it did without --inject on shm, which writes
@@ -80,6 +85,8 @@ def parse():
                    "stream of KV-cache pages does (default 1: each command alone)")
     p.add_argument("--inject", action="store_true", help="rank 0 injects each WRITE of at "
                    "most the provider's inject size (no completion; write_pages(inject=True))")
+    p.add_argument("--prepared", action="store_true", help="rank 0 makes each case's "
+                   "command once (Engine.prepare_pages) and writes it in every repeat")
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--no-fabtests", action="store_true", help="skip fi_rma_bw")
     p.add_argument("--nixl", metavar="PYTHON", help="also move the same pages with NIXL "
@@ -135,6 +142,14 @@ def rank_main(args):
                   + (inject if args.inject else ""), flush=True)
             print(f"route: {peer.route} ({peer.why})", flush=True)
         rows, imm = [], 0
+
+        def write(src, dst, page):
+            """The command of these pages, as a function of its immediate."""
+            if args.prepared:
+                return eng.prepare_pages(peer, region, src, theirs, dst, page,
+                                         inject=args.inject).write
+            return lambda imm: eng.write_pages(peer, region, src, theirs, dst, page, imm=imm,
+                                               inject=args.inject)
         for page in args.sizes:
             slots = size // page
             # checked once per size: seeded pages, in another order, no wrap
@@ -142,8 +157,7 @@ def rank_main(args):
             order = np.random.default_rng(page).permutation(n)
             imm += 1
             if me == 0:
-                eng.write_pages(peer, region, np.arange(n), theirs, order, page, imm=imm,
-                                inject=args.inject).wait()
+                write(np.arange(n), order, page)(imm).wait()
                 _, said = eng.recv(timeout)
                 wrong = int(said.decode().split()[1])
             else:
@@ -158,6 +172,7 @@ def rank_main(args):
                 src = np.arange(count) % span
                 dst = np.random.default_rng(count).permutation(count) % span
                 times, phases, wholes = [], [], []
+                command = write(src, dst, page) if me == 0 else None
                 for _ in range(args.repeats):
                     if me == 0:
                         eng.recv(timeout)  # rank 1: ready
@@ -166,8 +181,7 @@ def rank_main(args):
                         stream = []
                         for _ in range(args.stream):  # each call returns once queued
                             called = time.monotonic_ns()
-                            stream.append(eng.write_pages(peer, region, src, theirs, dst, page,
-                                                          imm=imm, inject=args.inject))
+                            stream.append(command(imm))
                         for t in stream:
                             t.wait()
                         ended = time.monotonic_ns()
@@ -192,7 +206,7 @@ def rank_main(args):
                                  "mpps": moved / elapsed / 1e6, "wrong_bytes": wrong,
                                  "eagain_last": refused, "injected_last": injected,
                                  "phases_s": median, "whole_s": float(np.median(wholes)),
-                                 "route": peer.route})
+                                 "route": peer.route, "prepared": args.prepared})
                     r = rows[-1]
                     streamed = f" x {args.stream} commands" if args.stream > 1 else ""
                     print(f"{page:>6} B x {count:>5} pages{streamed}: {r['gbps']:8.3f} Gbps "

@@ -75,9 +75,9 @@ class FakeDriver:
         word = lambda i: _ffi.cast("uint64_t *", params[i])[0]  # noqa: E731
         src, dst, table, scale, count, length = (word(i) for i in range(6))
         lengths = _ffi.cast("int *", params[6])[0]
-        uploaded = table >= DEVICE
-        ring, base = (self.device, DEVICE) if uploaded else (self.host, self.host.ctypes.data)
-        entries = ring[(table - base) // 8:][:(3 if lengths else 2) * count].copy()
+        uploaded, n = table >= DEVICE, (3 if lengths else 2) * count
+        entries = self.device[(table - DEVICE) // 8:][:n].copy() if uploaded else \
+            np.frombuffer(_ffi.buffer(_ffi.cast("uint64_t *", table), 8 * n), np.uint64).copy()
         for i in range(count):
             n = int(entries[2 * count + i]) if lengths else length
             _ffi.memmove(_ffi.cast("char *", dst + int(entries[count + i]) * scale),
@@ -135,6 +135,33 @@ def test_the_copier_builds_each_table_and_launches_one_kernel(direct):
     fake.finish()
     assert mark[0] == 7 and bytes(dst[2000:2003]) == bytes(src[1:4])
     assert bytes(dst[:64]) == bytes(src[100:164]) and bytes(dst[500:517]) == bytes(src[7:24])
+
+
+def test_a_prepared_command_is_one_launch_of_its_own_table():
+    """tx_copy_prepared: no pass over the items, no ring, no upload; the kernel reads the
+    table where the command keeps it (byte offsets, scale 1) and stores the command's seq."""
+    fake = FakeDriver(64, 0)
+    src = np.arange(1000, dtype=np.uint8)
+    dst, mark = np.zeros(1000, np.uint8), np.zeros(1, np.uint64)
+    table = np.array([100, 0, 10, 600], np.uint64)  # sources, then destinations
+    a = _ffi.new("struct tx_copy *")
+    a.src, a.dst, a.count, a.scale, a.length = src.ctypes.data, dst.ctypes.data, 2, 1, 40
+    a.table, a.longest = table.ctypes.data, 40
+    a.seq_at, a.seq = _ffi.cast("uint64_t *", mark.ctypes.data), 9
+    assert native.tx_copy_prepared(fake.copier.c, a) == 0
+    assert mark[0] == 0  # the kernel has not run yet
+    fake.finish()
+    assert bytes(dst[10:50]) == bytes(src[100:140]) and bytes(dst[600:640]) == bytes(src[:40])
+    assert mark[0] == 9 and fake.uploads == 0 and fake.copier.c.head == 0
+    table = np.array([0, 500, 10, 300, 250, 20], np.uint64)  # ... then each one's length
+    a.table, a.table_lengths, a.longest, a.seq = table.ctypes.data, 1, 250, 10
+    dst[:] = 0
+    assert native.tx_copy_prepared(fake.copier.c, a) == 0
+    fake.finish()
+    want = np.zeros_like(dst)
+    want[10:260], want[300:320] = src[:250], src[500:520]
+    assert int(np.count_nonzero(dst != want)) == 0 and mark[0] == 10
+    assert fake.kernels == [(2, True), (2, True)]
 
 
 def test_the_copier_reuses_a_table_s_entries_only_once_its_kernel_ran():
@@ -293,3 +320,43 @@ def test_gpu_the_route_refuses_bad_items_in_one_line_and_cuts_a_long_command():
         want = host.reshape(n, page)[perm].ravel()
         assert int((cp.asnumpy(out) != want).sum()) == 0
         assert copier.launched == 2
+
+
+@needs_gpu
+def test_gpu_a_prepared_command_is_one_launch_a_write_and_lands_shifted():
+    """prepare_pages and prepare_list by CUDA IPC, an engine writing to itself: each
+    write() is one kernel (the table went to the GPU once), layer l shifted by l pages,
+    every byte where write_pages would put it; a shift past the region is refused before
+    any launch."""
+    import cupy as cp
+    with fi.Closer() as own:
+        eng = Engine(own, provider="shm", gpu=0, timeout=Budget(20).seconds)
+        me = eng.connect(eng.address())
+        assert me.route == "cuda-ipc", me.why
+        layers, pages, page = 6, 1000, 4096
+        rng = np.random.default_rng(4)
+        host = rng.integers(0, 256, layers * pages * page, np.uint8)
+        src = eng.register(cp.asarray(host))
+        out = cp.zeros(layers * pages * page, cp.uint8)
+        dst = eng.remote(eng.register(out).descriptor())
+        order = rng.permutation(pages)
+        prepared = eng.prepare_pages(me, src, np.arange(pages), dst, order, page)
+        with pytest.raises(ValueError) as excinfo:
+            prepared.write(imm=1, dst_shift=layers * pages)
+        assert "dst_shift 6000 puts bytes up to" in str(excinfo.value)
+        copier = eng._routes.copier.c
+        assert copier.launched == 0
+        for layer in range(layers):
+            prepared.write(imm=70 + layer, src_shift=layer * pages, dst_shift=layer * pages)
+        assert copier.launched == layers and eng.stats()["cuda_ipc_commands"] == layers
+        for layer in range(layers):
+            eng.expect(70 + layer, pages, Budget(10).seconds)
+        got = cp.asnumpy(out).reshape(layers, pages, page)[:, order]
+        assert int((got != host.reshape(layers, pages, page)).sum()) == 0
+        listed = eng.prepare_list(me, src, [0, 5000], dst, [3, 70000], [4099, 17])
+        out[:] = 0
+        listed.write(imm=80, src_shift=1, dst_shift=2)
+        eng.expect(80, 2, Budget(10).seconds)
+        want = np.zeros_like(host)
+        want[5:4104], want[70002:70019] = host[1:4100], host[5001:5018]
+        assert int((cp.asnumpy(out) != want).sum()) == 0

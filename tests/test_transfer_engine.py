@@ -227,6 +227,53 @@ def test_a_list_of_writes_of_several_lengths_and_a_signal(engine):
     assert eng.arrived(9) == 0
 
 
+def test_a_prepared_command_writes_the_same_pages_shifted_each_time(engine):
+    """prepare_pages once, then write() as a KV cache's layers go: layer l's pages are
+    layer 0's shifted by l pages a side; every write lands where write_pages would put it.
+    prepare_list likewise, shifted by bytes."""
+    _, eng = engine
+    me = eng.connect(eng.address())
+    page, layers, pages = 256, 4, 5
+    data, src, into, dst = regions(eng, page * pages * layers, 31)
+    order = np.array([3, 0, 4, 1, 2])
+    prepared = eng.prepare_pages(me, src, np.arange(pages), dst, order, page)
+    for layer in range(layers):
+        prepared.write(imm=40 + layer, src_shift=layer * pages, dst_shift=layer * pages)
+    for layer in range(layers):
+        eng.expect(40 + layer, pages)
+    want = data.reshape(layers, pages, page)
+    assert int(np.count_nonzero(into.reshape(layers, pages, page)[:, order] != want)) == 0
+    listed = eng.prepare_list(me, src, [0, 700], dst, [10, 300], [100, 50])
+    listed.write(imm=50, src_shift=1, dst_shift=2).wait()
+    eng.expect(50, 2)
+    assert bytes(into[12:112]) == bytes(data[1:101])
+    assert bytes(into[302:352]) == bytes(data[701:751])
+
+
+def test_a_prepared_command_refuses_bad_pages_and_shifts_in_one_line(engine):
+    """Its pages are checked when it is made, a shift and an immediate at each write(): a
+    ValueError of one line, nothing posted."""
+    _, eng = engine
+    me = eng.connect(eng.address())
+    _, src, _, dst = regions(eng, 8 * 1024, 32)
+    with pytest.raises(ValueError) as e:
+        eng.prepare_pages(me, src, [0, 8], dst, [0, 1], 1024)
+    one_line(e, "source page 8 is out of range")
+    prepared = eng.prepare_pages(me, src, [0, 6], dst, [1, 2], 1024)
+    posted = eng.stats()["posted"]
+    for kw, said in [({"src_shift": 2}, "src_shift 2 puts bytes up to 9216 in a region of 8192"),
+                     ({"dst_shift": 6}, "dst_shift 6 puts bytes up to 9216"),
+                     ({"dst_shift": -1}, "dst_shift must be a non-negative integer"),
+                     ({"src_shift": 1.5}, "src_shift must be a non-negative integer"),
+                     ({"imm": -3}, "imm -3 does not fit")]:
+        with pytest.raises(ValueError) as e:
+            prepared.write(**kw)
+        one_line(e, said)
+    assert eng.stats()["posted"] == posted
+    prepared.write(imm=60, src_shift=1, dst_shift=5).wait()
+    eng.expect(60, 2)
+
+
 def test_the_inject_size_is_the_smallest_nics_and_none_on_efa():
     """The smallest NIC's tx_attr.inject_size; none on efa-direct (no WRITE inject) nor on
     efa's RDM endpoint (its WRITE limit may shrink below tx_attr.inject_size)."""
@@ -603,6 +650,20 @@ def test_the_benchmark_streams_commands_and_counts_them_all(tmp_path):
     (row,) = json.loads(path.read_text())["runs"]
     assert row["stream"] == 3 and row["wrong_bytes"] == 0
     assert round(row["mpps"] * 1e6 * row["elapsed_s"]) == 30  # pages moved in a repeat
+
+
+def test_the_benchmark_writes_a_prepared_command_and_checks_its_pages(tmp_path):
+    """--prepared: each case's command made once and written every repeat (by libfabric
+    here: host memory); its pages checked as write_pages' are, and the record says so."""
+    path = tmp_path / "bench.json"
+    done = Budget(120).run([sys.executable, str(ROOT / "scripts" / "transfer_bench.py"), "-p",
+                            "shm", "--page-sizes", "4K", "--pages", "10", "--repeats", "2",
+                            "--prepared", "--no-fabtests", "--json", str(path)],
+                           env=local_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"4096 B x +10 pages: .*0 wrong bytes", done.stdout), done.stdout
+    (row,) = json.loads(path.read_text())["runs"]
+    assert row["prepared"] is True and row["wrong_bytes"] == 0
 
 
 @pytest.mark.parametrize("window, said", [("0", "must be positive"),

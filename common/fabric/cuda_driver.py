@@ -26,6 +26,7 @@ int cuDeviceGetAttribute(int *value, int attribute, int device);
 int cuFlushGPUDirectRDMAWrites(int target, int scope);
 int cuGetErrorName(int error, const char **name);
 int cuCtxGetCurrent(void **ctx);
+int cuCtxSetCurrent(void *ctx);
 int cuMemGetAddressRange_v2(unsigned long long *base, size_t *size, unsigned long long dptr);
 int cuMemcpyHtoDAsync_v2(unsigned long long dst, const void *src, size_t bytes, void *stream);
 int cuEventRecord(void *event, void *stream);

@@ -15,6 +15,8 @@ SEND/RECV that Python drives (control.py).
         remote = eng.remote(their_descriptor)        # bytes from region.descriptor()
         eng.write_pages(peer, region, [0, 1], remote, [7, 3], 4096, imm=5).wait()
         # over there: eng.expect(5, 2, timeout)       # the 2 WRITEs with immediate 5 came
+        layer = eng.prepare_pages(peer, region, [0, 1], remote, [7, 3], 4096)  # made once
+        layer.write(imm=6, src_shift=2, dst_shift=2)  # pages 2, 3 to 9, 5; again and again
 
 Python never touches a WRITE: it hands the worker a whole command (numpy arrays of
 offsets) and waits with short sleeps; the worker writes back each command's progress and

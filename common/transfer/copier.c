@@ -3,6 +3,8 @@ struct tx_copier {                  // ipc.py's Copier: ipc.cu's kernel and the 
     void *launch, *upload;          // the driver's cuLaunchKernel and cuMemcpyHtoDAsync_v2 ...
     void *record, *wait;            // ... cuEventRecord and cuStreamWaitEvent
     void *kernel, *stream;          // ipc_copy (a CUfunction) and the stream its commands run on
+    void *context;                  // their CUDA context, made current where it is not ...
+    void *get_context, *set_context;  // ... by cuCtxGetCurrent, cuCtxSetCurrent (or NULL)
     void *uploads, *uploaded;       // a stream for the uploads and its event (or NULL: `stream`)
     uint64_t *host;                 // the ring: pinned host memory, where tables are written ...
     uint64_t device;                // ... and a copy on the GPU, where uploads put them
@@ -28,12 +30,15 @@ struct tx_copy {                    // one command, as Engine.write_pages & co. 
     volatile uint64_t *seq_at;      // where the last kernel stores `seq` (the peer's record,
     uint64_t seq;                   // or NULL)
     uint64_t sent;                  // copies launched so far (a call may stop for room)
+    uint64_t table, longest;        // a prepared command: its table on the GPU (byte offsets,
+    int table_lengths;              // then lengths if it has them) and its longest copy
     int64_t bad;                    // out: the first item out of range, and on which side
     int bad_side;                   // (0: source, 1: destination)
 };
 int tx_copy(struct tx_copier *c, struct tx_copy *a);
 int tx_copier_room(struct tx_copier *c, uint64_t entries);
 uint64_t tx_copy_piece(struct tx_copier *c, struct tx_copy *a);
+int tx_copy_prepared(struct tx_copier *c, struct tx_copy *a);
 */
 /* The CUDA IPC route's launches (common/transfer/ipc.py), in C: a command's page lists
  * checked and turned into the table ipc.cu reads, written straight into a pinned ring,
@@ -49,7 +54,8 @@ uint64_t tx_copy_piece(struct tx_copier *c, struct tx_copy *a);
  * own that the kernel's waits for, so that the upload of one command's table overlaps the
  * kernel of the one before. A command too long for half the ring goes as several
  * kernels, in the stream's order, its items all checked before the first; only the last
- * stores the command's seq.
+ * stores the command's seq. A prepared command (engine.Prepared) has its table on the GPU
+ * already, checked once when it was made: its launch is the launch alone.
  */
 typedef int (*tx_launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                             unsigned by, unsigned bz, unsigned shared, void *stream,
@@ -57,6 +63,21 @@ typedef int (*tx_launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsi
 typedef int (*tx_upload_fn)(uint64_t dst, const void *src, size_t bytes, void *stream);
 typedef int (*tx_record_fn)(void *event, void *stream);
 typedef int (*tx_wait_fn)(void *stream, void *event, unsigned flags);
+typedef int (*tx_get_context_fn)(void **context);
+typedef int (*tx_set_context_fn)(void *context);
+
+/* The copier's context current in this thread: a thread-local read where it is already
+   (a launch from Python that set the device first cost 0.8 us more on an H200 box) */
+static int tx_copier_context(struct tx_copier *c)
+{
+    void *now = NULL;
+    if (!c->get_context)
+        return 0;
+    c->rc = ((tx_get_context_fn)c->get_context)(&now);
+    if (!c->rc && now != c->context)
+        c->rc = ((tx_set_context_fn)c->set_context)(c->context);
+    return c->rc ? -1 : 0;
+}
 
 static void tx_copier_free(struct tx_copier *c)
 {
@@ -151,11 +172,44 @@ static int tx_copy_table(struct tx_copy *a, uint64_t from, uint64_t n, uint64_t 
     return 0;
 }
 
+/* Queue ipc_copy on the stream: n copies of `a` whose table is at device address `table`,
+   the command's last kernel (`last`: it stores the command's seq) or not. 0, or -1 with
+   c->rc the driver's error. */
+static int tx_launch(struct tx_copier *c, struct tx_copy *a, uint64_t table, uint64_t n,
+                     int has_lengths, uint64_t longest, int last)
+{
+    uint64_t per_copy = (longest + c->chunk - 1) / c->chunk, count = n;
+    uint64_t blocks = count * per_copy < c->max_blocks ? count * per_copy : c->max_blocks;
+    uint64_t length = has_lengths ? 0 : a->length;
+    const uint64_t src = a->src, dst = a->dst;
+    volatile uint64_t *seq_at = last ? a->seq_at : NULL;
+    uint64_t number = c->launched + 1;
+    void *params[] = {(void *)&src, (void *)&dst, &table, &a->scale, &count, &length,
+                      &has_lengths, &c->chunk, &per_copy, (void *)&seq_at, &a->seq,
+                      (void *)&c->finished, &number, &c->blocks_done};
+    c->rc = ((tx_launch_fn)c->launch)(c->kernel, blocks ? (unsigned)blocks : 1, 1, 1,
+                                      c->threads, 1, 1, 0, c->stream, params, NULL);
+    if (c->rc)
+        return -1;
+    c->launched = number;
+    return 0;
+}
+
+/* Launch prepared command `a` (a->table): 0, or -1 (c->rc) */
+int tx_copy_prepared(struct tx_copier *c, struct tx_copy *a)
+{
+    if (tx_copier_context(c))
+        return -1;
+    return tx_launch(c, a, a->table, a->count, a->table_lengths, a->longest, 1);
+}
+
 /* Launch what is left of command `a`: 0 once all of it is queued on the stream; 1: an
    item is out of range (nothing launched); 2: no room in the ring yet (a->sent says how
    far it got: call again); -1: a driver call failed (c->rc). */
 int tx_copy(struct tx_copier *c, struct tx_copy *a)
 {
+    if (tx_copier_context(c))
+        return -1;
     if (a->sent == 0 && tx_copy_piece(c, a) < a->count && tx_copy_table(a, 0, a->count, NULL))
         return 1;  /* several kernels: every item checked before the first */
     while (a->sent < a->count || a->count == 0) {
@@ -183,25 +237,12 @@ int tx_copy(struct tx_copier *c, struct tx_copy *a)
         } else {
             device = (uint64_t)(uintptr_t)table;  /* pinned: the same address for the GPU */
         }
-        uint64_t per_copy = (longest + c->chunk - 1) / c->chunk, count = n;
-        uint64_t blocks = count * per_copy < c->max_blocks ? count * per_copy : c->max_blocks;
-        int has_lengths = a->lengths != NULL;
-        uint64_t length = has_lengths ? 0 : a->length;
-        const uint64_t src = a->src, dst = a->dst;
-        volatile uint64_t *seq_at = last ? a->seq_at : NULL;
-        uint64_t number = c->launched + 1;
-        void *params[] = {(void *)&src, (void *)&dst, &device, &a->scale, &count, &length,
-                          &has_lengths, &c->chunk, &per_copy, (void *)&seq_at, &a->seq,
-                          (void *)&c->finished, &number, &c->blocks_done};
-        c->rc = ((tx_launch_fn)c->launch)(c->kernel, blocks ? (unsigned)blocks : 1, 1, 1,
-                                          c->threads, 1, 1, 0, c->stream, params, NULL);
-        if (c->rc)
+        if (tx_launch(c, a, device, n, a->lengths != NULL, longest, last))
             return -1;
-        c->launched = number;
         if (entries) {  /* its span, free once this kernel ran */
             uint64_t i = c->spans_queued++ & 1023;
             c->span_start[i] = (uint64_t)start;
-            c->span_kernel[i] = number;
+            c->span_kernel[i] = c->launched;
             c->head = (uint64_t)start + entries;
         }
         a->sent += n;

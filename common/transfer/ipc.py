@@ -11,7 +11,8 @@ reach the peer's sends each command to it as one kernel (ipc.cu, launched from C
 copier.c): the command's page numbers checked and handed to the GPU (a short table read
 where it lies in pinned host memory, a long one uploaded), the pages copied into the
 peer's memory, then, after a system-wide fence, the command's sequence number stored into
-the writer's ring in the peer's inbox.
+the writer's ring in the peer's inbox. A prepared command (Engine.prepare_pages) keeps its
+table on the GPU: each of its writes is the launch alone.
 The peer's C worker polls its inbox and counts the command's immediates in the same table
 as a NIC's (worker.c, tx_inbox_poll): expect() does not know which route they took.
 
@@ -172,6 +173,12 @@ class Copier:
         self.uploads = cp.cuda.Stream(non_blocking=True)
         self.uploaded = cp.cuda.Event(disable_timing=True)
         c.kernel = ffi.cast("void *", self.kernel.kernel.ptr)
+        context = cuda_driver.ffi.new("void **")
+        cuda_driver.function("cuCtxGetCurrent")(context)  # GPU `gpu`'s: memory.current
+        c.context = ffi.cast("void *", int(cuda_driver.ffi.cast("uintptr_t", context[0])))
+        c.get_context, c.set_context = (
+            ffi.cast("void *", cuda_driver.address(driver(name)))
+            for name in ("cuCtxGetCurrent", "cuCtxSetCurrent"))
         c.stream, c.uploads, c.uploaded = (ffi.cast("void *", x.ptr) for x in (
             self.stream, self.uploads, self.uploaded))
         c.host, c.device = ffi.cast("uint64_t *", host.ptr), device.ptr
@@ -259,6 +266,7 @@ class Route:
             return remote.ptr  # our own process: already mapped
         base = self.mapped.get(handle)
         if base is None:
+            memory.current(self.routes.engine.gpu)  # mapped into that GPU's context
             base = self.mapped[handle] = self.routes.cp.cuda.runtime.ipcOpenMemHandle(
                 handle, LAZY_PEER_ACCESS)
         return base + offset
@@ -266,11 +274,23 @@ class Route:
     def room(self):
         return self.head - self.slot.consumed < RECORDS
 
+    def launch(self, a, imm):
+        """A prepared command (engine.Prepared's struct tx_copy, its table on the GPU) as
+        one kernel: its record says the peer's worker what came. Returns (record, seq)."""
+        record, seq = self.records + (self.head & (RECORDS - 1)), self.head + 1
+        record.imm, record.count, record.has_imm = imm or 0, a.count, imm is not None
+        a.seq_at, a.seq = self.ffi.cast("uint64_t *", record), seq
+        copier = self.routes.copier  # copier.c makes its GPU's context current
+        if copier.native.tx_copy_prepared(copier.c, a):
+            raise ValueError("the CUDA IPC route's launch failed: "
+                             f"{cuda_driver.error_name(copier.c.rc)}")
+        self.head = seq
+        return record, seq
+
     def submit(self, command, wait):
         """One command (engine.Command) as the copier's kernels; its record says the peer's
         worker what came. Returns (record, seq, None): done once record.seq reaches seq;
         or (None, None, (side, index)) for an item out of range, nothing sent."""
-        memory.current(self.routes.engine.gpu)
         record, seq = self.records + (self.head & (RECORDS - 1)), self.head + 1
         record.imm, record.count = command.imm or 0, len(command.src_items)
         record.has_imm = command.imm is not None
