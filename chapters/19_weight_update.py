@@ -14,7 +14,7 @@ for bit, beside the naive way (trainer 0 gathers, quantises and sends everything
 cell "An update, step by step" below has the details.
 
 New since chapter 18: Engine.prepare_list (one command of WRITEs of several lengths,
-made at the first update and written at every one), Engine.signal and Engine.arrived (common/transfer); 128 x 128 blocks and bf16 input in
+made before the first update and written at every one), Engine.signal and Engine.arrived (common/transfer); 128 x 128 blocks and bf16 input in
 common/moe/reference.py's quantize_fp8 and in this chapter's kernels (19_weight_update.cu,
 on common/moe/fp8.cuh, chapter 16's rounding); in common/weights/, what is not the update:
 the two sides' layouts (model.py), a trainer's shards (shards.py), the kernels' numpy
@@ -217,8 +217,10 @@ class Trainer(Shards):
 
     def connect(self, peers, remotes, trainers):
         """peers: rank -> Peer; remotes: inference rank -> its weight region; trainers:
-        trainer -> its edge buffer."""
+        trainer -> its edge buffer. Then each batch's commands are made (Batch.prepare)."""
         self.peers, self.remotes, self.trainer_edges = peers, remotes, trainers
+        for batch in self.batches:
+            batch.prepare(self)
 
     def update(self, n, fail=False):
         """One update; returns each stage's seconds and what was posted."""
@@ -276,7 +278,7 @@ class Trainer(Shards):
 
 class Command(NamedTuple):
     """WRITEs to one inference rank, posted as one command (Engine.prepare_list: its
-    offsets checked, and by CUDA IPC its table put on the GPU, once for every update)."""
+    offsets checked, and by CUDA IPC its table put on the GPU, once for all updates)."""
     region: str          # from the trainer's "staging" or "shard"
     rank: int            # to this inference rank's weights
     src: np.ndarray      # one offset a WRITE in the region (uint64)
@@ -290,7 +292,7 @@ class Batch:
 
     def __init__(self, trainer, group, half, fp8, bf16):
         xp, t0s = trainer.ops.xp, trainer.plan.rows[trainer.t]
-        self.group, self.half, self.jobs, self.prepared = group, half, [], None
+        self.group, self.half, self.jobs, self.prepared = group, half, [], []
         at, staged, direct, src, dst = half * trainer.half, {}, {}, [], []
         for job in fp8:
             codes, scales = at, at + aligned(job.bytes)
@@ -329,11 +331,13 @@ class Batch:
         if len(self.scale_src):
             trainer.staging.view(ops.xp.float32)[self.scale_dst] = trainer.scales[self.scale_src]
 
+    def prepare(self, trainer):
+        """Its commands, made once before the first update: every update writes them."""
+        self.prepared = [trainer.eng.prepare_list(
+            trainer.peers[trainer.plan.trainers + c.rank], trainer.regions[c.region], c.src,
+            trainer.remotes[c.rank], c.dst, c.lengths) for c in self.commands]
+
     def submit(self, trainer, n):
-        if self.prepared is None:  # made at the first update: the next ones reuse them
-            self.prepared = [trainer.eng.prepare_list(
-                trainer.peers[trainer.plan.trainers + c.rank], trainer.regions[c.region], c.src,
-                trainer.remotes[c.rank], c.dst, c.lengths) for c in self.commands]
         return [command.write(imm(n, self.group)) for command in self.prepared]
 
 
@@ -432,8 +436,13 @@ def trainer(eng, group, peers, plan, ops, args, report):
     # trainers' edge buffers (the naive way: into the inboxes and trainer 0's gather buffer)
     remote = harness.exchange(group, eng, {"edges": side.regions["edges"],
                                            "gather": side.regions.get("gather")})
+    made = time.perf_counter()
     side.connect(peers, [r["weights"] for r in remote[trainers:]],
                  {u: remote[u]["edges"] for u in range(trainers) if u != me})
+    if me == 0:
+        print(f"trainer 0: {sum(len(b.prepared) for b in side.batches)} commands made in "
+              f"{1e3 * (time.perf_counter() - made):.1f} ms, once (Engine.prepare_list; by "
+              "CUDA IPC the first to each inference rank maps its weights)", flush=True)
     for n, last, versions in harness.updates(args, plan.params):
         side.fill(versions)  # the training step
         group.barrier()

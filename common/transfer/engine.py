@@ -188,18 +188,24 @@ class Prepared:
             self._on_gpu(offsets)
 
     def _on_gpu(self, offsets):
-        """The kernel's table (byte offsets, then lengths) uploaded on the route's stream,
-        in order before every kernel that reads it; an IpcTransfer keeps it until done."""
-        c, route, cp = self.command, self.route, memory.cupy()
+        """The kernel's table (byte offsets, then lengths), uploaded on the copier's stream
+        for uploads, which its kernels' stream then waits for: an upload from pageable
+        memory waits for its stream's earlier work, which on the kernels' stream would be
+        the copies in flight. An IpcTransfer keeps the table until its kernel is done."""
+        c, cp = self.command, memory.cupy()
         parts = offsets if c.lengths is None else [*offsets, c.lengths]
         memory.current(self.engine.gpu)
-        with route.routes.stream:
+        copier = self.route.routes.copier
+        with copier.uploads:
             self.table = cp.asarray(np.concatenate(parts).astype(np.uint64))
+            uploaded = cp.cuda.Event(disable_timing=True)
+            uploaded.record()
+        copier.stream.wait_event(uploaded)
         a = self.args = _ffi.new("struct tx_copy *")
         a.count, a.scale, a.length = len(offsets[0]), 1, c.length
         a.table, a.table_lengths = self.table.data.ptr, c.lengths is not None
         a.longest = c.length if c.lengths is None else int(c.lengths.max(initial=0))
-        self.src, self.dst = c.src.ptr, route.address_of(c.dst)
+        self.src, self.dst = c.src.ptr, self.route.address_of(c.dst)
 
     def write(self, imm=None, src_shift=0, dst_shift=0):
         eng, c = self.engine, self.command
