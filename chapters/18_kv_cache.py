@@ -58,10 +58,11 @@ LESSON = {"figure": "check"}
 # pages with one kernel (`peer.route == "cuda-ipc"`, common/transfer/ipc.py); libfabric's
 # shm makes one CUDA IPC copy per WRITE. The same calls, expect() unchanged. On one H200
 # (both on GPU 0, libfabric 2.6, 10,000 pages of 16 KiB in one command,
-# scripts/transfer_bench.py --gpu 0, three runs minutes apart): 9,942 Gbps by the kernel
-# route (15,075 when commands stream), 31.5 by shm, 23.4 by NIXL; the GPU gathers them
-# alone at 16,306 (results/transfer/README.md: the commands, and where the rest goes).
-# --no-cuda-ipc takes the NIC's path, for comparison.
+# scripts/transfer_bench.py --gpu 0, runs minutes apart): 9,942 Gbps by the kernel route,
+# 31.5 by shm, 23.4 by NIXL, and the GPU gathering them alone at 16,306; a prepared
+# command, as this chapter sends (its table already on the GPU: one launch a layer),
+# 13,611-14,184 Gbps, 83-87% of its run's gather (results/transfer/README.md: the
+# commands, and where the rest goes). --no-cuda-ipc takes the NIC's path, for comparison.
 
 # %% [markdown]
 # ## Motivation
