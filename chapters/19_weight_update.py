@@ -217,10 +217,13 @@ class Trainer(Shards):
 
     def connect(self, peers, remotes, trainers):
         """peers: rank -> Peer; remotes: inference rank -> its weight region; trainers:
-        trainer -> its edge buffer. Then each batch's commands are made (Batch.prepare)."""
+        trainer -> its edge buffer. Then each batch's commands are made, once for every
+        update (Engine.prepare_list)."""
         self.peers, self.remotes, self.trainer_edges = peers, remotes, trainers
-        for batch in self.batches:
-            batch.prepare(self)
+        for b in self.batches:
+            b.prepared = [self.eng.prepare_list(peers[self.plan.trainers + c.rank],
+                                                self.regions[c.region], c.src, remotes[c.rank],
+                                                c.dst, c.lengths) for c in b.commands]
 
     def update(self, n, fail=False):
         """One update; returns each stage's seconds and what was posted."""
@@ -331,12 +334,6 @@ class Batch:
         if len(self.scale_src):
             trainer.staging.view(ops.xp.float32)[self.scale_dst] = trainer.scales[self.scale_src]
 
-    def prepare(self, trainer):
-        """Its commands, made once before the first update: every update writes them."""
-        self.prepared = [trainer.eng.prepare_list(
-            trainer.peers[trainer.plan.trainers + c.rank], trainer.regions[c.region], c.src,
-            trainer.remotes[c.rank], c.dst, c.lengths) for c in self.commands]
-
     def submit(self, trainer, n):
         return [command.write(imm(n, self.group)) for command in self.prepared]
 
@@ -429,9 +426,6 @@ def trainer(eng, group, peers, plan, ops, args, report):
                    naive.staging_at_least(plan) if naive_way and me == 0 else 0)
     if naive_way and me == 0:  # the naive way gathers whole tensors on trainer 0
         naive.add_gather(side)
-    if me == 0:
-        print(f"trainer 0: staging {2 * side.half / 1e6:.1f} MB (two halves, each a "
-              "layer's quantised rows)", flush=True)
     # every rank's regions: we WRITE into the inference ranks' weights and the other
     # trainers' edge buffers (the naive way: into the inboxes and trainer 0's gather buffer)
     remote = harness.exchange(group, eng, {"edges": side.regions["edges"],
@@ -440,9 +434,9 @@ def trainer(eng, group, peers, plan, ops, args, report):
     side.connect(peers, [r["weights"] for r in remote[trainers:]],
                  {u: remote[u]["edges"] for u in range(trainers) if u != me})
     if me == 0:
-        print(f"trainer 0: {sum(len(b.prepared) for b in side.batches)} commands made in "
-              f"{1e3 * (time.perf_counter() - made):.1f} ms, once (Engine.prepare_list; by "
-              "CUDA IPC the first to each inference rank maps its weights)", flush=True)
+        print(f"trainer 0: staging {2 * side.half / 1e6:.1f} MB (two halves, each a layer's "
+              f"quantised rows); {sum(len(b.prepared) for b in side.batches)} commands made "
+              f"in {1e3 * (time.perf_counter() - made):.1f} ms, once", flush=True)
     for n, last, versions in harness.updates(args, plan.params):
         side.fill(versions)  # the training step
         group.barrier()
