@@ -6,9 +6,10 @@
 #   bash scripts/diff.sh 04 07       # any two chapters
 #
 # A chapter builds on the one before it unless PARENT says otherwise; "-" means
-# it stands alone and is shown whole (16: an all-to-all among ranks and its proxy
-# share no line with 07's server and client; 09: its engine, built around lanes, would
-# differ from 07's program in every line). Where a chapter's code moved into common/,
+# it stands alone and is shown whole (07: its server rebuilt around an op queue and an
+# endpoint it renews, which against 06 shows 06's server taken away as much as its own;
+# 16: an all-to-all among ranks and its proxy share no line with 07's server and client;
+# 09: its engine, built around lanes, would differ from 07's program in every line). Where a chapter's code moved into common/,
 # LESSON names that file: it is compared with the parent's program (shown whole where
 # the chapter stands alone), then the chapter's own (short) file follows. NEW lists the common/ modules that hold a
 # chapter's lesson, shown as new files after its own; the helpers around them are
@@ -20,7 +21,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-declare -A PARENT=([03]=- [04]=- [08]=- [09]=- [16]=- [17]=16 [18]=- [19]=-)
+declare -A PARENT=([03]=- [04]=- [07]=- [08]=- [09]=- [16]=- [17]=16 [18]=- [19]=-)
 declare -A LESSON=([09]=common/engine/multinet.py)
 declare -A NEW=([07]=common/engine/opqueue.py [08]=common/engine/topo.py
                 [10]=common/engine/warmup.py

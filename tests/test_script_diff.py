@@ -95,7 +95,7 @@ def test_where_the_lesson_is_c_the_c_comes_first():
     assert any("__global__" in line for line in shown(diff("17").stdout)[files[0]][0])
 
 
-@pytest.mark.parametrize("chapter", ["04", "09", "16", "18"])
+@pytest.mark.parametrize("chapter", ["04", "07", "09", "16", "18"])
 def test_a_chapter_that_stands_alone_is_shown_whole(chapter):
     """PARENT "-": every file is new, nothing of another chapter taken away."""
     done = diff(chapter)
