@@ -274,8 +274,9 @@ def test_gpu_a_peer_killed_mid_transfer_by_cuda_ipc_is_seen(watch):
     assert "[0] route to peer 0: cuda-ipc" in done.stdout, done.stdout
     line = re.search(r"^\[0\] survivor: .*$", done.stdout, re.M)
     assert line, done.stdout + done.stderr
-    if watch:
-        assert "PeerGone: stopping: rank 1 is gone" in line[0], line[0]
+    if watch:  # the rendezvous says it when the connection closes or the launcher reaps it
+        assert re.search(r"PeerGone: stopping: rank 1 (is gone|was killed by SIGKILL)",
+                         line[0]), line[0]
     else:
         assert "took none of our last 1024 commands by CUDA IPC within 2 s" in line[0], line[0]
     assert "rank 1 was killed by SIGKILL" in done.stderr

@@ -382,6 +382,8 @@ class Engine:
     def _stop(self):
         self._w.stop = 1
         bounds.join([self._thread], "the transfer engine")
+        self.error = TransferError("this engine is closed (its Closer has run): nothing more "
+                                   "can be sent or awaited")
 
     # --- addresses and regions ---------------------------------------------------------
 
