@@ -5,19 +5,20 @@
 #   bash scripts/diff.sh --all 05    # the prose kept
 #   bash scripts/diff.sh 04 07       # any two chapters
 #
-# A chapter builds on the one before it unless PARENT says otherwise; "-" means
-# it stands alone and is shown whole (07: its server rebuilt around an op queue and an
+# A chapter builds on the one before it unless PARENT says otherwise; "-" means it
+# stands alone and is shown whole (07: its server rebuilt around an op queue and an
 # endpoint it renews, which against 06 shows 06's server taken away as much as its own;
 # 16: an all-to-all among ranks and its proxy share no line with 07's server and client;
-# 09: its engine, built around lanes, would differ from 07's program in every line). Where a chapter's code moved into common/,
-# LESSON names that file: it is compared with the parent's program (shown whole where
-# the chapter stands alone), then the chapter's own (short) file follows. NEW lists the common/ modules that hold a
-# chapter's lesson, shown as new files after its own; the helpers around them are
-# not (for 16 and 17: the launcher, the proxy's opening of NICs, the reference, the
-# checks and the benchmark, all in common/; for 19: all of common/weights/, model.py
-# too, which describes the model and the two sides' layouts that the chapter's routing
-# table is computed from, not the update). Where the lesson is a loop in C or the
-# kernels of a GPU, the C or CUDA comes first.
+# 09: its engine, built around lanes, would differ from 07's program in every line).
+# Where a chapter's code moved into common/, LESSON names that file: it is compared with
+# the parent's program (shown whole where the chapter stands alone), then the chapter's
+# own (short) file follows. NEW lists the common/ modules that hold a chapter's lesson,
+# shown as new files after its own; the helpers around them are not (for 16 and 17: the
+# launcher, the proxy's opening of NICs, the reference, the checks and the benchmark,
+# all in common/; for 19: all of common/weights/, model.py too, which describes the
+# model and the two sides' layouts that the chapter's routing table is computed from,
+# not the update). Where the lesson is a loop in C or the kernels of a GPU, the C or
+# CUDA comes first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -168,9 +168,10 @@ class IpcTransfer:
 class Prepared:
     """A command made once and written many times (Engine.prepare_pages, prepare_list), as
     a KV cache's layers or a model's weights are sent again and again with the same layout.
-    Its items are checked once; on the CUDA IPC route its table goes to the GPU once, so
-    that each write() is one kernel launch, with no pass over the items and no upload. On
-    libfabric each write() posts its WRITEs as write_pages would.
+    Its items are checked and turned into byte offsets once; on the CUDA IPC route its
+    table goes to the GPU once, so that each write() is one kernel launch, with no pass
+    over the items and no upload. On libfabric each write() hands the worker those
+    offsets, shifted.
 
     write(imm, src_shift, dst_shift): the same WRITEs, every source item moved by
     src_shift and every destination item by dst_shift (pages, or bytes for prepare_list):
@@ -179,7 +180,7 @@ class Prepared:
     def __init__(self, engine, command):
         self.engine, self.command = engine, command
         self.unit = command.page_size or 1
-        offsets = [offsets_of(command, side) for side in (0, 1)]  # checked: ValueError
+        offsets = self.offsets = [offsets_of(command, side) for side in (0, 1)]  # checked
         ends = [o + (command.length if command.lengths is None else command.lengths)
                 for o in offsets]
         self.reach = [int(e.max()) if len(e) else 0 for e in ends]  # the furthest byte
@@ -212,9 +213,10 @@ class Prepared:
         eng._check_imm(imm)
         if src_shift or dst_shift:  # the unshifted command was checked when it was made
             self._check_shifts(src_shift, dst_shift)
-        if not self.route:
-            return eng._submit(c._replace(src_items=c.src_items + src_shift,
-                                          dst_items=c.dst_items + dst_shift, imm=imm))
+        if not self.route:  # the offsets checked when it was made, shifted
+            eng._check()
+            return eng._post(c._replace(imm=imm), self.offsets[0] + src_shift * self.unit,
+                             self.offsets[1] + dst_shift * self.unit)
         # The CUDA IPC route, lean: a launch is ~6 us here and the kernel of 100 pages 6-8
         eng._check()
         route = self.route
@@ -561,8 +563,11 @@ class Engine:
         route = self._route(command)
         if route:
             return self._submit_ipc(route, command)
+        return self._post(command, offsets_of(command, 0), offsets_of(command, 1))
+
+    def _post(self, command, src_offsets, dst_offsets):
+        """Hand the worker `command`, its items as byte offsets already checked."""
         peer, src, dst = command.peer, command.src, command.dst
-        src_offsets, dst_offsets = offsets_of(command, 0), offsets_of(command, 1)
         w = self._w
         if w.head - native.tx_tail(w) >= RING:
             self._until(lambda: w.head - native.tx_tail(w) < RING, self.timeout,

@@ -274,11 +274,17 @@ class Route:
     def room(self):
         return self.head - self.slot.consumed < RECORDS
 
+    def _record(self, imm, count):
+        """The next command's record in our ring of the peer's inbox, filled but for its
+        seq (the kernel stores that last), and that seq."""
+        record = self.records + (self.head & (RECORDS - 1))
+        record.imm, record.count, record.has_imm = imm or 0, count, imm is not None
+        return record, self.head + 1
+
     def launch(self, a, imm):
         """A prepared command (engine.Prepared's struct tx_copy, its table on the GPU) as
         one kernel: its record says the peer's worker what came. Returns (record, seq)."""
-        record, seq = self.records + (self.head & (RECORDS - 1)), self.head + 1
-        record.imm, record.count, record.has_imm = imm or 0, a.count, imm is not None
+        record, seq = self._record(imm, a.count)
         a.seq_at, a.seq = self.ffi.cast("uint64_t *", record), seq
         copier = self.routes.copier  # copier.c makes its GPU's context current
         if copier.native.tx_copy_prepared(copier.c, a):
@@ -291,9 +297,7 @@ class Route:
         """One command (engine.Command) as the copier's kernels; its record says the peer's
         worker what came. Returns (record, seq, None): done once record.seq reaches seq;
         or (None, None, (side, index)) for an item out of range, nothing sent."""
-        record, seq = self.records + (self.head & (RECORDS - 1)), self.head + 1
-        record.imm, record.count = command.imm or 0, len(command.src_items)
-        record.has_imm = command.imm is not None
+        record, seq = self._record(command.imm, len(command.src_items))
         bad = self.routes.copier.send(
             command.src.ptr, command.src_items, self.address_of(command.dst),
             command.dst_items, command.length, wait, (command.src.size, command.dst.size),
