@@ -40,6 +40,10 @@ ceiling is K kernels.
 and each repeat writes it (Prepared.write: one launch), as a KV cache's layers are sent.
 The data check of each size goes through a prepared command too.
 
+--resident (with --prepared): Engine(resident=True): a command of at most 8 chunks of
+8 KiB per SM goes to a kernel that stays on the GPU while commands come, not a launch.
+It leaves the GPU (Engine.rest) before the ceiling is measured.
+
 --inject: rank 0 injects every WRITE of at most the provider's inject size (4 KiB on shm;
 write_pages(inject=True)), as fi_rma_bw does. Its clock then stops once the last WRITE is
 posted, before the last ones have landed; so it did without --inject on shm, which writes
@@ -87,6 +91,8 @@ def parse():
                    "most the provider's inject size (no completion; write_pages(inject=True))")
     p.add_argument("--prepared", action="store_true", help="rank 0 makes each case's "
                    "command once (Engine.prepare_pages) and writes it in every repeat")
+    p.add_argument("--resident", action="store_true", help="with --prepared: small "
+                   "commands go to a kernel that stays on the GPU (Engine(resident=True))")
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--no-fabtests", action="store_true", help="skip fi_rma_bw")
     p.add_argument("--nixl", metavar="PYTHON", help="also move the same pages with NIXL "
@@ -104,6 +110,8 @@ def parse():
         p.error(str(e))
     if min(args.repeats, *args.counts, *args.sizes, 1 if args.window is None else args.window) < 1:
         p.error("--repeats, --pages, --page-sizes and --window must be positive")
+    if args.resident and not (args.prepared and args.gpu is not None):
+        p.error("--resident is for prepared commands in GPU memory: with --prepared and --gpu")
     if args.nixl and args.stream > 1:
         p.error("--nixl moves one command at a time: compare it with --stream 1")
     if args.window and args.window * max(args.sizes) > CAP:
@@ -126,7 +134,8 @@ def rank_main(args):
         if group.world != 2:
             raise SystemExit("transfer_bench.py: needs exactly 2 ranks")
         eng = Engine(own, provider=args.provider, gpu=args.gpu, nics=args.nics,
-                     spread=args.spread, timeout=timeout, cuda_ipc=not args.no_cuda_ipc)
+                     spread=args.spread, timeout=timeout, cuda_ipc=not args.no_cuda_ipc,
+                     resident=args.resident)
         xp = np if args.gpu is None else memory.cupy()
         eng.watch(group.check)
         me, other = group.rank, 1 - group.rank
@@ -206,7 +215,8 @@ def rank_main(args):
                                  "mpps": moved / elapsed / 1e6, "wrong_bytes": wrong,
                                  "eagain_last": refused, "injected_last": injected,
                                  "phases_s": median, "whole_s": float(np.median(wholes)),
-                                 "route": peer.route, "prepared": args.prepared})
+                                 "route": peer.route, "prepared": args.prepared,
+                                 "resident": args.resident})
                     r = rows[-1]
                     streamed = f" x {args.stream} commands" if args.stream > 1 else ""
                     print(f"{page:>6} B x {count:>5} pages{streamed}: {r['gbps']:8.3f} Gbps "
@@ -220,6 +230,7 @@ def rank_main(args):
                           + f"; whole (to rank 1's expect) {1e6 * r['whole_s']:.0f} us",
                           flush=True)
                     if args.gpu is not None:
+                        eng.rest()  # every SM for the ceiling's kernel
                         ceiling(r, args.gpu, page, src, dst, size, args.repeats)
         group.barrier()
         if me == 0:

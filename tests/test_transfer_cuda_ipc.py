@@ -164,6 +164,62 @@ def test_a_prepared_command_is_one_launch_of_its_own_table():
     assert fake.kernels == [(2, True), (2, True)]
 
 
+def test_the_resident_kernel_takes_small_prepared_commands_from_its_queue():
+    """tx_copy_prepared with a resident kernel (ipc.cu's ipc_stand), its side played here:
+    a small command's job goes into the queue, the kernel launched only where it had left
+    (from the first job it did not take, a new epoch); a big command, or one whose slot
+    still holds a job not done, is launched as before (ipc_copy)."""
+    fake = FakeDriver(64, 0)
+    c = fake.copier.c
+    stand = []  # ipc_stand's launches: (start, epoch, blocks)
+    ipc_copy = fake.launch
+
+    def launch(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        if f != c.stand:
+            return ipc_copy(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra)
+        stand.append((_ffi.cast("uint64_t *", params[2])[0],
+                      _ffi.cast("uint64_t *", params[3])[0], gx))
+        return 0
+    callback = _ffi.callback("int(void *, unsigned, unsigned, unsigned, unsigned, unsigned, "
+                             "unsigned, unsigned, void *, void **, void **)", launch, error=-1)
+    queue = np.zeros(4 + ipc.STAND_SLOTS * ipc.STAND_JOB, np.uint64)
+    queue[1] = ipc.STAND_STOPPED
+    c.launch, c.stand = _ffi.cast("void *", callback), _ffi.cast("void *", 1)
+    c.queue, c.stand_items, c.stand_blocks = _ffi.cast("uint64_t *", queue.ctypes.data), 8, 5
+    marks = np.zeros(70, np.uint64)
+    table = np.zeros(18, np.uint64)  # every copy: page 0 to page 0
+    src, dst = np.ones(4096, np.uint8), np.zeros(4096, np.uint8)
+    a = _ffi.new("struct tx_copy *")
+    a.src, a.dst, a.count, a.scale = src.ctypes.data, dst.ctypes.data, 4, 4096
+    a.length, a.longest, a.table = 4096, 4096, table.ctypes.data
+
+    def write(seq):
+        a.seq_at, a.seq = _ffi.cast("uint64_t *", marks.ctypes.data + 8 * seq), seq
+        assert native.tx_copy_prepared(c, a) == 0
+
+    write(1)  # stopped: launched, from job 0
+    assert stand == [(0, 1, 5)] and queue[0] == 1 and queue[1] == ipc.STAND_RUNNING
+    assert list(queue[4:4 + ipc.STAND_JOB]) == [src.ctypes.data, dst.ctypes.data,
+                                                 table.ctypes.data, 4096, 4, 4096, 0, 1,
+                                                 marks.ctypes.data + 8, 1]
+    write(2)  # running: the job alone
+    assert stand == [(0, 1, 5)] and queue[0] == 2
+    queue[1], queue[2] = ipc.STAND_STOPPED, 2  # it took both, then left
+    write(3)
+    assert stand == [(0, 1, 5), (2, 2, 5)] and queue[0] == 3 and c.stand_jobs == 3
+    for seq in range(4, 4 + ipc.STAND_SLOTS - 3):
+        write(seq)
+    assert queue[0] == ipc.STAND_SLOTS and not fake.kernels
+    write(70)  # slot 0 again, and job 0 not done (its mark not stored): launched
+    assert fake.kernels == [(4, True)] and queue[0] == ipc.STAND_SLOTS and dst.all()
+    marks[1] = 1
+    write(69)  # job 0 done: slot 0 is free
+    assert queue[0] == ipc.STAND_SLOTS + 1 and queue[4 + ipc.STAND_JOB - 1] == 69
+    a.count = 9  # 9 chunks: more than stand_items
+    write(68)
+    assert len(fake.kernels) == 2 and queue[0] == ipc.STAND_SLOTS + 1 and len(stand) == 2
+
+
 def test_the_copier_reuses_a_table_s_entries_only_once_its_kernel_ran():
     """A ring of 16 entries: tables of 3 pages (6 entries) are taken in order, one that
     does not fit before the end starts again at 0, and the copier waits (the engine's
@@ -262,14 +318,18 @@ def test_gpu_a_scatter_and_barriers_of_three_ranks_by_cuda_ipc():
 
 
 @needs_gpu
+@pytest.mark.parametrize("resident", [False, True], ids=["launched", "resident"])
 @pytest.mark.parametrize("watch", [False, True], ids=["alone", "watching-the-group"])
-def test_gpu_a_peer_killed_mid_transfer_by_cuda_ipc_is_seen(watch):
+def test_gpu_a_peer_killed_mid_transfer_by_cuda_ipc_is_seen(watch, resident):
     """Its memory stays mapped (a dead exporter's), so the survivor's kernels go on; its
     inbox takes no more commands: the survivor says so within its timeout, or at once
-    when it watches the group."""
-    done = launched(2, "kill", "-p", "shm", "--gpu", "0", *(["--watch"] * watch), timeout=2,
-                    grace=60)
+    when it watches the group. With resident=True, the survivor's commands went to the
+    kernel that stays, and it left the GPU as the survivor closed."""
+    done = launched(2, "kill", "-p", "shm", "--gpu", "0", *(["--watch"] * watch),
+                    *(["--resident"] * resident), timeout=2, grace=60)
     assert done.returncode != 0
+    taken = re.search(r"^\[0\] resident commands: (\d+)$", done.stdout, re.M)
+    assert taken and (int(taken[1]) > 0) == resident, done.stdout + done.stderr
     assert "[1] got the first round; dying" in done.stdout, done.stdout + done.stderr
     assert "[0] route to peer 0: cuda-ipc" in done.stdout, done.stdout
     line = re.search(r"^\[0\] survivor: .*$", done.stdout, re.M)
@@ -361,3 +421,56 @@ def test_gpu_a_prepared_command_is_one_launch_a_write_and_lands_shifted():
         want = np.zeros_like(host)
         want[5:4104], want[70002:70019] = host[1:4100], host[5001:5018]
         assert int((cp.asnumpy(out) != want).sum()) == 0
+
+
+@needs_gpu
+def test_gpu_a_resident_copier_takes_small_prepared_commands_without_launches():
+    """Engine(resident=True), writing to itself: 40 layers of 100 pages go to the kernel
+    that stays (no ipc_copy launched), each byte where it belongs, a prepare_list with its
+    lengths too; the kernel leaves after ipc.IDLE without a command and comes back for the
+    next; a command of more chunks than it takes is launched as before; rest() sends it
+    off the GPU at once."""
+    import time
+
+    import cupy as cp
+    with fi.Closer() as own:
+        eng = Engine(own, provider="shm", gpu=0, timeout=Budget(20).seconds, resident=True)
+        me = eng.connect(eng.address())
+        layers, pages, page = 40, 100, 4096
+        rng = np.random.default_rng(5)
+        host = rng.integers(0, 256, layers * pages * page, np.uint8)
+        src = eng.register(cp.asarray(host))
+        out = cp.zeros(layers * pages * page, cp.uint8)
+        dst = eng.remote(eng.register(out).descriptor())
+        order = rng.permutation(pages)
+        prepared = eng.prepare_pages(me, src, np.arange(pages), dst, order, page)
+        copier = eng._routes.copier
+        for layer in range(layers):
+            prepared.write(imm=90 + layer, src_shift=layer * pages, dst_shift=layer * pages)
+        for layer in range(layers):
+            eng.expect(90 + layer, pages, Budget(10).seconds)
+        got = cp.asnumpy(out).reshape(layers, pages, page)[:, order]
+        assert int((got != host.reshape(layers, pages, page)).sum()) == 0
+        stats = eng.stats()
+        assert stats["resident_commands"] == layers and copier.c.launched == 0, stats
+        assert 1 <= stats["resident_launches"] <= layers, stats
+        deadline = time.monotonic() + Budget(5).seconds
+        while copier.queue[1] != ipc.STAND_STOPPED:  # it leaves by itself
+            assert time.monotonic() < deadline, "the resident kernel never left"
+            time.sleep(ipc.IDLE)
+        listed = eng.prepare_list(me, src, [0, 5000], dst, [3, 70000], [4099, 17])
+        out[:] = 0
+        listed.write(imm=140, src_shift=1, dst_shift=2)
+        eng.expect(140, 2, Budget(10).seconds)
+        want = np.zeros_like(host)
+        want[5:4104], want[70002:70019] = host[1:4100], host[5001:5018]
+        assert int((cp.asnumpy(out) != want).sum()) == 0
+        assert eng.stats()["resident_launches"] == stats["resident_launches"] + 1
+        big = layers * pages  # 4,000 chunks: more than the resident kernel takes
+        assert big > copier.c.stand_items
+        eng.prepare_pages(me, src, np.arange(big), dst, np.arange(big), page).write(imm=141)
+        eng.expect(141, big, Budget(10).seconds)
+        assert copier.c.launched == 1 and eng.stats()["resident_commands"] == layers + 1
+        assert bool((out == cp.asarray(host)).all())
+        eng.rest()
+        assert copier.queue[1] == ipc.STAND_STOPPED

@@ -152,9 +152,17 @@ def kill(eng, group, args):
         group.barrier()
         os.kill(os.getpid(), signal.SIGKILL)
 
+    piece = 128  # with --resident: small prepared commands, which the resident kernel takes
+    prepared = eng.prepare_pages(peer, region, range(piece), theirs, range(piece), PAGE)
+
     def write_round():
-        eng.write_pages(peer, region, range(pages), theirs, range(pages), PAGE,
-                        imm=5).wait(timeout)
+        if not args.resident:
+            eng.write_pages(peer, region, range(pages), theirs, range(pages), PAGE,
+                            imm=5).wait(timeout)
+            return
+        sent = [prepared.write(imm=5, src_shift=k, dst_shift=k) for k in range(0, pages, piece)]
+        for t in sent:
+            t.wait(timeout)
     write_round()
     group.barrier()  # rank 1 has the first round: from now on it may be gone at any time
     started = time.monotonic()
@@ -164,6 +172,7 @@ def kill(eng, group, args):
     except Exception as e:  # what the survivor says: one line
         print(f"survivor: after {time.monotonic() - started:.1f} s, round {round_}: "
               f"{type(e).__name__}: {e}", flush=True)
+        print(f"resident commands: {eng.stats()['resident_commands']}", flush=True)
         sys.exit(1)
 
 
@@ -212,12 +221,14 @@ def main():
     p.add_argument("--watch", action="store_true")
     p.add_argument("--gpu", type=int, default=None)
     p.add_argument("--no-cuda-ipc", action="store_true", help="GPU pages by libfabric only")
+    p.add_argument("--resident", action="store_true", help="Engine(resident=True)")
     args = p.parse_args()
     bounds.watch()
     with launch.Group(launch.place_from_environment(), timeout=args.join) as group, \
             fi.Closer() as own:
         eng = Engine(own, provider=args.provider, gpu=args.gpu, nics=args.nics,
-                     spread=args.spread, timeout=args.timeout, cuda_ipc=not args.no_cuda_ipc)
+                     spread=args.spread, timeout=args.timeout, cuda_ipc=not args.no_cuda_ipc,
+                     resident=args.resident)
         print(f"engine: {eng.provider}, {eng.nics}, {args.spread}", flush=True)
         modes = {"pair": pair, "group": groups, "kill": kill, "torch": torch_pages}
         modes[args.mode](eng, group, args)

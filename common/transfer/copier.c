@@ -17,6 +17,15 @@ struct tx_copier {                  // ipc.py's Copier: ipc.cu's kernel and the 
     uint64_t launched;              // there: pinned memory) and of the last one launched
     uint64_t span_start[1024], span_kernel[1024];  // the tables in use, oldest first, and the
     uint64_t spans_queued, spans_freed;            // kernel each waits for
+    void *stand, *stand_stream;     // ipc.cu's resident kernel (or NULL: none), its stream
+    volatile uint64_t *queue;       // its queue (pinned host memory: ipc.cu's ipc_stand) ...
+    uint64_t scratch;               // ... and its GPU memory
+    uint64_t idle_ns;               // how long it stays on the GPU without a job
+    uint64_t stand_items;           // prepared commands of at most this many chunks go to it
+    uint32_t stand_blocks;          // its blocks: a leader and the workers
+    uint64_t stand_launches, stand_jobs;
+    volatile uint64_t *slot_seq_at[64];  // each slot's last job: where its seq lands, and
+    uint64_t slot_seq[64];               // that seq (the slot is free once it is there)
     int rc;                         // a failed driver call's CUresult
 };
 struct tx_copy {                    // one command, as Engine.write_pages & co. give it
@@ -55,7 +64,9 @@ int tx_copy_prepared(struct tx_copier *c, struct tx_copy *a);
  * kernel of the one before. A command too long for half the ring goes as several
  * kernels, in the stream's order, its items all checked before the first; only the last
  * stores the command's seq. A prepared command (engine.Prepared) has its table on the GPU
- * already, checked once when it was made: its launch is the launch alone.
+ * already, checked once when it was made: its launch is the launch alone, and where
+ * the copier has a resident kernel (ipc.cu's ipc_stand) a small one is not even that:
+ * a job of ten words in the kernel's queue.
  */
 typedef int (*tx_launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                             unsigned by, unsigned bz, unsigned shared, void *stream,
@@ -195,9 +206,64 @@ static int tx_launch(struct tx_copier *c, struct tx_copy *a, uint64_t table, uin
     return 0;
 }
 
-/* Launch prepared command `a` (a->table): 0, or -1 (c->rc) */
+enum { TX_SLOTS = 64, TX_JOB = 10 };  /* ipc.cu's STAND_SLOTS, STAND_JOB, STAND_* */
+enum { TX_RUNNING = 1, TX_LEAVING = 2, TX_STOPPED = 3 };
+
+/* Hand prepared command `a` to the resident kernel (launched again where it had left):
+   0 once its job is in the queue; 1 where its slot's last job is not done yet (launch
+   `a` instead); -1 (c->rc). */
+static int tx_stand(struct tx_copier *c, struct tx_copy *a, uint64_t per_copy)
+{
+    volatile uint64_t *q = c->queue;
+    uint64_t k = q[0], s = k % TX_SLOTS;
+    if (c->slot_seq_at[s] && *c->slot_seq_at[s] < c->slot_seq[s])
+        return 1;
+    uint64_t job[TX_JOB] = {a->src, a->dst, a->table, a->scale, a->count,
+                            a->table_lengths ? 0 : a->length, (uint64_t)a->table_lengths,
+                            per_copy, (uint64_t)(uintptr_t)a->seq_at, a->seq};
+    for (int i = 0; i < TX_JOB; i++)
+        q[4 + s * TX_JOB + i] = job[i];
+    c->slot_seq_at[s] = a->seq_at;
+    c->slot_seq[s] = a->seq;
+    c->stand_jobs++;
+    /* Dekker's handshake with the kernel's leader (ipc.cu): our count, a fence, its state */
+    __atomic_store_n(&q[0], k + 1, __ATOMIC_SEQ_CST);
+    uint64_t state, since = 0;
+    while ((state = __atomic_load_n(&q[1], __ATOMIC_SEQ_CST)) == TX_LEAVING) {
+        if (!since) {  /* the leader is between its two looks, a few loads away */
+            since = tx_now();
+        } else if (tx_now() - since > 1000000000u) {
+            c->rc = 702;  /* CUDA_ERROR_LAUNCH_TIMEOUT: it never finished them */
+            return -1;
+        }
+    }
+    if (state == TX_RUNNING)
+        return 0;
+    if (tx_copier_context(c))
+        return -1;
+    uint64_t start = q[2], epoch = c->stand_launches + 1, chunk = c->chunk;
+    q[1] = TX_RUNNING;
+    void *params[] = {(void *)&c->queue, &c->scratch, &start, &epoch, &c->idle_ns, &chunk};
+    c->rc = ((tx_launch_fn)c->launch)(c->stand, c->stand_blocks, 1, 1, c->threads, 1, 1, 0,
+                                      c->stand_stream, params, NULL);
+    if (c->rc) {
+        q[1] = TX_STOPPED;
+        return -1;
+    }
+    c->stand_launches = epoch;
+    return 0;
+}
+
+/* Launch prepared command `a` (a->table), or hand it to the resident kernel where there
+   is one and `a` is small: 0, or -1 (c->rc) */
 int tx_copy_prepared(struct tx_copier *c, struct tx_copy *a)
 {
+    uint64_t per_copy = (a->longest + c->chunk - 1) / c->chunk;
+    if (c->stand && a->seq_at && a->count * per_copy <= c->stand_items) {
+        int rc = tx_stand(c, a, per_copy);
+        if (rc <= 0)
+            return rc;
+    }
     if (tx_copier_context(c))
         return -1;
     return tx_launch(c, a, a->table, a->count, a->table_lengths, a->longest, 1);

@@ -28,6 +28,11 @@ RING = 1024            # commands queued at once (a power of two)
 IMM_TABLE = 1 << 14    # distinct immediate values the arrival table holds (a power of two)
 SIGNAL = 8             # bytes of the signal region a barrier writes into
 NAP_US = 20            # the worker's sleep when idle a while (it yields before that)
+# A wait (Engine._until) spins for its first HOT seconds, yields until SPIN, then naps
+# (a yield took about 1 us on an H200 box, a resident copier's command 7 us: ipc.py);
+# it looks at the worker, the watchers and the control CQ at least every CHECK_EVERY
+# seconds (each look took 3-5 us there)
+HOT, SPIN, CHECK_EVERY = 20e-6, 1e-3, 50e-6
 SPREADS = ("round-robin", "per-peer")
 PHASES = ("building", "picking up", "posting", "completing", "seeing")  # Transfer.phases
 CACHE_SIZE = "FI_MR_CACHE_MAX_SIZE"  # see Engine: GPU regions larger than its default
@@ -292,12 +297,16 @@ class Engine:
     """One GPU's (or process's) transfer engine; see the package's docstring."""
 
     def __init__(self, own, provider=None, gpu=None, nics=None, spread="round-robin",
-                 timeout=30.0, cuda_ipc=True):
+                 timeout=30.0, cuda_ipc=True, resident=False):
         if spread not in SPREADS:
             raise ValueError(f"spread must be one of {', '.join(SPREADS)}, not {spread!r}")
         if nics is not None and nics < 1:
             raise ValueError(f"nics must be at least 1, not {nics}")
         self.timeout, self.gpu, self.spread = timeout, gpu, spread
+        # Small prepared commands on the CUDA IPC route go to a kernel that stays on the
+        # GPU while they come (ipc.IDLE): no launch each. It keeps a block on every SM
+        # meanwhile, and a device-wide synchronize waits until it leaves (Engine.rest).
+        self.resident = resident
         memory.use_gpu(gpu)  # no cupy, no such GPU: one line, before anything is opened
         if gpu is not None and CACHE_SIZE not in os.environ:
             # shm maps a peer's GPU region by CUDA IPC and keeps the mapping in the MR
@@ -644,7 +653,8 @@ class Engine:
                    if self._w.remote_errors else "")
             return (f"{arrived()} of {n} WRITEs with immediate {imm} arrived within "
                     f"{timeout:g} s{full}{bad}")
-        self._until(lambda: arrived() >= n, timeout, why)
+        w, want = self._w, taken + n
+        self._until(lambda: native.tx_arrived(w, imm) >= want, timeout, why)
         if self.flush_scope is not None:
             memory.current(self.gpu)  # the flush's target: the calling thread's context
             rc = cuda_driver.flush(self.flush_scope)
@@ -691,7 +701,20 @@ class Engine:
         w = self._w
         return {"posted": w.posted, "completed": w.completed, "eagain": w.eagain,
                 "arrived": w.arrived, "injected": w.injected, "nics": len(self.eps),
-                "cuda_ipc_commands": self._ipc_commands}
+                "cuda_ipc_commands": self._ipc_commands,
+                "resident_commands": self._copier_field("stand_jobs"),
+                "resident_launches": self._copier_field("stand_launches")}
+
+    def _copier_field(self, name):
+        copier = getattr(self._routes, "copier", None)
+        return getattr(copier.c, name) if copier else 0
+
+    def rest(self):
+        """Send the resident copier kernel (resident=True) off the GPU now, within the
+        engine's timeout: before a device-wide synchronize, or before timing a kernel that
+        should have every SM. The next small prepared command brings it back."""
+        if getattr(self._routes, "copier", None):
+            self._routes.copier.rest(self.timeout)
 
     def _check(self):
         if self.rc is not None:
@@ -709,28 +732,31 @@ class Engine:
                              f"{fi.strerror(self.rc)} (ret {self.rc})", self.rc)
 
     def _until(self, ready, timeout, why):
-        """Wait for `ready()`, reading the control CQ and looking at the worker and the
-        watchers meanwhile; sched_yield first, then sleeps that grow to 1 ms but stay under
-        a sixteenth of the wait so far: a wait of 1.3 ms that slept up to 1 ms at a time
-        was seen 285 us late (Transfer.phases, 64 KiB x 100 pages on the 2-core VM)."""
+        """Wait for `ready()`, looking at the worker, the watchers and the control CQ at
+        least every CHECK_EVERY meanwhile; sched_yield for the first SPIN, then sleeps that
+        grow to 1 ms but stay under a sixteenth of the wait so far: a wait of 1.3 ms that
+        slept up to 1 ms at a time was seen 285 us late (Transfer.phases, 64 KiB x 100
+        pages on the 2-core VM)."""
         with bounds.Deadline(timeout, why):
             self._wait(ready, timeout, why)
 
     def _wait(self, ready, timeout, why):
         start = time.monotonic()
-        deadline = start + timeout
-        spins, nap = 0, 0.0
+        deadline, checked, nap = start + timeout, -CHECK_EVERY, 0.0
         while not ready():
-            self._check()
-            for check in self._watch:
-                check()
-            if self._control.pump():
-                continue
             now = time.monotonic()
-            if now > deadline:
-                raise TimeoutError(why())
-            spins += 1
-            if spins < 200:
+            if now - checked >= CHECK_EVERY:
+                checked = now
+                self._check()
+                for check in self._watch:
+                    check()
+                if self._control.pump():
+                    continue
+                if now > deadline:
+                    raise TimeoutError(why())
+            if now - start < HOT:
+                continue
+            if now - start < SPIN:
                 os.sched_yield()
             else:
                 nap = min(max(2 * nap, 20e-6), 1e-3, max(20e-6, (now - start) / 16))

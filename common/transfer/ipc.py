@@ -26,6 +26,7 @@ SIGKILLed peer's region, then a new allocation, both without error).
 import mmap
 import os
 import struct
+import time
 import uuid
 
 import numpy as np
@@ -38,6 +39,12 @@ THREADS, CHUNK = 256, 8192     # a block's threads, bytes a block copies before 
 BLOCKS_PER_SM = 16
 STAGING = 1 << 22              # bytes of each of the two rings that carry tables to the GPU
 DIRECT = 512                   # tables this short (entries) the kernel reads in host memory
+# The resident kernel (Engine(resident=True), ipc.cu's ipc_stand): its queue's slots and
+# words a job, its states (on the GPU, deciding to leave, gone), the chunks a block of it
+# may take per command
+STAND_SLOTS, STAND_JOB, STAND_CHUNKS = 64, 10, 8
+STAND_RUNNING, STAND_LEAVING, STAND_STOPPED = 1, 2, 3
+IDLE = 1e-3                    # seconds it stays on the GPU without a command
 # In an engine's address: this host (boot id, pid namespace), the inbox (pid, fd) and the
 # GPU (its PCI bus id, which names it whatever CUDA_VISIBLE_DEVICES says)
 HOST = struct.Struct("<16sQII16s")
@@ -141,9 +148,15 @@ class Routes:
     def start(self, own):
         """The kernel and its stream, made once a first peer is on this host."""
         if not hasattr(self, "copier"):
-            self.copier = Copier(self.engine.gpu)
+            self.copier = Copier(self.engine.gpu, resident=self.engine.resident)
             self.stream = self.copier.stream
-            own.callback(self.stream.synchronize)  # before the regions it copies go
+            own.callback(self.quiet)  # before the regions it copies go
+
+    def quiet(self):
+        """Nothing of ours left running on the GPU: the resident kernel gone, the stream
+        done."""
+        self.copier.rest(self.engine.timeout)
+        self.stream.synchronize()
 
 
 class Copier:
@@ -151,15 +164,17 @@ class Copier:
     compares the route with launches the same one: common/baselines.gather_ceiling),
     launched by copier.c, which writes each command's table into a ring of pinned host
     memory and uploads it, on a second stream, to a ring on the GPU, both allocated once.
-    A table of at most `direct` entries the kernel reads from the pinned ring itself."""
+    A table of at most `direct` entries the kernel reads from the pinned ring itself.
+    With `resident`, small prepared commands go to a kernel that stays (_stand)."""
 
-    def __init__(self, gpu, direct=None):
+    def __init__(self, gpu, direct=None, resident=False):
         from common._transfer import ffi, lib as native
         cp = memory.cupy()
         memory.current(gpu)
-        self.ffi, self.native = ffi, native
+        self.ffi, self.native, self.gpu = ffi, native, gpu
         self.stream = cp.cuda.Stream(non_blocking=True)
-        self.kernel = cp.RawModule(code=open(KERNELS).read()).get_function("ipc_copy")
+        module = cp.RawModule(code=open(KERNELS).read())
+        self.kernel = module.get_function("ipc_copy")
         self.blocks_done = cp.zeros(1, cp.uint32)  # one: the stream runs a kernel at a time
         self._memory = [cp.cuda.alloc(STAGING), cp.cuda.alloc_pinned_memory(STAGING),
                         cp.cuda.alloc_pinned_memory(8)]  # the rings, the last kernel done
@@ -187,6 +202,44 @@ class Copier:
         c.max_blocks = BLOCKS_PER_SM * cp.cuda.runtime.getDeviceProperties(gpu)[
             "multiProcessorCount"]
         c.finished = ffi.cast("uint64_t *", finished.ptr)
+        if resident:
+            self._stand(module.get_function("ipc_stand"), gpu)
+
+    def _stand(self, kernel, gpu):
+        """The resident kernel's queue, scratch and stream: copier.c launches it on the
+        first small prepared command, and again on the first after it left. Its stream
+        does not wait for the legacy default one, nor that one for it: a kernel that stays
+        would hold up every command on a stream that did."""
+        cp, ffi, c = memory.cupy(), self.ffi, self.c
+        sms = cp.cuda.runtime.getDeviceProperties(gpu)["multiProcessorCount"]
+        words = 4 + STAND_SLOTS * STAND_JOB
+        queue = cp.cuda.alloc_pinned_memory(8 * words)
+        scratch = cp.zeros(2 + STAND_SLOTS + STAND_SLOTS * STAND_JOB, cp.uint64)
+        self._memory += [queue, scratch, kernel]
+        self.queue = np.frombuffer(queue, np.uint64, words)
+        self.queue[:] = 0
+        self.queue[1] = STAND_STOPPED
+        self.stand_stream = cp.cuda.Stream(non_blocking=True)
+        c.stand, c.stand_stream = (ffi.cast("void *", x) for x in (
+            kernel.kernel.ptr, self.stand_stream.ptr))
+        c.queue, c.scratch = ffi.cast("uint64_t *", queue.ptr), scratch.data.ptr
+        c.idle_ns, c.stand_blocks = int(IDLE * 1e9), sms + 1  # a worker an SM, a leader
+        c.stand_items = STAND_CHUNKS * sms
+
+    def rest(self, timeout):
+        """The resident kernel off the GPU (if it is on): told to leave now, waited for
+        at most `timeout` s. The next small prepared command launches it again."""
+        if getattr(self, "queue", None) is None or self.queue[1] == STAND_STOPPED:
+            return
+        self.queue[3] = 1  # quit: the leader hands out what is queued, then leaves
+        deadline = time.monotonic() + timeout
+        while self.queue[1] != STAND_STOPPED:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the resident copier kernel did not leave GPU "
+                                   f"{self.gpu} within {timeout:g} s")
+            os.sched_yield()
+        self.stand_stream.synchronize()  # its workers done with the last jobs
+        self.queue[3] = 0
 
     def send(self, src, src_items, dst, dst_items, length, wait, sizes, page_size=None,
              lengths=None, seq_at=0, seq=0):
@@ -253,7 +306,7 @@ class Route:
 
     def _close(self):
         rt = self.routes.cp.cuda.runtime
-        self.routes.stream.synchronize()  # no kernel still reads or writes what we unmap
+        self.routes.quiet()  # no kernel still reads or writes what we unmap
         for base in self.mapped.values():
             rt.ipcCloseMemHandle(base)
         if self.slot.consumed == self.head:  # all counted: the ring is free for another
