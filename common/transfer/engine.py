@@ -29,9 +29,9 @@ IMM_TABLE = 1 << 14    # distinct immediate values the arrival table holds (a po
 SIGNAL = 8             # bytes of the signal region a barrier writes into
 NAP_US = 20            # the worker's sleep when idle a while (it yields before that)
 # A wait (Engine._until) spins for its first HOT seconds, yields until SPIN, then naps
-# (a yield took about 1 us on an H200 box, a resident copier's command 7 us: ipc.py);
-# it looks at the worker, the watchers and the control CQ at least every CHECK_EVERY
-# seconds (each look took 3-5 us there)
+# (a yield took about 1 us on an H200 box, a resident copier's command 7 us there:
+# results/transfer/README.md); it looks at the worker, the watchers and the control CQ
+# at least every CHECK_EVERY seconds (each look took 3-5 us there)
 HOT, SPIN, CHECK_EVERY = 20e-6, 1e-3, 50e-6
 SPREADS = ("round-robin", "per-peer")
 PHASES = ("building", "picking up", "posting", "completing", "seeing")  # Transfer.phases
