@@ -383,44 +383,70 @@ def test_gpu_the_route_refuses_bad_items_in_one_line_and_cuts_a_long_command():
         assert copier.launched == 2
 
 
+class Layers:
+    """An engine writing to itself by CUDA IPC: `layers` x `pages` seeded pages of `page`
+    bytes on the GPU, the array they land in, and one layer's prepared command (its pages
+    in a seeded order), which write(imm0) sends shifted by a layer for each layer."""
+
+    def __init__(self, eng, layers, pages, page, seed):
+        import cupy as cp
+        self.eng, self.layers, self.pages, self.page = eng, layers, pages, page
+        self.me = eng.connect(eng.address())
+        assert self.me.route == "cuda-ipc", self.me.why
+        rng = np.random.default_rng(seed)
+        self.host = rng.integers(0, 256, layers * pages * page, np.uint8)
+        self.src = eng.register(cp.asarray(self.host))
+        self.out = cp.zeros(layers * pages * page, cp.uint8)
+        self.dst = eng.remote(eng.register(self.out).descriptor())
+        self.order = rng.permutation(pages)
+        self.prepared = eng.prepare_pages(self.me, self.src, np.arange(pages), self.dst,
+                                          self.order, page)
+
+    def write(self, imm0):
+        for layer in range(self.layers):
+            shift = layer * self.pages
+            self.prepared.write(imm=imm0 + layer, src_shift=shift, dst_shift=shift)
+
+    def check(self, imm0):
+        """Each layer's immediates came, each byte where write_pages would put it."""
+        import cupy as cp
+        for layer in range(self.layers):
+            self.eng.expect(imm0 + layer, self.pages, Budget(10).seconds)
+        shape = (self.layers, self.pages, self.page)
+        got = cp.asnumpy(self.out).reshape(shape)[:, self.order]
+        assert int((got != self.host.reshape(shape)).sum()) == 0
+
+    def check_list(self, imm):
+        """A prepare_list of two copies with their own lengths, shifted by a byte and two."""
+        import cupy as cp
+        listed = self.eng.prepare_list(self.me, self.src, [0, 5000], self.dst, [3, 70000],
+                                       [4099, 17])
+        self.out[:] = 0
+        listed.write(imm=imm, src_shift=1, dst_shift=2)
+        self.eng.expect(imm, 2, Budget(10).seconds)
+        want, host = np.zeros_like(self.host), self.host
+        want[5:4104], want[70002:70019] = host[1:4100], host[5001:5018]
+        assert int((cp.asnumpy(self.out) != want).sum()) == 0
+
+
 @needs_gpu
 def test_gpu_a_prepared_command_is_one_launch_a_write_and_lands_shifted():
     """prepare_pages and prepare_list by CUDA IPC, an engine writing to itself: each
     write() is one kernel (the table went to the GPU once), layer l shifted by l pages,
     every byte where write_pages would put it; a shift past the region is refused before
     any launch."""
-    import cupy as cp
     with fi.Closer() as own:
         eng = Engine(own, provider="shm", gpu=0, timeout=Budget(20).seconds)
-        me = eng.connect(eng.address())
-        assert me.route == "cuda-ipc", me.why
-        layers, pages, page = 6, 1000, 4096
-        rng = np.random.default_rng(4)
-        host = rng.integers(0, 256, layers * pages * page, np.uint8)
-        src = eng.register(cp.asarray(host))
-        out = cp.zeros(layers * pages * page, cp.uint8)
-        dst = eng.remote(eng.register(out).descriptor())
-        order = rng.permutation(pages)
-        prepared = eng.prepare_pages(me, src, np.arange(pages), dst, order, page)
+        t = Layers(eng, 6, 1000, 4096, seed=4)
         with pytest.raises(ValueError) as excinfo:
-            prepared.write(imm=1, dst_shift=layers * pages)
+            t.prepared.write(imm=1, dst_shift=6 * 1000)
         assert "dst_shift 6000 puts bytes up to" in str(excinfo.value)
         copier = eng._routes.copier.c
         assert copier.launched == 0
-        for layer in range(layers):
-            prepared.write(imm=70 + layer, src_shift=layer * pages, dst_shift=layer * pages)
-        assert copier.launched == layers and eng.stats()["cuda_ipc_commands"] == layers
-        for layer in range(layers):
-            eng.expect(70 + layer, pages, Budget(10).seconds)
-        got = cp.asnumpy(out).reshape(layers, pages, page)[:, order]
-        assert int((got != host.reshape(layers, pages, page)).sum()) == 0
-        listed = eng.prepare_list(me, src, [0, 5000], dst, [3, 70000], [4099, 17])
-        out[:] = 0
-        listed.write(imm=80, src_shift=1, dst_shift=2)
-        eng.expect(80, 2, Budget(10).seconds)
-        want = np.zeros_like(host)
-        want[5:4104], want[70002:70019] = host[1:4100], host[5001:5018]
-        assert int((cp.asnumpy(out) != want).sum()) == 0
+        t.write(70)
+        assert copier.launched == 6 and eng.stats()["cuda_ipc_commands"] == 6
+        t.check(70)
+        t.check_list(80)
 
 
 @needs_gpu
@@ -435,22 +461,11 @@ def test_gpu_a_resident_copier_takes_small_prepared_commands_without_launches():
     import cupy as cp
     with fi.Closer() as own:
         eng = Engine(own, provider="shm", gpu=0, timeout=Budget(20).seconds, resident=True)
-        me = eng.connect(eng.address())
-        layers, pages, page = 40, 100, 4096
-        rng = np.random.default_rng(5)
-        host = rng.integers(0, 256, layers * pages * page, np.uint8)
-        src = eng.register(cp.asarray(host))
-        out = cp.zeros(layers * pages * page, cp.uint8)
-        dst = eng.remote(eng.register(out).descriptor())
-        order = rng.permutation(pages)
-        prepared = eng.prepare_pages(me, src, np.arange(pages), dst, order, page)
+        layers, pages = 40, 100
+        t = Layers(eng, layers, pages, 4096, seed=5)
         copier = eng._routes.copier
-        for layer in range(layers):
-            prepared.write(imm=90 + layer, src_shift=layer * pages, dst_shift=layer * pages)
-        for layer in range(layers):
-            eng.expect(90 + layer, pages, Budget(10).seconds)
-        got = cp.asnumpy(out).reshape(layers, pages, page)[:, order]
-        assert int((got != host.reshape(layers, pages, page)).sum()) == 0
+        t.write(90)
+        t.check(90)
         stats = eng.stats()
         assert stats["resident_commands"] == layers and copier.c.launched == 0, stats
         assert 1 <= stats["resident_launches"] <= layers, stats
@@ -458,19 +473,14 @@ def test_gpu_a_resident_copier_takes_small_prepared_commands_without_launches():
         while copier.queue[1] != ipc.STAND_STOPPED:  # it leaves by itself
             assert time.monotonic() < deadline, "the resident kernel never left"
             time.sleep(ipc.IDLE)
-        listed = eng.prepare_list(me, src, [0, 5000], dst, [3, 70000], [4099, 17])
-        out[:] = 0
-        listed.write(imm=140, src_shift=1, dst_shift=2)
-        eng.expect(140, 2, Budget(10).seconds)
-        want = np.zeros_like(host)
-        want[5:4104], want[70002:70019] = host[1:4100], host[5001:5018]
-        assert int((cp.asnumpy(out) != want).sum()) == 0
+        t.check_list(140)
         assert eng.stats()["resident_launches"] == stats["resident_launches"] + 1
         big = layers * pages  # 4,000 chunks: more than the resident kernel takes
         assert big > copier.c.stand_items
-        eng.prepare_pages(me, src, np.arange(big), dst, np.arange(big), page).write(imm=141)
+        eng.prepare_pages(t.me, t.src, np.arange(big), t.dst, np.arange(big), 4096).write(
+            imm=141)
         eng.expect(141, big, Budget(10).seconds)
         assert copier.c.launched == 1 and eng.stats()["resident_commands"] == layers + 1
-        assert bool((out == cp.asarray(host)).all())
+        assert bool((t.out == cp.asarray(t.host)).all())
         eng.rest()
         assert copier.queue[1] == ipc.STAND_STOPPED
