@@ -30,6 +30,7 @@ stopped), so one frozen at its start is seen the same way.
 """
 import contextlib
 import ctypes
+import math
 import os
 import secrets
 import select
@@ -264,7 +265,7 @@ class RendezvousServer(threading.Thread):
         with self.lock:
             for sock in list(self.ranks.values()):
                 try:
-                    _send(sock, ALIVE)
+                    _send(sock, ALIVE, SECONDS.pack(time.monotonic()))
                 except OSError:  # that rank is gone: its close is read next
                     pass
 
@@ -366,7 +367,8 @@ class Group:
                 raise ValueError(f"cannot serve the rendezvous on port {place.rendezvous[1]} "
                                  f"(MASTER_PORT + 1): {e.strerror}") from None
         self.sock = self._connect(place.rendezvous, timeout)
-        self.heard = time.monotonic()  # the rendezvous's last sign of life
+        self.heard = time.monotonic()  # the rendezvous's last sign of life (_read)
+        self.offset = math.inf  # our clock less its, at most (its beats carry its time)
         self._say(JOIN, HELLO.pack(place.rank, place.world, place.ranks_per_node,
                                    self.silence))
         kind, payload = self._reply(timeout, "a welcome from the rendezvous")
@@ -421,13 +423,23 @@ class Group:
 
     def _read(self):
         """One message from the server, None for a sign of life; an ABORT or a closed
-        socket raise."""
+        socket raise. A beat read late (this rank computed for seconds, not looking) was
+        sent long before: it carries the server's clock, which our smallest difference to
+        it yet (a transit's worth above the truth, never below) turns into ours. Taking the
+        time it was read instead, a rank that computed for 5 s after the launcher froze
+        waited 5 s more in its next barrier (scripts/chaos.py, chapter 19)."""
         try:
             kind, payload = _recv(self.sock)
         except (EOFError, OSError):
             raise PeerGone("the rendezvous closed (its host, rank 0 or the launcher, "
                            "is gone)") from None
-        self.heard = time.monotonic()
+        now = time.monotonic()
+        if kind == ALIVE and len(payload) == SECONDS.size:
+            sent = SECONDS.unpack(payload)[0]
+            self.offset = min(self.offset, now - sent)
+            self.heard = max(self.heard, sent + self.offset)
+        else:  # an answer to what we asked: sent since
+            self.heard = now
         if kind == ABORT:
             raise PeerGone(f"stopping: {payload.decode()}")
         return None if kind == ALIVE else (kind, payload)

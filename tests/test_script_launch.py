@@ -246,6 +246,40 @@ def test_a_gather_that_runs_out_names_the_ranks_that_did_not_come():
     assert not server.is_alive()
 
 
+def test_beats_read_late_count_from_when_they_were_sent(monkeypatch):
+    """A rank that computed, not looking, while the rendezvous went silent reads its last
+    beats late: its next gather ends at once (they carry the rendezvous's clock), not one
+    silence after it read them, as it did before (scripts/chaos.py, chapter 19)."""
+    budget = Budget(LIMIT)
+    server = launch.RendezvousServer(2, 2, join_timeout=budget.grant(60))
+    groups = {}
+    def join(rank):
+        place = launch.Place(rank, 2, 2, None, server.address, False, "test")
+        groups[rank] = launch.Group(place, budget.grant(60), SILENCE)
+    joiners = [threading.Thread(target=join, args=(rank,)) for rank in range(2)]
+    for thread in joiners:
+        thread.start()
+    for thread in joiners:
+        thread.join(budget.left())
+    try:
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:  # a wait loop's looks: the beats read as they come
+            groups[0].check()
+            time.sleep(0.01)
+        monkeypatch.setattr(server, "_say_alive", lambda: None)  # the rendezvous freezes
+        time.sleep(SILENCE + 0.5)  # rank 0 computes, its last beats left unread
+        started = time.monotonic()
+        with pytest.raises(launch.PeerGone, match="the rendezvous gave no sign of life"):
+            groups[0].barrier(budget.grant(60))
+        took = time.monotonic() - started  # before: SILENCE, counted from the reading
+        assert took < SILENCE / 2, f"the gather took {took:.1f} s to see the silence"
+    finally:
+        monkeypatch.undo()
+        for group in groups.values():
+            group.close()
+        server.join(budget.left())
+
+
 # A rank that leaves a child holding its output: the launcher, its ranks ended, still reads
 # what they wrote (a second for each stream) when SIGTERM comes.
 LINGERER = "import subprocess\nprint(subprocess.Popen(['sleep', '30']).pid, flush=True)\n"
