@@ -48,6 +48,9 @@ int tx_copy(struct tx_copier *c, struct tx_copy *a);
 int tx_copier_room(struct tx_copier *c, uint64_t entries);
 uint64_t tx_copy_piece(struct tx_copier *c, struct tx_copy *a);
 int tx_copy_prepared(struct tx_copier *c, struct tx_copy *a);
+int tx_write_prepared(struct tx_copier *c, struct tx_copy *a, struct tx_inbox_record *records,
+                      uint64_t mask, uint64_t head, uint64_t imm, int has_imm, uint64_t src,
+                      uint64_t dst);
 */
 /* The CUDA IPC route's launches (common/transfer/ipc.py), in C: a command's page lists
  * checked and turned into the table ipc.cu reads, written straight into a pinned ring,
@@ -317,3 +320,23 @@ int tx_copy(struct tx_copier *c, struct tx_copy *a)
     }
     return 0;
 }
+
+/* Prepared.write on the CUDA IPC route, in one call from Python (each field it set there
+   cost about 0.1 us): the command's record in the peer's inbox, at `head` of our ring of
+   mask + 1, filled but for its seq (the kernel stores head + 1 there last), `a` moved to
+   `src` and `dst`, then tx_copy_prepared. 0, or -1 (c->rc). */
+int tx_write_prepared(struct tx_copier *c, struct tx_copy *a, struct tx_inbox_record *records,
+                      uint64_t mask, uint64_t head, uint64_t imm, int has_imm, uint64_t src,
+                      uint64_t dst)
+{
+    struct tx_inbox_record *r = &records[head & mask];
+    r->imm = imm;
+    r->count = a->count;
+    r->has_imm = (uint64_t)has_imm;
+    a->seq_at = &r->seq;
+    a->seq = head + 1;
+    a->src = src;
+    a->dst = dst;
+    return tx_copy_prepared(c, a);
+}
+

@@ -228,11 +228,10 @@ class Prepared:
         if not route.room():
             eng._room(route, c.peer)
         queued = time.monotonic_ns()
-        a = self.args
-        a.src, a.dst = self.src + src_shift * self.unit, self.dst + dst_shift * self.unit
-        record, seq = route.launch(a, imm)
+        record, seq = route.launch(self.args, imm, self.src + src_shift * self.unit,
+                                   self.dst + dst_shift * self.unit)
         eng._ipc_commands += 1
-        t = IpcTransfer(eng, record, seq, a.count, queued, time.monotonic_ns())
+        t = IpcTransfer(eng, record, seq, self.args.count, queued, time.monotonic_ns())
         t.keep = self.table  # read by the kernel until it is done
         return eng._track(t)
 

@@ -334,17 +334,18 @@ class Route:
         record.imm, record.count, record.has_imm = imm or 0, count, imm is not None
         return record, self.head + 1
 
-    def launch(self, a, imm):
-        """A prepared command (engine.Prepared's struct tx_copy, its table on the GPU) as
-        one kernel: its record says the peer's worker what came. Returns (record, seq)."""
-        record, seq = self._record(imm, a.count)
-        a.seq_at, a.seq = self.ffi.cast("uint64_t *", record), seq
+    def launch(self, a, imm, src, dst):
+        """A prepared command (engine.Prepared's struct tx_copy, its table on the GPU)
+        from device address `src` to `dst`, as one kernel, or a job for the resident one;
+        its record says the peer's worker what came (copier.c fills it). Returns (record,
+        seq)."""
         copier = self.routes.copier  # copier.c makes its GPU's context current
-        if copier.native.tx_copy_prepared(copier.c, a):
+        if copier.native.tx_write_prepared(copier.c, a, self.records, RECORDS - 1, self.head,
+                                           imm or 0, imm is not None, src, dst):
             raise ValueError("the CUDA IPC route's launch failed: "
                              f"{cuda_driver.error_name(copier.c.rc)}")
-        self.head = seq
-        return record, seq
+        self.head += 1
+        return self.records + ((self.head - 1) & (RECORDS - 1)), self.head
 
     def submit(self, command, wait):
         """One command (engine.Command) as the copier's kernels; its record says the peer's
