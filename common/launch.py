@@ -414,6 +414,7 @@ class Group:
                 message = self._read()
                 if message is not None:
                     return message
+                continue  # every beat that waits is read before the silence is judged
             now = time.monotonic()
             if now - self.heard > self.silence:
                 raise PeerGone(f"the rendezvous gave no sign of life for {self.silence:g} s "
