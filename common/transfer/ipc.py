@@ -228,8 +228,9 @@ class Copier:
 
     def rest(self, timeout):
         """The resident kernel off the GPU (if it is on): told to leave now, waited for
-        at most `timeout` s. The next small prepared command launches it again."""
-        if getattr(self, "queue", None) is None or self.queue[1] == STAND_STOPPED:
+        at most `timeout` s, its stream too (a leader that left may leave workers finishing
+        their last jobs). The next small prepared command launches it again."""
+        if getattr(self, "queue", None) is None:
             return
         self.queue[3] = 1  # quit: the leader hands out what is queued, then leaves
         deadline = time.monotonic() + timeout
