@@ -435,7 +435,7 @@ class Group:
             raise PeerGone("the rendezvous closed (its host, rank 0 or the launcher, "
                            "is gone)") from None
         now = time.monotonic()
-        if kind == ALIVE and len(payload) == SECONDS.size:
+        if kind == ALIVE:
             sent = SECONDS.unpack(payload)[0]
             self.offset = min(self.offset, now - sent)
             self.heard = max(self.heard, sent + self.offset)

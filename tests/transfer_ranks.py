@@ -153,7 +153,8 @@ def kill(eng, group, args):
         os.kill(os.getpid(), signal.SIGKILL)
 
     piece = 128  # with --resident: small prepared commands, which the resident kernel takes
-    prepared = eng.prepare_pages(peer, region, range(piece), theirs, range(piece), PAGE)
+    prepared = (eng.prepare_pages(peer, region, range(piece), theirs, range(piece), PAGE)
+                if args.resident else None)
 
     def write_round():
         if not args.resident:

@@ -186,13 +186,19 @@ static int tx_copy_table(struct tx_copy *a, uint64_t from, uint64_t n, uint64_t 
     return 0;
 }
 
+/* The chunks each copy of at most `longest` bytes is cut in */
+static uint64_t tx_per_copy(struct tx_copier *c, uint64_t longest)
+{
+    return (longest + c->chunk - 1) / c->chunk;
+}
+
 /* Queue ipc_copy on the stream: n copies of `a` whose table is at device address `table`,
    the command's last kernel (`last`: it stores the command's seq) or not. 0, or -1 with
    c->rc the driver's error. */
 static int tx_launch(struct tx_copier *c, struct tx_copy *a, uint64_t table, uint64_t n,
                      int has_lengths, uint64_t longest, int last)
 {
-    uint64_t per_copy = (longest + c->chunk - 1) / c->chunk, count = n;
+    uint64_t per_copy = tx_per_copy(c, longest), count = n;
     uint64_t blocks = count * per_copy < c->max_blocks ? count * per_copy : c->max_blocks;
     uint64_t length = has_lengths ? 0 : a->length;
     const uint64_t src = a->src, dst = a->dst;
@@ -261,7 +267,7 @@ static int tx_stand(struct tx_copier *c, struct tx_copy *a, uint64_t per_copy)
    is one and `a` is small: 0, or -1 (c->rc) */
 int tx_copy_prepared(struct tx_copier *c, struct tx_copy *a)
 {
-    uint64_t per_copy = (a->longest + c->chunk - 1) / c->chunk;
+    uint64_t per_copy = tx_per_copy(c, a->longest);
     if (c->stand && a->seq_at && a->count * per_copy <= c->stand_items) {
         int rc = tx_stand(c, a, per_copy);
         if (rc <= 0)
@@ -339,4 +345,3 @@ int tx_write_prepared(struct tx_copier *c, struct tx_copy *a, struct tx_inbox_re
     a->dst = dst;
     return tx_copy_prepared(c, a);
 }
-

@@ -199,19 +199,18 @@ class Copier:
         c.host, c.device = ffi.cast("uint64_t *", host.ptr), device.ptr
         c.entries, c.direct = STAGING // 8, DIRECT if direct is None else direct
         c.blocks_done, c.chunk, c.threads = self.blocks_done.data.ptr, CHUNK, THREADS
-        c.max_blocks = BLOCKS_PER_SM * cp.cuda.runtime.getDeviceProperties(gpu)[
-            "multiProcessorCount"]
+        sms = cp.cuda.runtime.getDeviceProperties(gpu)["multiProcessorCount"]
+        c.max_blocks = BLOCKS_PER_SM * sms
         c.finished = ffi.cast("uint64_t *", finished.ptr)
         if resident:
-            self._stand(module.get_function("ipc_stand"), gpu)
+            self._stand(module.get_function("ipc_stand"), sms)
 
-    def _stand(self, kernel, gpu):
+    def _stand(self, kernel, sms):
         """The resident kernel's queue, scratch and stream: copier.c launches it on the
         first small prepared command, and again on the first after it left. Its stream
         does not wait for the legacy default one, nor that one for it: a kernel that stays
         would hold up every command on a stream that did."""
         cp, ffi, c = memory.cupy(), self.ffi, self.c
-        sms = cp.cuda.runtime.getDeviceProperties(gpu)["multiProcessorCount"]
         words = 4 + STAND_SLOTS * STAND_JOB
         queue = cp.cuda.alloc_pinned_memory(8 * words)
         scratch = cp.zeros(2 + STAND_SLOTS + STAND_SLOTS * STAND_JOB, cp.uint64)
