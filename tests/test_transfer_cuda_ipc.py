@@ -164,6 +164,31 @@ def test_a_prepared_command_is_one_launch_of_its_own_table():
     assert fake.kernels == [(2, True), (2, True)]
 
 
+def test_both_launch_paths_fill_the_command_s_record_in_the_peer_s_inbox_alike():
+    """A prepared write (tx_write_prepared) and a per-call one (Route._record, then the
+    copier) fill the record at `head` of the writer's ring with the command's immediate
+    and count; only the kernel, after the bytes, stores its seq, head + 1."""
+    fake = FakeDriver(64, 0)
+    n = ipc.RECORDS  # a writer's ring: struct tx_inbox_record is seq, imm, count, has_imm
+    records = np.zeros((n, 4), np.uint64)
+    ring = _ffi.cast("struct tx_inbox_record *", records.ctypes.data)
+    src, dst = np.arange(256, dtype=np.uint8), np.zeros(256, np.uint8)
+    table = np.array([0, 64, 128, 0], np.uint64)
+    a = _ffi.new("struct tx_copy *")
+    a.count, a.scale, a.length, a.table, a.longest = 2, 1, 64, table.ctypes.data, 64
+    head = n + 2  # once round the ring: record 2
+    assert native.tx_write_prepared(fake.copier.c, a, ring, n - 1, head, 0xAB, 1,
+                                    src.ctypes.data, dst.ctypes.data) == 0
+    assert records[2].tolist() == [0, 0xAB, 2, 1]  # no seq before the kernel ran
+    fake.finish()
+    assert records[2, 0] == head + 1 and bytes(dst[128:192]) == bytes(src[:64])
+    route = ipc.Route.__new__(ipc.Route)
+    route.routes, route.records, route.head = fake, ring, 2 * n - 1
+    record, seq = route._record(None, 3)
+    assert records[n - 1].tolist() == [0, 0, 3, 0] and seq == 2 * n
+    assert int(_ffi.cast("uintptr_t", record)) == records[n - 1:].ctypes.data
+
+
 def test_the_resident_kernel_takes_small_prepared_commands_from_its_queue():
     """tx_copy_prepared with a resident kernel (ipc.cu's ipc_stand), its side played here:
     a small command's job goes into the queue, the kernel launched only where it had left

@@ -335,10 +335,7 @@ int tx_write_prepared(struct tx_copier *c, struct tx_copy *a, struct tx_inbox_re
                       uint64_t mask, uint64_t head, uint64_t imm, int has_imm, uint64_t src,
                       uint64_t dst)
 {
-    struct tx_inbox_record *r = &records[head & mask];
-    r->imm = imm;
-    r->count = a->count;
-    r->has_imm = (uint64_t)has_imm;
+    struct tx_inbox_record *r = tx_inbox_next(records, mask, head, imm, has_imm, a->count);
     a->seq_at = &r->seq;
     a->seq = head + 1;
     a->src = src;

@@ -330,8 +330,8 @@ class Route:
     def _record(self, imm, count):
         """The next command's record in our ring of the peer's inbox, filled but for its
         seq (the kernel stores that last), and that seq."""
-        record = self.records + (self.head & (RECORDS - 1))
-        record.imm, record.count, record.has_imm = imm or 0, count, imm is not None
+        record = self.routes.copier.native.tx_inbox_next(
+            self.records, RECORDS - 1, self.head, imm or 0, imm is not None, count)
         return record, self.head + 1
 
     def launch(self, a, imm, src, dst):

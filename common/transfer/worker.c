@@ -61,6 +61,8 @@ struct tx_inbox {
 };
 int64_t tx_inbox_claim(struct tx_inbox *box, uint64_t owner);
 struct tx_inbox_record *tx_inbox_records(struct tx_inbox *box, uint32_t slot);
+struct tx_inbox_record *tx_inbox_next(struct tx_inbox_record *records, uint64_t mask,
+                                      uint64_t head, uint64_t imm, int has_imm, uint64_t count);
 int tx_run(struct tx_worker *w);
 void tx_free(struct tx_worker *w);
 void tx_submit(struct tx_worker *w, struct tx_command *c);
@@ -162,6 +164,19 @@ struct tx_inbox_record *tx_inbox_records(struct tx_inbox *box, uint32_t slot)
 {
     struct tx_inbox_record *all = (struct tx_inbox_record *)&box->slot[box->writers];
     return all + (size_t)slot * box->records;
+}
+
+/* A writer's next command in its ring of a reader's inbox (number `head`), filled but for
+   its seq: the writer's kernel stores that, head + 1, after the bytes, and the reader
+   counts the command once it is there. */
+struct tx_inbox_record *tx_inbox_next(struct tx_inbox_record *records, uint64_t mask,
+                                      uint64_t head, uint64_t imm, int has_imm, uint64_t count)
+{
+    struct tx_inbox_record *r = &records[head & mask];
+    r->imm = imm;
+    r->count = count;
+    r->has_imm = (uint64_t)has_imm;
+    return r;
 }
 
 /* A writer takes a free slot of a reader's inbox: its index, or -1 if all are taken. It
