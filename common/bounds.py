@@ -75,6 +75,16 @@ EXIT_STUCK = 1
 _armed = {}         # id -> Deadline, while it is armed
 _signalled = []     # the first SIGINT/SIGTERM's (number, time.monotonic()), once one came
 _watching = False
+_PID = os.getpid()  # this program's: another is a copy forked from it, not yet exec'd
+
+
+def forked():
+    """Whether this is a copy of the program between fork and exec (a child subprocess is
+    starting: Python's at-fork hooks, then a preexec_fn run there). A terminal's Ctrl-C that
+    reaches it before it leaves our process group is the parent's to act on: the parent
+    stops the child it was starting. Acted on here, it printed a traceback from the hooks
+    ("Exception ignored in: Random.seed") and was lost."""
+    return os.getpid() != _PID
 
 
 def noted(signum):
@@ -201,6 +211,8 @@ def quiet_start(found):
 
 
 def _starting(signum, frame):
+    if forked():
+        return
     noted(signum)
     if importing(frame):
         end("interrupted before it started", exit_code())

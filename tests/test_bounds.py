@@ -14,6 +14,7 @@ from common import bounds, cli, shm_files
 from scripts.chaos import python_dropped
 from common.chapter_pair import ADDRESS, chapter_path, local_env
 from tests import shm_regions
+from tests.budget import Budget
 from tests.one_line_errors import SHM_DEAD
 
 # Seconds a process may be seen ending after its bound on this 2-core machine with
@@ -323,3 +324,22 @@ def test_a_signal_after_main_returned_changes_nothing(tmp_path):
         assert (code, err) == (0, "") and took < bounds.STOP_BOUND + STOP_MARGIN
     finally:
         stop(proc)
+
+
+@pytest.mark.parametrize("loaded", ["before the binding", "the binding's"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_a_child_not_yet_execd_is_its_parents_to_act_on(loaded, sig):
+    """A terminal's Ctrl-C can reach a child between fork and exec, still in our process
+    group, where our handlers run in the parent's copied code (Python's at-fork hooks, a
+    preexec_fn): it raised there ("Exception ignored in: Random.seed", a traceback) and was
+    lost. The parent, which got it too, stops the child it starts (common/chapter_pair)."""
+    code = ("import os, signal, sys, time\n"
+            f"import {'common' if loaded.startswith('before') else 'common.fabric'}\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            f"    os.kill(os.getpid(), {int(sig)})\n"
+            "    for _ in range(100): time.sleep(0.001)  # the handler runs between these\n"
+            "    os._exit(7)\n"
+            "sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n")
+    done = Budget(60).run([sys.executable, "-c", code], env=local_env())
+    assert done.returncode == 7 and done.stderr == "", done.stderr

@@ -164,6 +164,8 @@ _interrupting = True  # False once the process is saying its last words (cli.run
 
 
 def _interrupted(signum, frame):
+    if bounds.forked():  # a child not yet exec'd: its parent stops it (bounds.forked)
+        return
     bounds.noted(signum)  # which one: the exit code says it (bounds.exit_code)
     if not bounds.watching() and bounds.importing(frame):  # a program before its main(): nothing
         bounds.end("interrupted before it started", bounds.exit_code())  # is open to close
