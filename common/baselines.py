@@ -18,7 +18,8 @@ from pathlib import Path
 
 import common.fabric as fi
 from common import bench, cli
-from common.chapter_pair import run_pair as run_chapter_pair
+from common.chapter_pair import INTERRUPTED_WAIT, stop_all, run_pair as run_chapter_pair
+from common.launch import owned
 
 
 def prefix():
@@ -32,25 +33,27 @@ def tool_env(extra_libs=()):
 
 def run_pair(server, client, env, timeout):
     """Start `server`, then `client` (retrying while the server is not listening yet);
-    returns both outputs."""
-    srv = subprocess.Popen(server, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env=env)
+    returns both outputs. Both are ours (common.launch.owned): after a failure, a timeout
+    or our Ctrl-C, one still running is stopped, Ctrl-C first, and what a killed one left
+    in /dev/shm is removed (fabtests' shm regions, named after its pid)."""
+    srv = owned(server, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    tool = None
     try:
         for _ in range(50):
             time.sleep(0.2)
-            done = subprocess.run(client, capture_output=True, text=True, env=env, timeout=timeout)
-            if done.returncode == 0 or srv.poll() is not None:
+            tool = owned(client, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env)
+            said, complaint = tool.communicate(timeout=timeout)
+            if tool.returncode == 0 or srv.poll() is not None:
                 break
         out, _ = srv.communicate(timeout=timeout)
     finally:
-        if srv.poll() is None:
-            srv.kill()
-            srv.wait()
-    if done.returncode or srv.returncode:
+        stop_all([p for p in (tool, srv) if p is not None], INTERRUPTED_WAIT)
+    if tool.returncode or srv.returncode:
         raise RuntimeError(f"{' '.join(client)} failed: "
-                           f"{(done.stdout + done.stderr).strip().splitlines()[-1:]} / "
+                           f"{(said + complaint).strip().splitlines()[-1:]} / "
                            f"server: {out.strip().splitlines()[-1:]}")
-    return done.stdout, out
+    return said, out
 
 
 def tools_libfabric():

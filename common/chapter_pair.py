@@ -152,6 +152,27 @@ def stop_all(procs, grace):
     return running
 
 
+def run_one(args, timeout, env=None):
+    """Run one program of ours to its end (a chapter that needs no peer, or scripts/launch.py
+    and its ranks), owned as run_pair's sides are, its output captured: a CompletedProcess.
+    Past `timeout` (for a quiet machine: stretched with this one's load) it is stopped, and
+    its stderr ends with a line that says so; on our Ctrl-C or SIGTERM it is stopped (a
+    launcher then stops its ranks) before the KeyboardInterrupt goes on to the caller."""
+    proc = owned(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                 env=local_env(env), cwd=ROOT)
+    timeout = patience(timeout)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(proc, INTERRUPTED_WAIT)
+        out, err = proc.communicate()
+        err += f"stopped: still running after {timeout:.0f} s (the limit)\n"
+    except BaseException:
+        stop(proc, INTERRUPTED_WAIT)
+        raise
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
 def run_pair(chapter, provider=None, server_args=(), client_args=((),), env=None,
              timeout=60.0, grace=10.0, keep_going=False, echo=None):
     """Start the server, run one client per entry of `client_args`, stop the server.

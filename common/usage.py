@@ -1,8 +1,14 @@
 """Bad command lines in one line, for the scripts that do not load libfabric to parse their
-flags (common/cli's parser does: a chapter's flags name providers). The standard library
+flags (common/cli's parser does: a chapter's flags name providers), and a Ctrl-C in one
+line for those that never load it (common/cli.run is the rest's). The standard library
 only."""
 import argparse
+import os
 import re
+import signal
+import sys
+
+from common import bounds
 
 
 class Parser(argparse.ArgumentParser):
@@ -29,3 +35,21 @@ def parse_size(text):
     if not m:
         raise argparse.ArgumentTypeError(f"not a size: '{text}' (e.g. 4096, 64K, 1M)")
     return int(m[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[m[2].upper()]
+
+
+def run(main):
+    """Run a script's main() that opens nothing it must close: a Ctrl-C ends it with one line
+    and exit 130, not a traceback; so does a SIGTERM (143) once libfabric's binding is
+    loaded, and before that by the signal itself (common/bounds.py)."""
+    try:
+        code = main()
+    except BrokenPipeError:  # piped into `head`: the reader has what it wanted
+        os._exit(0)
+    except BaseException as e:  # what a signal cut into may fail its own way on the way out
+        if not (isinstance(e, KeyboardInterrupt) or bounds.signalled()):
+            raise
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # said once, whatever comes next
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.stderr.write(f"{os.path.basename(sys.argv[0])}: interrupted\n")
+        code = bounds.exit_code()
+    sys.exit(code)

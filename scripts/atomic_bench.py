@@ -36,7 +36,7 @@ from pathlib import Path
 
 from cffi import FFI
 
-from common import records  # no libfabric: the standard library only
+from common import records, usage  # no libfabric: the standard library only
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -232,4 +232,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    usage.run(main)

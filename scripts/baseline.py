@@ -18,6 +18,7 @@ them there, for the same machine, provider and libfabric version, to say what %
 of the limit they reach. What a run needs (the provider, fi_rma_bw, GPUs, UCX)
 is checked before anything runs; what was measured before a failure is kept.
 """
+from common import cli
 from common.baselines import baseline_tools, parse, parser, run_all, save
 
 
@@ -30,4 +31,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)  # Ctrl-C: the runs stopped, one line, exit 130

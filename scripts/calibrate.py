@@ -16,6 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
+from common import usage
 from common.model import calibration
 from common.model.inputs import load
 from common.records import ROOT
@@ -48,4 +49,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    usage.run(main)

@@ -557,10 +557,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except BrokenPipeError:  # piped into `head`: the reader has what it wanted
-        os._exit(0)
-    except KeyboardInterrupt:  # Ctrl-C (or, once the binding is loaded, SIGTERM)
-        print("doctor.py: interrupted", file=sys.stderr)
-        sys.exit(130)
+    usage.run(main)

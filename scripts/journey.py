@@ -11,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from common import usage
 from common.model import calibration, journey
 from common.model.inputs import load
 from common.records import ROOT
@@ -33,4 +34,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    usage.run(main)

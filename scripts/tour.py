@@ -31,12 +31,11 @@ import platform
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 
-from common.chapter_pair import ROOT, chapter_path, local_env, run_pair
-from common.patience import patience
+from common import cli
+from common.chapter_pair import ROOT, chapter_path, run_one, run_pair
 
 MESSAGE = "Hello from the tour"
 PREFERENCE = ("efa", "verbs", "shm", "tcp")  # as the chapters pick (fi.DEFAULT_PROVIDERS)
@@ -146,7 +145,7 @@ def malformed(number, declared):
 def alone(chapter, provider, pattern, say):
     """Run a chapter that needs no peer; `say(match)` words the result."""
     args = [sys.executable, str(chapter_path(chapter))] + (["-p", provider] if provider else [])
-    done = subprocess.run(args, capture_output=True, text=True, env=local_env(), timeout=patience(60))
+    done = run_one(args, 60)
     m = re.search(pattern, done.stdout)
     if done.returncode or not m:
         return False, last_line(done.stderr or done.stdout)
@@ -193,11 +192,10 @@ def ch09(provider, lesson):
 
 def ch16(provider, _):
     """4 ranks as 2 emulated nodes: every check, then a short benchmark."""
-    done = subprocess.run(
+    done = run_one(
         [sys.executable, str(ROOT / "scripts" / "launch.py"), "-n", "4", "--ranks-per-node", "2",
          str(chapter_path(16)), *(["-p", provider] if provider else []), "--max-tokens", "16",
-         "--hidden", "256", "--experts", "16", "--topk", "4", "--iters", "5"],
-        capture_output=True, text=True, env=local_env(), cwd=ROOT, timeout=300)
+         "--hidden", "256", "--experts", "16", "--topk", "4", "--iters", "5"], 300)
     checks = len(re.findall(r"^\[0\] check .* on 4 of 4 ranks", done.stdout, re.MULTILINE))
     if done.returncode or "all checks passed" not in done.stdout:
         return False, last_line(done.stderr or done.stdout)
@@ -211,12 +209,11 @@ def ch17(provider, _):
     reason = why_not()
     if reason is not None:
         return None, f"not run here: it {reason}"
-    done = subprocess.run(
+    done = run_one(
         [sys.executable, str(ROOT / "scripts" / "launch.py"), "-n", "1", "--gpus", "0",
          str(chapter_path(17)), *(["-p", provider] if provider else []), "--max-tokens", "16",
          "--hidden", "256", "--experts", "16", "--topk", "4", "--counts", "device", "--graph",
-         "--iters", "0"],
-        capture_output=True, text=True, env=local_env(), cwd=ROOT, timeout=300)
+         "--iters", "0"], 300)
     if done.returncode or "all checks passed" not in done.stdout:
         return False, last_line(done.stderr or done.stdout)
     return True, "checks exact on the GPU, and 100 replays of a CUDA graph"
@@ -235,11 +232,10 @@ def ch18(provider, _):
 
 def ch19(provider, _):
     """3 trainers (shards whose edges split fp8 blocks) update 1 inference rank twice."""
-    done = subprocess.run(
+    done = run_one(
         [sys.executable, str(ROOT / "scripts" / "launch.py"), "-n", "4",
          str(chapter_path(19)), *(["-p", provider] if provider else []), "--model", "tiny",
-         "--trainers", "3"],
-        capture_output=True, text=True, env=local_env(), cwd=ROOT, timeout=300)
+         "--trainers", "3"], 300)
     exact = re.findall(r"^\[0\] (?:update \d|naive).*: 0 wrong bytes; (\d+) tensors changed "
                        r"\((\d+) expected\)$", done.stdout, re.MULTILINE)
     if done.returncode or "all checks passed" not in done.stdout or len(exact) != 3:
@@ -338,8 +334,7 @@ def about_here(provider):
             "print('%d %d' % fi.version())\n"
             "print(f\"provider {fi.provider_of(info)} ({why}), libfabric %d.%d, "
             "{m['cpu']} x {m['cores']} cores\" % fi.version())")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=local_env(), cwd=ROOT)
+    done = run_one([sys.executable, "-c", code], 60)
     if done.returncode:
         sys.exit(f"tour: {last_line(done.stderr or done.stdout)}")
     chosen, usable, version, line = done.stdout.strip().splitlines()
@@ -420,4 +415,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)  # Ctrl-C: the chapter running is stopped, one line, exit 130

@@ -66,7 +66,7 @@ import time
 
 import numpy as np
 
-from common import launch, usage
+from common import cli, launch, usage
 from common.patience import patience
 
 CAP = 1 << 26  # bytes of each side's buffer at most: 10,000 pages of 64 KiB wrap around in it
@@ -366,4 +366,6 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if "RANK" in os.environ:  # a rank: a failure or a Ctrl-C is one line (common/cli.py)
+        cli.run(main)
+    sys.exit(main())  # the launcher, as scripts/launch.py: it stops both ranks on a Ctrl-C

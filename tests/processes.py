@@ -46,6 +46,19 @@ def command(entry):
     return (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
 
 
+def ctrl_c(proc, whom, budget):
+    """Ctrl-C to a job started in a session of its own: as a terminal sends it (`whom`
+    "group": its whole process group) or to `proc` alone. Returns its (out, err) and the
+    seconds from the signal to its end."""
+    signalled = time.monotonic()
+    if whom == "group":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGINT)
+    out, err = budget.communicate(proc)
+    return out, err, time.monotonic() - signalled
+
+
 def wait_gone(token, seconds):
     """What is still running after `seconds`: processes given time to end by themselves
     (a launcher's ranks stop within their bound after it is gone)."""

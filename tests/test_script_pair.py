@@ -14,7 +14,7 @@ import pytest
 from common import shm_files
 from common.chapter_pair import INTERRUPTED_WAIT, ROOT, local_env
 from tests.budget import Budget
-from tests.processes import alive
+from tests.processes import alive, ctrl_c
 
 PAIR = str(ROOT / "scripts" / "pair.py")
 LIMIT = 60  # seconds, quiet machine, for chapter 07's server and client to start on 2 busy cores
@@ -79,13 +79,7 @@ def test_ctrl_c_stops_both_sides_at_once(whom):
     proc, sides = start_07(budget)
     try:
         assert len(sides) == 2, sides
-        signalled = time.monotonic()
-        if whom == "group":
-            os.killpg(proc.pid, signal.SIGINT)
-        else:
-            proc.send_signal(signal.SIGINT)
-        out, err = budget.communicate(proc)
-        elapsed = time.monotonic() - signalled
+        out, err, elapsed = ctrl_c(proc, whom, budget)
     finally:
         kill_all(proc, sides)
     assert proc.returncode == 130 and "Traceback" not in out + err, out + err

@@ -32,7 +32,7 @@ def flags_taken(number):
 
 def runs_of_a_check(number, declared, monkeypatch):
     """[(chapter, its arguments)] of each process CHECKS[number] starts on -p shm, from the
-    tour's own code with nothing run: run_pair and subprocess.run are stand-ins that fail."""
+    tour's own code with nothing run: run_pair and run_one are stand-ins that fail."""
     started = []
 
     def pair(chapter, provider=None, server_args=(), client_args=((),), **_):
@@ -41,14 +41,14 @@ def runs_of_a_check(number, declared, monkeypatch):
         started.extend((int(chapter), side) for side in sides)
         return Pair(Run([]), [Run([], rc=1)])
 
-    def run(args, **_):
+    def run(args, *_, **__):
         args = [str(a) for a in args]
         at = next(i for i, a in enumerate(args) if Path(a).parent == ROOT / "chapters")
         started.append((int(Path(args[at]).name[:2]), args[at + 1:]))
         return SimpleNamespace(returncode=1, stdout="", stderr="")
 
     monkeypatch.setattr(tour, "run_pair", pair)
-    monkeypatch.setattr(tour, "subprocess", SimpleNamespace(run=run))
+    monkeypatch.setattr(tour, "run_one", run)
     monkeypatch.setattr(gpu_ready, "why_not", lambda: None)  # 17 as on a GPU machine
     ok, said = tour.CHECKS[number]("shm", declared)
     assert ok is False and said  # the stand-ins failed: the check says so
