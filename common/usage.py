@@ -1,7 +1,7 @@
 """Bad command lines in one line, for the scripts that do not load libfabric to parse their
 flags (common/cli's parser does: a chapter's flags name providers), and a Ctrl-C in one
-line for those that never load it (common/cli.run is the rest's). The standard library
-only."""
+line for the scripts whose own process opens nothing (common/cli.run is a chapter's). The
+standard library only."""
 import argparse
 import os
 import re
@@ -38,9 +38,12 @@ def parse_size(text):
 
 
 def run(main):
-    """Run a script's main() that opens nothing it must close: a Ctrl-C ends it with one line
-    and exit 130, not a traceback; so does a SIGTERM (143) once libfabric's binding is
-    loaded, and before that by the signal itself (common/bounds.py)."""
+    """Run the main() of a script whose own process opens nothing it must close (it runs
+    chapters or tools as children, and stops those itself): Ctrl-C or SIGTERM ends it with
+    one line and exit 130 or 143, not a traceback. No watchdog (common/cli.run has one, for
+    a process inside provider calls): it would end the script while it stops a child."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupted)
     try:
         code = main()
     except BrokenPipeError:  # piped into `head`: the reader has what it wanted
@@ -53,3 +56,10 @@ def run(main):
         sys.stderr.write(f"{os.path.basename(sys.argv[0])}: interrupted\n")
         code = bounds.exit_code()
     sys.exit(code)
+
+
+def _interrupted(signum, frame):
+    if bounds.forked():  # a child not yet exec'd: its parent stops it (bounds.forked)
+        return
+    bounds.noted(signum)
+    raise KeyboardInterrupt

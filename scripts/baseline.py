@@ -18,7 +18,7 @@ them there, for the same machine, provider and libfabric version, to say what %
 of the limit they reach. What a run needs (the provider, fi_rma_bw, GPUs, UCX)
 is checked before anything runs; what was measured before a failure is kept.
 """
-from common import cli
+from common import usage
 from common.baselines import baseline_tools, parse, parser, run_all, save
 
 
@@ -31,4 +31,4 @@ def main():
 
 
 if __name__ == "__main__":
-    cli.run(main)  # Ctrl-C: the runs stopped, one line, exit 130
+    usage.run(main)  # Ctrl-C: what runs is stopped, one line, exit 130

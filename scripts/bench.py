@@ -17,7 +17,7 @@ results/baselines/<label>-<provider>-<memory>.json. What the run needs is
 checked before anything runs; when a later run fails, what was measured is
 written.
 """
-from common import cli
+from common import usage
 from common.baselines import baseline_tools, chapter_list, memcpy_peer, parse, parser, \
     run_all, run_chapter, save
 from common.chapter_pair import chapter_path
@@ -67,4 +67,4 @@ def keep(rows, chapters, args):
 
 
 if __name__ == "__main__":
-    cli.run(main)  # Ctrl-C: the runs stopped, one line, exit 130
+    usage.run(main)  # Ctrl-C: what runs is stopped, one line, exit 130

@@ -19,7 +19,7 @@ before anything runs; when a later run fails, what was measured is written.
 """
 import json
 
-from common import cli
+from common import usage
 from common.baselines import chapter_list, fi_rma_bw, memcpy_peer, parse, parser, run_all, \
     run_chapter, save
 from common.records import ROOT
@@ -71,4 +71,4 @@ def keep(rows, ceiling, args):
 
 
 if __name__ == "__main__":
-    cli.run(main)  # Ctrl-C: the runs stopped, one line, exit 130
+    usage.run(main)  # Ctrl-C: what runs is stopped, one line, exit 130

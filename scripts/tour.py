@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 
-from common import cli
+from common import usage
 from common.chapter_pair import ROOT, chapter_path, run_one, run_pair
 
 MESSAGE = "Hello from the tour"
@@ -415,4 +415,4 @@ def main():
 
 
 if __name__ == "__main__":
-    cli.run(main)  # Ctrl-C: the chapter running is stopped, one line, exit 130
+    usage.run(main)  # Ctrl-C: what runs is stopped, one line, exit 130
