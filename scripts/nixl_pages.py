@@ -534,11 +534,14 @@ class Side:
             raise RuntimeError(msg[1])
         return msg
 
-    def stop(self):
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(5)
+    def stop(self, wait=5.0):
+        """Give it `wait` s to end by itself (it has said its last), then SIGTERM, then
+        SIGKILL: a Ctrl-C of ours waits for no word from it (0 s)."""
+        self.proc.join(wait)
+        for end in (self.proc.terminate, self.proc.kill):
+            if self.proc.is_alive():
+                end()
+                self.proc.join(1)
 
 
 def run(args, module):
@@ -593,6 +596,10 @@ def run(args, module):
             for side in sides:
                 side.stop()
             raise RuntimeError(f"{e}{said(tmp)}") from None
+        except BaseException:  # Ctrl-C or SIGTERM: within its 2 s (common/bounds.py)
+            for side in sides:
+                side.stop(0)
+            raise
         finally:
             for side in sides:
                 side.stop()

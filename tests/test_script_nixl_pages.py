@@ -5,7 +5,6 @@ The repo's .venv has no nixl: these tests run the script with the interpreter th
 this one or NIXL_PYTHON (a venv of its own with `pip install nixl-cu13`, e.g.
 NIXL_PYTHON=nixlenv/bin/python .venv/bin/pytest tests/test_script_nixl_pages.py), with this
 repository on its PYTHONPATH as scripts/transfer_bench.py runs it."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,25 +14,9 @@ import pytest
 
 from common.records import ROOT
 from scripts.transfer_bench import nixl_env
+from tests.nixl_python import HERE, NIXL_PYTHON, WHY
 
 SCRIPT = ROOT / "scripts" / "nixl_pages.py"
-MODULES = ("nixl", "nixl_cu13", "nixl_cu12")
-
-
-def has_nixl(python):
-    probe = "import importlib.util as u, sys; sys.exit(not any(u.find_spec(m) for m in %r))"
-    try:
-        return subprocess.run([python, "-c", probe % (MODULES,)], timeout=60).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-HERE = any(importlib.util.find_spec(m) for m in MODULES)
-NIXL_PYTHON = sys.executable if HERE else os.environ.get("NIXL_PYTHON")
-WHY = None if NIXL_PYTHON and has_nixl(NIXL_PYTHON) else (
-    f"nixl is not importable by {sys.executable} and NIXL_PYTHON "
-    f"{'(' + NIXL_PYTHON + ') has none either' if NIXL_PYTHON else 'is not set'} "
-    "(pip install nixl-cu13 in a venv of its own)")
 
 
 def gpu_why(python):

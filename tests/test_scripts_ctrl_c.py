@@ -19,7 +19,9 @@ from common import shm_files
 from common.baselines import rma_bw_tool
 from common.bounds import STOP_BOUND
 from common.chapter_pair import ROOT, local_env
+from scripts.transfer_bench import nixl_env
 from tests.budget import Budget
+from tests.nixl_python import NIXL_PYTHON, WHY
 from tests.processes import ctrl_c, running, wait_gone
 
 SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
@@ -74,6 +76,8 @@ CASES = {  # the script's arguments, the line it prints once the part to cut int
                        r"[\d.]+ s later"),
     "baseline": (["scripts/baseline.py", "-p", "shm", "--sizes", "64K,1M"], "fi_rma_bw -o write",
                  r"baseline\.py: interrupted"),
+    "nixl_pages": (["scripts/nixl_pages.py", "--page-size", "4K,64K", "--pages", "10000",
+                    "--repeats", "200"], "page  pages", r"nixl_pages\.py: interrupted"),
 }
 
 
@@ -83,11 +87,15 @@ def test_ctrl_c_of_a_script_is_one_line_and_leaves_nothing(case, whom):
     args, marker, last = CASES[case]
     if case == "baseline" and not has_fabtests():
         pytest.skip("fabtests' fi_rma_bw is not here (scripts/build_libfabric.sh builds it)")
+    if case == "nixl_pages" and WHY:
+        pytest.skip(WHY)
+    python = NIXL_PYTHON if case == "nixl_pages" else sys.executable
     budget = Budget(3 * LIMIT)
     token = uuid.uuid4().hex  # in the environment of everything the script starts
-    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=local_env({"CTRL_C_TEST": token}), start_new_session=True)
+    env = local_env({"CTRL_C_TEST": token,  # and this repository on the path of NIXL's python
+                     "PYTHONPATH": nixl_env()["PYTHONPATH"]})
+    proc = subprocess.Popen([python, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT, env=env, start_new_session=True)
     mine = f"CTRL_C_TEST={token}".encode()
     try:
         lines, deadline = [], time.monotonic() + budget.grant(LIMIT)
