@@ -1,7 +1,7 @@
 """Bad command lines in one line, for the scripts that do not load libfabric to parse their
 flags (common/cli's parser does: a chapter's flags name providers), and a Ctrl-C in one
 line for the scripts whose own process opens nothing (common/cli.run is a chapter's). The
-standard library only."""
+standard library only (common/bounds.py is too)."""
 import argparse
 import os
 import re
