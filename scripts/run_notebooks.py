@@ -7,6 +7,7 @@ The tests execute the notebooks too, on a copy; this writes the outputs back. Ru
 own in results/runs/ are plotted too: it says so, since outputs meant for git should not
 carry them (move the folder aside first).
 """
+import asyncio
 import sys
 from pathlib import Path
 
@@ -39,11 +40,24 @@ def main():
                                     resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
         except nbclient.exceptions.CellExecutionError as e:
             sys.exit(f"{path.name}: {str(e).strip().splitlines()[-1]}")
+        except Exception as e:  # nbclient takes Ctrl-C and SIGTERM itself: it shuts the
+            if cancelled(e):    # kernel down, cancelling the run, which then fails its way
+                raise KeyboardInterrupt from None  # (exit 130 for either: it says not which)
+            raise
         for cell in notebook.cells:
             cell.metadata.pop("execution", None)  # timestamps: noise in every diff
         nbformat.write(notebook, path)
         print(f"ran {path.relative_to(NOTEBOOKS.parent)}")
 
 
+def cancelled(error):
+    """Whether `error` was raised while a cancelled task unwound (asyncio.CancelledError)."""
+    while error is not None:
+        if isinstance(error, asyncio.CancelledError):
+            return True
+        error = error.__context__
+    return False
+
+
 if __name__ == "__main__":
-    main()
+    usage.run(main)

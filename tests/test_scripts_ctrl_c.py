@@ -29,9 +29,6 @@ OWN_WAY = {  # scripts that stop what they started themselves
     "launch.py": "common.launch.spawn passes the Ctrl-C on to every rank and says how they ended",
     "pair.py": "common.chapter_pair.run_pair stops both sides; it says so",
     "chaos.py": "it stops its trial's processes and says how far it got",
-    # not in one line: nbclient's own handlers shut its kernel down, and the run then ends
-    # with nbclient's error (a maintainer's script: it rewrites the notebooks' outputs)
-    "run_notebooks.py": "nbclient shuts its kernel down",
 }
 LIMIT = 120  # seconds, quiet machine, for a script to reach the marked line on 2 busy cores
 
