@@ -25,6 +25,8 @@ The bounds, the same for a server, a client and a rank:
   fatal error, or, cutting into its look at argv[0] or a callback of its import system,
   is printed and lost by CPython, which runs the program on (scripts/chaos.py counts
   such a fault apart).
+- A child between fork and exec (a subprocess starting) is still in our process group and
+  runs our handlers: a terminal's Ctrl-C there is the parent's to act on (forked()).
 - Where a server does not outlive its client's fault, in libfabric 1.x: a server that the
   watchdog ended on a dead client's lock (1.17's shm) serves no next client. On rxm
   (`tcp;ofi_rxm`, 1.x's tcp; `verbs;ofi_rxm`) a frozen client's WRITEs hold tx credits
