@@ -89,6 +89,16 @@ def forked():
     return os.getpid() != _PID
 
 
+def unwinding(error, kind):
+    """Whether `error` is a `kind`, or was raised while one was unwinding the stack (its
+    context chain holds one): a clean-up that failed on the way out of an interrupt."""
+    while error is not None:
+        if isinstance(error, kind):
+            return True
+        error = error.__context__
+    return False
+
+
 def noted(signum):
     """Record a SIGINT/SIGTERM (called by the Python-level handler; the watchdog too)."""
     if not _signalled:

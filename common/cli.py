@@ -246,11 +246,7 @@ def run(main):
 def interrupted(error):
     """Whether `error` was raised while a Ctrl-C or SIGTERM (KeyboardInterrupt) was unwinding
     the stack, by a close in the clean-up, say: then the interrupt is what happened."""
-    while error is not None:
-        if isinstance(error, KeyboardInterrupt):
-            return True
-        error = error.__context__
-    return False
+    return bounds.unwinding(error, KeyboardInterrupt)
 
 
 def _last_words(line, code):

@@ -14,7 +14,7 @@ from pathlib import Path
 import nbclient
 import nbformat
 
-from common import usage
+from common import bounds, usage
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -40,23 +40,16 @@ def main():
                                     resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
         except nbclient.exceptions.CellExecutionError as e:
             sys.exit(f"{path.name}: {str(e).strip().splitlines()[-1]}")
-        except Exception as e:  # nbclient takes Ctrl-C and SIGTERM itself: it shuts the
-            if cancelled(e):    # kernel down, cancelling the run, which then fails its way
-                raise KeyboardInterrupt from None  # (exit 130 for either: it says not which)
+        except Exception as e:
+            # nbclient takes Ctrl-C and SIGTERM itself: it shuts the kernel down and cancels
+            # the run, which then fails its own way (exit 130 for either: it says not which)
+            if bounds.unwinding(e, asyncio.CancelledError):
+                raise KeyboardInterrupt from None
             raise
         for cell in notebook.cells:
             cell.metadata.pop("execution", None)  # timestamps: noise in every diff
         nbformat.write(notebook, path)
         print(f"ran {path.relative_to(NOTEBOOKS.parent)}")
-
-
-def cancelled(error):
-    """Whether `error` was raised while a cancelled task unwound (asyncio.CancelledError)."""
-    while error is not None:
-        if isinstance(error, asyncio.CancelledError):
-            return True
-        error = error.__context__
-    return False
 
 
 if __name__ == "__main__":
