@@ -19,24 +19,16 @@ from types import SimpleNamespace
 import pytest
 
 from scripts import two_hosts
-from common.baselines import measure, rma_bw_command, rma_bw_gbps, rma_bw_tool
+from common.baselines import measure, rma_bw_command, rma_bw_gbps
 from common.chapter_pair import ROOT
 from tests import fake_info
+from tests.fabtests import rma_bw_missing
 from tests.gpu import needs_gpu
 from tests.one_line_errors import assert_one_line_error
 
 SCRIPT = str(ROOT / "scripts" / "two_hosts.py")
 TINY = ["--sizes", "4K", "--bytes", "800K", "--repeats", "1"]  # 200 WRITEs of 4 KiB a run
 LIMIT = 600  # seconds for the longest case: eight chapters on a busy 2-core machine
-
-
-def rma_bw_missing():
-    """Why the baseline part cannot run here, or None."""
-    try:
-        rma_bw_tool()
-    except FileNotFoundError as e:
-        return str(e)
-    return None
 
 
 def free_port():

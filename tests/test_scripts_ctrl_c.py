@@ -16,11 +16,11 @@ import uuid
 import pytest
 
 from common import shm_files
-from common.baselines import rma_bw_tool
 from common.bounds import STOP_BOUND
 from common.chapter_pair import ROOT, local_env
 from scripts.transfer_bench import nixl_env
 from tests.budget import Budget
+from tests.fabtests import rma_bw_missing
 from tests.nixl_python import NIXL_PYTHON, WHY
 from tests.processes import ctrl_c, running, wait_gone
 
@@ -57,13 +57,6 @@ def test_the_check_sees_a_script_whose_main_runs_bare(tmp_path):
     assert runners(bare) == {"cli.run"}
 
 
-def has_fabtests():
-    try:
-        return bool(rma_bw_tool())
-    except FileNotFoundError:
-        return False
-
-
 CASES = {  # the script's arguments, the line it prints once the part to cut into runs, and
     # its last words (a pattern): the tour then runs chapter 16's launcher and its 4 ranks
     "tour": (["scripts/tour.py"], "  09_multinet: ok", r"tour\.py: interrupted"),
@@ -82,8 +75,8 @@ CASES = {  # the script's arguments, the line it prints once the part to cut int
 @pytest.mark.parametrize("case", list(CASES))
 def test_ctrl_c_of_a_script_is_one_line_and_leaves_nothing(case, whom):
     args, marker, last = CASES[case]
-    if case == "baseline" and not has_fabtests():
-        pytest.skip("fabtests' fi_rma_bw is not here (scripts/build_libfabric.sh builds it)")
+    if case == "baseline" and rma_bw_missing():
+        pytest.skip(rma_bw_missing())
     if case == "nixl_pages" and WHY:
         pytest.skip(WHY)
     python = NIXL_PYTHON if case == "nixl_pages" else sys.executable
