@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import common.fabric as fi
-from common import bench, cli
+from common import bench, cli, usage
 from common.chapter_pair import INTERRUPTED_WAIT, stop_all, run_pair as run_chapter_pair
 from common.launch import owned
 
@@ -402,7 +402,7 @@ def save(rows, kind, args):
 
 
 def parser(doc):
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p = usage.Parser(description=doc.split("\n\n")[0])
     p.add_argument("-p", "--provider", default="shm")
     p.add_argument("--sizes", default="64K", help="comma-separated, K/M/G (default 64K)")
     p.add_argument("--gpus", help="SERVER,CLIENT GPU numbers: GPU memory (default: host)")

@@ -186,7 +186,7 @@ def numbers(text):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = usage.Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--label", required=True, help="machine name for the file")
     p.add_argument("--cpus", type=numbers, help="cores to pin to, in order (default: every "
                                                 "core this process may use)")

@@ -23,7 +23,7 @@ from common.records import ROOT
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = usage.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", default=str(ROOT / "results"), help="folder with blog_p5.json")
     p.add_argument("--fit-crowd", action="store_true",
                    help="print the table with crowd fitted on 13 instead of measured; write nothing")

@@ -18,7 +18,7 @@ from common.records import ROOT
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = usage.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", default=str(ROOT / "results"), help="folder of results")
     p.add_argument("--out", help="the PNG to write (default: RESULTS/journey.png)")
     args = p.parse_args()

@@ -25,7 +25,6 @@ the lesson is visible; where it is not, the chapter's "why_not" for the provider
 chapter within a repeat, so that a busy moment hits them all; a chapter and the one it is
 compared with run on the same provider.
 """
-import argparse
 import ast
 import platform
 import re
@@ -343,7 +342,7 @@ def about_here(provider):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = usage.Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("-p", "--provider", help="run every chapter on this provider")
     p.add_argument("--repeats", type=int, default=3, choices=range(3, 21), metavar="3..20",
                    help="runs of each measured chapter (default 3)")

@@ -75,6 +75,21 @@ def test_pair_refuses_bad_flags_in_one_line(args, pattern):
     assert_one_line_error(done, pattern)
 
 
+@pytest.mark.parametrize("script,args,pattern", [
+    ("tour.py", ["--repeats", "1"], "invalid choice: 1"),
+    ("baseline.py", ["--sizes", "3X"], "not a size: '3X'"),
+    ("bench.py", ["--sizes", "0X"], "not a size: '0X'"),
+    ("progression.py", ["--chapters", "99"], "--chapters takes chapter numbers"),
+    ("atomic_bench.py", ["--threads", "x"], "not a comma-separated list of integers"),
+    ("calibrate.py", ["--nope"], "unrecognized arguments"),
+    ("journey.py", ["--nope"], "unrecognized arguments")])
+def test_the_scripts_refuse_bad_flags_in_one_line(script, args, pattern):
+    """argparse's own parser says its usage first: two lines (common/usage.Parser: one)."""
+    done = Budget(LIMIT).run([sys.executable, str(chapter_path(4).parents[1] / "scripts" /
+                              script), *args], env=local_env())
+    assert_one_line_error(done, pattern)
+
+
 COUNTS = [  # (chapters that have the flag, arguments, the error)
     ([5, 6, 7, 9, 15], ["--clients", "-1"], "--clients: expected a number 0 or more, not '-1'"),
     ([5, 6, 7, 9, 15], ["--clients", "two"], "--clients: expected a number 0 or more, not 'two'"),
