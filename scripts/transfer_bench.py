@@ -40,7 +40,7 @@ ceiling is K kernels.
 and each repeat writes it (Prepared.write: one launch), as a KV cache's layers are sent.
 The data check of each size goes through a prepared command too.
 
---resident (with --prepared): Engine(resident=True): a command of at most 8 chunks of
+--resident (with --prepared): Engine(resident=True): a command of at most 4 chunks of
 8 KiB per SM goes to a kernel that stays on the GPU while commands come, not a launch.
 It leaves the GPU (Engine.rest) before the ceiling is measured.
 

@@ -42,7 +42,7 @@ DIRECT = 512                   # tables this short (entries) the kernel reads in
 # The resident kernel (Engine(resident=True), ipc.cu's ipc_stand): its queue's slots and
 # words a job, its states (on the GPU, deciding to leave, gone), the chunks a block of it
 # may take per command
-STAND_SLOTS, STAND_JOB, STAND_CHUNKS = 64, 10, 8
+STAND_SLOTS, STAND_JOB, STAND_CHUNKS = 64, 10, 4
 STAND_RUNNING, STAND_LEAVING, STAND_STOPPED = 1, 2, 3
 IDLE = 1e-3                    # seconds it stays on the GPU without a command
 # In an engine's address: this host (boot id, pid namespace), the inbox (pid, fd) and the
