@@ -16,8 +16,9 @@ New since chapter 07: the NICs (common/engine/nics.py, by chapter 08's
 topology); a control endpoint (CONNECT, heartbeats, LANDED) beside G x N data
 endpoints ("lanes") on each side; one OpQueue per lane (chapter 07's, now
 common/engine/opqueue.py); keys per (buffer, NIC); WRITEs round robin; an
-immediate per NIC. The code is common/engine/multinet.py, which the chapters
-after this one build on: read it beside this page (scripts/diff.sh 09 shows it too).
+immediate per NIC. This page holds the loop that drives them all; the lanes, CONNECT and
+the checks are common/engine/multinet.py, which the chapters after this one build on:
+read it beside this page (scripts/diff.sh 09 shows both).
 
     .venv/bin/python chapters/09_multinet.py                                    # server
     .venv/bin/python chapters/09_multinet.py ADDRESS --nics-per-gpu 4           # 1 group x 4 NICs
@@ -46,8 +47,46 @@ LESSON = {"figure": "check", "field": "writes_per_nic",
 #     check every page of every group
 
 # %%
-from common import cli
+import time
+
+from common import bench, bounds, cli
 from common.engine import multinet
+from common.fabric import memory
+
+
+# %% [markdown]
+# ## The loop: one thread visits every lane
+# Each visit posts what the lane's queue takes and reads its CQ; the control endpoint is
+# read between rounds (heartbeats, the client gone). A lane whose WRITEs are all done drops
+# out; the run ends when the last one does.
+
+# %%
+def write_all(args, lanes, conn, page_size):
+    """Every lane's WRITEs, one thread visiting each lane in turn."""
+    timeout, total = conn.timeout, sum(lane.iters for lane in lanes)
+    progress = bench.Progress("WRITEs completed", total, page_size)
+    start = time.perf_counter()
+    busy = [lane for lane in lanes if lane.iters]
+    stalled = bounds.Deadline(timeout, lambda: f"no WRITE completed for {timeout:g} s "
+                              f"({sum(lane.queue.completed for lane in lanes)} of {total} "
+                              "done): is the client still there?")
+    with stalled:  # also when the provider call itself never returns
+        while busy:
+            for lane in busy:
+                memory.current(lane.gpu)
+                lane.post_some()
+                if lane.queue.progress():
+                    stalled.at = time.monotonic() + timeout
+            busy = [lane for lane in busy if lane.queue.completed < lane.iters]
+            conn.queue.progress()
+            done = sum(lane.queue.completed for lane in lanes)
+            if time.monotonic() > stalled.at:
+                raise TimeoutError(stalled.what())
+            if conn.beat(done):
+                progress.update(done)
+    progress.close()
+    return multinet.Started(start, {"workers": 1})
+
 
 if __name__ == "__main__":
-    cli.run(lambda: multinet.run(__doc__, "09_multinet", lesson=LESSON))
+    cli.run(lambda: multinet.run(__doc__, "09_multinet", write_all, lesson=LESSON))

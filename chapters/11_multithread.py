@@ -12,7 +12,7 @@ Python only starts them, watches the shared counter and sends heartbeats.
 The figure: CPU time per WRITE, Python threads against the C loop.
 
 New since chapter 10 (whose warmup it keeps): the engine. One thread per
-group (GPU) of lanes; the loop of common/engine/multinet.py rewritten in C: a visit
+group (GPU) of lanes; the loop of chapter 09 (and 10) rewritten in C: a visit
 to a lane in chapters/11_multithread.c, the moves it makes (submit, pending
 ring, reap, immediate on each NIC's last WRITE) in common/engine/lane.h; a shared
 atomic counter; --engine python|native. Python's side of the workers

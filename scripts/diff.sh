@@ -9,7 +9,7 @@
 # stands alone and is shown whole (07: its server rebuilt around an op queue and an
 # endpoint it renews, which against 06 shows 06's server taken away as much as its own;
 # 16: an all-to-all among ranks and its proxy share no line with 07's server and client;
-# 09: its engine, built around lanes, would differ from 07's program in every line).
+# 09: its program, built around lanes, would differ from 07's in every line).
 # Where a chapter's code moved into common/, LESSON names that file: it is compared with
 # the parent's program (shown whole where the chapter stands alone), then the chapter's
 # own (short) file follows. NEW lists the common/ modules that hold a chapter's lesson,

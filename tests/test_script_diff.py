@@ -38,15 +38,19 @@ LESSONS = [
     ("07", {"chapters/07_queue.py": (
                 ["queue = OpQueue(ep, cq, poller, slots=fi.in_flight(info))"], []),
             "common/engine/opqueue.py": (["class OpQueue:", "if rc == -lib.FI_EAGAIN:"], [])}),
-    ("09", {"common/engine/multinet.py": (["class Lane:", "def write_all(args, lanes, conn, "
-                                                          "page_size):"], []),
+    ("09", {"common/engine/multinet.py": (["class Lane:", "def serve(conn, head, request, "
+                                                          "args, engine):"], []),
             "chapters/09_multinet.py": (
-                ['cli.run(lambda: multinet.run(__doc__, "09_multinet", lesson=LESSON))'], [])}),
+                ["def write_all(args, lanes, conn, page_size):",
+                 'cli.run(lambda: multinet.run(__doc__, "09_multinet", write_all, '
+                 'lesson=LESSON))'], [])}),
     ("10", {"chapters/10_warmup.py": (
-                ["from common.engine.warmup import warmed",
-                 'cli.run(lambda: multinet.run(__doc__, "10_warmup", warmed(), lesson=LESSON))'],
-                ['cli.run(lambda: multinet.run(__doc__, "09_multinet", lesson=LESSON))']),
-            "common/engine/warmup.py": (["def warmed(engine=write_all):",
+                ["from common.engine.warmup import warm_up",
+                 "compare = warm_up(lanes, conn)  # first contact, paid before the clock starts",
+                 'cli.run(lambda: multinet.run(__doc__, "10_warmup", write_all, lesson=LESSON))'],
+                ['cli.run(lambda: multinet.run(__doc__, "09_multinet", write_all, '
+                 'lesson=LESSON))']),
+            "common/engine/warmup.py": (["def warmed(engine):",
                                          "def warm_up(lanes, conn):"], [])}),
     ("13", {"chapters/13_shard.c": (
                 ["struct counter {            // one worker's count of completed WRITEs, "

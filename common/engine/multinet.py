@@ -5,8 +5,9 @@ control endpoint carries CONNECT, heartbeats and LANDED; the data goes on
 G x N lanes, a group's pages round robin over its lanes, one thread visiting
 every lane. Which NICs: nics.lane_nics, each GPU's own by chapter 08's topology;
 where a host has no NIC, a lane is one more domain of shm or tcp (a "virtual
-NIC"). What posts the WRITEs is an `engine` (write_all here, one thread; worker
-threads from chapter 11 on); the flags are flags.py's, the report report.py's.
+NIC"). What posts the WRITEs is the chapter's `engine`: chapter 09's loop (one thread
+visiting every lane, in chapters/09_multinet.py), worker threads from chapter 11 on; the
+flags are flags.py's, the report report.py's.
 """
 import struct
 import threading
@@ -239,33 +240,6 @@ def written(pages, iters, groups, per_group):
     return reached
 
 
-def write_all(args, lanes, conn, page_size):
-    """Every lane's WRITEs, one thread visiting each lane in turn (the engine of 09 and 10)."""
-    timeout, total = conn.timeout, sum(lane.iters for lane in lanes)
-    progress = bench.Progress("WRITEs completed", total, page_size)
-    start = time.perf_counter()
-    busy = [lane for lane in lanes if lane.iters]
-    stalled = bounds.Deadline(timeout, lambda: f"no WRITE completed for {timeout:g} s "
-                              f"({sum(lane.queue.completed for lane in lanes)} of {total} "
-                              "done): is the client still there?")
-    with stalled:  # also when the provider call itself never returns
-        while busy:
-            for lane in busy:
-                memory.current(lane.gpu)
-                lane.post_some()
-                if lane.queue.progress():
-                    stalled.at = time.monotonic() + timeout
-            busy = [lane for lane in busy if lane.queue.completed < lane.iters]
-            conn.queue.progress()
-            done = sum(lane.queue.completed for lane in lanes)
-            if time.monotonic() > stalled.at:
-                raise TimeoutError(stalled.what())
-            if conn.beat(done):
-                progress.update(done)
-    progress.close()
-    return Started(start, {"workers": 1})
-
-
 def client(info, args, addr, infos):
     groups, per_group = len(infos), len(infos[0])
     with fi.Closer() as own:
@@ -357,11 +331,11 @@ def request(args, me, names, regions):
                         + pack_names(names) + regions + pages)
 
 
-def run(doc, chapter, engine=write_all, add_args=None, lesson=None):
-    """A chapter's main(): server or client, as chapter 09 shows them. Later chapters
-    pass their `engine` (what posts the WRITEs: engine(args, lanes, conn, page_size),
-    returning Started) and `add_args` (their own flags); `lesson`: the chapter's LESSON,
-    whose client run the server prints as the client command."""
+def run(doc, chapter, engine, add_args=None, lesson=None):
+    """A chapter's main(): server or client, as chapter 09 shows them. `engine` is what
+    posts the server's WRITEs (engine(args, lanes, conn, page_size), returning Started);
+    `add_args` the chapter's own flags; `lesson` its LESSON, whose client run the server
+    prints as the client command."""
     args = parse(doc, add_args)
     args.chapter, args.number, args.lesson = chapter, int(chapter[:2]), lesson
     info, addr = cli.peer(args, CAPS, hmem=bool(args.gpus), shm=False)

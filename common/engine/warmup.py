@@ -9,13 +9,13 @@ NIC, once the first is done.
 import time
 
 from common import bounds
-from common.engine.multinet import Started, write_all
+from common.engine.multinet import Started
 from common.fabric import memory
 
 
-def warmed(engine=write_all):
-    """`engine`, with the warmup before its clock starts: chapter 10's engine, and that of
-    every chapter after it."""
+def warmed(engine):
+    """`engine`, with chapter 10's warmup before its clock starts: the engines of the
+    chapters after it."""
     def warm_then_run(args, lanes, conn, page_size):
         compare = warm_up(lanes, conn)
         run = engine(args, lanes, conn, page_size)
