@@ -9,6 +9,7 @@ carry them (move the folder aside first).
 """
 import asyncio
 import sys
+import tempfile
 from pathlib import Path
 
 import nbclient
@@ -35,17 +36,24 @@ def main():
               file=sys.stderr)
     for path in paths:
         notebook = nbformat.read(path, as_version=4)
-        try:
-            nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
-                                    resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
-        except nbclient.exceptions.CellExecutionError as e:
-            sys.exit(f"{path.name}: {str(e).strip().splitlines()[-1]}")
-        except Exception as e:
-            # nbclient takes Ctrl-C and SIGTERM itself: it shuts the kernel down and cancels
-            # the run, which then fails its own way (exit 130 for either: it says not which)
-            if bounds.unwinding(e, asyncio.CancelledError):
-                raise KeyboardInterrupt from None
-            raise
+        # The kernel's own stderr (a cell's goes into the notebook): its start-up warnings,
+        # and a traceback of its own when it is shut down mid-cell. Shown if it fails.
+        with tempfile.TemporaryFile("w+") as kernel_log:
+            try:
+                nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                                        resources={"metadata": {"path": str(NOTEBOOKS)}}
+                                        ).execute(stderr=kernel_log)
+            except nbclient.exceptions.CellExecutionError as e:
+                sys.exit(f"{path.name}: {str(e).strip().splitlines()[-1]}")
+            except Exception as e:
+                # nbclient takes Ctrl-C and SIGTERM itself: it shuts the kernel down and
+                # cancels the run, which then fails its own way (exit 130 for either: it
+                # says not which)
+                if bounds.unwinding(e, asyncio.CancelledError):
+                    raise KeyboardInterrupt from None
+                kernel_log.seek(0)
+                sys.stderr.write(kernel_log.read())
+                raise
         for cell in notebook.cells:
             cell.metadata.pop("execution", None)  # timestamps: noise in every diff
         nbformat.write(notebook, path)
