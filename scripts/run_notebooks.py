@@ -45,10 +45,10 @@ def main():
                                         ).execute(stderr=kernel_log)
             except nbclient.exceptions.CellExecutionError as e:
                 sys.exit(f"{path.name}: {str(e).strip().splitlines()[-1]}")
-            except Exception as e:
+            except (Exception, asyncio.CancelledError) as e:  # the latter is no Exception
                 # nbclient takes Ctrl-C and SIGTERM itself: it shuts the kernel down and
-                # cancels the run, which then fails its own way (exit 130 for either: it
-                # says not which)
+                # cancels the run, which then fails its own way, or is the cancellation
+                # itself while the kernel starts (exit 130 for either: it says not which)
                 if bounds.unwinding(e, asyncio.CancelledError):
                     raise KeyboardInterrupt from None
                 kernel_log.seek(0)

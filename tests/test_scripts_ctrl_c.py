@@ -7,6 +7,7 @@ import ast
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,13 +69,25 @@ CASES = {  # the script's arguments, the line it prints once the part to cut int
                  r"baseline\.py: interrupted"),
     "nixl_pages": (["scripts/nixl_pages.py", "--page-size", "4K,64K", "--pages", "10000",
                     "--repeats", "200"], "page  pages", r"nixl_pages\.py: interrupted"),
+    # in a copy of the repository: it writes each notebook it ran back in place
+    "run_notebooks": (["scripts/run_notebooks.py"], "ran notebooks/07_queue.ipynb",
+                      r"run_notebooks\.py: interrupted"),
 }
+
+
+def notebooks_copy(to):
+    """What run_notebooks reads and writes, copied to `to` (the notebooks import common
+    from the folder above theirs); returns `to`."""
+    for part in ("common", "notebooks", "results", "scripts"):
+        shutil.copytree(ROOT / part, to / part, ignore=shutil.ignore_patterns("runs"))
+    return to
 
 
 @pytest.mark.parametrize("whom", ["group", "script"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_ctrl_c_of_a_script_is_one_line_and_leaves_nothing(case, whom):
+def test_ctrl_c_of_a_script_is_one_line_and_leaves_nothing(case, whom, tmp_path):
     args, marker, last = CASES[case]
+    root = notebooks_copy(tmp_path) if case == "run_notebooks" else ROOT
     if case == "baseline" and rma_bw_missing():
         pytest.skip(rma_bw_missing())
     if case == "nixl_pages" and WHY:
@@ -85,7 +98,7 @@ def test_ctrl_c_of_a_script_is_one_line_and_leaves_nothing(case, whom):
     env = local_env({"CTRL_C_TEST": token,  # and this repository on the path of NIXL's python
                      "PYTHONPATH": nixl_env()["PYTHONPATH"]})
     proc = subprocess.Popen([python, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT, env=env, start_new_session=True)
+                            text=True, cwd=root, env=env, start_new_session=True)
     mine = f"CTRL_C_TEST={token}".encode()
     try:
         lines, deadline = [], time.monotonic() + budget.grant(LIMIT)
