@@ -88,8 +88,8 @@ def notebooks_copy(to):
 def test_ctrl_c_of_a_script_is_one_line_and_leaves_nothing(case, whom, tmp_path):
     args, marker, last = CASES[case]
     root = notebooks_copy(tmp_path) if case == "run_notebooks" else ROOT
-    if case == "baseline" and rma_bw_missing():
-        pytest.skip(rma_bw_missing())
+    if case == "baseline" and (why := rma_bw_missing()):
+        pytest.skip(why)
     if case == "nixl_pages" and WHY:
         pytest.skip(WHY)
     python = NIXL_PYTHON if case == "nixl_pages" else sys.executable
