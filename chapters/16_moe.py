@@ -112,7 +112,6 @@ class Layout(Shape):
         self.lay_out(sections)
 
 
-
 class AllToAll(Stages):
     """dispatch and combine for one layer shape; each split into a send and a receive half."""
 
