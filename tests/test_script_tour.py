@@ -172,10 +172,10 @@ def test_each_chapter_runs_where_its_lesson_moves_on_a_host_without_a_nic():
 
 
 def test_on_libfabric_2_chapters_14_and_15_are_not_sent_to_tcp():
-    """2.x's own tcp takes every WRITE (as chapter 07's LESSON says), each sent within its
-    posting call: 15's figure, refused posts, and 14's, the CPU a batch saves, cannot move
-    there, so both stay on the default and say why; 1.x's tcp, under rxm, is where both
-    move, and they go there (above) with no such word."""
+    """2.x's own tcp takes every WRITE (as chapter 07's LESSON says) and starts sending it
+    inside its post: 15's figure, refused posts, and 14's, the CPU a batch saves, cannot
+    move there, so both stay on the default and say why; for 1.x's tcp, under rxm, they
+    give no such reason and go there (above)."""
     where = chapters_run_where("shm", ["shm", "tcp", "tcp;ofi_rxm"], version=(2, 1))
     assert where[14] == where[15] == "shm"
     for n in (14, 15):
