@@ -40,6 +40,50 @@ def test_a_chapter_prints_the_name_that_picks_its_fabric(monkeypatch, capsys):
     assert fi.name_of(fake_info.infos(fake_info.Entry("x", provider="verbs;ofi_rxm"))) == "verbs"
 
 
+def efa_by_fabric(monkeypatch):
+    """fi.getinfo as efa >= 2.1 answers: each fabric's entry for the fabric the hints name,
+    efa-direct's only for hints with FI_CONTEXT2 (prov/efa/src/efa_user_info.c); both
+    with FI_HMEM when asked (a GPU host whose NIC reaches its memory). Returns the hints
+    asked with."""
+    asked = []
+
+    def getinfo(hint, flags=0):
+        asked.append((fi.string(hint.fabric_attr.name), hint.caps, hint.mode))
+        fabric = fi.string(hint.fabric_attr.name)
+        if fabric == "efa-direct" and not hint.mode & lib.FI_CONTEXT2:
+            raise fi.FabricError("fi_getinfo", -lib.FI_ENODATA)
+        return fake_info.infos(fake_info.Entry("rdmap79s0-rdm", fabric=fabric,
+                                               caps=hint.caps))
+    monkeypatch.setattr(fi, "getinfo", getinfo)
+    return asked
+
+
+@pytest.mark.parametrize("name", ["efa-direct", "efa"])
+def test_gpu_memory_keeps_the_fabric_asked_for(monkeypatch, name):
+    """-p efa-direct --gpu: asking again with FI_HMEM keeps efa-direct (its fabric name and
+    FI_CONTEXT2), not efa's RDM fabric of the same provider name."""
+    asked = efa_by_fabric(monkeypatch)
+    info, _ = fi.pick(name, lib.FI_MSG | lib.FI_RMA, hmem=True)
+    assert fi.name_of(info) == name and info.caps & lib.FI_HMEM
+    fabric, caps, mode = asked[-1]
+    assert fabric == name and caps & lib.FI_HMEM
+    assert bool(mode & lib.FI_CONTEXT2) == (name == "efa-direct")
+
+
+def test_efa_direct_without_fi_hmem_says_efas_causes(monkeypatch):
+    efa_by_fabric(monkeypatch)
+    listed = fi.getinfo
+
+    def getinfo(hint, flags=0):
+        if hint.caps & lib.FI_HMEM:
+            raise fi.FabricError("fi_getinfo", -lib.FI_ENODATA)
+        return listed(hint, flags)
+    monkeypatch.setattr(fi, "getinfo", getinfo)
+    with pytest.raises(ValueError, match=r"^efa-direct offers no FI_HMEM here, .*"
+                                         r"FI_EFA_USE_DEVICE_RDMA"):
+        fi.pick("efa-direct", lib.FI_MSG | lib.FI_RMA, hmem=True)
+
+
 def test_no_efa_direct_here_is_one_line():
     """09-15 too: they follow it (tests/test_fabric_rules.py runs them under its rules)."""
     for chapter in (4, 6, 9, 14):

@@ -256,7 +256,9 @@ def pick(provider=None, caps=lib.FI_MSG, hmem=False):
     """
     info, why = _pick(provider, caps)
     if hmem:
-        name = provider_of(info)
+        # by the name that picked it: the provider's alone ("efa") would be efa's RDM fabric
+        # for an efa-direct entry (FABRICS), without its FI_CONTEXT2
+        name = name_of(info)
         try:
             info = getinfo(hints(name, caps=caps | lib.FI_HMEM))
         except FabricError as e:
@@ -268,7 +270,7 @@ def pick(provider=None, caps=lib.FI_MSG, hmem=False):
 
 def no_hmem(provider):
     """Why `provider` may refuse FI_HMEM, and the fix, in one line."""
-    base = provider.split(";")[0]
+    base = NAMED_FABRICS.get(provider, (provider.split(";")[0],))[0]
     causes = {
         # prov/efa/src/efa_user_info.c: CUDA not usable by libfabric (API >= 1.18),
         # or P2P disabled, a device without RDMA read, FI_EFA_USE_DEVICE_RDMA=0 (API < 1.18)
