@@ -519,6 +519,7 @@ def open_endpoint(own, info, cq_size=None, av_count=16, shm=True):
     ep_bind(ep, av)
     if not shm:
         forbid_shm(ep, info)
+    require_gpudirect(ep, info)
     enable(ep)
     return domain, cq, av, ep
 
@@ -537,6 +538,32 @@ SHM_OFF = ("efa: its shm path is off (FI_OPT_SHARED_MEMORY_PERMITTED = false): p
            "this host, too, are reached through the NIC" if API_VERSION >= CAN_FORBID_SHM else
            "efa: libfabric < 1.21 cannot turn its shm path off: peers on this host are "
            "reached through shared memory, not the NIC")
+
+
+def require_gpudirect(ep, info):
+    """An efa endpoint for GPU memory (FI_HMEM) must move it by the device itself, or the
+    run stops here, before fi_enable, in one line naming what is missing: efa would
+    otherwise take GPU memory its device cannot reach and copy every transfer through
+    host memory, silently slow (common/fabric/helpers.h, tut_require_gpudirect). verbs
+    refuses such memory at registration (prov/verbs/src/verbs_mr.c: ibv_reg_mr fails);
+    shm and tcp move GPU memory with CUDA by design."""
+    if provider_of(info) != "efa" or not info.caps & lib.FI_HMEM:
+        return
+    step = ffi.new("int *")
+    rc = lib.tut_require_gpudirect(ep, step)
+    if rc < 0:
+        raise ValueError(f"efa: {NO_GPUDIRECT[step[0]]} ({strerror(rc)}); otherwise efa "
+                         "copies every transfer through host memory (run without GPU memory "
+                         "to use host memory)")
+
+
+NO_GPUDIRECT = {  # what each step of tut_require_gpudirect found missing, and the fix
+    1: "the EFA device cannot reach GPU memory (GPUDirect RDMA): it needs nvidia-peermem "
+       "loaded (sudo modprobe nvidia_peermem) or dmabuf (a kernel and NVIDIA driver that "
+       "export GPU memory, FI_HMEM_CUDA_USE_DMABUF not 0), and FI_HMEM_P2P_DISABLED unset",
+    2: "efa will not let the device RDMA: FI_EFA_USE_DEVICE_RDMA=0 is set (unset it), or "
+       "the EFA device has no RDMA read",
+}
 
 
 # --- data path -------------------------------------------------------------

@@ -194,6 +194,7 @@ int tut_mr_reg(struct fid_domain *domain, void *buf, size_t len, uint64_t access
                uint64_t dmabuf_offset, struct fid_mr **mr);
 int tut_has_dmabuf(void);
 int tut_forbid_shm(struct fid_ep *ep);
+int tut_require_gpudirect(struct fid_ep *ep, int *step);
 size_t tut_nic_speed(const struct fi_info *info);
 size_t tut_nic_mtu(const struct fi_info *info);
 int tut_nic_pci(const struct fi_info *info, char *buf, size_t len);
@@ -217,6 +218,7 @@ SOURCE = r"""
 #include <rdma/fi_cm.h>
 #include <rdma/fi_rma.h>
 #include <rdma/fi_errno.h>
+#include <rdma/fi_ext.h>  /* FI_OPT_EFA_USE_DEVICE_RDMA (from 1.18) */
 #include "rules.h"  /* FABRIC_RULES=efa|efa-direct|verbs: every call checked as those NICs would */
 #include "helpers.h"  /* the functions declared above: fi_mr_regattr by fields, CQ waits, NIC facts */
 """

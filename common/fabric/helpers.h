@@ -102,6 +102,37 @@ static int tut_forbid_shm(struct fid_ep *ep)
 #endif
 }
 
+/* Make an efa endpoint for GPU memory, before fi_enable, refuse to move that memory any
+   other way than by the device itself (GPUDirect RDMA). Unasked, efa's RDM fabric registers
+   GPU memory its device cannot reach under a made-up key (prov/efa/src/rdm/efa_rdm_mr.c,
+   efa_rdm_mr_reg_impl) and copies every transfer through host memory. Step 1,
+   FI_HMEM_P2P_REQUIRED: refused where the device cannot reach GPU memory or
+   FI_HMEM_P2P_DISABLED is set (efa_hmem.c, efa_hmem_validate_p2p_opt); efa-direct, which
+   has no other way, takes it as it is (efa_ep.c, efa_ep_setopt). Chosen over
+   FI_OPT_CUDA_API_PERMITTED false (also refused without P2P, rdm/efa_rdm_ep_fiops.c
+   efa_rdm_ep_set_cuda_api_permitted), which 1.17's headers lack, and which also closes efa's
+   shm path for the endpoint (efa_rdm_ep_update_shm) and its cudaMemcpy copies. Step 2, device
+   RDMA on: refused with FI_EFA_USE_DEVICE_RDMA=0 or a device without RDMA read
+   (efa_rdm_ep_set_use_device_rdma), where efa would emulate each WRITE with SENDs; the option
+   came in 1.18 and takes callers of API >= 1.18 only, and below that efa offers no FI_HMEM
+   without device RDMA (efa_user_info.c, efa_user_info_should_support_hmem). Returns 0, or
+   the refusal with *step saying which. */
+static int tut_require_gpudirect(struct fid_ep *ep, int *step)
+{
+    int p2p = FI_HMEM_P2P_REQUIRED;
+    *step = 1;
+    int rc = fi_setopt(&ep->fid, FI_OPT_ENDPOINT, FI_OPT_FI_HMEM_P2P, &p2p, sizeof p2p);
+#if FI_VERSION_GE(FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION), FI_VERSION(1, 18))
+    if (!rc) {
+        bool rdma = true;
+        *step = 2;
+        rc = fi_setopt(&ep->fid, FI_OPT_ENDPOINT, FI_OPT_EFA_USE_DEVICE_RDMA, &rdma,
+                       sizeof rdma);
+    }
+#endif
+    return rc;
+}
+
 /* Link speed in bits/s, 0 when the provider does not say. */
 static size_t tut_nic_speed(const struct fi_info *info)
 {

@@ -89,7 +89,10 @@ def register_device(domain, ptr, size, access, key, iface, device, handle=None):
     module (prov/efa/src/efa_mr.c). verbs tries dmabuf itself either way
     (prov/verbs/src/verbs_mr.c); shm and tcp turn a dmabuf back into its address
     (prov/util/src/util_mr_map.c). None of them keeps the fd: ibv_reg_dmabuf_mr
-    takes the kernel's own reference, so it is closed once registered.
+    takes the kernel's own reference, so it is closed once registered. efa's RDM fabric
+    registers GPU memory its device cannot reach too, under a made-up key
+    (rdm/efa_rdm_mr.c): what is said here is true there because fi.open_endpoint has
+    stopped the run on such a device first (fi.require_gpudirect).
     """
     flags = 0 if iface == lib.FI_HMEM_SYSTEM else lib.FI_HMEM_DEVICE_ONLY
     why = dmabuf_missing(fi.mr_mode(domain))
