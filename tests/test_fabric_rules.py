@@ -14,6 +14,8 @@ import textwrap
 import pytest
 
 from common.chapter_pair import ROOT, chapter_path, local_env, run_pair
+import common.fabric as fi
+from common.fabric import lib
 from tests.one_line_errors import assert_one_line_error
 from tests.rules import AV, SMALL
 
@@ -26,6 +28,12 @@ CQ = "more operations in flight than the CQ has entries"  # words of two of efa'
 CONNECT = "a SEND larger than the 8928-byte EFA MTU"
 HINTS = "hints without mode FI_CONTEXT2 or mr_mode FI_MR_LOCAL, FI_MR_ALLOCATED"
 MORE = "the CQ read with a batch left open"
+# Where the loaded libfabric's EFA CQs take wait objects (efa_cq.c, rdm/efa_rdm_cq.c; NEWS.md:
+# efa-direct's blocking CQ read came in 2.3, efa's in 2.5)
+WAITS = [rules for rules, since in (("efa", (2, 5)), ("efa-direct", (2, 3)))
+         if fi.version() >= since]
+WAIT = "a CQ wait object this libfabric's EFA CQs refuse"
+OTHER_WAIT = "a CQ wait object other than FI_WAIT_UNSPEC or FI_WAIT_FD"
 
 
 def env(rules):
@@ -140,6 +148,12 @@ def main():
 cli.run(main)
 """
 
+WAITING = ("attr = ffi.new('struct fi_cq_attr *', {{'size': 8, 'format': lib.FI_CQ_FORMAT_DATA, "
+           "'wait_obj': lib.{wait}}})\n"
+           "waiting = ffi.new('struct fid_cq **')\n"
+           "fi.check('fi_cq_open', lib.fi_cq_open(domain, attr, waiting, ffi.NULL))\n"
+           "fi.close(waiting[0])")
+
 BROKEN = {  # rule: (what breaks it, the error line's words, rule sets that have it)
     "descriptor": ("write(desc=ffi.NULL)", "FI_MR_LOCAL: a buffer without a descriptor", RULES),
     "descriptor of another buffer": (
@@ -169,13 +183,13 @@ BROKEN = {  # rule: (what breaks it, the error line's words, rule sets that have
     "too small a CQ": ("for i in range(9):\n"
                        "    assert fi.recvmsg(ep, dst.ptr, 64, fi.mr_desc(dst_mr), "
                        "lib.FI_ADDR_UNSPEC, ctx + i % 8)", CQ, EFA),
-    "wait object": (
-        "attr = ffi.new('struct fi_cq_attr *', {'size': 8, 'format': lib.FI_CQ_FORMAT_DATA, "
-        "'wait_obj': lib.FI_WAIT_UNSPEC})\n"
-        "waiting = ffi.new('struct fid_cq **')\n"
-        "fi.check('fi_cq_open', lib.fi_cq_open(domain, attr, waiting, ffi.NULL))\n"
-        "fi.close(waiting[0])",
-        "a CQ with a wait object", ["efa"]),
+    "wait object": (WAITING.format(wait="FI_WAIT_UNSPEC"), WAIT,
+                    [rules for rules in EFA if rules not in WAITS]),
+    # efa's shm path (on unless FI_EFA_ENABLE_SHM_TRANSFER=0) has no fd to wait on
+    # (rdm/efa_rdm_cq.c, efa_rdm_cq_configure_wait)
+    "fd wait object": (
+        WAITING.format(wait="FI_WAIT_FD"), WAIT,
+        [rules for rules in EFA if rules == "efa" or rules not in WAITS]),
     # efa-direct: what one work request per call demands
     "hints without FI_CONTEXT2": ("hint = fi.hints('shm')\nhint.mode = 0\nfi.getinfo(hint)",
                                   HINTS, ["efa-direct"]),
@@ -209,13 +223,8 @@ BROKEN = {  # rule: (what breaks it, the error line's words, rule sets that have
         "desc, target, fi.remote_base(info, tdst.ptr), tkey, ctx, data=5), 10, 'the WRITE')\n"
         "tpoller.wait_remote_data(10, 'the immediate')",
         AV.split(": ", 1)[1], ["efa-direct"]),
-    "mutex wait object": (
-        "attr = ffi.new('struct fi_cq_attr *', {'size': 8, 'format': lib.FI_CQ_FORMAT_DATA, "
-        "'wait_obj': lib.FI_WAIT_MUTEX_COND})\n"
-        "waiting = ffi.new('struct fid_cq **')\n"
-        "fi.check('fi_cq_open', lib.fi_cq_open(domain, attr, waiting, ffi.NULL))\n"
-        "fi.close(waiting[0])",
-        "a CQ wait object other than FI_WAIT_UNSPEC or FI_WAIT_FD", ["efa-direct"]),
+    "mutex wait object": (WAITING.format(wait="FI_WAIT_MUTEX_COND"), "a CQ wait object",
+                          EFA),  # which of the two words: test_efa_cq_wait_objects_by_version
     # every rule set
     "batch left open": (
         "poller.until_posted(lambda: fi.writemsg(ep, src.ptr, 64, desc, me, base, key, ctx, "
@@ -223,9 +232,10 @@ BROKEN = {  # rule: (what breaks it, the error line's words, rule sets that have
         MORE, RULES),
 }
 # What shm alone cannot be shown taking: a WRITE of 1 GiB and more from a 64 KiB buffer, a
-# CQ that waits on a mutex (shm 1.17: -FI_ENOSYS), the descriptor of a closed registration
-# (it points at memory the provider freed, which shm may read: SIGSEGV in CI, 2.1.0)
-SHM_CANNOT = {"WRITE above 1 GiB", "mutex wait object", "closed registration"}
+# CQ that waits on a mutex (shm 1.17: -FI_ENOSYS) or an fd (1.17 and 2.6.0: -FI_ENOSYS), the
+# descriptor of a closed registration (it points at memory the provider freed, which shm
+# may read: SIGSEGV in CI, 2.1.0)
+SHM_CANNOT = {"WRITE above 1 GiB", "mutex wait object", "fd wait object", "closed registration"}
 
 
 def run_broken(broken, rules=None):
@@ -252,6 +262,48 @@ def test_shm_alone_lets_it_through(rule):
     """What the rules catch, shm itself takes: the checks are what find it."""
     done = run_broken(BROKEN[rule][0])
     assert done.returncode == 0, done.stderr
+
+
+def test_efa_takes_an_fd_wait_object_with_its_shm_path_off():
+    """From 2.5, with FI_EFA_ENABLE_SHM_TRANSFER=0 efa opens no shm domain and so takes
+    FI_WAIT_FD (rdm/efa_rdm_cq.c, efa_rdm_cq_configure_wait; efa_shm.c): the rule lets it
+    through, to shm, which has no such CQ (-FI_ENOSYS)."""
+    program = PROGRAM.format(broken=textwrap.indent(WAITING.format(wait="FI_WAIT_FD"), " " * 8))
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          env=local_env({**env("efa"), "FI_EFA_ENABLE_SHM_TRANSFER": "0"}),
+                          timeout=30, cwd=ROOT)
+    if "efa" in WAITS:
+        assert_one_line_error(done, f"fi_cq_open: {fi.strerror(-lib.FI_ENOSYS)}")
+    else:
+        assert_one_line_error(done, f"rules of efa: {WAIT}")
+
+
+def version(major, minor):
+    return major << 16 | minor  # FI_VERSION
+
+
+@pytest.mark.parametrize("rules,since", [("efa", (2, 5)), ("efa-direct", (2, 3))])
+def test_efa_cq_wait_objects_by_version(rules, since):
+    """The rule on both sides of its version line, whatever libfabric is loaded here:
+    before it an EFA CQ takes FI_WAIT_NONE only; from it FI_WAIT_UNSPEC and FI_WAIT_FD
+    too (efa: FD only with its shm path off), never another kind."""
+    mode = lib.RULES_EFA if rules == "efa" else lib.RULES_EFA_DIRECT
+    before, since = version(since[0], since[1] - 1), version(*since)
+
+    def said(at, wait, shm=1):
+        rc = lib.tut_rules_wait(mode, at, wait, shm)
+        return fi.ffi.string(lib.tut_rules_text(rc)).decode() if rc else None
+
+    for at in (before, since, version(2, 6)):
+        assert said(at, lib.FI_WAIT_NONE) is None
+    for wait in (lib.FI_WAIT_UNSPEC, lib.FI_WAIT_FD, lib.FI_WAIT_MUTEX_COND):
+        assert said(before, wait, shm=0).startswith(WAIT)
+        assert said(version(1, 17), wait, shm=0).startswith(WAIT)
+    for at in (since, version(2, 6)):
+        assert said(at, lib.FI_WAIT_UNSPEC) is None
+        assert said(at, lib.FI_WAIT_FD, shm=0) is None
+        assert (said(at, lib.FI_WAIT_FD) is None) == (rules == "efa-direct")  # no shm path
+        assert said(at, lib.FI_WAIT_MUTEX_COND) == OTHER_WAIT
 
 
 WORKER = """\

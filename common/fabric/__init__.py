@@ -755,7 +755,8 @@ class Poller:
         bytes received): messages are handled in the order they came.
         With `or_remote_data`, immediate data arriving first ends the wait: (None, 0).
         `idle`: a server waiting for its next client, which backs off instead of taking
-        a core (a blocking wait is no way out: EFA's CQs have no wait object)."""
+        a core (a blocking wait is no way out on every libfabric: EFA's CQs take a wait
+        object from 2.3 on efa-direct and 2.5 on efa, common/fabric/rules.h tut_rules_wait)."""
         self._until(lambda: any(key(c) in self.done for c in contexts)
                     or (or_remote_data and self.remote_data), timeout, what, idle)
         ctx = next((c for k in self.done for c in contexts if key(c) == k), None)

@@ -202,6 +202,9 @@ int tut_wait_data(struct fid_cq **cqs, size_t n, uint64_t *data, uint8_t *got, i
                   size_t *failed);
 const char *tut_rules_text(long rc);  /* common/fabric/rules.h: the rule a call broke, or NULL */
 long tut_rules_hints(const struct fi_info *hints);  /* rules.h: efa-direct's hints rule */
+#define RULES_EFA ...
+#define RULES_EFA_DIRECT ...
+long tut_rules_wait(int rules, uint32_t version, int wait_obj, int shm);  /* rules.h */
 char *strdup(const char *s);
 void *malloc(size_t size);
 void free(void *ptr);

@@ -22,7 +22,9 @@
  *   CQ size      efa: the device CQ has exactly attr->size entries (efa_cq.h), so no
  *                more operations may be in flight than that; rxm's CQs overflow into
  *                a list (prov/util/src/util_cq.c).
- *   wait objects efa: FI_WAIT_NONE only (efa_cq.c, rdm/efa_rdm_cq.c: -FI_ENOSYS).
+ *   wait objects efa: by the libfabric loaded (tut_rules_wait): FI_WAIT_NONE only before
+ *                2.5 (rdm/efa_rdm_cq.c: -FI_ENOSYS); from 2.5 FI_WAIT_UNSPEC, and FI_WAIT_FD
+ *                with its shm path off (2.6.0's rdm/efa_rdm_cq.c, man/fi_efa.7.md).
  *   fabrics      an fi_info entry's twin of another fabric and address format for the
  *                same domain name (common/fabric/rules.py adds them) must not be opened.
  * efa-direct, efa's rules and what one work request per call demands (libfabric 2.6.0's
@@ -46,8 +48,8 @@
  *                tcp;ofi_rxm names no initiator of one with (rxm_cq.c, FI_ADDR_NOTAVAIL).
  *                That the insert comes before the first WRITE is the protocol's to keep
  *                (09-15: common/engine/multinet.py, introduce).
- *   wait objects FI_WAIT_UNSPEC or FI_WAIT_FD for a blocking read, from 2.3 (efa_cq.c,
- *                man/fi_efa.7.md), or none.
+ *   wait objects FI_WAIT_UNSPEC or FI_WAIT_FD for a blocking read from 2.3 (efa_cq.c,
+ *                man/fi_efa.7.md), or none; before 2.3 none (tut_rules_wait).
  *   Not checked: a context twice in flight (each of ours comes from a free list), the
  *                order of WRITEs (efa-direct keeps none: ours wait for completions),
  *                and a receive per immediate (FI_RX_CQ_DATA, 2.4, where the device has no
@@ -100,7 +102,9 @@ static inline const char *tut_rules_text(long rc)
     case RULE_IMM: return "immediate data above 32 bits (cq_data_size 4)";
     case RULE_RMA_IOV: return "more than one rma_iov in a WRITE (rma_iov_limit 1)";
     case RULE_CQ_FULL: return "more operations in flight than the CQ has entries";
-    case RULE_WAIT: return "a CQ with a wait object (EFA CQs: FI_WAIT_NONE only)";
+    case RULE_WAIT: return "a CQ wait object this libfabric's EFA CQs refuse (efa-direct's "
+                           "take FI_WAIT_UNSPEC and FI_WAIT_FD from 2.3, efa's from 2.5, FD "
+                           "there only with FI_EFA_ENABLE_SHM_TRANSFER=0)";
     case RULE_TWIN: return "an fi_info entry of another fabric or address format for the "
                            "same domain (take the entry of the endpoint it goes with)";
     case RULE_HINTS: return "hints without mode FI_CONTEXT2 or mr_mode FI_MR_LOCAL, "
@@ -438,16 +442,43 @@ static inline ssize_t tut_cq_readerr(struct fid_cq *cq, struct fi_cq_err_entry *
     return n;
 }
 
+/* Whether efa opens its shm path's domain, as prov/efa/src/efa_shm.c efa_shm_info_create
+   decides by FI_EFA_ENABLE_SHM_TRANSFER (an int parameter, read by strtol: src/var.c). */
+static inline int rules_efa_shm(void)
+{
+    const char *env = getenv("FI_EFA_ENABLE_SHM_TRANSFER");
+    return !env || strtol(env, NULL, 0) != 0;
+}
+
+/* The wait objects an EFA CQ takes on libfabric `version` (fi_version() of the one loaded;
+   a parameter so that tests/test_fabric_rules.py checks both sides of each line): 0, or
+   the broken rule. Before 2.3 neither fabric takes one (2.1.0's efa_cq.c and
+   rdm/efa_rdm_cq.c: -FI_ENOSYS); efa-direct takes FI_WAIT_UNSPEC and FI_WAIT_FD from 2.3
+   (NEWS.md: "Support blocking cq read in efa-direct"; 2.6.0's efa_cq.c, efa_cq_open), efa
+   from 2.5 ("Add blocking CQ read support for EFA protocol"; rdm/efa_rdm_cq.c
+   efa_rdm_cq_configure_wait), and FI_WAIT_FD only without its shm path (`shm`), which has
+   no fd to wait on; man/fi_efa.7.md says the same. */
+static inline long tut_rules_wait(int rules, uint32_t version, int wait_obj, int shm)
+{
+    if (rules != RULES_EFA && rules != RULES_EFA_DIRECT)
+        return 0;
+    uint32_t since = rules == RULES_EFA ? FI_VERSION(2, 5) : FI_VERSION(2, 3);
+    if (wait_obj == FI_WAIT_NONE)
+        return 0;
+    if (FI_VERSION_LT(version, since) || (rules == RULES_EFA && wait_obj == FI_WAIT_FD && shm))
+        return RULES_BROKEN - RULE_WAIT;
+    return wait_obj == FI_WAIT_UNSPEC || wait_obj == FI_WAIT_FD ? 0
+           : RULES_BROKEN - RULE_WAIT_DIRECT;
+}
+
 static inline int tut_cq_open(struct fid_domain *domain, struct fi_cq_attr *attr,
                               struct fid_cq **cq, void *context)
 {
     if (!tut_rules())
         return fi_cq_open(domain, attr, cq, context);
-    if (tut_rules() == RULES_EFA && attr->wait_obj != FI_WAIT_NONE)
-        return RULES_BROKEN - RULE_WAIT;
-    if (rules_direct() && attr->wait_obj != FI_WAIT_NONE && attr->wait_obj != FI_WAIT_UNSPEC
-        && attr->wait_obj != FI_WAIT_FD)
-        return RULES_BROKEN - RULE_WAIT_DIRECT;
+    long broken = tut_rules_wait(tut_rules(), fi_version(), attr->wait_obj, rules_efa_shm());
+    if (broken)
+        return broken;
     struct rules_cq *r = calloc(1, sizeof *r);
     if (!r)
         return -FI_ENOMEM;
