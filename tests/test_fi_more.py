@@ -1,0 +1,49 @@
+"""FI_MORE (issue 46, 6 and "FI_MORE by version and fabric"): efa-direct's send queue bounds a
+batch, FABRIC_RULES=efa-direct holds shm to that, and chapter 14 uses FI_MORE only where the
+libfabric it runs on is known to ring the doorbell of what it holds.
+
+On efa-direct's rdma-core path (FI_EFA_USE_DATA_PATH_DIRECT=0, or a build or device without
+the direct path) a post with FI_MORE returns 0 without a look at the send queue, and the
+closing post's ibv_wr_complete refuses the whole batch when the queue is full, rolling it
+back: WRITEs already answered 0 never happen (prov/efa/src/efa_data_path_ops.h
+efa_ibv_post_write). tests/test_11_15_native_workers.py shows chapter 14's lane on a fake
+of that path; here the rule and the chapter under it.
+"""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from common.chapter_pair import ROOT, local_env
+from tests.one_line_errors import assert_one_line_error
+from tests.test_fabric_rules import PROGRAM
+
+ROOM = "rules of efa-direct: a batch with FI_MORE past the send queue's room"
+SQ = "4"  # FI_SHM_TX_SIZE: shm's tx_attr.size, the send queue the rule holds a batch to
+
+
+def batch(n, rules):
+    """`n` WRITEs, all but the last with FI_MORE, on an endpoint whose tx_attr.size is SQ."""
+    body = ("for i in range(%d):\n"
+            "    poller.until_posted(lambda: fi.writemsg(ep, src.ptr, 64, desc, me, base, key, "
+            "ctx + i, flags=lib.FI_COMPLETION | (lib.FI_MORE if i < %d else 0)), 10, "
+            "'the WRITE')\n"
+            "assert info.tx_attr.size == %s, info.tx_attr.size\n"
+            "poller.wait_all([ctx + i for i in range(%d)], 10, 'the WRITEs')") % (n, n - 1, SQ, n)
+    program = PROGRAM.format(broken=textwrap.indent(body, " " * 8))
+    extra = {"FI_SHM_TX_SIZE": SQ, **({"FABRIC_RULES": rules} if rules else {})}
+    return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          env=local_env(extra), timeout=30, cwd=ROOT)
+
+
+def test_a_batch_past_the_send_queue_is_refused():
+    assert_one_line_error(batch(5, "efa-direct"), ROOM)
+
+
+@pytest.mark.parametrize("n,rules", [(4, "efa-direct"), (5, "efa"), (5, "verbs"), (5, None)])
+def test_a_batch_within_the_send_queue_passes(n, rules):
+    """4 fill the queue and pass; efa's RDM fabric keeps its own count of what it posts
+    (rdm/efa_rdm_ope.c: efa_outstanding_tx_ops), verbs and shm take more."""
+    done = batch(n, rules)
+    assert done.returncode == 0, done.stderr
