@@ -12,11 +12,14 @@ of that path; here the rule and the chapter under it.
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 
-from common.chapter_pair import ROOT, local_env
+import common.fabric as fi
+from common.chapter_pair import ROOT, local_env, run_pair
 from tests.one_line_errors import assert_one_line_error
+from tests.rules import SMALL
 from tests.test_fabric_rules import PROGRAM
 
 ROOM = "rules of efa-direct: a batch with FI_MORE past the send queue's room"
@@ -47,3 +50,13 @@ def test_a_batch_within_the_send_queue_passes(n, rules):
     (rdm/efa_rdm_ope.c: efa_outstanding_tx_ops), verbs and shm take more."""
     done = batch(n, rules)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.long
+def test_14_keeps_efa_directs_send_queue():
+    """Chapter 14 under efa-direct's rules, on shm with a send queue of SQ WRITEs: its
+    batches of 16 fit the room left, or go without FI_MORE."""
+    pair = run_pair(14, "shm", ["--clients", "1"], [["--nics-per-gpu", "2", *SMALL]],
+                    env={"FABRIC_RULES": "efa-direct", "FI_SHM_TX_SIZE": SQ})
+    assert pair.ok and not pair.stopped, pair
+    assert "0 wrong bytes" in "".join(c.out for c in pair.clients), pair
