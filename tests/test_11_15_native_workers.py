@@ -263,8 +263,11 @@ class Worker:
         self.count = ffi.new("uint64_t *" if chapter <= 12 else "struct counter *")
 
     def run(self, batch=16):
-        args = (self.count,) if self.chapter <= 13 else (batch, self.count)
-        return self.native.lib.worker(self.array, len(self.lanes), *args, self.stop, self.failed)
+        # 11-13 take no batch; 14 also takes its FI_MORE (chapters/14_batch.py more_flag)
+        before = (() if self.chapter <= 13 else (batch, fi.lib.FI_MORE) if self.chapter == 14
+                  else (batch,))
+        return self.native.lib.worker(self.array, len(self.lanes), *before, self.count,
+                                      self.stop, self.failed)
 
     def done(self):
         return self.count[0] if self.chapter <= 12 else self.count.value

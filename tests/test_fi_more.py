@@ -12,12 +12,11 @@ of that path; here the rule and the chapter under it.
 import subprocess
 import sys
 import textwrap
-from types import SimpleNamespace
 
 import pytest
 
 import common.fabric as fi
-from common.chapter_pair import ROOT, local_env, run_pair
+from common.chapter_pair import ROOT, chapter_module, local_env, run_pair
 from tests.one_line_errors import assert_one_line_error
 from tests.rules import SMALL
 from tests.test_fabric_rules import PROGRAM
@@ -60,3 +59,25 @@ def test_14_keeps_efa_directs_send_queue():
                     env={"FABRIC_RULES": "efa-direct", "FI_SHM_TX_SIZE": SQ})
     assert pair.ok and not pair.stopped, pair
     assert "0 wrong bytes" in "".join(c.out for c in pair.clients), pair
+
+
+# --- where chapter 14 uses FI_MORE: by fabric and libfabric version -----------------------
+
+@pytest.mark.parametrize("fabric,provider,version,on", [
+    ("efa", "efa", (2, 6), False),         # replays a WRITE it queued with FI_MORE: a hang
+    ("efa", "efa", (2, 4), False),         # 2.4.x's backport: fi_version() has no patch level
+    ("efa", "efa", (2, 7), True),          # main 3b01e1417
+    ("efa-direct", "efa", (2, 1), True),   # within the send queue's room (the lane sees to it)
+    ("efa-direct", "efa", (2, 6), True),
+    ("shm", "shm", (1, 17), True),         # a hint shm, tcp and verbs pass over
+    ("tcp", "tcp", (2, 6), True),
+    ("IB-0xfe80000000000000", "verbs;ofi_rxm", (2, 6), True),
+])
+def test_14_uses_fi_more_where_it_is_safe(monkeypatch, fabric, provider, version, on):
+    from tests import fake_info
+    chapter = chapter_module(14)
+    monkeypatch.setattr(fi, "version", lambda: version)
+    head = fake_info.infos(fake_info.Entry("d", fabric=fabric, provider=provider))
+    more, why = chapter.more_flag(head)
+    assert more == (fi.lib.FI_MORE if on else 0)
+    assert ("FI_MORE off" in why) != on, why
