@@ -74,8 +74,11 @@ from common.engine.warmup import warmed
 import common.fabric as fi
 
 # The libfabric whose efa fabric rings the doorbell of a WRITE it queued with FI_MORE
-# (main's 3b01e1417). 2.4.x has it too, as PR 12628, from a patch release: fi_version()
-# gives major.minor only, so 2.4 counts as without it.
+# (main's 3b01e1417). Up to 2.6.0 it posts a queued WRITE again with the WRITE's own flags
+# (rdm/efa_rdm_ope.c efa_rdm_ope_process_queued_ope, then rdm/efa_rdm_pke.c
+# efa_rdm_pke_write: txe->fi_flags), so no post of ours closes that batch. 2.4.x has the
+# fix too, as PR 12628, from a patch release: fi_version() gives major.minor only, so 2.4
+# counts as without it.
 EFA_RINGS_QUEUED = (2, 7)
 
 
