@@ -17,6 +17,7 @@ import pytest
 
 import common.fabric as fi
 from common.chapter_pair import ROOT, chapter_module, local_env, run_pair
+from tests import fake_info
 from tests.one_line_errors import assert_one_line_error
 from tests.rules import SMALL
 from tests.test_fabric_rules import PROGRAM
@@ -74,7 +75,6 @@ def test_14_keeps_efa_directs_send_queue():
     ("IB-0xfe80000000000000", "verbs;ofi_rxm", (2, 6), True),
 ])
 def test_14_uses_fi_more_where_it_is_safe(monkeypatch, fabric, provider, version, on):
-    from tests import fake_info
     chapter = chapter_module(14)
     monkeypatch.setattr(fi, "version", lambda: version)
     head = fake_info.infos(fake_info.Entry("d", fabric=fabric, provider=provider))
