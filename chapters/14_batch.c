@@ -4,8 +4,8 @@ struct counter {            // one worker's count of completed WRITEs, alone on 
     uint64_t value;
     uint8_t after[56];
 };
-int worker(struct lane *lanes, size_t nlanes, unsigned batch, struct counter *done,
-           int *stop, int *failed_lane);
+int worker(struct lane *lanes, size_t nlanes, unsigned batch, uint64_t more,
+           struct counter *done, int *stop, int *failed_lane);
 */
 /* Chapter 14's worker: chapter 13's, posting up to `batch` WRITEs per visit.
  *
@@ -19,6 +19,7 @@ int worker(struct lane *lanes, size_t nlanes, unsigned batch, struct counter *do
 
 struct visit_args {
     unsigned batch;
+    uint64_t more;  /* FI_MORE, or 0 where the provider may never send what it held */
     struct counter *done;
 };
 
@@ -30,9 +31,9 @@ static ssize_t visit(struct lane *l, void *args)
        FI_MORE ("more follow at once"), so the provider may hold them until the last,
        posted without it, rings the NIC (efa-direct does:
        prov/efa/src/efa_data_path_direct_entry.h). A batch left open may never be sent:
-       submit_more() (engine/lane.h) closes each before the CQ is read, and
-       FABRIC_RULES checks it. */
-    ssize_t rc = submit_more(l, a->batch, FI_MORE);
+       submit_more() (engine/lane.h) closes each before the CQ is read, and batches only
+       what the send queue has room for; FABRIC_RULES checks both. */
+    ssize_t rc = submit_more(l, a->batch, a->more);
     if (rc == 0)
         rc = reap(l);
     if (rc > 0)  /* its only writer: a plain store the main thread may read */
@@ -42,9 +43,9 @@ static ssize_t visit(struct lane *l, void *args)
     return rc;
 }
 
-int worker(struct lane *lanes, size_t nlanes, unsigned batch, struct counter *done,
-           int *stop, int *failed_lane)
+int worker(struct lane *lanes, size_t nlanes, unsigned batch, uint64_t more,
+           struct counter *done, int *stop, int *failed_lane)
 {
-    struct visit_args args = {batch, done};
+    struct visit_args args = {batch, more, done};
     return run_lanes(lanes, nlanes, stop, failed_lane, visit, &args);
 }

@@ -7,11 +7,11 @@ The series let a visit post up to 16 WRITEs and went from 48% to 81% of
 3200 Gbps: the visit's cost is shared by up to 16 WRITEs, and each NIC gets
 its work in bursts. --batch sets how many (1 gives chapter 13 back). A batch
 is also one doorbell: all its WRITEs but the last go with FI_MORE, the last
-without, which rings the NIC; what a batch left open has cost others is in
-the cell "FI_MORE" below.
+without, which rings the NIC; a batch fits the send queue's room, and where
+FI_MORE is off (efa before libfabric 2.7) and why: the cell "FI_MORE" below.
 
-New since chapter 13: worker() takes `batch`, and a visit submits up to
-`batch` new WRITEs instead of one, with FI_MORE on all but the last
+New since chapter 13: worker() takes `batch` and FI_MORE, and a visit submits
+up to `batch` new WRITEs instead of one, with FI_MORE on all but the last
 (chapters/14_batch.c); --batch.
 
     .venv/bin/python chapters/14_batch.py                                   # server
@@ -39,16 +39,26 @@ LESSON = {"figure": "CPU per WRITE", "visible": {"than": "13", "by": 1.2},
 # %% [markdown]
 # ## FI_MORE: a batch is one doorbell
 # All of a batch's WRITEs but the last go with FI_MORE, the last without, which
-# rings the NIC. One left open (FI_MORE on its last post) may never be sent; a
-# refused post closes it too (fi_rma(3): the provider flushes then). The field
-# has paid for both halves: WRITEs with per-write immediates under FI_MORE on
-# efa-direct left a receiver at "received 5/10" (NIXL issue 1862); a progress
-# thread that read the CQ before the closing post deadlocked a sender, and NIXL
-# turned FI_MORE off on EFA (PR 1924, issue 1921), then flushed each NIC's batch
-# instead (PR 1966); efa-direct itself held more WRITEs than the device stages
-# until 2.3.1 rang the doorbell at the device's batch limit (NEWS.md). Here each
-# NIC's batch closes within its visit, before its CQ is read; FABRIC_RULES (any
-# set) refuses a CQ read with a batch open.
+# rings the NIC. Three ways it goes wrong, and what this chapter does about each
+# (the providers' sources, by version: results/14_batch/README.md):
+# - A batch left open may never be sent. Each batch here closes within its visit,
+#   before its CQ is read; FABRIC_RULES (any set) refuses a CQ read with one open.
+# - A batch past the send queue's room (tx_attr.size, less the WRITEs in flight)
+#   is lost on efa-direct's rdma-core path (libfabric before 2.3, or
+#   FI_EFA_USE_DATA_PATH_DIRECT=0, or an rdma-core without the direct path): each
+#   WRITE with FI_MORE returns 0 unchecked, and a closing post that finds the
+#   queue full rolls the whole batch back. The lane batches only within the room
+#   (common/engine/lane.h submit_more), the rest go one doorbell each;
+#   FABRIC_RULES=efa-direct refuses a batch past it.
+# - efa's own fabric queues a WRITE it cannot send yet (no handshake with the
+#   peer yet, RNR) and, before libfabric 2.7, sends it later with the caller's
+#   FI_MORE and no doorbell: a hang. more_flag() below leaves FI_MORE off there.
+# The field met them: under FI_MORE on efa-direct a NIXL receiver stopped at
+# "received 5/10" (issue 1862), a progress thread that read the CQ before the
+# closing post deadlocked a sender (issue 1921), and NIXL turned FI_MORE off on
+# EFA (PRs 1924, 2034), then flushed each NIC's batch (PR 1966). shm, tcp and
+# verbs pass FI_MORE over; efa-direct rings at the device's batch limit from
+# 2.3.1 (NEWS.md).
 
 # %% [markdown]
 # ## Motivation
@@ -61,16 +71,36 @@ from common import cli
 from common.engine import multinet, shards
 import common._native14 as native
 from common.engine.warmup import warmed
+import common.fabric as fi
+
+# The libfabric whose efa fabric rings the doorbell of a WRITE it queued with FI_MORE
+# (main's 3b01e1417). Up to 2.6.0 it posts a queued WRITE again with the WRITE's own flags
+# (rdm/efa_rdm_ope.c efa_rdm_ope_process_queued_ope, then rdm/efa_rdm_pke.c
+# efa_rdm_pke_write: txe->fi_flags), so no post of ours closes that batch. 2.4.x has the
+# fix too, as PR 12628, from a patch release: fi_version() gives major.minor only, so 2.4
+# counts as without it.
+EFA_RINGS_QUEUED = (2, 7)
 
 
 # %% [markdown]
 # ## Code
 
 # %%
+def more_flag(info):
+    """(FI_MORE or 0, why) for the fabric of `info` on this libfabric (the cell "FI_MORE")."""
+    if fi.name_of(info) == "efa" and fi.version() < EFA_RINGS_QUEUED:
+        return 0, (f"FI_MORE off: efa's fabric before libfabric "
+                   f"{'.'.join(map(str, EFA_RINGS_QUEUED))} may send a WRITE it had to "
+                   f"queue with it, and ring no doorbell")
+    return fi.lib.FI_MORE, "FI_MORE on all but each batch's last"
+
+
 def threaded(args, lanes, conn, page_size):
     """Chapter 13's workers (common/engine/shards.py), posting up to args.batch per visit."""
-    return shards.run(native, args.gpus, lanes, conn, page_size, args.batch,
-                      say=f", up to {args.batch} WRITEs per visit")
+    more, why = more_flag(lanes[0].info)
+    return shards.run(native, args.gpus, lanes, conn, page_size, args.batch, more,
+                      say=f", up to {args.batch} WRITEs per visit" + ("" if more else
+                                                                    f"; {why}"))
 
 
 def add_args(p):

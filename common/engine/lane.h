@@ -9,6 +9,7 @@ struct lane {
     uint8_t *busy;                 // 1 while that context's WRITE is in flight
     size_t *free_slots, nfree, nslots;
     size_t *pending, pend_head, pend_len, pend_cap;  // messages waiting for room
+    size_t sq_size;                // the send queue: tx_attr.size of the lane's fi_info
 };
 */
 /* One NIC ("lane") as the C workers of chapters 11-15 drive it.
@@ -76,19 +77,29 @@ static inline int send_last(struct lane *l)
 
 /* Up to `batch` new WRITEs, posted at once while none waits (refused ones wait in the
    ring, in order); then the last one when its time has come. `more` (FI_MORE, chapter 14)
-   goes on each WRITE posted but the last one the visit can post: as many as there are
-   free contexts, since a WRITE post() holds back for want of one never reaches the
-   provider and could not close the batch. A refusal closes it too (man fi_rma(3): the
-   provider flushes what it held back when a post fails). */
+   goes on each WRITE posted but the last of the batch: the visit's posts, as many as
+   there are free contexts (a WRITE post() holds back for want of one never reaches the
+   provider and could not close the batch), and no more than the send queue has room for
+   besides the WRITEs in flight. Past that room efa-direct's rdma-core path accepts each
+   WRITE with FI_MORE and rolls the whole batch back at the closing post
+   (prov/efa/src/efa_data_path_ops.h efa_ibv_post_write: ibv_wr_complete), so the WRITEs
+   after it go one doorbell each, refused one by one where the queue is full. A refusal
+   closes a batch too (man fi_rma(3): the provider flushes what it held back; the direct
+   path rings it, efa_data_path_direct_entry.h efa_data_path_direct_post_write). */
 static inline int submit_more(struct lane *l, unsigned batch, uint64_t more)
 {
     size_t todo = batch, left = l->submitted < l->iters - 1 ? l->iters - 1 - l->submitted : 0;
     todo = todo < left ? todo : left;
     todo = todo < l->pend_cap - l->pend_len ? todo : l->pend_cap - l->pend_len;
     size_t posts = l->pend_len ? 0 : todo < l->nfree ? todo : l->nfree;
+    /* in flight until we read its completion: efa frees a send queue entry at the CQ read
+       (efa_data_path_direct_internal.h efa_wq_put_wrid_idx; rdma-core likewise) */
+    size_t in_flight = l->nslots - l->nfree;
+    size_t room = l->sq_size > in_flight ? l->sq_size - in_flight : 0;
+    size_t batched = posts < room ? posts : room;
     for (size_t n = 0; n < todo; n++) {
         size_t msg = l->submitted % l->nmsgs;
-        uint64_t flags = FI_COMPLETION | (n + 1 < posts ? more : 0);
+        uint64_t flags = FI_COMPLETION | (n + 1 < batched ? more : 0);
         int rc = l->pend_len ? -FI_EAGAIN : post(l, msg, flags);
         if (rc == -FI_EAGAIN)
             l->pending[(l->pend_head + l->pend_len++) % l->pend_cap] = msg;

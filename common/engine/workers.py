@@ -35,6 +35,7 @@ def lane_array(native, mine):
         w.contexts, w.busy, w.free_slots, w.pending = keep[-4:]
         w.nfree = w.nslots = w.pend_cap = slots
         w.ep, w.cq, w.iters = lane.ep, lane.cq, lane.iters
+        w.sq_size = lane.info.tx_attr.size  # what a batch with FI_MORE must fit (lane.h)
         w.msgs, w.nmsgs = lane.messages[0], len(lane.messages)
     return array, keep + [array]
 

@@ -40,6 +40,13 @@
  *                efa's RDM fabric splits a larger one.
  *   RMA inject   0 bytes only (efa_rma.c efa_rma_inject_write; efa_base_ep.c sets
  *                inject_rma_size to 0).
+ *   send queue   a batch with FI_MORE fits the room in the send queue (tx_attr.size: the QP's
+ *                max_send_wr, efa_base_ep.c): on the rdma-core path each post with FI_MORE
+ *                returns 0 unchecked and the closing one's ibv_wr_complete refuses the whole
+ *                batch when it does not fit, rolling back WRITEs already accepted
+ *                (efa_data_path_ops.h efa_ibv_post_write); the direct path refuses at the
+ *                post and rings those before it (efa_data_path_direct_entry.h). In flight is
+ *                what the endpoint's transmit CQ has: its own when it has that CQ alone.
  *   AV           a WRITE's target has its initiator in its AV before the first WRITE
  *                (the device's limit: docs/efa_fabric_comparison.md); seen here where the
  *                WRITE's immediate arrives, at an endpoint whose AV is still empty. No
@@ -86,6 +93,7 @@ enum { RULE_DESC = 1, RULE_DESC_RANGE, RULE_DESC_CLOSED, RULE_KEY, RULE_MTU, RUL
 #define RULES_MAX_IOV 4
 #define RULES_DIRECT_IOV 2            /* efa_msg.c, efa_rma.c: "efa device support up to 2 iov" */
 #define RULES_DIRECT_RDMA (1ULL << 30) /* max_rdma_size, "~ 1 GB": efa_fabric_comparison.md */
+enum { RULE_MORE_ROOM = 0x100 };      /* efa-direct's send queue (numbered apart from the list) */
 enum { RULES_CQ = 0x52437121, RULES_EP = 0x52457021, RULES_MR = 0x524d7221,
        RULES_MR_CLOSED = 0x524d7230 };
 
@@ -116,6 +124,9 @@ static inline const char *tut_rules_text(long rc)
     case RULE_RMA_SIZE: return "a WRITE larger than 1 GiB, the device's max_rdma_size";
     case RULE_RMA_INJECT: return "an injected WRITE of more than 0 bytes (efa-direct's "
                                  "inject_rma_size is 0)";
+    case RULE_MORE_ROOM: return "a batch with FI_MORE past the send queue's room (in flight "
+                                "+ batch > tx_attr.size): rdma-core would roll the whole "
+                                "batch back, WRITEs already accepted included";
     case RULE_AV: return "a WRITE arrived at an endpoint whose AV has no peer in it (the "
                          "target must insert its initiator first)";
     case RULE_WAIT_DIRECT: return "a CQ wait object other than FI_WAIT_UNSPEC or FI_WAIT_FD";
@@ -166,7 +177,8 @@ struct rules_av { struct fid_av *av; size_t count; };
 #define RULES_AVS 1024
 static struct rules_av rules_avs[RULES_AVS];
 /* open: a batch posted with FI_MORE and not closed yet, per direction (1 tx, 2 rx) */
-struct rules_ep { uint32_t magic; struct rules_cq *tx, *rx; struct rules_av *av; int open; };
+struct rules_ep { uint32_t magic; struct rules_cq *tx, *rx; struct rules_av *av; int open;
+                  size_t sq; /* its fi_info's tx_attr.size */ };
 struct rules_mr { uint32_t magic; void *desc; uintptr_t base; size_t len; };
 
 /* The record of `av` in this module's table; with `add`, a new one if it has none (NULL
@@ -244,6 +256,19 @@ static inline void rules_batch(struct rules_ep *e, int tx, uint64_t flags, ssize
         __atomic_sub_fetch(&cq->open_batches, 1, __ATOMIC_RELAXED);
 }
 
+/* efa-direct: no room in the send queue for this post of a batch with FI_MORE (it has the
+   flag, or closes a batch that had it). Refused, the post closes the batch as a refusal
+   does, so that what reads the CQ next is told of this rule, not of a batch left open. */
+static inline int rules_sq_full(struct fid_ep *ep, uint64_t flags)
+{
+    struct rules_ep *e = rules_of(&ep->fid, RULES_EP);
+    if (!e || !e->tx || !e->sq || !(flags & FI_MORE || e->open & 1)
+        || __atomic_load_n(&e->tx->in_flight, __ATOMIC_RELAXED) < e->sq)
+        return 0;
+    rules_batch(e, 1, flags, -FI_EAGAIN);
+    return 1;
+}
+
 /* An operation went (rc 0): its completion will take an entry of the CQ. */
 static inline ssize_t rules_count(struct fid_ep *ep, int tx, uint64_t flags, ssize_t rc)
 {
@@ -286,6 +311,8 @@ static inline int rules_operation(struct fid_ep *ep, int op, const struct iovec 
             return RULES_BROKEN - RULE_RMA_SIZE;
         if (op == RULES_WRITE && flags & FI_INJECT && len)
             return RULES_BROKEN - RULE_RMA_INJECT;
+        if (op != RULES_RECV && rules_sq_full(ep, flags))
+            return RULES_BROKEN - RULE_MORE_ROOM;
     }
     int rc = rules_descs(iov, desc, count, real);
     return rc ? rc : rules_cq_room(ep, op != RULES_RECV);
@@ -500,6 +527,7 @@ static inline int tut_endpoint(struct fid_domain *domain, struct fi_info *info,
     if (!r)
         return -FI_ENOMEM;
     r->magic = RULES_EP;
+    r->sq = info->tx_attr ? info->tx_attr->size : 0;
     int rc = fi_endpoint(domain, info, ep, r);
     if (rc)
         free(r);

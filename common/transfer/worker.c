@@ -354,6 +354,13 @@ static uint64_t tx_post(struct tx_worker *w, struct tx_state *s, uint64_t budget
             struct fi_rma_iov rma = { to, length, c->remote_key[nic] };
             struct fi_msg_rma msg = { &iov, &c->local_descs[nic], 1, c->addr[nic], &rma, 1,
                                       &slot->context, c->imm };
+            /* One doorbell per WRITE: no FI_MORE (chapter 14's batches), on any fabric.
+               Round robin puts consecutive WRITEs on different endpoints, so a batch
+               per endpoint would stay open across the others' posts and CQ reads, its
+               last WRITE known only after the fact; efa's own fabric, which 18 and 19
+               run on too, never rings for a WRITE it queued under FI_MORE before
+               libfabric 2.7 (chapters/14_batch.py EFA_RINGS_QUEUED); and NIXL, moving
+               KV caches over the same fabrics, turned FI_MORE off on EFA. */
             uint64_t flags = FI_COMPLETION | (c->has_imm ? FI_REMOTE_CQ_DATA : 0);
             rc = fi_writemsg(w->eps[nic], &msg, flags);
         }
