@@ -216,6 +216,11 @@ BROKEN = {  # rule: (what breaks it, the error line's words, rule sets that have
         "fi.check('fi_cq_open', lib.fi_cq_open(domain, attr, waiting, ffi.NULL))\n"
         "fi.close(waiting[0])",
         "a CQ wait object other than FI_WAIT_UNSPEC or FI_WAIT_FD", ["efa-direct"]),
+    # verbs: an endpoint keeps to its own NIC's entry (virtual NICs differ under the rules)
+    "endpoint on another NIC's domain": (
+        "nic0, nic1 = fi.rules.virtual_nics(info, 2)\n"
+        "own(fi.endpoint_open(own(fi.domain_open(own(fi.fabric_open(nic0)), nic0)), nic1))",
+        "an endpoint opened on a domain with the fi_info of another domain", ["verbs"]),
     # every rule set
     "batch left open": (
         "poller.until_posted(lambda: fi.writemsg(ep, src.ptr, 64, desc, me, base, key, ctx, "

@@ -173,6 +173,24 @@ def test_bad_engine_arguments_are_refused_before_anything_opens():
             one_line(excinfo, pattern)
 
 
+def test_the_control_endpoint_is_opened_with_its_own_nics_entry():
+    """Issue 46, 1: on a ConnectX host the control endpoint went on NIC 0's domain with the
+    head fi_info (another NIC's: rxm, then verbs, refuse it). Under FABRIC_RULES=verbs the
+    virtual NICs differ as a host's do, the head entry being none of them: a control
+    message goes only if its endpoint was opened with NIC 0's own entry."""
+    program = ("import common.fabric as fi\n"
+               "from common.transfer import Engine\n"
+               "with fi.Closer() as own:\n"
+               "    eng = Engine(own, provider='shm', nics=2, timeout=10)\n"
+               "    me = eng.connect(eng.address())\n"
+               "    eng.send(me, b'to myself')\n"
+               "    print('control:', eng.recv()[1], '|', eng.nics)\n")
+    done = Budget(60).run([sys.executable, "-c", program], cwd=ROOT,
+                          env=local_env({"FABRIC_RULES": "verbs"}))
+    assert done.returncode == 0, done.stderr
+    assert "control: b'to myself' | 2 virtual NICs" in done.stdout, done.stdout
+
+
 def test_registered_memory_lives_as_long_as_its_registration():
     """A region dropped by its caller stays registered until the engine closes, so the
     engine holds its array: a peer's WRITE never lands in freed memory."""

@@ -25,6 +25,13 @@
  *   wait objects efa: FI_WAIT_NONE only (efa_cq.c, rdm/efa_rdm_cq.c: -FI_ENOSYS).
  *   fabrics      an fi_info entry's twin of another fabric and address format for the
  *                same domain name (common/fabric/rules.py adds them) must not be opened.
+ *   domains      verbs: an endpoint goes on a domain with the fi_info of that domain (2.6.0:
+ *                rxm opens its connections' verbs endpoints on its core domain with the core
+ *                info of the endpoint's fi_info, prov/rxm/src/rxm_ep.c rxm_open_core_res,
+ *                rxm_conn.c rxm_open_conn, and prov/verbs/src/verbs_ep.c vrb_open_ep refuses
+ *                another device's name with -FI_EINVAL: on a real NIC the first message
+ *                fails, here the open). Virtual NICs differ by name as a host's NICs do
+ *                (rules.py virtual_nics); the provider gets the name without the suffix.
  * efa-direct, efa's rules and what one work request per call demands (libfabric 2.6.0's
  * prov/efa; docs/efa_fabric_comparison.md):
  *   hints        mode FI_CONTEXT2, mr_mode FI_MR_LOCAL | FI_MR_ALLOCATED | FI_MR_PROV_KEY |
@@ -86,6 +93,10 @@ enum { RULE_DESC = 1, RULE_DESC_RANGE, RULE_DESC_CLOSED, RULE_KEY, RULE_MTU, RUL
 #define RULES_DIRECT_RDMA (1ULL << 30) /* max_rdma_size, "~ 1 GB": efa_fabric_comparison.md */
 enum { RULES_CQ = 0x52437121, RULES_EP = 0x52457021, RULES_MR = 0x524d7221,
        RULES_MR_CLOSED = 0x524d7230 };
+/* numbered apart from the list above, which other rules extend */
+enum { RULE_DOMAIN = 64 };
+enum { RULES_DOMAIN = 0x52446f21 };
+#define RULES_VNIC "~vnic"  /* in a virtual NIC's domain name (common/fabric/rules.py VNIC) */
 
 static inline const char *tut_rules_text(long rc)
 {
@@ -115,6 +126,8 @@ static inline const char *tut_rules_text(long rc)
     case RULE_AV: return "a WRITE arrived at an endpoint whose AV has no peer in it (the "
                          "target must insert its initiator first)";
     case RULE_WAIT_DIRECT: return "a CQ wait object other than FI_WAIT_UNSPEC or FI_WAIT_FD";
+    case RULE_DOMAIN: return "an endpoint opened on a domain with the fi_info of another "
+                             "domain (verbs refuses it: open it with its own NIC's entry)";
     case RULE_MORE: return "the CQ read with a batch left open: the last post of a batch "
                            "goes without FI_MORE, or the provider may never ring the doorbell";
     }
@@ -162,7 +175,11 @@ struct rules_av { struct fid_av *av; size_t count; };
 #define RULES_AVS 1024
 static struct rules_av rules_avs[RULES_AVS];
 /* open: a batch posted with FI_MORE and not closed yet, per direction (1 tx, 2 rx) */
-struct rules_ep { uint32_t magic; struct rules_cq *tx, *rx; struct rules_av *av; int open; };
+struct rules_ep { uint32_t magic; struct rules_cq *tx, *rx; struct rules_av *av; int open;
+                  struct fi_info *real; };
+/* a domain's name as it was opened (a virtual NIC's with its suffix), and the entry the
+   provider got for it */
+struct rules_domain { uint32_t magic; char *name; struct fi_info *real; };
 struct rules_mr { uint32_t magic; void *desc; uintptr_t base; size_t len; };
 
 /* The record of `av` in this module's table; with `add`, a new one if it has none (NULL
@@ -192,6 +209,32 @@ static inline int rules_twin(const struct fi_fabric_attr *attr)
 {
     size_t n = attr->name ? strlen(attr->name) : 0, t = strlen(RULES_TWIN);
     return n > t && !strcmp(attr->name + n - t, RULES_TWIN);
+}
+
+static inline const char *rules_domain_name(const struct fi_info *info)
+{
+    return info->domain_attr && info->domain_attr->name ? info->domain_attr->name : "";
+}
+
+/* What the provider gets for `info`: NULL (itself), or in `*real` a copy whose domain name
+   is without a virtual NIC's suffix, for the caller to free. */
+static inline int rules_real(const struct fi_info *info, struct fi_info **real)
+{
+    char *vnic = strstr(rules_domain_name(info), RULES_VNIC);
+    *real = NULL;
+    if (!vnic)
+        return 0;
+    if (!(*real = fi_dupinfo(info)))
+        return -FI_ENOMEM;
+    (*real)->domain_attr->name[vnic - info->domain_attr->name] = '\0';
+    return 0;
+}
+
+static inline void rules_domain_gone(struct rules_domain *d)
+{
+    fi_freeinfo(d->real);
+    free(d->name);
+    free(d);
 }
 
 /* The provider's descriptors for `count` buffers, from the ones fi_mr_desc gave us. */
@@ -465,13 +508,20 @@ static inline int tut_endpoint(struct fid_domain *domain, struct fi_info *info,
         return fi_endpoint(domain, info, ep, context);
     if (rules_twin(info->fabric_attr))
         return RULES_BROKEN - RULE_TWIN;
+    struct rules_domain *d = rules_of(&domain->fid, RULES_DOMAIN);
+    if (tut_rules() == RULES_VERBS && d && strcmp(d->name, rules_domain_name(info)))
+        return RULES_BROKEN - RULE_DOMAIN;
     struct rules_ep *r = calloc(1, sizeof *r);
     if (!r)
         return -FI_ENOMEM;
     r->magic = RULES_EP;
-    int rc = fi_endpoint(domain, info, ep, r);
-    if (rc)
+    int rc = rules_real(info, &r->real);
+    if (!rc)
+        rc = fi_endpoint(domain, r->real ? r->real : info, ep, r);
+    if (rc) {
+        fi_freeinfo(r->real);
         free(r);
+    }
     return rc;
 }
 
@@ -520,6 +570,25 @@ static inline int tut_av_remove(struct fid_av *av, fi_addr_t *fi_addr, size_t co
     struct rules_av *r = tut_rules() && !rc ? rules_av_of(av, 0) : NULL;
     if (r)
         r->count -= count < r->count ? count : r->count;
+    return rc;
+}
+
+static inline int tut_domain(struct fid_fabric *fabric, struct fi_info *info,
+                             struct fid_domain **domain, void *context)
+{
+    if (!tut_rules())
+        return fi_domain(fabric, info, domain, context);
+    struct rules_domain *r = calloc(1, sizeof *r);
+    if (!r || !(r->name = strdup(rules_domain_name(info)))) {
+        free(r);
+        return -FI_ENOMEM;
+    }
+    r->magic = RULES_DOMAIN;
+    int rc = rules_real(info, &r->real);
+    if (!rc)
+        rc = fi_domain(fabric, r->real ? r->real : info, domain, r);
+    if (rc)
+        rules_domain_gone(r);
     return rc;
 }
 
@@ -582,6 +651,7 @@ static inline void rules_ep_gone(struct rules_ep *e)
     rules_batch(e, 0, 0, 0);
     if (e->rx && e->rx->rx_ep == e)
         e->rx->rx_ep = NULL;
+    fi_freeinfo(e->real);
     free(e);
 }
 
@@ -593,7 +663,8 @@ static inline int tut_close(struct fid *fid)
     void *r = !tut_rules() ? NULL : fclass == FI_CLASS_MR ? rules_of(fid, RULES_MR)
             : fclass == FI_CLASS_CQ ? rules_of(fid, RULES_CQ)
             : fclass == FI_CLASS_AV ? rules_av_of((struct fid_av *)fid, 0)
-            : fclass == FI_CLASS_EP ? rules_of(fid, RULES_EP) : NULL;
+            : fclass == FI_CLASS_EP ? rules_of(fid, RULES_EP)
+            : fclass == FI_CLASS_DOMAIN ? rules_of(fid, RULES_DOMAIN) : NULL;
     int rc = fi_close(fid);
     if (r && !rc) {
         if (fclass == FI_CLASS_MR)
@@ -602,6 +673,8 @@ static inline int tut_close(struct fid *fid)
             rules_ep_gone(r);
         else if (fclass == FI_CLASS_AV)
             ((struct rules_av *)r)->av = NULL;  /* its row is free again */
+        else if (fclass == FI_CLASS_DOMAIN)
+            rules_domain_gone(r);
         else
             free(r);
     }
@@ -618,6 +691,7 @@ static inline int tut_close(struct fid *fid)
 #define fi_cq_readerr tut_cq_readerr
 #define fi_cq_open tut_cq_open
 #define fi_endpoint tut_endpoint
+#define fi_domain tut_domain
 #define fi_ep_bind tut_ep_bind
 #define fi_fabric tut_fabric
 #define fi_mr_regattr tut_mr_regattr

@@ -327,7 +327,8 @@ class Engine:
         self.cq_data_size = min(i.domain_attr.cq_data_size for i in self.infos)
         self.max_write = min(i.ep_attr.max_msg_size for i in self.infos)
         self.inject_size = inject_size(self.infos)
-        self.max_send = fi.max_send(info)
+        # control messages go through NIC 0 (Control), so its link carries them
+        self.max_send = fi.max_send(self.infos[0])
         self.id = secrets.randbits(32)
         self._keys = iter(range(1, 1 << 30))  # requested MR keys (tcp takes ours: unique)
         self._watch, self._peers, self._taken = [], {}, {}
@@ -339,8 +340,8 @@ class Engine:
         opened = [fi.open_endpoint(own, i, cq_size=fi.cq_size_for(i, slots), av_count=256,
                                    shm=False) for i in self.infos]
         self.domains, self.cqs, self.avs, self.eps = (list(x) for x in zip(*opened))
-        self._control = Control(own, self.domains[0], info, self.max_send, self._keys,
-                                self._until)
+        self._control = Control(own, self.domains[0], self.infos[0], self.max_send,
+                                self._keys, self._until)
         n = len(self.infos)
         self._arrays = [_ffi.new("struct fid_ep *[]", self.eps),
                         _ffi.new("struct fid_cq *[]", self.cqs),
