@@ -196,6 +196,9 @@ BROKEN = {  # rule: (what breaks it, the error line's words, rule sets that have
         "more than 2 buffers in one SEND or WRITE", ["efa-direct"]),
     "WRITE above 1 GiB": ("write(size=(1 << 30) + 4096)", "a WRITE larger than 1 GiB",
                           ["efa-direct"]),
+    "WRITE with an immediate above 1 GiB": (
+        "write(size=(1 << 30) + 4096, data=5)",
+        "a WRITE with an immediate larger than 1 GiB (efa's segment", ["efa"]),
     "injected WRITE of 64 bytes": (
         "poller.until_posted(lambda: fi.writemsg(ep, src.ptr, 64, desc, me, base, key, ctx, "
         "flags=lib.FI_COMPLETION | lib.FI_INJECT), 10, 'the WRITE')",
@@ -230,7 +233,8 @@ BROKEN = {  # rule: (what breaks it, the error line's words, rule sets that have
 # What shm alone cannot be shown taking: a WRITE of 1 GiB and more from a 64 KiB buffer, a
 # CQ that waits on a mutex (shm 1.17: -FI_ENOSYS), the descriptor of a closed registration
 # (it points at memory the provider freed, which shm may read: SIGSEGV in CI, 2.1.0)
-SHM_CANNOT = {"WRITE above 1 GiB", "mutex wait object", "closed registration"}
+SHM_CANNOT = {"WRITE above 1 GiB", "WRITE with an immediate above 1 GiB", "mutex wait object",
+              "closed registration"}
 
 
 def run_broken(broken, rules=None):

@@ -322,6 +322,31 @@ def test_the_inject_size_is_the_smallest_nics_and_none_on_efa():
     assert transfer.inject_size([direct]) == 0 and transfer.inject_size([rdm]) == 0
 
 
+def test_a_write_with_an_immediate_is_cut_at_efas_segment():
+    """Issue 46, 2: efa's RDM fabric lists max_msg_size UINT64_MAX, cuts a WRITE into 1 GiB
+    segments and puts the immediate on each; chapter 19 cut WRITEs by max_msg_size. Under
+    efa's rules on shm (whose own limit is far above) the engine's cut is the segment."""
+    program = ("import common.fabric as fi\n"
+               "from common.transfer import Engine\n"
+               "with fi.Closer() as own:\n"
+               "    print('max_write', Engine(own, provider='shm', timeout=10).max_write)\n")
+    for rules, cut in (("efa", 1 << 30), ("efa-direct", 1 << 30), ("verbs", None)):
+        done = Budget(60).run([sys.executable, "-c", program], cwd=ROOT,
+                              env=local_env({"FABRIC_RULES": rules}))
+        assert done.returncode == 0, done.stderr
+        found = int(done.stdout.split()[-1])
+        assert found == cut if cut else found > 1 << 30, (rules, found)
+
+
+def test_efas_rdm_fabric_writes_at_most_a_segment_and_the_others_their_max_msg_size():
+    from tests import fake_info
+    head = fake_info.infos(fake_info.Entry("a", fabric="efa", max_msg_size=(1 << 64) - 1),
+                           fake_info.Entry("a", fabric="efa-direct", max_msg_size=1 << 30),
+                           fake_info.Entry("m", fabric="IB-0xfe80000000000000",
+                                           provider="verbs;ofi_rxm", max_msg_size=1 << 31))
+    assert [fi.max_write(i) for i in fi.each(head)] == [1 << 30, 1 << 30, 1 << 31]
+
+
 @pytest.fixture
 def to_itself(provider):
     """(engine, peer: itself) on `provider` (one NIC) for injected WRITEs."""

@@ -349,6 +349,24 @@ def send_limit(mtu, max_msg_size):
     return min(mtu or FALLBACK_MTU, max_msg_size)
 
 
+# The most efa's RDM fabric WRITEs at once: it cuts a longer WRITE into segments of
+# efa_env.efa_write_segment_size (1 GiB, no variable sets it) or the device's max_rdma_size
+# if smaller (2.6.0: prov/efa/src/rdm/efa_rdm_ope.c, efa_rdm_ope_post_remote_write)
+EFA_WRITE_SEGMENT = 1 << 30
+
+
+def max_write(info):
+    """The longest WRITE whose immediate the target gets once: ep_attr.max_msg_size, but at
+    most EFA_WRITE_SEGMENT on efa's RDM fabric, which lists UINT64_MAX (efa_prov_info.c) and
+    puts the immediate on every segment (rdm/efa_rdm_pke.c efa_rdm_pke_write; only an assert
+    says no), so that the target counts one WRITE several times; and a WRITE refused half-way
+    has its first segments landed, immediates and all, before it is posted again. Under the
+    rules of either efa fabric (FABRIC_RULES) the same, whatever fabric runs them.
+    efa-direct lists max(MTU, max_rdma_size) itself and splits nothing."""
+    efa = name_of(info) == "efa" or rules.MODE in ("efa", DIRECT)
+    return min(info.ep_attr.max_msg_size, EFA_WRITE_SEGMENT) if efa else info.ep_attr.max_msg_size
+
+
 def check_address(info, addr):
     """Raise ValueError unless `addr` has the shape of an address of this provider."""
     if info.addr_format == lib.FI_ADDR_STR:

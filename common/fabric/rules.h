@@ -43,6 +43,11 @@
  *                the device's max_sq_sge); nothing splits or stages them.
  *   WRITE size   at most the device's max_rdma_size, about 1 GiB (efa_rma.c asserts it);
  *                efa's RDM fabric splits a larger one.
+ *   immediates   efa's RDM fabric: a WRITE with an immediate of at most 1 GiB. It cuts a
+ *   once         longer WRITE into 1 GiB segments (2.6.0: rdm/efa_rdm_ope.c
+ *                efa_rdm_ope_post_remote_write, efa_env.c efa_write_segment_size) and puts
+ *                the immediate on each (rdm/efa_rdm_pke.c efa_rdm_pke_write, an assert
+ *                only): the target would count one WRITE several times.
  *   RMA inject   0 bytes only (efa_rma.c efa_rma_inject_write; efa_base_ep.c sets
  *                inject_rma_size to 0).
  *   AV           a WRITE's target has its initiator in its AV before the first WRITE
@@ -94,7 +99,7 @@ enum { RULE_DESC = 1, RULE_DESC_RANGE, RULE_DESC_CLOSED, RULE_KEY, RULE_MTU, RUL
 enum { RULES_CQ = 0x52437121, RULES_EP = 0x52457021, RULES_MR = 0x524d7221,
        RULES_MR_CLOSED = 0x524d7230 };
 /* numbered apart from the list above, which other rules extend */
-enum { RULE_DOMAIN = 64 };
+enum { RULE_DOMAIN = 64, RULE_IMM_SEGMENTS };
 enum { RULES_DOMAIN = 0x52446f21 };
 #define RULES_VNIC "~vnic"  /* in a virtual NIC's domain name (common/fabric/rules.py VNIC) */
 
@@ -126,6 +131,8 @@ static inline const char *tut_rules_text(long rc)
     case RULE_AV: return "a WRITE arrived at an endpoint whose AV has no peer in it (the "
                          "target must insert its initiator first)";
     case RULE_WAIT_DIRECT: return "a CQ wait object other than FI_WAIT_UNSPEC or FI_WAIT_FD";
+    case RULE_IMM_SEGMENTS: return "a WRITE with an immediate larger than 1 GiB (efa's "
+                                   "segment: the target gets the immediate once a segment)";
     case RULE_DOMAIN: return "an endpoint opened on a domain with the fi_info of another "
                              "domain (verbs refuses it: open it with its own NIC's entry)";
     case RULE_MORE: return "the CQ read with a batch left open: the last post of a batch "
@@ -326,6 +333,9 @@ static inline int rules_operation(struct fid_ep *ep, int op, const struct iovec 
         if (op == RULES_WRITE && flags & FI_INJECT && len)
             return RULES_BROKEN - RULE_RMA_INJECT;
     }
+    if (tut_rules() == RULES_EFA && op == RULES_WRITE && flags & FI_REMOTE_CQ_DATA
+        && len > RULES_DIRECT_RDMA)
+        return RULES_BROKEN - RULE_IMM_SEGMENTS;
     int rc = rules_descs(iov, desc, count, real);
     return rc ? rc : rules_cq_room(ep, op != RULES_RECV);
 }

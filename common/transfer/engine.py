@@ -325,7 +325,8 @@ class Engine:
         # the GPU's NICs, or this process's share of the node's: its place from the launcher
         self.infos, self.nics = rank_nics(info, launch.place_from_environment(), gpu, nics)
         self.cq_data_size = min(i.domain_attr.cq_data_size for i in self.infos)
-        self.max_write = min(i.ep_attr.max_msg_size for i in self.infos)
+        # the cut of a longer WRITE (chapter 19): on efa one WRITE, one immediate
+        self.max_write = min(fi.max_write(i) for i in self.infos)
         self.inject_size = inject_size(self.infos)
         # control messages go through NIC 0 (Control), so its link carries them
         self.max_send = fi.max_send(self.infos[0])
