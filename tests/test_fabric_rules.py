@@ -169,6 +169,21 @@ BROKEN = {  # rule: (what breaks it, the error line's words, rule sets that have
     "too small a CQ": ("for i in range(9):\n"
                        "    assert fi.recvmsg(ep, dst.ptr, 64, fi.mr_desc(dst_mr), "
                        "lib.FI_ADDR_UNSPEC, ctx + i % 8)", CQ, EFA),
+    # issue 46, 7: a peer's WRITEs with an immediate fill our CQ too
+    "too small a CQ for a peer's immediates": (
+        "tdomain, tcq, tav, tep = fi.open_endpoint(own, info, cq_size=4)\n"
+        "fi.av_insert(tav, fi.getname(ep))\n"
+        "tdst = memory.Buffer(1 << 16)\n"
+        "tkey = fi.mr_key(memory.register(own, tdomain, tdst, lib.FI_REMOTE_WRITE, key=7))\n"
+        "target, tpoller = fi.av_insert(av, fi.getname(tep)), fi.Poller(tcq)\n"
+        "poller.until_posted(lambda: tpoller.poll() >= 0 and fi.writemsg(ep, src.ptr, 64, "
+        "desc, target, fi.remote_base(info, tdst.ptr), tkey, ctx + 7, data=9), 10, 'the WRITE')\n"
+        "tpoller.wait_remote_data(10, 'the first immediate')  # shm has met its peer\n"
+        "for i in range(7):\n"
+        "    poller.until_posted(lambda: fi.writemsg(ep, src.ptr, 64, desc, target, "
+        "fi.remote_base(info, tdst.ptr), tkey, ctx + i, data=i), 10, 'the WRITE')\n"
+        "tpoller.wait_remote_data(10, 'the immediates')",
+        CQ + " (peers' immediates not read yet counted)", EFA),
     "wait object": (
         "attr = ffi.new('struct fi_cq_attr *', {'size': 8, 'format': lib.FI_CQ_FORMAT_DATA, "
         "'wait_obj': lib.FI_WAIT_UNSPEC})\n"

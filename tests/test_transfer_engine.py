@@ -166,11 +166,29 @@ def test_bad_engine_arguments_are_refused_before_anything_opens():
     with fi.Closer() as own:
         for kwargs, pattern in [({"spread": "sideways"}, "spread must be one of"),
                                 ({"nics": 0}, "nics must be at least 1"),
+                                ({"peers": 0}, "peers must be a positive integer"),
                                 ({"provider": "nope"}, "unknown provider 'nope'"),
                                 ({"gpu": 99}, "")]:
             with pytest.raises(ValueError) as excinfo:
                 Engine(own, provider=kwargs.pop("provider", "shm"), **kwargs)
             one_line(excinfo, pattern)
+
+
+def test_each_nics_cq_has_room_for_the_immediates_of_the_peers_writing_into_it(monkeypatch):
+    """Issue 46, 7: a peer's WRITE with an immediate takes an entry of our CQ (and no posted
+    receive: mode 0); the CQs were sized for our own WRITEs and receives only. With
+    peers=3, three engines' windows of WRITEs in flight besides ours."""
+    sizes, opened = [], fi.open_endpoint
+
+    def open_endpoint(own, info, cq_size=None, **kwargs):
+        sizes.append(cq_size)
+        return opened(own, info, cq_size=cq_size, **kwargs)
+    monkeypatch.setattr(fi, "open_endpoint", open_endpoint)
+    with fi.Closer() as own:
+        eng = Engine(own, provider="shm", nics=2, timeout=10, peers=3)
+        slots, rx = fi.in_flight(eng.infos[0]), eng.infos[0].rx_attr.size
+    assert sizes == [4 * slots + rx] * 2, (sizes, slots, rx)
+    assert fi.cq_size_for(eng.infos[0], 10, incoming=7) == 17 + rx
 
 
 def test_the_control_endpoint_is_opened_with_its_own_nics_entry():

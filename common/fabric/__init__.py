@@ -427,12 +427,15 @@ def in_flight(info):
     return max(4 * info.tx_attr.size, CONTEXTS)
 
 
-def cq_size_for(info, operations=None):
+def cq_size_for(info, operations=None, incoming=0):
     """CQ entries for an endpoint of `info`: one for each of `operations` (default:
-    in_flight(info)) and for each receive it can have posted (rx_attr.size). efa-direct
-    gives the device CQ what we ask and no more (prov/efa/src/efa_cq.h; only efa's
-    RDM fabric raises it, rdm/efa_rdm_cq.c): a completion with no room is an overrun."""
-    return (in_flight(info) if operations is None else operations) + info.rx_attr.size
+    in_flight(info)), for each receive it can have posted (rx_attr.size) and for each of
+    `incoming` peers' WRITEs with an immediate: each takes an entry, and with mode 0 no
+    posted receive (FI_RX_CQ_DATA is what would make it take one). efa-direct gives the
+    device CQ what we ask and no more (prov/efa/src/efa_cq.c efa_cq_open_ibv_cq; only efa's
+    RDM fabric raises it, rdm/efa_rdm_cq.c) and neither guards it
+    (docs/efa_fabric_comparison.md): a completion with no room is an overrun."""
+    return (in_flight(info) if operations is None else operations) + info.rx_attr.size + incoming
 
 
 def av_open(domain, count=16):

@@ -22,6 +22,12 @@
  *   CQ size      efa: the device CQ has exactly attr->size entries (efa_cq.h), so no
  *                more operations may be in flight than that; rxm's CQs overflow into
  *                a list (prov/util/src/util_cq.c).
+ *                Counted with them, peers' WRITEs with an immediate not read yet: each
+ *                takes an entry, and with mode 0 no posted receive (FI_RX_CQ_DATA); 2.6.0's
+ *                efa-direct opens the device CQ at exactly the size asked (efa_cq.c
+ *                efa_cq_open_ibv_cq) and neither fabric guards against its overrun
+ *                (docs/efa_fabric_comparison.md, FI_RM_ENABLED). Seen as a CQ is read: all
+ *                its entries are taken at once into a stash, then handed out in order.
  *   wait objects efa: FI_WAIT_NONE only (efa_cq.c, rdm/efa_rdm_cq.c: -FI_ENOSYS).
  *   fabrics      an fi_info entry's twin of another fabric and address format for the
  *                same domain name (common/fabric/rules.py adds them) must not be opened.
@@ -115,7 +121,8 @@ static inline const char *tut_rules_text(long rc)
     case RULE_MTU: return "a SEND larger than the 8928-byte EFA MTU";
     case RULE_IMM: return "immediate data above 32 bits (cq_data_size 4)";
     case RULE_RMA_IOV: return "more than one rma_iov in a WRITE (rma_iov_limit 1)";
-    case RULE_CQ_FULL: return "more operations in flight than the CQ has entries";
+    case RULE_CQ_FULL: return "more operations in flight than the CQ has entries (peers' "
+                              "immediates not read yet counted)";
     case RULE_WAIT: return "a CQ with a wait object (EFA CQs: FI_WAIT_NONE only)";
     case RULE_TWIN: return "an fi_info entry of another fabric or address format for the "
                            "same domain (take the entry of the endpoint it goes with)";
@@ -175,7 +182,10 @@ static inline long tut_rules_hints(const struct fi_info *hints)
    every module of the binding finds them there, whoever opened the object. */
 struct rules_ep;
 struct rules_cq { uint32_t magic; size_t size, in_flight; enum fi_cq_format format;
-                  size_t open_batches; struct rules_ep *rx_ep; };
+                  size_t open_batches; struct rules_ep *rx_ep;
+                  /* efa: entries read ahead, `served` of `stashed` handed out, `peers` of
+                     the rest peers' immediates (rules_cq_take) */
+                  char *stash; size_t stashed, served, peers; };
 /* shm keeps no context on an AV (prov/util/src/util_av.c), so an AV's record is in a table
    of the module that opened it (from Python: common/_fabric) */
 struct rules_av { struct fid_av *av; size_t count; };
@@ -270,7 +280,7 @@ static inline int rules_cq_room(struct fid_ep *ep, int tx)
     struct rules_ep *e = rules_of(&ep->fid, RULES_EP);
     struct rules_cq *cq = e ? (tx ? e->tx : e->rx) : NULL;
     if (rules_efa() && cq && cq->size &&
-        __atomic_load_n(&cq->in_flight, __ATOMIC_RELAXED) >= cq->size)
+        __atomic_load_n(&cq->in_flight, __ATOMIC_RELAXED) + cq->peers >= cq->size)
         return RULES_BROKEN - RULE_CQ_FULL;
     return 0;
 }
@@ -453,6 +463,55 @@ static inline int rules_unknown_initiator(struct rules_cq *r)
     return rules_direct() && av && !av->count;
 }
 
+static inline size_t rules_stride(const struct rules_cq *r)
+{
+    return r->format == FI_CQ_FORMAT_DATA ? sizeof(struct fi_cq_data_entry)
+         : r->format == FI_CQ_FORMAT_TAGGED ? sizeof(struct fi_cq_tagged_entry)
+         : r->format == FI_CQ_FORMAT_MSG ? sizeof(struct fi_cq_msg_entry) : 0;
+}
+
+/* Entry `i` of `buf` is a peer's WRITE with an immediate, not our operation's completion. */
+static inline int rules_from_peer(const struct rules_cq *r, const void *buf, size_t i)
+{
+    size_t stride = rules_stride(r);
+    uint64_t f = stride ? ((const struct fi_cq_msg_entry *)((const char *)buf + i * stride))->flags
+                        : 0;
+    return (f & FI_REMOTE_CQ_DATA) && !(f & FI_RECV);
+}
+
+/* efa: fi_cq_read through the stash. Once it is empty, every entry waiting (up to one more
+   than the CQ holds) is read into it; the peers' among them, with our operations in flight,
+   must fit the CQ. An error entry waits behind the stash: -FI_EAVAIL once it is empty. */
+static inline ssize_t rules_cq_take(struct fid_cq *cq, struct rules_cq *r, void *buf,
+                                    size_t count)
+{
+    size_t stride = rules_stride(r), cap = r->size + 1;
+    if (!stride || !r->size)
+        return fi_cq_read(cq, buf, count);
+    if (r->served == r->stashed) {
+        ssize_t n = 0;
+        if (!r->stash && !(r->stash = malloc(cap * stride)))
+            return -FI_ENOMEM;
+        r->served = r->stashed = r->peers = 0;
+        while (r->stashed < cap
+               && (n = fi_cq_read(cq, r->stash + r->stashed * stride, cap - r->stashed)) > 0) {
+            for (ssize_t i = 0; i < n; i++)
+                r->peers += rules_from_peer(r, r->stash, r->stashed + i);
+            r->stashed += n;
+        }
+        if (!r->stashed)
+            return n;
+    }
+    if (__atomic_load_n(&r->in_flight, __ATOMIC_RELAXED) + r->peers > r->size)
+        return RULES_BROKEN - RULE_CQ_FULL;
+    size_t n = r->stashed - r->served < count ? r->stashed - r->served : count;
+    memcpy(buf, r->stash + r->served * stride, n * stride);
+    r->served += n;
+    for (size_t i = 0; i < n; i++)
+        r->peers -= rules_from_peer(r, buf, i);
+    return n;
+}
+
 /* Entries read that were our operations' (not a peer's immediate) leave the CQ. */
 static inline ssize_t tut_cq_read(struct fid_cq *cq, void *buf, size_t count)
 {
@@ -460,16 +519,12 @@ static inline ssize_t tut_cq_read(struct fid_cq *cq, void *buf, size_t count)
     int broken = rules_closed(r);
     if (broken)
         return broken;
-    ssize_t n = fi_cq_read(cq, buf, count);
+    ssize_t n = r && rules_efa() ? rules_cq_take(cq, r, buf, count) : fi_cq_read(cq, buf, count);
     if (!r || n <= 0)
         return n;
-    size_t stride = r->format == FI_CQ_FORMAT_DATA ? sizeof(struct fi_cq_data_entry)
-                  : r->format == FI_CQ_FORMAT_TAGGED ? sizeof(struct fi_cq_tagged_entry)
-                  : r->format == FI_CQ_FORMAT_MSG ? sizeof(struct fi_cq_msg_entry) : 0;
     size_t ours = 0;
     for (ssize_t i = 0; i < n; i++) {
-        uint64_t f = stride ? ((struct fi_cq_msg_entry *)((char *)buf + i * stride))->flags : 0;
-        int peers = (f & FI_REMOTE_CQ_DATA) && !(f & FI_RECV);
+        int peers = rules_from_peer(r, buf, i);
         if (peers && rules_unknown_initiator(r))
             return RULES_BROKEN - RULE_AV;
         ours += !peers;
@@ -685,8 +740,10 @@ static inline int tut_close(struct fid *fid)
             ((struct rules_av *)r)->av = NULL;  /* its row is free again */
         else if (fclass == FI_CLASS_DOMAIN)
             rules_domain_gone(r);
-        else
+        else {
+            free(((struct rules_cq *)r)->stash);
             free(r);
+        }
     }
     return rc;
 }
