@@ -183,6 +183,21 @@ BROKEN = {  # rule: (what breaks it, the error line's words, rule sets that have
     "too small a CQ": ("for i in range(9):\n"
                        "    assert fi.recvmsg(ep, dst.ptr, 64, fi.mr_desc(dst_mr), "
                        "lib.FI_ADDR_UNSPEC, ctx + i % 8)", CQ, EFA),
+    # issue 46, 7: a peer's WRITEs with an immediate fill our CQ too
+    "too small a CQ for a peer's immediates": (
+        "tdomain, tcq, tav, tep = fi.open_endpoint(own, info, cq_size=4)\n"
+        "fi.av_insert(tav, fi.getname(ep))\n"
+        "tdst = memory.Buffer(1 << 16)\n"
+        "tkey = fi.mr_key(memory.register(own, tdomain, tdst, lib.FI_REMOTE_WRITE, key=7))\n"
+        "target, tpoller = fi.av_insert(av, fi.getname(tep)), fi.Poller(tcq)\n"
+        "poller.until_posted(lambda: tpoller.poll() >= 0 and fi.writemsg(ep, src.ptr, 64, "
+        "desc, target, fi.remote_base(info, tdst.ptr), tkey, ctx + 7, data=9), 10, 'the WRITE')\n"
+        "tpoller.wait_remote_data(10, 'the first immediate')  # shm has met its peer\n"
+        "for i in range(7):\n"
+        "    poller.until_posted(lambda: fi.writemsg(ep, src.ptr, 64, desc, target, "
+        "fi.remote_base(info, tdst.ptr), tkey, ctx + i, data=i), 10, 'the WRITE')\n"
+        "tpoller.wait_remote_data(10, 'the immediates')",
+        CQ + " (peers' immediates not read yet counted)", EFA),
     "wait object": (WAITING.format(wait="FI_WAIT_UNSPEC"), WAIT,
                     [rules for rules in EFA if rules not in WAITS]),
     # efa's shm path (on unless FI_EFA_ENABLE_SHM_TRANSFER=0) has no fd to wait on
@@ -210,6 +225,9 @@ BROKEN = {  # rule: (what breaks it, the error line's words, rule sets that have
         "more than 2 buffers in one SEND or WRITE", ["efa-direct"]),
     "WRITE above 1 GiB": ("write(size=(1 << 30) + 4096)", "a WRITE larger than 1 GiB",
                           ["efa-direct"]),
+    "WRITE with an immediate above 1 GiB": (
+        "write(size=(1 << 30) + 4096, data=5)",
+        "a WRITE with an immediate larger than 1 GiB (efa's segment", ["efa"]),
     "injected WRITE of 64 bytes": (
         "poller.until_posted(lambda: fi.writemsg(ep, src.ptr, 64, desc, me, base, key, ctx, "
         "flags=lib.FI_COMPLETION | lib.FI_INJECT), 10, 'the WRITE')",
@@ -225,6 +243,11 @@ BROKEN = {  # rule: (what breaks it, the error line's words, rule sets that have
         AV.split(": ", 1)[1], ["efa-direct"]),
     "mutex wait object": (WAITING.format(wait="FI_WAIT_MUTEX_COND"), "a CQ wait object",
                           EFA),  # which of the two words: test_efa_cq_wait_objects_by_version
+    # verbs: an endpoint keeps to its own NIC's entry (virtual NICs differ under the rules)
+    "endpoint on another NIC's domain": (
+        "nic0, nic1 = fi.rules.virtual_nics(info, 2)\n"
+        "own(fi.endpoint_open(own(fi.domain_open(own(fi.fabric_open(nic0)), nic0)), nic1))",
+        "an endpoint opened on a domain with the fi_info of another domain", ["verbs"]),
     # every rule set
     "batch left open": (
         "poller.until_posted(lambda: fi.writemsg(ep, src.ptr, 64, desc, me, base, key, ctx, "
@@ -232,10 +255,6 @@ BROKEN = {  # rule: (what breaks it, the error line's words, rule sets that have
         MORE, RULES),
 }
 # What shm alone cannot be shown taking: a WRITE of 1 GiB and more from a 64 KiB buffer, a
-# CQ that waits on a mutex (shm 1.17: -FI_ENOSYS) or an fd (1.17 and 2.6.0: -FI_ENOSYS), the
-# descriptor of a closed registration (it points at memory the provider freed, which shm
-# may read: SIGSEGV in CI, 2.1.0)
-SHM_CANNOT = {"WRITE above 1 GiB", "mutex wait object", "fd wait object", "closed registration"}
 
 
 def run_broken(broken, rules=None):

@@ -166,11 +166,47 @@ def test_bad_engine_arguments_are_refused_before_anything_opens():
     with fi.Closer() as own:
         for kwargs, pattern in [({"spread": "sideways"}, "spread must be one of"),
                                 ({"nics": 0}, "nics must be at least 1"),
+                                ({"peers": 0}, "peers must be a positive integer"),
                                 ({"provider": "nope"}, "unknown provider 'nope'"),
                                 ({"gpu": 99}, "")]:
             with pytest.raises(ValueError) as excinfo:
                 Engine(own, provider=kwargs.pop("provider", "shm"), **kwargs)
             one_line(excinfo, pattern)
+
+
+def test_each_nics_cq_has_room_for_the_immediates_of_the_peers_writing_into_it(monkeypatch):
+    """Issue 46, 7: a peer's WRITE with an immediate takes an entry of our CQ (and no posted
+    receive: mode 0); the CQs were sized for our own WRITEs and receives only. With
+    peers=3, three engines' windows of WRITEs in flight besides ours."""
+    sizes, opened = [], fi.open_endpoint
+
+    def open_endpoint(own, info, cq_size=None, **kwargs):
+        sizes.append(cq_size)
+        return opened(own, info, cq_size=cq_size, **kwargs)
+    monkeypatch.setattr(fi, "open_endpoint", open_endpoint)
+    with fi.Closer() as own:
+        eng = Engine(own, provider="shm", nics=2, timeout=10, peers=3)
+        slots, rx = fi.in_flight(eng.infos[0]), eng.infos[0].rx_attr.size
+    assert sizes == [4 * slots + rx] * 2, (sizes, slots, rx)
+    assert fi.cq_size_for(eng.infos[0], 10, incoming=7) == 17 + rx
+
+
+def test_the_control_endpoint_is_opened_with_its_own_nics_entry():
+    """Issue 46, 1: on a ConnectX host the control endpoint went on NIC 0's domain with the
+    head fi_info (another NIC's: rxm, then verbs, refuse it). Under FABRIC_RULES=verbs the
+    virtual NICs differ as a host's do, the head entry being none of them: a control
+    message goes only if its endpoint was opened with NIC 0's own entry."""
+    program = ("import common.fabric as fi\n"
+               "from common.transfer import Engine\n"
+               "with fi.Closer() as own:\n"
+               "    eng = Engine(own, provider='shm', nics=2, timeout=10)\n"
+               "    me = eng.connect(eng.address())\n"
+               "    eng.send(me, b'to myself')\n"
+               "    print('control:', eng.recv()[1], '|', eng.nics)\n")
+    done = Budget(60).run([sys.executable, "-c", program], cwd=ROOT,
+                          env=local_env({"FABRIC_RULES": "verbs"}))
+    assert done.returncode == 0, done.stderr
+    assert "control: b'to myself' | 2 virtual NICs" in done.stdout, done.stdout
 
 
 def test_registered_memory_lives_as_long_as_its_registration():
@@ -302,6 +338,31 @@ def test_the_inject_size_is_the_smallest_nics_and_none_on_efa():
         info.tx_attr.inject_size = size
     assert transfer.inject_size([one]) == 4000 and transfer.inject_size([one, other]) == 3000
     assert transfer.inject_size([direct]) == 0 and transfer.inject_size([rdm]) == 0
+
+
+def test_a_write_with_an_immediate_is_cut_at_efas_segment():
+    """Issue 46, 2: efa's RDM fabric lists max_msg_size UINT64_MAX, cuts a WRITE into 1 GiB
+    segments and puts the immediate on each; chapter 19 cut WRITEs by max_msg_size. Under
+    efa's rules on shm (whose own limit is far above) the engine's cut is the segment."""
+    program = ("import common.fabric as fi\n"
+               "from common.transfer import Engine\n"
+               "with fi.Closer() as own:\n"
+               "    print('max_write', Engine(own, provider='shm', timeout=10).max_write)\n")
+    for rules, cut in (("efa", 1 << 30), ("efa-direct", 1 << 30), ("verbs", None)):
+        done = Budget(60).run([sys.executable, "-c", program], cwd=ROOT,
+                              env=local_env({"FABRIC_RULES": rules}))
+        assert done.returncode == 0, done.stderr
+        found = int(done.stdout.split()[-1])
+        assert found == cut if cut else found > 1 << 30, (rules, found)
+
+
+def test_efas_rdm_fabric_writes_at_most_a_segment_and_the_others_their_max_msg_size():
+    from tests import fake_info
+    head = fake_info.infos(fake_info.Entry("a", fabric="efa", max_msg_size=(1 << 64) - 1),
+                           fake_info.Entry("a", fabric="efa-direct", max_msg_size=1 << 30),
+                           fake_info.Entry("m", fabric="IB-0xfe80000000000000",
+                                           provider="verbs;ofi_rxm", max_msg_size=1 << 31))
+    assert [fi.max_write(i) for i in fi.each(head)] == [1 << 30, 1 << 30, 1 << 31]
 
 
 @pytest.fixture

@@ -351,6 +351,24 @@ def send_limit(mtu, max_msg_size):
     return min(mtu or FALLBACK_MTU, max_msg_size)
 
 
+# The most efa's RDM fabric WRITEs at once: it cuts a longer WRITE into segments of
+# efa_env.efa_write_segment_size (1 GiB, no variable sets it) or the device's max_rdma_size
+# if smaller (2.6.0: prov/efa/src/rdm/efa_rdm_ope.c, efa_rdm_ope_post_remote_write)
+EFA_WRITE_SEGMENT = 1 << 30
+
+
+def max_write(info):
+    """The longest WRITE whose immediate the target gets once: ep_attr.max_msg_size, but at
+    most EFA_WRITE_SEGMENT on efa's RDM fabric, which lists UINT64_MAX (efa_prov_info.c) and
+    puts the immediate on every segment (rdm/efa_rdm_pke.c efa_rdm_pke_write; only an assert
+    says no), so that the target counts one WRITE several times; and a WRITE refused half-way
+    has its first segments landed, immediates and all, before it is posted again. Under the
+    rules of either efa fabric (FABRIC_RULES) the same, whatever fabric runs them.
+    efa-direct lists max(MTU, max_rdma_size) itself and splits nothing."""
+    efa = name_of(info) == "efa" or rules.MODE in ("efa", DIRECT)
+    return min(info.ep_attr.max_msg_size, EFA_WRITE_SEGMENT) if efa else info.ep_attr.max_msg_size
+
+
 def check_address(info, addr):
     """Raise ValueError unless `addr` has the shape of an address of this provider."""
     if info.addr_format == lib.FI_ADDR_STR:
@@ -411,12 +429,15 @@ def in_flight(info):
     return max(4 * info.tx_attr.size, CONTEXTS)
 
 
-def cq_size_for(info, operations=None):
+def cq_size_for(info, operations=None, incoming=0):
     """CQ entries for an endpoint of `info`: one for each of `operations` (default:
-    in_flight(info)) and for each receive it can have posted (rx_attr.size). efa-direct
-    gives the device CQ what we ask and no more (prov/efa/src/efa_cq.h; only efa's
-    RDM fabric raises it, rdm/efa_rdm_cq.c): a completion with no room is an overrun."""
-    return (in_flight(info) if operations is None else operations) + info.rx_attr.size
+    in_flight(info)), for each receive it can have posted (rx_attr.size) and for each of
+    `incoming` peers' WRITEs with an immediate: each takes an entry, and with mode 0 no
+    posted receive (FI_RX_CQ_DATA is what would make it take one). efa-direct gives the
+    device CQ what we ask and no more (prov/efa/src/efa_cq.c efa_cq_open_ibv_cq; only efa's
+    RDM fabric raises it, rdm/efa_rdm_cq.c) and neither guards it
+    (docs/efa_fabric_comparison.md): a completion with no room is an overrun."""
+    return (in_flight(info) if operations is None else operations) + info.rx_attr.size + incoming
 
 
 def av_open(domain, count=16):

@@ -22,11 +22,24 @@
  *   CQ size      efa: the device CQ has exactly attr->size entries (efa_cq.h), so no
  *                more operations may be in flight than that; rxm's CQs overflow into
  *                a list (prov/util/src/util_cq.c).
+ *                Counted with them, peers' WRITEs with an immediate not read yet: each
+ *                takes an entry, and with mode 0 no posted receive (FI_RX_CQ_DATA); 2.6.0's
+ *                efa-direct opens the device CQ at exactly the size asked (efa_cq.c
+ *                efa_cq_open_ibv_cq) and neither fabric guards against its overrun
+ *                (docs/efa_fabric_comparison.md, FI_RM_ENABLED). Seen as a CQ is read: all
+ *                its entries are taken at once into a stash, then handed out in order.
  *   wait objects efa: by the libfabric loaded (tut_rules_wait): FI_WAIT_NONE only before
  *                2.5 (rdm/efa_rdm_cq.c: -FI_ENOSYS); from 2.5 FI_WAIT_UNSPEC, and FI_WAIT_FD
  *                with its shm path off (2.6.0's rdm/efa_rdm_cq.c, man/fi_efa.7.md).
  *   fabrics      an fi_info entry's twin of another fabric and address format for the
  *                same domain name (common/fabric/rules.py adds them) must not be opened.
+ *   domains      verbs: an endpoint goes on a domain with the fi_info of that domain (2.6.0:
+ *                rxm opens its connections' verbs endpoints on its core domain with the core
+ *                info of the endpoint's fi_info, prov/rxm/src/rxm_ep.c rxm_open_core_res,
+ *                rxm_conn.c rxm_open_conn, and prov/verbs/src/verbs_ep.c vrb_open_ep refuses
+ *                another device's name with -FI_EINVAL: on a real NIC the first message
+ *                fails, here the open). Virtual NICs differ by name as a host's NICs do
+ *                (rules.py virtual_nics); the provider gets the name without the suffix.
  * efa-direct, efa's rules and what one work request per call demands (libfabric 2.6.0's
  * prov/efa; docs/efa_fabric_comparison.md):
  *   hints        mode FI_CONTEXT2, mr_mode FI_MR_LOCAL | FI_MR_ALLOCATED | FI_MR_PROV_KEY |
@@ -38,6 +51,11 @@
  *                the device's max_sq_sge); nothing splits or stages them.
  *   WRITE size   at most the device's max_rdma_size, about 1 GiB (efa_rma.c asserts it);
  *                efa's RDM fabric splits a larger one.
+ *   immediates   efa's RDM fabric: a WRITE with an immediate of at most 1 GiB. It cuts a
+ *   once         longer WRITE into 1 GiB segments (2.6.0: rdm/efa_rdm_ope.c
+ *                efa_rdm_ope_post_remote_write, efa_env.c efa_write_segment_size) and puts
+ *                the immediate on each (rdm/efa_rdm_pke.c efa_rdm_pke_write, an assert
+ *                only): the target would count one WRITE several times.
  *   RMA inject   0 bytes only (efa_rma.c efa_rma_inject_write; efa_base_ep.c sets
  *                inject_rma_size to 0).
  *   send queue   a batch with FI_MORE fits the room in the send queue (tx_attr.size: the QP's
@@ -96,6 +114,10 @@ enum { RULE_DESC = 1, RULE_DESC_RANGE, RULE_DESC_CLOSED, RULE_KEY, RULE_MTU, RUL
 enum { RULE_MORE_ROOM = 0x100 };      /* efa-direct's send queue (numbered apart from the list) */
 enum { RULES_CQ = 0x52437121, RULES_EP = 0x52457021, RULES_MR = 0x524d7221,
        RULES_MR_CLOSED = 0x524d7230 };
+/* numbered apart from the list above, which other rules extend */
+enum { RULE_DOMAIN = 64, RULE_IMM_SEGMENTS };
+enum { RULES_DOMAIN = 0x52446f21 };
+#define RULES_VNIC "~vnic"  /* in a virtual NIC's domain name (common/fabric/rules.py VNIC) */
 
 static inline const char *tut_rules_text(long rc)
 {
@@ -109,7 +131,8 @@ static inline const char *tut_rules_text(long rc)
     case RULE_MTU: return "a SEND larger than the 8928-byte EFA MTU";
     case RULE_IMM: return "immediate data above 32 bits (cq_data_size 4)";
     case RULE_RMA_IOV: return "more than one rma_iov in a WRITE (rma_iov_limit 1)";
-    case RULE_CQ_FULL: return "more operations in flight than the CQ has entries";
+    case RULE_CQ_FULL: return "more operations in flight than the CQ has entries (peers' "
+                              "immediates not read yet counted)";
     case RULE_WAIT: return "a CQ wait object this libfabric's EFA CQs refuse (efa-direct's "
                            "take FI_WAIT_UNSPEC and FI_WAIT_FD from 2.3, efa's from 2.5, FD "
                            "there only with FI_EFA_ENABLE_SHM_TRANSFER=0)";
@@ -130,6 +153,10 @@ static inline const char *tut_rules_text(long rc)
     case RULE_AV: return "a WRITE arrived at an endpoint whose AV has no peer in it (the "
                          "target must insert its initiator first)";
     case RULE_WAIT_DIRECT: return "a CQ wait object other than FI_WAIT_UNSPEC or FI_WAIT_FD";
+    case RULE_IMM_SEGMENTS: return "a WRITE with an immediate larger than 1 GiB (efa's "
+                                   "segment: the target gets the immediate once a segment)";
+    case RULE_DOMAIN: return "an endpoint opened on a domain with the fi_info of another "
+                             "domain (verbs refuses it: open it with its own NIC's entry)";
     case RULE_MORE: return "the CQ read with a batch left open: the last post of a batch "
                            "goes without FI_MORE, or the provider may never ring the doorbell";
     }
@@ -170,7 +197,10 @@ static inline long tut_rules_hints(const struct fi_info *hints)
    every module of the binding finds them there, whoever opened the object. */
 struct rules_ep;
 struct rules_cq { uint32_t magic; size_t size, in_flight; enum fi_cq_format format;
-                  size_t open_batches; struct rules_ep *rx_ep; };
+                  size_t open_batches; struct rules_ep *rx_ep;
+                  /* efa: entries read ahead, `served` of `stashed` handed out, `peers` of
+                     the rest peers' immediates (rules_cq_take) */
+                  char *stash; size_t stashed, served, peers; };
 /* shm keeps no context on an AV (prov/util/src/util_av.c), so an AV's record is in a table
    of the module that opened it (from Python: common/_fabric) */
 struct rules_av { struct fid_av *av; size_t count; };
@@ -178,7 +208,11 @@ struct rules_av { struct fid_av *av; size_t count; };
 static struct rules_av rules_avs[RULES_AVS];
 /* open: a batch posted with FI_MORE and not closed yet, per direction (1 tx, 2 rx) */
 struct rules_ep { uint32_t magic; struct rules_cq *tx, *rx; struct rules_av *av; int open;
-                  size_t sq; /* its fi_info's tx_attr.size */ };
+                  size_t sq; /* its fi_info's tx_attr.size */
+                  struct fi_info *real; };
+/* a domain's name as it was opened (a virtual NIC's with its suffix), and the entry the
+   provider got for it */
+struct rules_domain { uint32_t magic; char *name; struct fi_info *real; };
 struct rules_mr { uint32_t magic; void *desc; uintptr_t base; size_t len; };
 
 /* The record of `av` in this module's table; with `add`, a new one if it has none (NULL
@@ -210,6 +244,32 @@ static inline int rules_twin(const struct fi_fabric_attr *attr)
     return n > t && !strcmp(attr->name + n - t, RULES_TWIN);
 }
 
+static inline const char *rules_domain_name(const struct fi_info *info)
+{
+    return info->domain_attr && info->domain_attr->name ? info->domain_attr->name : "";
+}
+
+/* What the provider gets for `info`: NULL (itself), or in `*real` a copy whose domain name
+   is without a virtual NIC's suffix, for the caller to free. */
+static inline int rules_real(const struct fi_info *info, struct fi_info **real)
+{
+    char *vnic = strstr(rules_domain_name(info), RULES_VNIC);
+    *real = NULL;
+    if (!vnic)
+        return 0;
+    if (!(*real = fi_dupinfo(info)))
+        return -FI_ENOMEM;
+    (*real)->domain_attr->name[vnic - info->domain_attr->name] = '\0';
+    return 0;
+}
+
+static inline void rules_domain_gone(struct rules_domain *d)
+{
+    fi_freeinfo(d->real);
+    free(d->name);
+    free(d);
+}
+
 /* The provider's descriptors for `count` buffers, from the ones fi_mr_desc gave us. */
 static inline int rules_descs(const struct iovec *iov, void **desc, size_t count,
                               void **real)
@@ -236,7 +296,7 @@ static inline int rules_cq_room(struct fid_ep *ep, int tx)
     struct rules_ep *e = rules_of(&ep->fid, RULES_EP);
     struct rules_cq *cq = e ? (tx ? e->tx : e->rx) : NULL;
     if (rules_efa() && cq && cq->size &&
-        __atomic_load_n(&cq->in_flight, __ATOMIC_RELAXED) >= cq->size)
+        __atomic_load_n(&cq->in_flight, __ATOMIC_RELAXED) + cq->peers >= cq->size)
         return RULES_BROKEN - RULE_CQ_FULL;
     return 0;
 }
@@ -314,6 +374,9 @@ static inline int rules_operation(struct fid_ep *ep, int op, const struct iovec 
         if (op != RULES_RECV && rules_sq_full(ep, flags))
             return RULES_BROKEN - RULE_MORE_ROOM;
     }
+    if (tut_rules() == RULES_EFA && op == RULES_WRITE && flags & FI_REMOTE_CQ_DATA
+        && len > RULES_DIRECT_RDMA)
+        return RULES_BROKEN - RULE_IMM_SEGMENTS;
     int rc = rules_descs(iov, desc, count, real);
     return rc ? rc : rules_cq_room(ep, op != RULES_RECV);
 }
@@ -431,6 +494,55 @@ static inline int rules_unknown_initiator(struct rules_cq *r)
     return rules_direct() && av && !av->count;
 }
 
+static inline size_t rules_stride(const struct rules_cq *r)
+{
+    return r->format == FI_CQ_FORMAT_DATA ? sizeof(struct fi_cq_data_entry)
+         : r->format == FI_CQ_FORMAT_TAGGED ? sizeof(struct fi_cq_tagged_entry)
+         : r->format == FI_CQ_FORMAT_MSG ? sizeof(struct fi_cq_msg_entry) : 0;
+}
+
+/* Entry `i` of `buf` is a peer's WRITE with an immediate, not our operation's completion. */
+static inline int rules_from_peer(const struct rules_cq *r, const void *buf, size_t i)
+{
+    size_t stride = rules_stride(r);
+    uint64_t f = stride ? ((const struct fi_cq_msg_entry *)((const char *)buf + i * stride))->flags
+                        : 0;
+    return (f & FI_REMOTE_CQ_DATA) && !(f & FI_RECV);
+}
+
+/* efa: fi_cq_read through the stash. Once it is empty, every entry waiting (up to one more
+   than the CQ holds) is read into it; the peers' among them, with our operations in flight,
+   must fit the CQ. An error entry waits behind the stash: -FI_EAVAIL once it is empty. */
+static inline ssize_t rules_cq_take(struct fid_cq *cq, struct rules_cq *r, void *buf,
+                                    size_t count)
+{
+    size_t stride = rules_stride(r), cap = r->size + 1;
+    if (!stride || !r->size)
+        return fi_cq_read(cq, buf, count);
+    if (r->served == r->stashed) {
+        ssize_t n = 0;
+        if (!r->stash && !(r->stash = malloc(cap * stride)))
+            return -FI_ENOMEM;
+        r->served = r->stashed = r->peers = 0;
+        while (r->stashed < cap
+               && (n = fi_cq_read(cq, r->stash + r->stashed * stride, cap - r->stashed)) > 0) {
+            for (ssize_t i = 0; i < n; i++)
+                r->peers += rules_from_peer(r, r->stash, r->stashed + i);
+            r->stashed += n;
+        }
+        if (!r->stashed)
+            return n;
+    }
+    if (__atomic_load_n(&r->in_flight, __ATOMIC_RELAXED) + r->peers > r->size)
+        return RULES_BROKEN - RULE_CQ_FULL;
+    size_t n = r->stashed - r->served < count ? r->stashed - r->served : count;
+    memcpy(buf, r->stash + r->served * stride, n * stride);
+    r->served += n;
+    for (size_t i = 0; i < n; i++)
+        r->peers -= rules_from_peer(r, buf, i);
+    return n;
+}
+
 /* Entries read that were our operations' (not a peer's immediate) leave the CQ. */
 static inline ssize_t tut_cq_read(struct fid_cq *cq, void *buf, size_t count)
 {
@@ -438,16 +550,12 @@ static inline ssize_t tut_cq_read(struct fid_cq *cq, void *buf, size_t count)
     int broken = rules_closed(r);
     if (broken)
         return broken;
-    ssize_t n = fi_cq_read(cq, buf, count);
+    ssize_t n = r && rules_efa() ? rules_cq_take(cq, r, buf, count) : fi_cq_read(cq, buf, count);
     if (!r || n <= 0)
         return n;
-    size_t stride = r->format == FI_CQ_FORMAT_DATA ? sizeof(struct fi_cq_data_entry)
-                  : r->format == FI_CQ_FORMAT_TAGGED ? sizeof(struct fi_cq_tagged_entry)
-                  : r->format == FI_CQ_FORMAT_MSG ? sizeof(struct fi_cq_msg_entry) : 0;
     size_t ours = 0;
     for (ssize_t i = 0; i < n; i++) {
-        uint64_t f = stride ? ((struct fi_cq_msg_entry *)((char *)buf + i * stride))->flags : 0;
-        int peers = (f & FI_REMOTE_CQ_DATA) && !(f & FI_RECV);
+        int peers = rules_from_peer(r, buf, i);
         if (peers && rules_unknown_initiator(r))
             return RULES_BROKEN - RULE_AV;
         ours += !peers;
@@ -523,14 +631,21 @@ static inline int tut_endpoint(struct fid_domain *domain, struct fi_info *info,
         return fi_endpoint(domain, info, ep, context);
     if (rules_twin(info->fabric_attr))
         return RULES_BROKEN - RULE_TWIN;
+    struct rules_domain *d = rules_of(&domain->fid, RULES_DOMAIN);
+    if (tut_rules() == RULES_VERBS && d && strcmp(d->name, rules_domain_name(info)))
+        return RULES_BROKEN - RULE_DOMAIN;
     struct rules_ep *r = calloc(1, sizeof *r);
     if (!r)
         return -FI_ENOMEM;
     r->magic = RULES_EP;
     r->sq = info->tx_attr ? info->tx_attr->size : 0;
-    int rc = fi_endpoint(domain, info, ep, r);
-    if (rc)
+    int rc = rules_real(info, &r->real);
+    if (!rc)
+        rc = fi_endpoint(domain, r->real ? r->real : info, ep, r);
+    if (rc) {
+        fi_freeinfo(r->real);
         free(r);
+    }
     return rc;
 }
 
@@ -579,6 +694,25 @@ static inline int tut_av_remove(struct fid_av *av, fi_addr_t *fi_addr, size_t co
     struct rules_av *r = tut_rules() && !rc ? rules_av_of(av, 0) : NULL;
     if (r)
         r->count -= count < r->count ? count : r->count;
+    return rc;
+}
+
+static inline int tut_domain(struct fid_fabric *fabric, struct fi_info *info,
+                             struct fid_domain **domain, void *context)
+{
+    if (!tut_rules())
+        return fi_domain(fabric, info, domain, context);
+    struct rules_domain *r = calloc(1, sizeof *r);
+    if (!r || !(r->name = strdup(rules_domain_name(info)))) {
+        free(r);
+        return -FI_ENOMEM;
+    }
+    r->magic = RULES_DOMAIN;
+    int rc = rules_real(info, &r->real);
+    if (!rc)
+        rc = fi_domain(fabric, r->real ? r->real : info, domain, r);
+    if (rc)
+        rules_domain_gone(r);
     return rc;
 }
 
@@ -641,6 +775,7 @@ static inline void rules_ep_gone(struct rules_ep *e)
     rules_batch(e, 0, 0, 0);
     if (e->rx && e->rx->rx_ep == e)
         e->rx->rx_ep = NULL;
+    fi_freeinfo(e->real);
     free(e);
 }
 
@@ -652,7 +787,8 @@ static inline int tut_close(struct fid *fid)
     void *r = !tut_rules() ? NULL : fclass == FI_CLASS_MR ? rules_of(fid, RULES_MR)
             : fclass == FI_CLASS_CQ ? rules_of(fid, RULES_CQ)
             : fclass == FI_CLASS_AV ? rules_av_of((struct fid_av *)fid, 0)
-            : fclass == FI_CLASS_EP ? rules_of(fid, RULES_EP) : NULL;
+            : fclass == FI_CLASS_EP ? rules_of(fid, RULES_EP)
+            : fclass == FI_CLASS_DOMAIN ? rules_of(fid, RULES_DOMAIN) : NULL;
     int rc = fi_close(fid);
     if (r && !rc) {
         if (fclass == FI_CLASS_MR)
@@ -661,8 +797,12 @@ static inline int tut_close(struct fid *fid)
             rules_ep_gone(r);
         else if (fclass == FI_CLASS_AV)
             ((struct rules_av *)r)->av = NULL;  /* its row is free again */
-        else
+        else if (fclass == FI_CLASS_DOMAIN)
+            rules_domain_gone(r);
+        else {
+            free(((struct rules_cq *)r)->stash);
             free(r);
+        }
     }
     return rc;
 }
@@ -677,6 +817,7 @@ static inline int tut_close(struct fid *fid)
 #define fi_cq_readerr tut_cq_readerr
 #define fi_cq_open tut_cq_open
 #define fi_endpoint tut_endpoint
+#define fi_domain tut_domain
 #define fi_ep_bind tut_ep_bind
 #define fi_fabric tut_fabric
 #define fi_mr_regattr tut_mr_regattr

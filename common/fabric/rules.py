@@ -26,6 +26,7 @@ MODE = os.environ.get("FABRIC_RULES") or None
 if MODE not in (None, *MODES):
     sys.exit(f"FABRIC_RULES={MODE}: expected one of {', '.join(MODES)}")
 TWIN = "-twin"  # ends a twin's fabric name (RULES_TWIN in common/fabric/rules.h)
+VNIC = "~vnic"  # in a virtual NIC's domain name (RULES_VNIC in common/fabric/rules.h)
 
 
 def restrict(hint):
@@ -62,3 +63,23 @@ def with_twins(head):
         twin.next, info.next = info.next, twin
         info = twin.next
     return head
+
+
+def virtual_nics(head, count):
+    """`count` virtual NICs of `head`'s provider, each one more domain of it. Without
+    FABRIC_RULES each is `head` itself; with them, a copy of it whose domain name ends in
+    VNIC and its index, so that they differ, from each other and from the head entry, as a
+    host's NICs do (verbs keeps each endpoint to its own NIC's entry: rules.h, RULE_DOMAIN).
+    The provider itself is given the name without the suffix."""
+    if not MODE:
+        return [head] * count
+    name = ffi.string(head.domain_attr.name).decode() if head.domain_attr.name else ""
+    nics = []
+    for i in range(count):
+        copy = lib.fi_dupinfo(head)
+        if copy == ffi.NULL:
+            raise MemoryError("fi_dupinfo")
+        nics.append(ffi.gc(copy, lib.fi_freeinfo))
+        lib.free(copy.domain_attr.name)
+        copy.domain_attr.name = lib.strdup(f"{name}{VNIC}{i}".encode())  # freed by fi_freeinfo
+    return nics

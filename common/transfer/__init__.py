@@ -27,6 +27,8 @@ writes GPU memory that the GPU does not see in order, expect() flushes those wri
 Between GPU memory of two processes on one host, a NIC is the wrong path: there a peer's
 `route` is "cuda-ipc" (common/transfer/ipc.py: one kernel a command, straight into the
 peer's memory, counted in the same arrival table), unless Engine(..., cuda_ipc=False).
+Engine(..., peers=N): N engines may be writing into this one at once (chapter 19's trainers
+into an inference rank), and each NIC's CQ has room for their WRITEs' immediates too.
 With Engine(..., resident=True), a small prepared command there is not even a launch: a
 kernel that stays on the GPU while commands come takes it from a queue in pinned memory
 (ipc.cu's ipc_stand); Engine.rest() sends it off the GPU before the next.

@@ -4,6 +4,12 @@ A WRITE goes through the C worker; a control message (a request, a report, a che
 verdict) is rare, so Python posts and reaps it, on an endpoint of its own on NIC 0's
 domain, with a CQ and an AV of its own that the worker never reads. The engine reads this
 CQ in every wait (pump), so messages are taken in whatever the engine waits for.
+
+The endpoint is opened with NIC 0's own fi_info, never the head entry fi_getinfo listed
+first: on a ConnectX host rxm opens its connections' verbs endpoints from that fi_info
+(prov/rxm/src/rxm_ep.c rxm_open_core_res, rxm_conn.c rxm_open_conn), and verbs refuses an
+entry naming another device (prov/verbs/src/verbs_ep.c vrb_open_ep: -FI_EINVAL), so the
+first message of every engine whose NIC 0 is not listed first would fail.
 """
 import common.fabric as fi
 from common.fabric import ffi, lib
@@ -12,7 +18,8 @@ RECVS = 16             # control receives kept posted
 
 
 class Control:
-    """An engine's control endpoint: messages of at most `size` bytes (fabric.max_send),
+    """An engine's control endpoint on `domain`, opened with `info`, the fi_info that
+    domain was opened with: messages of at most `size` bytes (fabric.max_send),
     RECVS receives posted, MR keys from `keys`. `wait(ready, timeout, why)` is the
     engine's wait, which calls pump()."""
 

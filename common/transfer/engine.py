@@ -296,11 +296,13 @@ class Engine:
     """One GPU's (or process's) transfer engine; see the package's docstring."""
 
     def __init__(self, own, provider=None, gpu=None, nics=None, spread="round-robin",
-                 timeout=30.0, cuda_ipc=True, resident=False):
+                 timeout=30.0, cuda_ipc=True, resident=False, peers=1):
         if spread not in SPREADS:
             raise ValueError(f"spread must be one of {', '.join(SPREADS)}, not {spread!r}")
         if nics is not None and nics < 1:
             raise ValueError(f"nics must be at least 1, not {nics}")
+        if not isinstance(peers, int) or peers < 1:
+            raise ValueError(f"peers must be a positive integer, not {peers!r}")
         self.timeout, self.gpu, self.spread = timeout, gpu, spread
         # Small prepared commands on the CUDA IPC route go to a kernel that stays on the
         # GPU while they come (ipc.IDLE): no launch each. It keeps a block on every SM
@@ -325,9 +327,11 @@ class Engine:
         # the GPU's NICs, or this process's share of the node's: its place from the launcher
         self.infos, self.nics = rank_nics(info, launch.place_from_environment(), gpu, nics)
         self.cq_data_size = min(i.domain_attr.cq_data_size for i in self.infos)
-        self.max_write = min(i.ep_attr.max_msg_size for i in self.infos)
+        # the cut of a longer WRITE (chapter 19): on efa one WRITE, one immediate
+        self.max_write = min(fi.max_write(i) for i in self.infos)
         self.inject_size = inject_size(self.infos)
-        self.max_send = fi.max_send(info)
+        # control messages go through NIC 0 (Control), so its link carries them
+        self.max_send = fi.max_send(self.infos[0])
         self.id = secrets.randbits(32)
         self._keys = iter(range(1, 1 << 30))  # requested MR keys (tcp takes ours: unique)
         self._watch, self._peers, self._taken = [], {}, {}
@@ -336,11 +340,16 @@ class Engine:
         w = self._w = _ffi.new("struct tx_worker *")
         own.callback(native.tx_free, w)
         slots = fi.in_flight(info)
-        opened = [fi.open_endpoint(own, i, cq_size=fi.cq_size_for(i, slots), av_count=256,
-                                   shm=False) for i in self.infos]
+        # Each NIC's CQ holds our WRITEs in flight and those of `peers` engines writing
+        # into us at once, each as many as its worker has in flight (the same `slots`): a
+        # WRITE with an immediate lands an entry here (fabric.cq_size_for), and an EFA
+        # device CQ has exactly the entries asked for. It bounds what is in flight, not
+        # what a worker kept from reading its CQ lets pile up.
+        opened = [fi.open_endpoint(own, i, cq_size=fi.cq_size_for(i, slots, peers * slots),
+                                   av_count=256, shm=False) for i in self.infos]
         self.domains, self.cqs, self.avs, self.eps = (list(x) for x in zip(*opened))
-        self._control = Control(own, self.domains[0], info, self.max_send, self._keys,
-                                self._until)
+        self._control = Control(own, self.domains[0], self.infos[0], self.max_send,
+                                self._keys, self._until)
         n = len(self.infos)
         self._arrays = [_ffi.new("struct fid_ep *[]", self.eps),
                         _ffi.new("struct fid_cq *[]", self.cqs),

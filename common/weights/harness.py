@@ -39,8 +39,9 @@ def main(doc, chapter, kernels, run):
     with launch.Group(place, RENDEZVOUS * args.timeout, args.timeout) as group, \
             fi.Closer() as own:
         gpu = gpu if args.device == "cuda" else None
+        # every trainer may be writing into one inference rank at once (issue 46, 7)
         eng = Engine(own, args.provider, gpu=gpu, nics=args.nics, timeout=args.timeout,
-                     cuda_ipc=not args.no_cuda_ipc)
+                     cuda_ipc=not args.no_cuda_ipc, peers=max(1, group.world - 1))
         eng.watch(group.check)
         return run(eng, group, args, trainers, model, inference_model, ops, gpu)
 
