@@ -157,12 +157,8 @@ def test_lanes_of_chapters_09_to_15_use_each_gpus_own_verbs_nics(tmp_path, monke
     """The lanes' NICs (nics.lane_nics) on the ConnectX-7 box: GPU g's lanes are its own
     NICs, not every lane on one (what 09-15 did when verbs NICs had no PCI address)."""
     machine = fake_sysfs.cx7(tmp_path, per_gpu)
-    names = [n["name"] for n in machine["nics"]]
-    monkeypatch.setattr(topo, "gpus_here", lambda: (machine["gpus"], None))
-    monkeypatch.setattr(topo, "nics_here", lambda head: [
-        topo.Nic(n, topo.rdma_device_bus(n, tmp_path), 400 / per_gpu) for n in names])
-    monkeypatch.setattr(topo, "layout", functools.partial(topo.layout, sysfs=tmp_path))
-    head = fake_info.info_list(names)
+    fake_sysfs.pretend(monkeypatch, tmp_path, machine)
+    head = fake_info.info_list([n["name"] for n in machine["nics"]])
     args = types.SimpleNamespace(gpus=list(range(8)), provider_used="verbs")
     for gpus, per in ((list(range(8)), None), ([6, 1], 1)):
         args.gpus = gpus

@@ -3,7 +3,6 @@ rank drives (its GPU's by chapter 08's topology, as common/engine/nics.py's rank
 chooses them, on the series' p5 rebuilt in a fake sysfs), which of them serves each peer,
 the run on virtual NICs (shm, tcp) end to end; and the GPUDirect flush before a stamp:
 when it is needed (faked device attributes) and the C side that calls it."""
-import functools
 import re
 import sys
 import threading
@@ -36,12 +35,8 @@ def moe():
 def p5(tmp_path, monkeypatch):
     """The p5 as chapter 16 would find it: 8 GPUs, 32 EFA NICs, 4 behind each GPU's switch."""
     machine = fake_sysfs.p5(tmp_path)
-    nics = [topo.Nic(n["name"], n["bus"], n["gbps"]) for n in machine["nics"]]
-    monkeypatch.setattr(topo, "gpus_here", lambda: (machine["gpus"], None))
-    monkeypatch.setattr(topo, "nics_here", lambda head: [topo.Nic(n.name, n.bus, n.gbps)
-                                                         for n in nics])
-    monkeypatch.setattr(topo, "layout", functools.partial(topo.layout, sysfs=tmp_path))
-    return fake_info.info_list([n.name for n in nics])
+    fake_sysfs.pretend(monkeypatch, tmp_path, machine)
+    return fake_info.info_list([n["name"] for n in machine["nics"]])
 
 
 def group(rank, world=16, per_node=8):
