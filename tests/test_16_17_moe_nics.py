@@ -60,6 +60,28 @@ def test_each_gpus_proxy_drives_that_gpus_nics(p5):
         rank_nics(p5, group(3), 3, count=3)
 
 
+def test_a_rank_that_sees_only_its_gpu_drives_that_gpus_nics(p5, tmp_path, monkeypatch):
+    """Slurm's --gpus-per-task, torchrun, CUDA_VISIBLE_DEVICES: rank r sees its GPU alone,
+    as cuda:0; its proxy (16-17) and its transfer engine (18-19) drive that GPU's 4 NICs,
+    as where it sees all 8, not all 32 NICs of the p5."""
+    for rank in range(8):
+        fake_sysfs.pretend(monkeypatch, tmp_path, fake_sysfs.p5(tmp_path, visible=[rank]))
+        infos, line = rank_nics(p5, group(rank), 0)
+        first = fake_sysfs.P5_NIC_NAMES[rank]
+        assert names(infos) == [f"rdmap{first + k}s0" for k in range(4)]
+        assert line == "4 NICs (GPU 0's): " + " ".join(names(infos))
+
+
+def test_the_transfer_engines_worker_cores_with_one_visible_gpu(p5, tmp_path, monkeypatch):
+    """common/transfer's worker thread runs on its GPU's slice of the cores (chapter 12),
+    GPU 3's 36-47 on the p5, whether the process sees it as cuda:3 or alone as cuda:0."""
+    from common.transfer import engine
+    monkeypatch.setattr(topo.os, "sched_getaffinity", lambda pid: set(range(192)))
+    assert engine.worker_cores(3) == set(range(36, 48))
+    fake_sysfs.pretend(monkeypatch, tmp_path, fake_sysfs.p5(tmp_path, visible=[3]))
+    assert engine.worker_cores(0) == set(range(36, 48))
+
+
 def test_a_nics_entry_of_another_fabric_is_not_taken(p5):
     """efa and efa-direct share domain names (prov/efa/src/efa_domain.h): a proxy's NICs
     come from the head's fabric and address format only."""

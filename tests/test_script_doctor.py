@@ -143,6 +143,9 @@ def test_the_gpu_nic_map_is_chapter_08s(tmp_path):
     assert line == (OK, "GPU-NIC map", "8 GPUs, 32 NICs: 4 NICs per GPU, each on its GPU's "
                     "NUMA node (chapters/08_topo.py prints the table)")
     assert doctor.topology_line(Machine(tmp_path), [], nics)[0] == ABSENT
+    line = doctor.topology_line(Machine(tmp_path), machine["gpus"][5:6], nics)
+    assert line == (OK, "GPU-NIC map", "8 GPUs (1 seen by this process), 32 NICs: 4 NICs per "
+                    "GPU, each on its GPU's NUMA node (chapters/08_topo.py prints the table)")
 
 
 def test_the_systems_libfabric_beside_the_efa_installers_is_a_fix(tmp_path, monkeypatch):
