@@ -10,12 +10,20 @@ verbs gives none: its device's link in /sys/class/infiniband), the PCIe
 tree and the NUMA nodes from sysfs, and the hyperthread siblings, which are
 left out so that each pinned thread gets a core of its own.
 
+Lay out the whole machine, not only the GPUs this process sees: under Slurm's
+--gpus-per-task or torchrun a process sees only its own GPU (as cuda:0), and
+laid out alone that GPU would take all 32 NICs, half of them across the link
+between the sockets, and every core of its NUMA node. The machine's GPUs are
+on the PCI bus (sysfs: NVIDIA's vendor id, a GPU's class); the ones CUDA
+shows are found among them by their PCI addresses.
+
 New since chapter 07: a standalone program, no endpoint at all. The
 discovery lives in common/engine/topo.py, for chapters 09 on.
 
     .venv/bin/python chapters/08_topo.py                  # this machine, default provider
     .venv/bin/python chapters/08_topo.py -p efa
     .venv/bin/python chapters/08_topo.py --sysfs DIR --machine FILE   # a described machine (tests)
+    CUDA_VISIBLE_DEVICES=3 .venv/bin/python chapters/08_topo.py       # as a rank given GPU 3 sees it
     .venv/bin/python tests/fake_sysfs.py "$(mktemp -d)"   # the series' p5, faked: prints the line above for it
 
 Transcripts (a 2-core VM, one H200, the fake p5): results/08_topo/README.md
@@ -25,10 +33,11 @@ LESSON = {"figure": "check"}
 
 # %% [markdown]
 # ## Motivation
-#     GPU bus ids (CUDA)  NIC bus ids (fi_info)  /sys: PCIe tree, NUMA, CPU siblings
+#     GPUs on the PCI bus (/sys)  NIC bus ids (fi_info)  /sys: PCIe tree, NUMA, CPU siblings
 #            \                   |                          /
 #             NIC -> GPU sharing its PCIe switch (else: by NUMA node)
 #             NUMA node's physical cores -> split among its GPUs -> one core each
+#             the GPUs CUDA sees (bus ids) -> their rows: cuda:0, cuda:1, ...
 
 # %%
 import json
@@ -40,11 +49,16 @@ import common.fabric as fi
 
 
 def describe(args):
-    """(GPU bus ids, [Nic], what they came from) for this machine or for --machine,
-    where a NIC without a "bus" is an RDMA device, found in sysfs as verbs' are."""
+    """(bus ids of the GPUs this process sees, [Nic], what they came from) for this machine
+    or for --machine, where a NIC without a "bus" is an RDMA device, found in sysfs as
+    verbs' are, and "visible" (indexes into "gpus") names the GPUs the process sees."""
     if args.machine:
         try:
             data = json.loads(Path(args.machine).read_text())
+            seen = data.get("visible", range(len(data["gpus"])))
+            if any(not isinstance(i, int) or not 0 <= i < len(data["gpus"]) for i in seen):
+                raise ValueError(f"\"visible\" {data['visible']}: not indexes into \"gpus\" "
+                                 f"(0..{len(data['gpus']) - 1})")
             nics = [topo.Nic(n["name"], n.get("bus") or topo.rdma_device_bus(n["name"],
                                                                              args.sysfs),
                              n.get("gbps", 0)) for n in data["nics"]]
@@ -52,7 +66,8 @@ def describe(args):
             if lost:
                 raise ValueError(f"no bus given and no class/infiniband/{lost[0]} in "
                                  f"{args.sysfs}")
-            return data["gpus"], nics, f"described in {args.machine}", "described"
+            return ([data["gpus"][i] for i in seen], nics, f"described in {args.machine}",
+                    "described")
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise cli.UsageError(f"--machine {args.machine}: {e}") from None
     gpus, why = topo.gpus_here()
@@ -68,34 +83,39 @@ def describe(args):
 def main():
     p = cli.parser(__doc__)
     p.add_argument("--sysfs", default=str(topo.SYSFS), help="root of sysfs (default /sys)")
-    p.add_argument("--machine", help="JSON with 'gpus' (PCI addresses) and 'nics' "
-                   "(name, bus, gbps) instead of asking CUDA and libfabric")
+    p.add_argument("--machine", help="JSON with 'gpus' (PCI addresses), 'nics' (name, bus, "
+                   "gbps) and optionally 'visible' (the GPUs this process sees, indexes into "
+                   "'gpus') instead of asking CUDA and libfabric")
     args = p.parse_args()
     if not Path(args.sysfs).is_dir():
         raise cli.UsageError(f"--sysfs {args.sysfs}: no such directory")
     gpu_buses, nics, gpu_source, nic_source = describe(args)
     cores = topo.physical_cores(args.sysfs)
-    gpus = topo.layout(gpu_buses, nics, args.sysfs)
-    print(f"GPUs: {len(gpus)} ({gpu_source}); NICs: {len(nics)} ({nic_source}); "
+    gpus = topo.machine_layout(gpu_buses, nics, args.sysfs)
+    seen = (f", {len(gpu_buses)} of them seen by this process" if len(gpu_buses) < len(gpus)
+            else "")
+    print(f"GPUs: {len(gpus)}{seen} ({gpu_source}); NICs: {len(nics)} ({nic_source}); "
           f"NUMA nodes: {len(cores)}; physical cores: {sum(map(len, cores.values()))}")
     if not nics:
         print(f"no NIC with a PCI address from {nic_source}: chapters 09+ open several "
               "domains of it instead, as virtual NICs")
-    if not gpus:
-        print("no GPU: chapters 09+ run on host memory; NICs by NUMA node:")
+    if not gpu_buses:
+        print(f"no GPU{' seen' * bool(gpus)}: chapters 09+ run on host memory; NICs by "
+              "NUMA node:")
         for node, cpus in cores.items():
             mine = [n.name for n in nics if (n.numa if n.numa is not None else 0) == node]
             print(f"  NUMA {node}: cores {topo.ranges(cpus)}; NICs: {' '.join(mine) or '-'}")
     else:
         print(f"{'GPU':<7} {'bus':<13} {'NUMA':<5} {'cores':<12} {'pinned':<7} NICs")
         for g in gpus:
-            print(f"{'cuda:' + str(g.index):<7} {g.bus:<13} {'-' if g.numa is None else g.numa:<5} "
+            name = "-" if g.index is None else g.name()  # '-': a GPU this process does not see
+            print(f"{name:<7} {g.bus:<13} {'-' if g.numa is None else g.numa:<5} "
                   f"{topo.ranges(g.cores) or '-':<12} {'-' if g.core is None else g.core:<7} "
                   f"{' '.join(n.name for n in g.nics) or '-'}")
         for g in gpus:
             for n in g.nics:
                 if n.numa is not None and g.numa is not None and n.numa != g.numa:
-                    print(f"note: {n.name} is on NUMA node {n.numa}, cuda:{g.index} on "
+                    print(f"note: {n.name} is on NUMA node {n.numa}, {g.name()} on "
                           f"{g.numa}: their traffic crosses the link between the sockets")
     total = sum(n.gbps for n in nics)
     print(f"total link bandwidth: {len(nics)} NICs, {total:g} Gbps" if total else

@@ -79,7 +79,7 @@ from common.fabric import cuda_driver  # noqa: E402
 read = topo._read  # a file's text, stripped, or `default` where there is none
 
 OK, ABSENT, FIX = "ok", "--", "FIX"
-AMAZON, MELLANOX, NVIDIA = "0x1d0f", "0x15b3", "0x10de"
+AMAZON, MELLANOX = "0x1d0f", "0x15b3"
 EFA_INSTALLER = Path("/opt/amazon/efa")
 CAP_IPC_LOCK = 14
 REAL_NICS = {"efa": "EFA", "verbs": "RDMA (ConnectX)"}
@@ -92,19 +92,11 @@ class Machine:
     def __init__(self, sysfs="/sys", proc="/proc", dev="/dev"):
         self.sysfs, self.proc, self.dev = Path(sysfs), Path(proc), Path(dev)
 
-    def pci(self, vendor, device=None, klass=None):
-        """PCI addresses of the devices of `vendor` whose device id / class start as given."""
-        found = []
-        for d in sorted((self.sysfs / "bus" / "pci" / "devices").glob("*")):
-            ids = [read(d / name, "") for name in ("vendor", "device", "class")]
-            if ids[0] == vendor and ids[1].startswith(device or "") and ids[2].startswith(klass or ""):
-                found.append(d.name)
-        return found
-
     def nics_on_bus(self, provider):
         if provider == "efa":
-            return self.pci(AMAZON, device="0xefa")
-        return self.pci(MELLANOX, klass="0x02")  # network controllers: InfiniBand, Ethernet
+            return topo.pci_devices(self.sysfs, AMAZON, device="0xefa")
+        # network controllers: InfiniBand, Ethernet
+        return topo.pci_devices(self.sysfs, MELLANOX, classes=("0x02",))
 
     def rdma_devices(self, buses):
         """The kernel's RDMA devices (/sys/class/infiniband) that sit on `buses`."""
@@ -323,7 +315,7 @@ def fabrics_listed(fi, provider, caps):
 def gpu_line(machine):
     """(line, PCI addresses of the GPUs CUDA sees)."""
     buses, why = topo.gpus_here()
-    on_bus = machine.pci(NVIDIA, klass="0x03")  # display controllers: the GPUs, no NVSwitch
+    on_bus = topo.physical_gpus(machine.sysfs)
     if buses:
         return (OK, "GPU", f"{len(buses)} CUDA devices ({' '.join(buses)})"), buses
     if on_bus:
@@ -431,13 +423,14 @@ def topology_line(machine, buses, nics):
         missing = "GPU" if not buses else "NIC with a PCI address"
         return (ABSENT, "GPU-NIC map", f"no {missing}: chapters 09+ open several domains of "
                 "one provider as virtual NICs")
-    gpus = topo.layout(buses, nics, machine.sysfs)
+    gpus = topo.machine_layout(buses, nics, machine.sysfs)  # all, if CUDA shows only some
     counts = sorted({len(g.nics) for g in gpus})
     share = (f"{counts[0]} NICs per GPU" if len(counts) == 1
              else f"{counts[0]}-{counts[-1]} NICs per GPU (uneven)")
-    far = [f"{n.name} (NUMA {n.numa}) of cuda:{g.index} (NUMA {g.numa})" for g in gpus
+    far = [f"{n.name} (NUMA {n.numa}) of {g.name()} (NUMA {g.numa})" for g in gpus
            for n in g.nics if None not in (n.numa, g.numa) and n.numa != g.numa]
-    text = f"{len(gpus)} GPUs, {len(nics)} NICs: {share}"
+    seen = f" ({len(buses)} seen by this process)" if len(buses) < len(gpus) else ""
+    text = f"{len(gpus)} GPUs{seen}, {len(nics)} NICs: {share}"
     if far:
         return (ABSENT, "GPU-NIC map", f"{text}; on another NUMA node: {', '.join(far[:2])}"
                 f"{' ...' if len(far) > 2 else ''} (chapters/08_topo.py prints the table)")

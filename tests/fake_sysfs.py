@@ -1,14 +1,28 @@
 """Fake /sys trees for the topology tests: PCIe switches, NUMA nodes, hyperthreads.
 
 A box is a list of switches; each switch sits below a root port and holds
-endpoints (GPUs, NICs). Devices get the sysfs files chapter 08 reads:
-bus/pci/devices/<address> links into devices/pci..., numa_node, and per CPU
+endpoints (GPUs, NICs, and what else a GPU server has on its PCI bus). Devices
+get the sysfs files chapter 08 and the doctor read: bus/pci/devices/<address>
+links into devices/pci..., numa_node, vendor, device and class, and per CPU
 topology/thread_siblings_list; RDMA devices that verbs names (it gives no PCI
 address) the link class/infiniband/<name>/device.
+
+The machine description a box returns (chapter 08's --machine) lists the GPUs
+as CUDA lists them when it sees all, and the NICs as libfabric does; with
+`visible`, the GPUs this process sees (CUDA_VISIBLE_DEVICES, Slurm's
+--gpus-per-task, torchrun's one GPU a rank), as indexes into "gpus".
 """
 import json
 import os
 from pathlib import Path
+
+NVIDIA, AMAZON, MELLANOX, ASPEED = "0x10de", "0x1d0f", "0x15b3", "0x1a03"
+# Of each kind of endpoint, what sysfs's vendor, device and class files hold.
+IDS = {"gpu": (NVIDIA, "0x2330", "0x030200"),       # H100 SXM5: a 3D controller
+       "nic": (AMAZON, "0xefa1", "0x020000"),       # EFA: an Ethernet controller
+       "verbs": (MELLANOX, "0x1021", "0x020700"),   # ConnectX-7: an InfiniBand controller
+       "nvswitch": (NVIDIA, "0x22a3", "0x068000"),  # NVIDIA's, but a bridge: no GPU
+       "vga": (ASPEED, "0x2000", "0x030000")}       # the BMC's display: a GPU's class, not NVIDIA's
 
 # The p5 of the series (blog-series.md): per GPU, its bus and its 4 NICs' buses.
 P5_GPUS = [0x53, 0x64, 0x75, 0x86, 0x97, 0xa8, 0xb9, 0xca]
@@ -26,12 +40,14 @@ def write(path, text):
     path.write_text(text + "\n")
 
 
-def device(root, chain, numa):
-    """Create the device at the end of `chain` (root port first) and its bus/pci link;
-    returns its directory."""
+def device(root, chain, numa, kind):
+    """Create the device of `kind` (IDS) at the end of `chain` (root port first) and its
+    bus/pci link; returns its directory."""
     rc = "pci" + chain[0][:7]  # 'pci0000:00'
     real = root / "devices" / rc / Path(*chain)
     write(real / "numa_node", str(numa))
+    for name, value in zip(("vendor", "device", "class"), IDS[kind]):
+        write(real / name, value)
     symlink(root / "bus" / "pci" / "devices" / chain[-1], real)
     return real
 
@@ -66,47 +82,70 @@ def cpus(root, nodes, threads_per_core=2):
     write(system / "cpu" / "online", f"0-{total * threads_per_core - 1}")
 
 
-def box(root, switches, nodes):
+def box(root, switches, nodes, visible=None):
     """`switches`: [(numa, root complex bus, [(kind, name, endpoint bus, gbps)])], kind
-    "gpu", "nic" (its PCI address known, as efa gives it) or "verbs" (found through
-    class/infiniband only). Returns the machine description chapter 08 takes with
-    --machine."""
+    "gpu", "nic" (its PCI address known, as efa gives it), "verbs" (found through
+    class/infiniband only), or another of IDS (on the bus, in no description). Returns the
+    machine description chapter 08 takes with --machine; `visible`: the GPUs this process
+    sees, indexes into its "gpus" (None: all)."""
     machine = {"gpus": [], "nics": []}
     for i, (numa, rc_bus, endpoints) in enumerate(switches):
-        root_port = addr(rc_bus, 1 + i % 8)
+        root_port = addr(rc_bus, 1 + i)
         up = addr(endpoints[0][2] - 2)
         for k, (kind, name, bus, gbps) in enumerate(endpoints):
             down = addr(endpoints[0][2] - 1, k)
-            real = device(root, [root_port, up, down, addr(bus)], numa)
+            real = device(root, [root_port, up, down, addr(bus)], numa, kind)
             if kind == "gpu":
                 machine["gpus"].append(addr(bus))
             elif kind == "nic":
                 machine["nics"].append({"name": name, "bus": addr(bus), "gbps": gbps})
-            else:
+            elif kind == "verbs":
                 symlink(root / "class" / "infiniband" / name / "device", real)
                 machine["nics"].append({"name": name, "gbps": gbps})
+    if visible is not None:
+        machine["visible"] = list(visible)
     cpus(root, nodes)
     return machine
 
 
-def p5(root):
+def eight_gpus(root, gpu_buses, nics_of, nodes, visible=None):
+    """An 8-GPU server: each GPU behind its own PCIe switch with the NICs `nics_of(g,
+    gpu_bus)` gives ([(kind, name, bus, gbps)]); GPUs 0-3 on NUMA 0, 4-7 on NUMA 1;
+    `nodes`: physical cores per node. Beside them what else such a server has on its
+    PCI bus: the BMC's display (a VGA controller) and 4 NVSwitches (NVIDIA's, bridges)."""
+    switches = [(g // 4, 0x00 if g < 4 else 0x80, nics_of(g, bus) + [("gpu", None, bus, 0)])
+                for g, bus in enumerate(gpu_buses)]
+    switches.append((0, 0x00, [("vga", None, 0x03, 0)]))
+    switches.append((1, 0x80, [("nvswitch", None, 0xe4 + k, 0) for k in range(4)]))
+    return box(root, switches, nodes, visible)
+
+
+def p5(root, visible=None):
     """8 GPUs x 4 EFA NICs of 100 Gbps, GPUs 0-3 on NUMA 0, 96 cores, 2 threads each."""
-    switches = []
-    for g, (gpu_bus, nic) in enumerate(zip(P5_GPUS, P5_NIC_NAMES)):
-        nics = [("nic", f"rdmap{nic + k}s0", gpu_bus - 4 + k, 100) for k in range(4)]
-        switches.append((g // 4, 0x00 if g < 4 else 0x80, nics + [("gpu", None, gpu_bus, 0)]))
-    return box(root, switches, nodes=[48, 48])
+    return eight_gpus(root, P5_GPUS, lambda g, bus: [
+        ("nic", f"rdmap{P5_NIC_NAMES[g] + k}s0", bus - 4 + k, 100) for k in range(4)],
+        nodes=[48, 48], visible=visible)
 
 
-def cx7(root, per_gpu):
+def cx7(root, per_gpu, visible=None):
     """8 GPUs with `per_gpu` ConnectX-7 NICs each (mlx5_0, mlx5_1, ...; 400 Gbps shared
     among a GPU's), behind the GPU's own switch; GPUs 0-3 on NUMA 0; 2 x 56 cores."""
-    switches = []
-    for g, gpu_bus in enumerate(CX7_GPUS):
-        nics = [("verbs", f"mlx5_{g * per_gpu + k}", gpu_bus - per_gpu + k, 400 // per_gpu)
-                for k in range(per_gpu)]
-        switches.append((g // 4, 0x00 if g < 4 else 0x80, nics + [("gpu", None, gpu_bus, 0)]))
-    return box(root, switches, nodes=[56, 56])
+    return eight_gpus(root, CX7_GPUS, lambda g, bus: [
+        ("verbs", f"mlx5_{g * per_gpu + k}", bus - per_gpu + k, 400 // per_gpu)
+        for k in range(per_gpu)], nodes=[56, 56], visible=visible)
+
+
+def pretend(monkeypatch, root, machine):
+    """Make common.engine.topo find `machine` (built under `root`) as chapters 09-19 would
+    on it: CUDA's GPUs (the visible ones), libfabric's NICs, the PCI tree under `root`."""
+    from common.engine import topo
+    seen = [machine["gpus"][i] for i in machine.get("visible", range(len(machine["gpus"])))]
+    layout = topo.layout
+    monkeypatch.setattr(topo, "gpus_here", lambda: (seen, None))
+    monkeypatch.setattr(topo, "nics_here", lambda head, sysfs=None: [  # fresh: layout marks them
+        topo.Nic(n["name"], n.get("bus") or topo.rdma_device_bus(n["name"], root), n["gbps"])
+        for n in machine["nics"]])
+    monkeypatch.setattr(topo, "layout", lambda buses, nics, sysfs=None: layout(buses, nics, root))
 
 
 def save(root, machine):

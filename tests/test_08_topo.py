@@ -1,5 +1,6 @@
 """Chapter 08 and common.engine.topo against fake machines: the series' p5, a one-GPU box,
-NICs on the wrong NUMA node, no NUMA information at all, a ConnectX-7 box (verbs)."""
+NICs on the wrong NUMA node, no NUMA information at all, a ConnectX-7 box (verbs), and a
+process that sees one GPU of eight (Slurm's --gpus-per-task, torchrun, CUDA_VISIBLE_DEVICES)."""
 import functools
 import shlex
 import subprocess
@@ -157,12 +158,8 @@ def test_lanes_of_chapters_09_to_15_use_each_gpus_own_verbs_nics(tmp_path, monke
     """The lanes' NICs (nics.lane_nics) on the ConnectX-7 box: GPU g's lanes are its own
     NICs, not every lane on one (what 09-15 did when verbs NICs had no PCI address)."""
     machine = fake_sysfs.cx7(tmp_path, per_gpu)
-    names = [n["name"] for n in machine["nics"]]
-    monkeypatch.setattr(topo, "gpus_here", lambda: (machine["gpus"], None))
-    monkeypatch.setattr(topo, "nics_here", lambda head: [
-        topo.Nic(n, topo.rdma_device_bus(n, tmp_path), 400 / per_gpu) for n in names])
-    monkeypatch.setattr(topo, "layout", functools.partial(topo.layout, sysfs=tmp_path))
-    head = fake_info.info_list(names)
+    fake_sysfs.pretend(monkeypatch, tmp_path, machine)
+    head = fake_info.info_list([n["name"] for n in machine["nics"]])
     args = types.SimpleNamespace(gpus=list(range(8)), provider_used="verbs")
     for gpus, per in ((list(range(8)), None), ([6, 1], 1)):
         args.gpus = gpus
@@ -171,3 +168,114 @@ def test_lanes_of_chapters_09_to_15_use_each_gpus_own_verbs_nics(tmp_path, monke
         assert got == [[f"mlx5_{g * per_gpu + k}" for k in range(per or per_gpu)]
                        for g in gpus]
         assert what.startswith(f"{len(gpus)} x {per or per_gpu} NICs: mlx5_")
+
+
+# --- one visible GPU per process ------------------------------------------------------------
+
+def table(out):
+    """{bus: the rest of its row but the name} and [(name, bus)] of chapter 08's table."""
+    rows = [line.split() for line in out.splitlines() if line.startswith(("cuda:", "- "))]
+    return {row[1]: row[2:] for row in rows}, [(row[0], row[1]) for row in rows]
+
+
+@pytest.mark.parametrize("visible", [[3], [6, 1]])
+def test_08_a_process_that_sees_some_gpus_gets_the_table_of_all_eight(tmp_path, visible):
+    """Under Slurm's --gpus-per-task or torchrun a process sees its GPU alone: the table
+    is still the machine's (sysfs's GPUs), each GPU with its own 4 NICs and cores, and the
+    GPUs this process sees are named as CUDA numbers them; the others read '-'."""
+    everything = chapter(tmp_path, fake_sysfs.save(tmp_path, fake_sysfs.p5(tmp_path)))
+    out = chapter(tmp_path, fake_sysfs.save(tmp_path, fake_sysfs.p5(tmp_path, visible)))
+    assert table(out)[0] == table(everything)[0]
+    names = {bus: name for name, bus in table(out)[1]}
+    assert names == {f"0000:{bus:02x}:00.0": f"cuda:{visible.index(g)}" if g in visible else "-"
+                     for g, bus in enumerate(fake_sysfs.P5_GPUS)}
+    assert f"GPUs: 8, {len(visible)} of them seen by this process (described in" in out
+    assert "total link bandwidth: 32 NICs, 3200 Gbps" in out
+
+
+def test_08_a_visible_gpu_past_the_described_ones_is_one_line(tmp_path):
+    machine = fake_sysfs.p5(tmp_path, visible=[8])
+    done = subprocess.run([sys.executable, str(chapter_path(8)), "--sysfs", str(tmp_path),
+                           "--machine", str(fake_sysfs.save(tmp_path, machine))],
+                          capture_output=True, text=True, env=local_env(), timeout=30)
+    assert_one_line_error(done, '"visible" [8]: not indexes into "gpus" (0..7)')
+
+
+def test_the_gpus_on_the_bus_are_nvidias_display_and_3d_controllers(tmp_path):
+    """The fake p5 has NVSwitches (NVIDIA's, class 0x0680) and the BMC's VGA controller
+    (ASPEED's, class 0x0300) on its bus beside the GPUs and NICs: only the 8 GPUs count."""
+    machine = fake_sysfs.p5(tmp_path)
+    assert topo.physical_gpus(tmp_path) == machine["gpus"]
+    assert topo.physical_gpus(tmp_path / "nothing") == []
+
+
+def p5_nics(machine):
+    return [topo.Nic(n["name"], n["bus"], n["gbps"]) for n in machine["nics"]]
+
+
+@pytest.mark.parametrize("gpu", range(8))
+def test_layout_of_one_visible_gpu_is_its_row_of_the_eight(tmp_path, gpu):
+    """topo.layout with the one GPU CUDA sees: its own 4 NICs and its slice of the cores,
+    as with all 8 seen; not all 32 NICs and the whole NUMA node on the one GPU."""
+    machine = fake_sysfs.p5(tmp_path)
+    (mine,) = topo.layout([machine["gpus"][gpu]], p5_nics(machine), tmp_path)
+    eight = topo.layout(machine["gpus"], p5_nics(machine), tmp_path)[gpu]
+    first = fake_sysfs.P5_NIC_NAMES[gpu]
+    assert [n.name for n in mine.nics] == [f"rdmap{first + k}s0" for k in range(4)]
+    assert (mine.index, mine.bus, mine.numa, mine.cores, mine.core) == \
+        (0, eight.bus, eight.numa, eight.cores, eight.core) == \
+        (0, machine["gpus"][gpu], gpu // 4, list(range(12 * gpu, 12 * gpu + 12)), P5[gpu][3])
+
+
+def test_the_visible_gpus_keep_cudas_order(tmp_path):
+    machine = fake_sysfs.p5(tmp_path)
+    seen = [machine["gpus"][6], machine["gpus"][1]]  # CUDA_VISIBLE_DEVICES=6,1
+    gpus = topo.layout(seen, p5_nics(machine), tmp_path)
+    assert [(g.index, g.bus, g.nics[0].name) for g in gpus] == \
+        [(0, seen[0], "rdmap181s0"), (1, seen[1], "rdmap96s0")]
+
+
+@pytest.mark.parametrize("machine_of", [fake_sysfs.p5, functools.partial(fake_sysfs.cx7,
+                                                                         per_gpu=2)],
+                         ids=["p5", "cx7"])
+def test_lanes_of_chapters_09_to_15_with_one_visible_gpu_use_its_own_nics(tmp_path,
+                                                                         monkeypatch,
+                                                                         machine_of):
+    """nics.lane_nics for `--gpus 0` in a process that sees GPU 5 alone: GPU 5's NICs,
+    the same as `--gpus 5` where it sees all 8."""
+    lanes = {}
+    for visible, gpus in ((None, [5]), ([5], [0])):
+        machine = machine_of(tmp_path, visible=visible)
+        fake_sysfs.pretend(monkeypatch, tmp_path, machine)
+        head = fake_info.info_list([n["name"] for n in machine["nics"]])
+        args = types.SimpleNamespace(gpus=gpus, provider_used="efa")
+        infos, what = lane_nics(args, head, 1, None)
+        lanes[visible is None] = [fi.string(i.domain_attr.name) for i in infos[0]]
+    assert lanes[False] == lanes[True] and len(lanes[True]) in (2, 4)
+
+
+def test_chapter_12s_worker_core_with_one_visible_gpu_is_the_one_of_eight(tmp_path,
+                                                                           monkeypatch):
+    """topo.worker_cores pins GPU 3's worker to core 42 whether the process sees all 8
+    GPUs or GPU 3 alone (as cuda:0), not to the middle of its whole NUMA node."""
+    machine = fake_sysfs.p5(tmp_path)
+    monkeypatch.setattr(topo.os, "sched_getaffinity", lambda pid: set(range(192)))
+    monkeypatch.setattr(topo, "gpus_here", lambda: (machine["gpus"], None))
+    assert topo.worker_cores([3], 1, tmp_path) == [42]
+    monkeypatch.setattr(topo, "gpus_here", lambda: ([machine["gpus"][3]], None))
+    assert topo.worker_cores([0], 1, tmp_path) == [42]
+
+
+def test_a_gpu_without_a_nic_of_its_own_shares_its_numa_nodes(tmp_path, monkeypatch):
+    """Fewer NICs than GPUs (a g5.48xlarge: 8 GPUs, 1 EFA NIC): the GPU behind no NIC's
+    switch drives those of its NUMA node, else any, as the one that owns them does; not a
+    ZeroDivisionError, whether the process sees both GPUs or that one alone."""
+    two = [(0, 0x00, [("nic", "efa0", 0x11, 100), ("gpu", None, 0x13, 0)]),
+           (1, 0x80, [("gpu", None, 0x93, 0)])]
+    head = fake_info.info_list(["efa0"])
+    for visible, gpu in ((None, 1), ([1], 0)):
+        fake_sysfs.pretend(monkeypatch, tmp_path, fake_sysfs.box(tmp_path, two, [4, 4], visible))
+        infos, what = lane_nics(types.SimpleNamespace(gpus=[gpu], provider_used="efa"), head,
+                                1, None)
+        assert [fi.string(i.domain_attr.name) for i in infos[0]] == ["efa0"]
+        assert what == "1 x 1 NICs: efa0"

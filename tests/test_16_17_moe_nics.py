@@ -3,7 +3,6 @@ rank drives (its GPU's by chapter 08's topology, as common/engine/nics.py's rank
 chooses them, on the series' p5 rebuilt in a fake sysfs), which of them serves each peer,
 the run on virtual NICs (shm, tcp) end to end; and the GPUDirect flush before a stamp:
 when it is needed (faked device attributes) and the C side that calls it."""
-import functools
 import re
 import sys
 import threading
@@ -36,12 +35,8 @@ def moe():
 def p5(tmp_path, monkeypatch):
     """The p5 as chapter 16 would find it: 8 GPUs, 32 EFA NICs, 4 behind each GPU's switch."""
     machine = fake_sysfs.p5(tmp_path)
-    nics = [topo.Nic(n["name"], n["bus"], n["gbps"]) for n in machine["nics"]]
-    monkeypatch.setattr(topo, "gpus_here", lambda: (machine["gpus"], None))
-    monkeypatch.setattr(topo, "nics_here", lambda head: [topo.Nic(n.name, n.bus, n.gbps)
-                                                         for n in nics])
-    monkeypatch.setattr(topo, "layout", functools.partial(topo.layout, sysfs=tmp_path))
-    return fake_info.info_list([n.name for n in nics])
+    fake_sysfs.pretend(monkeypatch, tmp_path, machine)
+    return fake_info.info_list([n["name"] for n in machine["nics"]])
 
 
 def group(rank, world=16, per_node=8):
@@ -63,6 +58,28 @@ def test_each_gpus_proxy_drives_that_gpus_nics(p5):
     assert names(infos) == ["rdmap130s0", "rdmap131s0"]
     with pytest.raises(ValueError, match="do not split evenly into 3"):
         rank_nics(p5, group(3), 3, count=3)
+
+
+def test_a_rank_that_sees_only_its_gpu_drives_that_gpus_nics(p5, tmp_path, monkeypatch):
+    """Slurm's --gpus-per-task, torchrun, CUDA_VISIBLE_DEVICES: rank r sees its GPU alone,
+    as cuda:0; its proxy (16-17) and its transfer engine (18-19) drive that GPU's 4 NICs,
+    as where it sees all 8, not all 32 NICs of the p5."""
+    for rank in range(8):
+        fake_sysfs.pretend(monkeypatch, tmp_path, fake_sysfs.p5(tmp_path, visible=[rank]))
+        infos, line = rank_nics(p5, group(rank), 0)
+        first = fake_sysfs.P5_NIC_NAMES[rank]
+        assert names(infos) == [f"rdmap{first + k}s0" for k in range(4)]
+        assert line == "4 NICs (GPU 0's): " + " ".join(names(infos))
+
+
+def test_the_transfer_engines_worker_cores_with_one_visible_gpu(p5, tmp_path, monkeypatch):
+    """common/transfer's worker thread runs on its GPU's slice of the cores (chapter 12),
+    GPU 3's 36-47 on the p5, whether the process sees it as cuda:3 or alone as cuda:0."""
+    from common.transfer import engine
+    monkeypatch.setattr(topo.os, "sched_getaffinity", lambda pid: set(range(192)))
+    assert engine.worker_cores(3) == set(range(36, 48))
+    fake_sysfs.pretend(monkeypatch, tmp_path, fake_sysfs.p5(tmp_path, visible=[3]))
+    assert engine.worker_cores(0) == set(range(36, 48))
 
 
 def test_a_nics_entry_of_another_fabric_is_not_taken(p5):

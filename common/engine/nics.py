@@ -4,7 +4,8 @@ under chapters 18-19.
 
 Chapter 08's topology (topo.py) reads the machine; this module chooses from it. A GPU's
 memory goes out through its own NICs, those behind its PCIe switch (on a p5, 4 of them),
-since a WRITE through another GPU's NIC would cross the root complex; host memory takes
+since a WRITE through another GPU's NIC would cross the root complex: the same ones
+whether the process sees all the GPUs or only its own (Slurm, torchrun). Host memory takes
 an even share of the node's, in order. Where no NIC has a PCI address (shm, or tcp on a
 laptop), a NIC is virtual: one more domain of that provider, so that the code of many
 NICs runs anywhere. Of each NIC, the entry taken is of the control endpoint's kind
@@ -37,8 +38,8 @@ def lane_nics(args, head, groups, per_group):
 
 def rank_nics(head, place, gpu, count=None):
     """The fi_info of each NIC one rank drives (the MoE proxy; a transfer engine), and a
-    line saying which: its GPU's NICs (for host memory, or a GPU that got none, its share
-    of the node's by its `place`, a launch.Place), the first `count` of them; or `count`
+    line saying which: its GPU's NICs (nics_near_gpus; for host memory, its share of the
+    node's by its `place`, a launch.Place), the first `count` of them; or `count`
     (default 1) virtual NICs where no NIC has a PCI address."""
     nics = topo.nics_here(head)
     provider = fi.provider_of(head)
@@ -46,9 +47,8 @@ def rank_nics(head, place, gpu, count=None):
         count = count or 1
         return fi.rules.virtual_nics(head, count), (f"{count} virtual NIC{'s' * (count > 1)}, each a domain of "
                                 f"{provider} (no NIC with a PCI address here)")
-    mine = nics_near_gpus(nics, [gpu])[0] if gpu is not None else []
-    if not mine:
-        mine = node_share(nics, place.rank % place.ranks_per_node, place.ranks_per_node)
+    mine = (nics_near_gpus(nics, [gpu])[0] if gpu is not None
+            else node_share(nics, place.rank % place.ranks_per_node, place.ranks_per_node))
     mine = first_of_each([mine], count)[0]
     entries = nic_entries(head)  # of each NIC, an entry of the head's kind
     other = [n.name for n in mine if n.name not in entries]
@@ -84,12 +84,16 @@ def nic_entries(head):
 
 
 def nics_near_gpus(nics, gpus):
-    """Each of `gpus`' NICs ([Nic] per GPU index), as chapter 08's topo.layout gives them."""
+    """Each of `gpus`' NICs ([Nic] per CUDA number), as chapter 08's topo.layout gives them
+    in the layout of the whole machine, however few of its GPUs this process sees. A GPU
+    that owns none (fewer NICs than GPUs) shares those of its NUMA node, else all of them."""
     gpu_buses, _ = topo.gpus_here()
     layout = topo.layout(gpu_buses, nics)
     if max(gpus) >= len(layout):
-        raise ValueError(f"no GPU {max(gpus)} in the topology ({len(layout)} GPUs)")
-    return [layout[g].nics for g in gpus]
+        raise ValueError(f"no GPU {max(gpus)} in the topology (this process sees "
+                         f"{len(layout)} GPUs)")
+    return [layout[g].nics or [n for n in nics if n.numa == layout[g].numa] or nics
+            for g in gpus]
 
 
 def split_among(nics, groups):

@@ -1,14 +1,21 @@
 """The machine's layout: which NICs and which CPU cores belong to which GPU (chapter 08).
 
-Read from sysfs (the PCIe tree, NUMA nodes, hyperthread siblings), the GPUs'
-PCI addresses from CUDA and the NICs' from libfabric (efa), or from sysfs for
-the RDMA device libfabric names (verbs). A NIC belongs to the GPU it shares
-the deepest PCIe bridge with (on a p5: the switch in front of each GPU and its
-4 NICs); a NIC that shares none with any GPU goes to the GPU of its NUMA node
-that has the fewest NICs so far. Each NUMA node's physical cores are split
-evenly among its GPUs; the middle core of a GPU's slice is the one its thread
-will be pinned to. Which of them each user drives is chosen from this layout in
-nics.py.
+Read from sysfs (the PCIe tree, NUMA nodes, hyperthread siblings, the machine's
+GPUs), the PCI addresses of the GPUs this process sees from CUDA and the NICs'
+from libfabric (efa), or from sysfs for the RDMA device libfabric names
+(verbs). A NIC belongs to the GPU it shares the deepest PCIe bridge with (on a
+p5: the switch in front of each GPU and its 4 NICs); a NIC that shares none
+with any GPU goes to the GPU of its NUMA node that has the fewest NICs so far.
+Each NUMA node's physical cores are split evenly among its GPUs; the middle
+core of a GPU's slice is the one its thread will be pinned to. Which of them
+each user drives is chosen from this layout in nics.py.
+
+The layout is of every GPU on the PCI bus, not only of those CUDA shows: under
+Slurm's --gpus-per-task, torchrun or CUDA_VISIBLE_DEVICES a process sees one
+GPU, and laid out alone it would take every NIC of the machine and every core
+of its NUMA node.
+The GPUs it sees are found in it by their PCI addresses, so each gets the NICs
+and cores it would get were all of them seen.
 
 Everything takes a `sysfs` root so the tests can hand in a fake tree.
 """
@@ -29,12 +36,16 @@ class Nic:
 
 @dataclass
 class Gpu:
-    index: int
+    index: int         # CUDA's number for it in this process; None for one it does not see
     bus: str
     numa: int = None
     cores: list = field(default_factory=list)  # its slice of its NUMA node's physical cores
     core: int = None                            # the one to pin its thread to
     nics: list = field(default_factory=list)
+
+    def name(self):
+        """cuda:N, or the PCI address of a GPU this process does not see."""
+        return self.bus if self.index is None else f"cuda:{self.index}"
 
 
 def cpulist(text):
@@ -51,6 +62,28 @@ def _read(path, default=None):
         return Path(path).read_text().strip()
     except OSError:
         return default
+
+
+NVIDIA = "0x10de"
+# PCI classes of a GPU: a 3D controller (the data-center GPUs) or a VGA controller. An
+# NVSwitch is NVIDIA's too, but a bridge (0x0680); a BMC's display is VGA, but not NVIDIA's.
+GPU_CLASSES = ("0x0302", "0x0300")
+
+
+def pci_devices(sysfs=SYSFS, vendor=None, device=None, classes=("",)):
+    """PCI addresses, in order, of the devices of `vendor` whose device id starts with
+    `device` and class with one of `classes` (sysfs's vendor, device and class files)."""
+    found = []
+    for d in sorted((Path(sysfs) / "bus" / "pci" / "devices").glob("*")):
+        ids = [_read(d / name, "") for name in ("vendor", "device", "class")]
+        if ids[0] == vendor and ids[1].startswith(device or "") and ids[2].startswith(classes):
+            found.append(d.name)
+    return found
+
+
+def physical_gpus(sysfs=SYSFS):
+    """PCI addresses of the machine's NVIDIA GPUs, whichever of them CUDA shows."""
+    return pci_devices(sysfs, NVIDIA, classes=GPU_CLASSES)
 
 
 def pci_path(bus, sysfs=SYSFS):
@@ -97,22 +130,28 @@ def shared_depth(a, b):
     return depth
 
 
-def layout(gpu_buses, nics, sysfs=SYSFS):
-    """[Gpu] with their NICs and cores. `gpu_buses`: PCI address per GPU index;
+def machine_layout(gpu_buses, nics, sysfs=SYSFS):
+    """[Gpu] for every GPU of the machine, in PCI order, with their NICs and cores; those
+    CUDA sees carry its number. `gpu_buses`: the PCI address of each GPU CUDA sees, in its
+    order (a GPU sysfs does not list, as in a container that hides it, is laid out too);
     `nics`: [Nic] as libfabric lists them."""
-    gpus = [Gpu(i, pci_address(bus), numa_node(pci_address(bus), sysfs))
-            for i, bus in enumerate(gpu_buses)]
-    paths = {g.index: pci_path(g.bus, sysfs) for g in gpus}
+    seen = [pci_address(bus) for bus in gpu_buses]
+    buses = sorted(set(physical_gpus(sysfs)) | set(seen))
+    gpus = [Gpu(seen.index(bus) if bus in seen else None, bus, numa_node(bus, sysfs))
+            for bus in buses]
+    paths = [pci_path(g.bus, sysfs) for g in gpus]
     for nic in nics:
         nic.numa = numa_node(nic.bus, sysfs)
+        if not gpus:
+            continue
         path = pci_path(nic.bus, sysfs)
-        best = max(gpus, key=lambda g: shared_depth(paths[g.index], path), default=None)
-        if best is not None and shared_depth(paths[best.index], path) <= 1:
+        depth = [shared_depth(p, path) for p in paths]
+        best = max(range(len(gpus)), key=depth.__getitem__)
+        if depth[best] <= 1:
             # only the root port (or nothing) in common: fall back to the NUMA node
-            near = [g for g in gpus if g.numa == nic.numa] or gpus
-            best = min(near, key=lambda g: (len(g.nics), g.index))
-        if best is not None:
-            best.nics.append(nic)
+            near = [k for k, g in enumerate(gpus) if g.numa == nic.numa] or range(len(gpus))
+            best = min(near, key=lambda k: (len(gpus[k].nics), k))
+        gpus[best].nics.append(nic)
     cores = physical_cores(sysfs)
     for node, cpus in cores.items():
         mine = [g for g in gpus if (g.numa if g.numa is not None else 0) == node]
@@ -123,6 +162,13 @@ def layout(gpu_buses, nics, sysfs=SYSFS):
             gpu.cores = cpus[k * share:(k + 1) * share] if share else cpus[:]
             gpu.core = gpu.cores[len(gpu.cores) // 2] if gpu.cores else None
     return gpus
+
+
+def layout(gpu_buses, nics, sysfs=SYSFS):
+    """[Gpu] of the GPUs CUDA sees, indexed by CUDA's number, each with the NICs and cores
+    it has in the machine's layout (machine_layout)."""
+    gpus = [g for g in machine_layout(gpu_buses, nics, sysfs) if g.index is not None]
+    return sorted(gpus, key=lambda g: g.index)
 
 
 def gpus_here():

@@ -854,7 +854,8 @@ def per_peer_nic(a, b, count):
 
 
 def worker_cores(gpu):
-    """The cores of the GPU's NUMA node (chapter 12), or None: best effort."""
+    """The GPU's share of its NUMA node's cores (chapter 12), the same whether this process
+    sees every GPU or its own alone (topo.layout), or None: best effort."""
     if gpu is None:
         return None
     try:
