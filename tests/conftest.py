@@ -1,3 +1,9 @@
+"""The suite's two tiers, and what every test is checked for when it ends.
+
+`pytest` runs the fast tier: every chapter end to end once, every module's unit tests, one
+fault of each kind. `pytest -m long` runs the long tier: every fault in every chapter,
+loads, every flag and provider combination. A test named by its node id runs whatever
+its tier; `-m` chooses otherwise (`-m "long or not long"`: both tiers)."""
 import os
 
 import pytest
@@ -7,12 +13,24 @@ from tests import fake_info, processes
 from tests.budget import Budget
 from tests.shm_regions import SHM, Watcher
 
-PROVIDERS = ["shm", "tcp"]
+PROVIDERS = ["shm", pytest.param("tcp", marks=pytest.mark.long)]  # tcp in the fast tier: 04
 EXIT = 15  # seconds, quiet machine, for what a test started to end after it (a launcher's
 #            ranks told through the rendezvous that it is gone stop within their own bound)
 
 os.environ.setdefault("FI_TCP_IFACE", "lo")  # keep tcp on loopback in this process too
 os.environ[cli.STRETCH] = "1"  # the chapters we start wait as long as this busy machine needs
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without -m, and unless tests are named by node id, the long tier is left out."""
+    if config.option.markexpr or any("::" in arg for arg in config.args):
+        return
+    fast, long = [], []
+    for item in items:
+        (long if item.get_closest_marker("long") else fast).append(item)
+    if long:
+        config.hook.pytest_deselected(items=long)
+        items[:] = fast
 
 
 @pytest.fixture(scope="session", autouse=True)

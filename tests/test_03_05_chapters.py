@@ -38,6 +38,7 @@ def test_03_lists_what_fi_info_lists():
     assert chapter03_pairs() == fi_info_pairs()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("args,tool_args", [
     (["-p", "shm"], ["-p", "shm"]),
     (["--ep-type", "rdm"], ["-t", "FI_EP_RDM"]),
@@ -52,6 +53,7 @@ def test_03_verbose_shows_caps_and_mr_mode():
     assert "caps:" in done.stdout and "FI_MSG" in done.stdout and "mr_mode:" in done.stdout
 
 
+@pytest.mark.parametrize("provider", ["shm", "tcp"])  # the fast tier's run on tcp
 def test_04_client_message_reaches_server(provider):
     pair = run_pair(4, provider, client_args=[["ping over " + provider]])
     assert pair.ok, pair
@@ -60,6 +62,7 @@ def test_04_client_message_reaches_server(provider):
     assert f"-p {provider}" in pair.server.out  # the exact client command is printed
 
 
+@pytest.mark.long
 def test_04_default_provider_is_local_and_said():
     fake_info.skip_where_present("efa", "verbs")
     pair = run_pair(4, None, client_args=[["default"]])
@@ -77,6 +80,7 @@ def test_05_serves_clients_one_after_another(provider):
         assert f"client {i}: {text!r} -> {text[::-1]!r}" in pair.server.out
 
 
+@pytest.mark.long
 def test_05_unicode_round_trip(provider):
     pair = run_pair(5, provider, ["--clients", "1"], [["héllo → 世界"]])
     assert pair.ok, pair

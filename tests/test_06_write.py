@@ -18,6 +18,7 @@ def test_06_every_page_arrives(provider):
     assert "wrote 8 pages of 65536 bytes from host memory" in pair.server.out
 
 
+@pytest.mark.long
 def test_06_odd_sizes_and_one_buffer(provider):
     pair = run_pair(6, provider, ["--clients", "1"],
                     [["--pages", "2,0,1", "--page-size", "1000", "--buffers", "1",
@@ -34,6 +35,7 @@ def test_06_odd_sizes_and_one_buffer(provider):
 SHM_KEY_FAILURE_COMPLETES = fi.version() >= (2, 5)
 
 
+@pytest.mark.long
 def test_06_wrong_key_is_reported_and_server_survives(provider):
     # Known gap: after a bad-key failure, Debian's tcp;ofi_rxm (1.17) takes no new
     # client on the same endpoint, so only shm is asked to serve a second one.
@@ -60,6 +62,7 @@ def test_06_wrong_key_is_reported_and_server_survives(provider):
         assert good.rc == 0 and "verified 4 pages (262144 bytes): 0 wrong bytes" in good.out
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("args,pattern", [
     (["--page-size", "0"], "0 < page size"),
     (["--page-size", "1.5K"], "not a size"),

@@ -79,6 +79,7 @@ def assert_interrupted(chapter, rc, err, elapsed, timeout):
     assert elapsed < timeout, f"{elapsed:.1f} s to end: it waited for its peer"
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("chapter", CHAPTERS)
 @pytest.mark.parametrize("call,after", [("fi_writemsg", 2000), ("fi_cq_read", 500)])
 def test_interrupt_just_after_a_call_ends_the_server(chapter, call, after):
@@ -88,12 +89,14 @@ def test_interrupt_just_after_a_call_ends_the_server(chapter, call, after):
     assert_interrupted(chapter, *interrupted_mid_run(chapter, [INTERRUPTED, call, after]))
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("chapter", CHAPTERS)
 def test_an_error_in_the_clean_up_does_not_replace_the_interrupt(chapter):
     server = [INTERRUPTED, "fi_writemsg", 2000, "--failing-close"]
     assert_interrupted(chapter, *interrupted_mid_run(chapter, server))
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("chapter", CHAPTERS)
 @pytest.mark.parametrize("attempt", range(3))
 def test_ctrl_c_mid_run_ends_the_server(chapter, attempt):

@@ -30,11 +30,13 @@ def client_checks(chapter, client_args):
     return checked(pair.clients[0].out)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("iters", [1, 2, 31, 32, 100])
 def test_07_checks_what_its_writes_reach(iters):
     assert client_checks(7, ["--iters", str(iters), *PAGES]) == (min(iters, NPAGES), 0)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("chapter", ENGINES)
 @pytest.mark.parametrize("iters", [4, 7, 100])  # 4: one WRITE per lane, the fewest there are
 def test_engines_check_what_their_writes_reach(chapter, iters):

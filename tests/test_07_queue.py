@@ -41,6 +41,7 @@ def test_07_every_page_arrives(provider):
                      pair.server.out)
 
 
+@pytest.mark.long
 def test_07_eagain_is_queued_never_lost(provider):
     # Many more WRITEs than the provider's queue holds: most wait in our queue.
     pair = run_pair(7, provider, ["--clients", "1"], [["--iters", "2000", *SMALL]],
@@ -52,6 +53,7 @@ def test_07_eagain_is_queued_never_lost(provider):
     assert "verified 64 pages (4194304 bytes): 0 wrong bytes" in pair.clients[0].out
 
 
+@pytest.mark.long
 def test_07_lesson_run_is_refused_on_shm_every_time():
     """The run the tour judges 07 by (LESSON's client) meets -FI_EAGAIN on shm whatever
     CPU the client gets. It asks --delivery-complete: the server posts each WRITE with
@@ -75,6 +77,7 @@ def test_07_lesson_run_is_refused_on_shm_every_time():
     assert re.search(r"verified 64 pages \(\d+ bytes\): 0 wrong bytes", pair.clients[0].out)
 
 
+@pytest.mark.long
 def test_07_default_pages_and_odd_sizes(provider):
     # No --pages: the first 1000 pages of each buffer (here all 3 of each).
     pair = run_pair(7, provider, ["--clients", "1"],
@@ -83,6 +86,7 @@ def test_07_default_pages_and_odd_sizes(provider):
     assert "verified 6 pages (6000 bytes): 0 wrong bytes" in pair.clients[0].out
 
 
+@pytest.mark.long
 def test_07_json_record(tmp_path):
     out = tmp_path / "run.json"
     pair = run_pair(7, "shm", ["--clients", "1", "--json", str(out)],
@@ -100,6 +104,7 @@ def test_07_json_record(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+@pytest.mark.long
 def test_07_wrong_key_is_reported_and_server_survives():
     pair = run_pair(7, "shm", ["--clients", "2", "--timeout", "3"],
                     [["--bad-key", "--iters", "500", "--timeout", "5", *SMALL],
@@ -185,6 +190,7 @@ def test_07_drain_empties_the_cq_of_errors_without_a_context(monkeypatch):
     assert not reads
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("args,pattern", [
     (["--page-size", "0"], "0 < page size"),
     (["--page-size", "1.5K"], "not a size"),

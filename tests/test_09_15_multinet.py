@@ -24,7 +24,8 @@ IDS = ["09", "10", "11c", "11py", "12", "13", "14", "15"]
 
 
 @pytest.mark.parametrize("chapter,server_args", ENGINES, ids=IDS)
-@pytest.mark.parametrize("groups,nics", [(1, 1), (1, 4), (2, 2)])
+@pytest.mark.parametrize("groups,nics", [  # the fast tier: 2 groups of 2 NICs
+    pytest.param(1, 1, marks=pytest.mark.long), pytest.param(1, 4, marks=pytest.mark.long), (2, 2)])
 def test_every_nic_delivers(chapter, server_args, groups, nics, provider):
     pair = run_pair(chapter, provider, ["--clients", "1", *server_args],
                     [["--groups", str(groups), "--nics-per-gpu", str(nics), *SMALL]])
@@ -49,6 +50,7 @@ def test_every_nic_delivers(chapter, server_args, groups, nics, provider):
         assert "first contact vs a warm WRITE:" in server
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("chapter", [9, 13])
 def test_a_dozen_nics(chapter, provider):
     """Twelve lanes and the control endpoint: shm names the last ones "...:10:0" and up,
@@ -75,6 +77,7 @@ def test_real_nics_are_shared_out_evenly():
         split_among(nics(4), 3)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("chapter", [9, 10, 11, 12, 13, 14, 15])
 @pytest.mark.parametrize("args,pattern", [
     (["--nics-per-gpu", "0"], "must be 1..64"),
@@ -89,6 +92,7 @@ def test_bad_input(chapter, args, pattern):
     assert_one_line_error(done, pattern)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("chapter,server_args", [(11, ["--engine", "native"]),
                                                  (11, ["--engine", "python"]), (14, []),
                                                  (15, [])], ids=["11c", "11py", "14", "15"])
@@ -103,6 +107,7 @@ def test_refusals_wait_in_order_and_nothing_is_lost(chapter, server_args):
     assert "verified 2 x 64 pages (8388608 bytes): 0 wrong bytes" in pair.clients[0].out
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("chapter,server_args", ENGINES, ids=IDS)
 def test_client_gone_mid_run_server_survives(chapter, server_args):
     client_gone_server_survives(chapter, "shm", server_args,

@@ -150,6 +150,7 @@ def test_virtual_nics_without_a_pci_address():
     assert len(infos) == 3 and line.startswith("3 virtual NICs")
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("provider", ["shm", "tcp"])
 def test_proxies_on_two_virtual_nics_each_pass_every_check(provider):
     """4 ranks as 2 emulated nodes, each proxy on 2 endpoints (virtual NICs): both far peers
@@ -165,6 +166,7 @@ def test_proxies_on_two_virtual_nics_each_pass_every_check(provider):
     assert re.search(r"^\[0\] all checks passed", done.stdout, re.MULTILINE)
 
 
+@pytest.mark.long
 def test_nics_out_of_range_is_one_line():
     done, _ = run(16, "--nics", "0")
     assert_one_line_error(done, "--nics must be 1..64, not 0")

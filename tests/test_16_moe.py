@@ -35,7 +35,8 @@ def launched(ranks, per_node, *args, provider=None):
 
 
 @pytest.mark.parametrize("ranks,per_node,provider", [
-    (2, 2, None), (2, 1, "shm"), (4, 4, None), (4, 2, "tcp"), (8, 8, None), (8, 4, "shm")],
+    (2, 2, None), *(pytest.param(*case, marks=pytest.mark.long) for case in [
+        (2, 1, "shm"), (4, 4, None), (4, 2, "tcp"), (8, 8, None), (8, 4, "shm")])],
     ids=["2-one-node", "2-two-nodes-shm", "4-one-node", "4-two-nodes-tcp", "8-one-node",
          "8-two-nodes-shm"])
 def test_every_case_matches_the_reference(ranks, per_node, provider):
@@ -57,6 +58,7 @@ def test_every_case_matches_the_reference(ranks, per_node, provider):
     assert (f"{nodes} emulated nodes of {per_node}" if nodes > 1 else "one node") in done.stdout
 
 
+@pytest.mark.long
 def test_benchmark_reports_each_half_and_bandwidth():
     done = launched(2, 1, *SMALL, "--check", "none", "--iters", "3", "--warmup", "1",
                     provider="shm")
@@ -72,6 +74,7 @@ def test_benchmark_reports_each_half_and_bandwidth():
     assert "[0] provider: shm" in done.stdout
 
 
+@pytest.mark.long
 def test_benchmark_sweeps_tokens_into_json(tmp_path):
     path = tmp_path / "moe.json"
     done = launched(2, 2, *SMALL, "--check", "none", "--iters", "2", "--warmup", "0",
@@ -89,6 +92,7 @@ def test_benchmark_sweeps_tokens_into_json(tmp_path):
             assert 0 < row[f"{phase}_p50_us"] <= row[f"{phase}_max_us"]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("per_node", [4, 2], ids=["one-node", "two-nodes"])
 def test_a_rank_killed_mid_run_stops_the_others(per_node):
     proc = subprocess.Popen([sys.executable, LAUNCH, "-n", "4", "--ranks-per-node", str(per_node),
@@ -137,6 +141,7 @@ def test_bad_input_is_one_line(args, pattern):
     assert_one_line_error(done, pattern)
 
 
+@pytest.mark.long
 def test_world_size_not_matching_the_launcher():
     done = launched(2, 2, *SMALL, "--world", "4")
     assert done.returncode == 2
@@ -146,6 +151,7 @@ def test_world_size_not_matching_the_launcher():
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.long
 def test_experts_that_do_not_split_over_the_ranks():
     done = launched(3, 3, *SMALL)
     assert done.returncode == 2
@@ -266,6 +272,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("launcher", ["torchrun", "Slurm"])
 def test_ranks_meet_without_our_launcher(launcher):
     port = free_port() - 1  # the rendezvous is served on MASTER_PORT + 1
@@ -300,6 +307,7 @@ def test_a_rank_of_another_world_is_turned_away():
         launch.Group(place, timeout=5)
 
 
+@pytest.mark.long
 def test_launcher_passes_ctrl_c_on():
     """Ctrl-C on the launcher stops every rank, which close what they opened."""
     proc = subprocess.Popen([sys.executable, LAUNCH, "-n", "2", CHAPTER, *SMALL, "--check",
@@ -316,6 +324,7 @@ def test_launcher_passes_ctrl_c_on():
     assert "launch: the launcher was interrupted (Ctrl-C); all 2 ranks stopped" in err
 
 
+@pytest.mark.long
 def test_tiny_provider_queues_make_the_proxy_wait_not_fail():
     """Provider queues of two make fi_writemsg say -FI_EAGAIN; the proxy posts later."""
     command = [sys.executable, LAUNCH, "-n", "8", "--ranks-per-node", "4", CHAPTER, "-p", "shm",
@@ -385,6 +394,7 @@ def test_launcher_bad_input_is_one_line(args, pattern):
     assert_one_line_error(done, pattern)
 
 
+@pytest.mark.long
 def test_a_rank_that_never_comes_is_reported():
     """torchrun-style: rank 0 of 2 alone; it serves the rendezvous, waits, says why it stops."""
     start = time.monotonic()
@@ -396,6 +406,7 @@ def test_a_rank_that_never_comes_is_reported():
     assert_one_line_error(done, "only 1 of 2 ranks joined the rendezvous within 2 s")
 
 
+@pytest.mark.long
 def test_torchrun_style_rank_0_killed_stops_the_other():
     """Without our launcher rank 0 serves the rendezvous: when it dies, the others learn it.
     (One node: a killed rank's libfabric shm files would stay, with no launcher to remove
@@ -423,6 +434,7 @@ def test_torchrun_style_rank_0_killed_stops_the_other():
                            "launcher, is gone)")
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("per_node", [2, 1], ids=["one-node", "two-nodes"])
 def test_a_hung_rank_is_named_and_the_job_ends(per_node):
     """A rank that stops answering (SIGSTOP) is not gone: the others time out naming it,
@@ -454,6 +466,7 @@ def test_a_hung_rank_is_named_and_the_job_ends(per_node):
                      r"life)", err, re.MULTILINE), err
 
 
+@pytest.mark.long
 def test_a_rank_frozen_at_its_start_is_named_and_the_job_ends():
     """A rank stopped (SIGSTOP) while it still imports never joins: the launcher sees its
     process stopped, and the others stop within --timeout + 5 s, naming it, not when the

@@ -23,6 +23,7 @@ GRAPH_LINE = re.compile(r"^\[0\] check graph fp8: one layer captured, replayed 1
                         r"new inputs, each replay exact on (\d+) of (\d+) ranks$", re.MULTILINE)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("args,pattern", [
     (["--graph"], "--graph needs --counts device"),
     (["--counts", "gpu"], "argument --counts: invalid choice"),
@@ -42,6 +43,7 @@ def test_what_reaches_other_nodes_is_named_in_the_kernels_order():
     assert list(chapter_module(17).FAR) == kernels
 
 
+@pytest.mark.long
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is here")
 def test_no_cupy_is_one_line():
     assert_one_line_error(run(17, *SMALL, "--iters", "0")[0], "cupy")

@@ -24,7 +24,7 @@ SMALL = ["--tokens", "300", "--layers", "4", "--page-tokens", "64"]
 FROZEN = Path(__file__).parent / "frozen_decoder.py"
 
 
-@pytest.mark.parametrize("provider", ["shm", "tcp"])
+@pytest.mark.parametrize("provider", ["shm", pytest.param("tcp", marks=pytest.mark.long)])
 def test_the_kv_cache_arrives_whole_and_verified(provider):
     pair = run_pair(18, provider, SMALL, [SMALL])
     assert pair.ok, pair
@@ -37,6 +37,7 @@ def test_the_kv_cache_arrives_whole_and_verified(provider):
     assert "prefiller: 4 layers sent, 40 pages" in pair.clients[0].out
 
 
+@pytest.mark.long
 def test_a_cancelled_request_is_confirmed_before_its_pages_are_free():
     pair = run_pair(18, "shm", [*SMALL, "--cancel-after", "1"], [SMALL])
     assert pair.ok, pair
@@ -71,6 +72,7 @@ def end_both(client, server, killed):
     shm_files.remove_left_by([killed.pid])  # a process killed with -9 removes nothing
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("victim,survivor_says", [
     ("prefiller", "is the prefiller still there?"),
     ("decoder", "is the decoder still there?")])
@@ -94,6 +96,7 @@ def test_a_side_killed_mid_transfer_is_said_by_the_other_in_one_line(victim, sur
     assert len(lines) == 1 and survivor_says in lines[0], err
 
 
+@pytest.mark.long
 def test_a_decoder_frozen_while_it_checks_is_said_by_the_prefiller_within_its_timeout():
     """The decoder checks every byte (it computes the prompt again) while the prefiller waits
     for the verdict: that wait, too, ends --timeout after the decoder's last sign of life."""
@@ -112,6 +115,7 @@ def test_a_decoder_frozen_while_it_checks_is_said_by_the_prefiller_within_its_ti
         "is the decoder still there?" in lines[0], err
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("args,pattern", [
     (["--cancel-after", "3", "--layers", "4"], "--cancel-after must be a layer 0..2"),
     (["--cache-pages", "2", "--tokens", "1024"], "a request of 1024 tokens needs 8"),
@@ -140,6 +144,7 @@ class SlowWatcher(threading.Thread):
             self.progress = time.perf_counter()
 
 
+@pytest.mark.long
 def test_a_cancel_waits_for_writes_that_still_complete(monkeypatch):
     """The prefiller's WRITEs in flight when a request is cancelled may take seconds: it
     waits for them as long as they complete, instead of taking a watcher still busy after

@@ -166,8 +166,9 @@ def exact(done, inference):
     assert int(lines[1][2]) > 0 and int(lines[2][2]) == 0, lines  # the 2nd changes a third
 
 
-@pytest.mark.parametrize("provider,ranks,trainers", [("shm", 5, 3), ("tcp", 3, 1),
-                                                     ("tcp", 4, 3)])
+@pytest.mark.parametrize("provider,ranks,trainers", [
+    ("shm", 5, 3), pytest.param("tcp", 3, 1, marks=pytest.mark.long),
+    pytest.param("tcp", 4, 3, marks=pytest.mark.long)])
 def test_two_updates_and_the_naive_way_leave_every_weight_exact(provider, ranks, trainers):
     done = launched(ranks, "-p", provider, "--trainers", str(trainers))
     exact(done, ranks - trainers)
@@ -177,6 +178,7 @@ def test_two_updates_and_the_naive_way_leave_every_weight_exact(provider, ranks,
     assert len(table) == 2 * 5, done.stdout
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("side,says", [
     ("trainer", r"inference rank \d: update 2 incomplete, .* stale \(not all their WRITEs came\)"),
     # the rendezvous says it when rank 3's connection closes or when the launcher reaps it
@@ -189,6 +191,7 @@ def test_a_rank_gone_mid_update_is_said_by_the_others(side, says):
     assert "Traceback" not in done.stderr and "was killed by SIGKILL" in done.stderr
 
 
+@pytest.mark.long
 def test_a_rank_frozen_between_updates_stops_the_job_within_the_bound():
     """Between two updates the ranks meet at the rendezvous, which may wait long for a rank
     busy with gigabytes (30 x --timeout); a frozen trainer (SIGSTOP) is silent, and its
@@ -217,6 +220,7 @@ def test_a_rank_frozen_between_updates_stops_the_job_within_the_bound():
     assert not left, f"left in /dev/shm: {sorted(left)}"
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("args,pattern", [
     (["--inference-config", "layers=3"], "asks for model.layers.2.input_layernorm.weight"),
     (["--inference-config", "hidden=512"],
@@ -234,6 +238,7 @@ def test_bad_input_is_one_line_on_every_rank(args, pattern):
     assert any(pattern in line for line in errors), errors
 
 
+@pytest.mark.long
 def test_alone_it_says_how_to_start_the_job():
     done = Budget(LIMIT).run([sys.executable, str(CHAPTER)], env=local_env(), cwd=ROOT)
     assert done.returncode == 2

@@ -30,6 +30,7 @@ def test_rejected_with_one_line(chapter, args, pattern):
     assert done.returncode in (1, 2)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("chapter", [4, 5])
 @pytest.mark.parametrize("provider,address", [("shm", SHM_DEAD), ("tcp", TCP_DEAD)])
 def test_client_without_server_gives_up(chapter, provider, address):
@@ -38,17 +39,20 @@ def test_client_without_server_gives_up(chapter, provider, address):
     assert done.returncode == 1
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("chapter", [6, 7, 13])
 def test_a_buffer_too_big_for_memory_is_one_line(chapter):
     done, _ = run(chapter, "-p", "shm", SHM_DEAD, "--buffer-size", "1048576G", "--pages", "0-63")
     assert_one_line_error(done, f"cannot allocate {1 << 50} bytes of host memory")
 
 
+@pytest.mark.long
 def test_03_rejects_unknown_capability_and_provider():
     assert_one_line_error(run(3, "--caps", "FI_BOGUS")[0], "unknown capability 'FI_BOGUS'")
     assert_one_line_error(run(3, "-p", "nosuch")[0], "unknown provider")
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("chapter", [4, 5])
 def test_server_ctrl_c_is_a_clean_exit(chapter, provider):
     proc = subprocess.Popen([sys.executable, str(chapter_path(chapter)), "-p", provider],
@@ -103,6 +107,7 @@ COUNTS = [  # (chapters that have the flag, arguments, the error)
 ]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("chapter,args,pattern", [(c, args, pattern) for chapters, args, pattern
                                                   in COUNTS for c in chapters])
 def test_counts_out_of_range_are_usage_errors(chapter, args, pattern):

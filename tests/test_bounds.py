@@ -83,8 +83,9 @@ def one_line(err, text):
     assert len(lines) == 1 and text in lines[0] and "Traceback" not in err, err
 
 
-@pytest.mark.parametrize("side", ["server", "client"])
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("side", ["server", pytest.param("client", marks=pytest.mark.long)])
+@pytest.mark.parametrize("signum", [
+    signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.long)], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_ends_either_side_mid_transfer_at_once(provider, side, signum):
     server, client = pair(provider)
     try:
@@ -99,6 +100,7 @@ def test_a_signal_ends_either_side_mid_transfer_at_once(provider, side, signum):
         stop(client, server)
 
 
+@pytest.mark.long
 def test_a_client_outlives_its_killed_server(provider):
     """kill -9 of the server mid-transfer: the client ends within --timeout + 5 s, also
     when the dead server held shm's lock on a region (its fi_cq_read then never returns)."""
@@ -117,6 +119,7 @@ def test_a_client_outlives_its_killed_server(provider):
         shm_files.remove_left_by([server.pid])
 
 
+@pytest.mark.long
 def test_a_server_removes_its_killed_clients_regions(provider):
     """kill -9 of the client mid-transfer: the server says so and, with --clients 1, ends,
     having removed what the client could not (on 1.17's shm the server may spin on the
@@ -134,6 +137,7 @@ def test_a_server_removes_its_killed_clients_regions(provider):
         shm_files.remove_left_by([client.pid])
 
 
+@pytest.mark.long
 def test_a_dead_shm_address_is_given_up_at_the_chapters_own_timeout():
     """Not at a timeout stretched by this machine's load: --timeout means what it says."""
     client = subprocess.Popen([sys.executable, str(chapter_path(7)), "-p", "shm", SHM_DEAD,
@@ -156,6 +160,7 @@ def stuck(*args):
     return proc
 
 
+@pytest.mark.long
 def test_a_wait_whose_provider_call_never_returns_ends_past_its_deadline():
     proc = stuck("wait", "1")
     try:
@@ -168,6 +173,7 @@ def test_a_wait_whose_provider_call_never_returns_ends_past_its_deadline():
         stop(proc)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_ends_a_process_stuck_in_a_provider_call(signum):
     proc = stuck("idle")
@@ -181,6 +187,7 @@ def test_a_signal_ends_a_process_stuck_in_a_provider_call(signum):
         stop(proc)
 
 
+@pytest.mark.long
 def test_a_stuck_process_ends_when_no_one_reads_its_stderr():
     """A launcher killed with -9 takes its ranks' stderr with it: the watchdog's last line
     cannot be written then (BrokenPipeError), and must not keep it from ending the process."""
@@ -199,6 +206,7 @@ def test_a_stuck_process_ends_when_no_one_reads_its_stderr():
         stop(proc)
 
 
+@pytest.mark.long
 def test_closing_that_never_returns_ends_the_process():
     """Chapter 15's client hung so in fi_close after its server was killed."""
     proc = stuck("close")
@@ -212,6 +220,7 @@ def test_closing_that_never_returns_ends_the_process():
         stop(proc)
 
 
+@pytest.mark.long
 def test_a_worker_thread_that_does_not_stop_ends_the_process():
     """The transfer engine's worker stuck in the provider: its join is bounded, and the
     process's shm regions are removed on the way out."""
@@ -238,6 +247,7 @@ def test_only_this_processs_shm_regions_are_removed():
             path.unlink(missing_ok=True)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_while_a_chapter_starts_is_its_exit_and_one_line(sig):
     """At any moment of a chapter's start: Python importing numpy and the binding, libfabric
@@ -290,6 +300,7 @@ def test_a_signal_whose_clean_up_then_failed_is_still_the_signal(tmp_path):
         stop(proc)
 
 
+@pytest.mark.long
 def test_a_signal_after_main_returned_changes_nothing(tmp_path):
     """A launcher stopping ranks that have just finished: a SIGTERM while Python finalized
     (held open here by a thread that main() left running) printed a traceback from

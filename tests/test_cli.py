@@ -20,12 +20,14 @@ def test_flags_after_both_positionals(chapter):
     assert_one_line_error(run(chapter, SHM_DEAD, "-p", "shm", "x" * 5000)[0], "buffer holds")
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("chapter", PAGES)
 def test_flags_after_the_address(chapter):
     assert_one_line_error(run(chapter, SHM_DEAD, "-p", "shm", "--pages", "99999")[0],
                           "--pages must name pages")
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("chapter", PAGES)
 def test_server_refuses_client_flags(chapter):
     done, _ = run(chapter, "-p", "shm", "--page-size", "1M", "--seed", "7")
@@ -39,6 +41,7 @@ def test_client_refuses_server_flags(chapter):
                           "--clients: a flag of the server")
 
 
+@pytest.mark.long
 def test_help_says_which_side_reads_each_flag():
     done, _ = run(15, "--help")
     help_text = " ".join(done.stdout.split())
@@ -67,6 +70,7 @@ def stop(proc):
     return proc.communicate(timeout=30)[1]
 
 
+@pytest.mark.long
 def test_printed_client_command_works_in_a_plain_shell():
     """No venv active, no `python` on PATH: the printed command still runs."""
     proc, hint = server_hint(4)
@@ -92,6 +96,7 @@ def test_server_hint_is_the_run_that_shows_the_lesson(chapter, flags):
     assert os.path.exists(ROOT / hint.split()[0])
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("chapter", range(3, 17))
 def test_help_is_help(chapter):
     """--help prints the usage and exits 0 in every chapter (a positional's %(default)s

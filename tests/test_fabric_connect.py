@@ -63,6 +63,7 @@ def test_09_on_8_gpus_x_4_nics_fits_where_its_old_connect_did_not(small_mtu):
     assert len(new) < 3000
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("chapter,args,verified", [
     (7, ["--buffers", "3", "--iters", "3000"], "verified 3000 pages (12288000 bytes)"),
     (9, ["--groups", "8", "--nics-per-gpu", "4", "--iters", "16000"],
@@ -125,6 +126,7 @@ def test_send_limit_is_the_links_mtu_or_a_stated_fallback():
         assert fi.max_send(info) == fi.FALLBACK_MTU  # they name no NIC, hence no MTU
 
 
+@pytest.mark.long
 def test_pages_that_do_not_fit_one_send_are_refused_at_start():
     scattered = ",".join(str(p) for p in range(0, 1200, 2))  # 600 runs of one page
     done = subprocess.run([sys.executable, str(chapter_path(7)), "-p", "shm",
@@ -153,6 +155,7 @@ def run_client(chapter, provider, address):
                           capture_output=True, text=True, env=local_env(), timeout=120)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("server,client", [(9, 7), (7, 9), (5, 7), (6, 5), (9, 6)])
 def test_a_client_of_another_chapter_is_refused_by_name(server, client, provider):
     """Both sides say which chapters met; the server goes on to serve its own client (the
@@ -160,6 +163,7 @@ def test_a_client_of_another_chapter_is_refused_by_name(server, client, provider
     refused_then_served(server, client, provider)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("server,client", [*NEIGHBOURS, *((b, a) for a, b in NEIGHBOURS)])
 def test_neighbours_refuse_each_others_clients(server, client):
     refused_then_served(server, client, "shm")
@@ -185,6 +189,7 @@ def refused_then_served(server, client, provider):
     assert f"client 1: refused: {why}" in err.splitlines()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("client", [5, 7])
 def test_04_says_a_connect_is_not_its_text(client):
     """04's server takes one text; a later chapter's CONNECT is said to be one, in one line
@@ -204,6 +209,7 @@ def test_04_says_a_connect_is_not_its_text(client):
     assert wrong.returncode == 1 and "Traceback" not in wrong.stderr, wrong.stderr
 
 
+@pytest.mark.long
 def test_a_message_that_is_no_connect_is_ignored_not_served():
     """A chapter 04 client's text where a CONNECT was due: one line, and not a client."""
     proc, out = start(7, ["-p", "shm", "--clients", "1", "--timeout", "30"], ADDRESS.pattern)
@@ -237,6 +243,7 @@ def sleeps(pid, seconds=2.0):
     return count() - before
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("chapter", [5, 6, 7, 9])
 def test_an_idle_server_leaves_the_cpu_alone(chapter):
     """While no client is connected, a server sleeps between its CQ reads (naps of at most

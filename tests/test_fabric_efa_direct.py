@@ -84,6 +84,7 @@ def test_efa_direct_without_fi_hmem_says_efas_causes(monkeypatch):
         fi.pick("efa-direct", lib.FI_MSG | lib.FI_RMA, hmem=True)
 
 
+@pytest.mark.long
 def test_no_efa_direct_here_is_one_line():
     """09-15 too: they follow it (tests/test_fabric_rules.py runs them under its rules)."""
     for chapter in (4, 6, 9, 14):
@@ -111,6 +112,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("chapter", [9, 14])
 def test_a_client_that_skips_the_lanes_in_its_avs_breaks_the_rule(chapter, provider,
                                                                    monkeypatch):

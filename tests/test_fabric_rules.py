@@ -9,7 +9,6 @@ entries with up to 4 x tx_size WRITEs in flight (1b) and CONNECTs above the MTU 
 import re
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -17,7 +16,7 @@ from common.chapter_pair import ROOT, chapter_path, local_env, run_pair
 import common.fabric as fi
 from common.fabric import lib
 from tests.one_line_errors import assert_one_line_error
-from tests.rules import AV, SMALL
+from tests.rules import AV, SMALL, program as rules_program
 
 RULES = ["efa", "efa-direct", "verbs"]
 EFA = ["efa", "efa-direct"]  # the rules of the device, whichever fabric drives it
@@ -58,6 +57,7 @@ PAIRS = [
                                   ("13", 13, []), ("14", 14, []), ("15", 15, [])]]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("rules,chapter,server_args,client_args",
                          [pytest.param(rules, *case[1:], id=f"{rules}-{case[0]}")
                           for rules in RULES for case in PAIRS])
@@ -71,6 +71,7 @@ def test_chapter_keeps_the_rules(rules, chapter, server_args, client_args, provi
         assert "memory registration: no mode bits" in out, out
 
 
+@pytest.mark.long
 def test_p5_layout_connect_fits_the_mtu():
     """09 with the p5's 8 GPUs x 4 NICs and the default 1000 pages per buffer: a CONNECT
     of about 10.7 KB in the old format, within efa's MTU now."""
@@ -81,6 +82,7 @@ def test_p5_layout_connect_fits_the_mtu():
     assert pair.ok and not pair.stopped, pair
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("rules", RULES)
 def test_08_keeps_the_rules(rules, provider):
     done = subprocess.run([sys.executable, str(chapter_path(8)), "-p", provider],
@@ -88,6 +90,7 @@ def test_08_keeps_the_rules(rules, provider):
     assert done.returncode == 0 and "NICs: 0" in done.stdout, done.stderr
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("rules", RULES)
 def test_16_across_two_nodes_keeps_the_rules(rules, provider):
     """Two emulated nodes: every dispatch and combine goes through the C proxy."""
@@ -99,6 +102,7 @@ def test_16_across_two_nodes_keeps_the_rules(rules, provider):
     assert done.returncode == 0 and "[0] all checks passed" in done.stdout, done.stderr
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("rules", EFA)
 def test_18_keeps_the_rules_of_an_efa_device(rules, provider):
     """The transfer engine's C worker and control messages, a KV cache handed over."""
@@ -108,6 +112,7 @@ def test_18_keeps_the_rules_of_an_efa_device(rules, provider):
     assert "checked 64 pages and the context: 0 wrong bytes" in pair.server.out, pair
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("rules", EFA)
 def test_19_keeps_the_rules_of_an_efa_device(rules, provider):
     """Trainers' shards into inference ranks' weights by the engine's WRITE lists."""
@@ -119,34 +124,7 @@ def test_19_keeps_the_rules_of_an_efa_device(rules, provider):
     assert len(re.findall(r"^\[0\] .*: 0 wrong bytes", done.stdout, re.M)) >= 2, done.stdout
 
 
-# --- each rule, broken on purpose --------------------------------------------------
-
-# An endpoint on shm that talks to itself, a source and a target registered; then `broken`.
-PROGRAM = """\
-from common import cli
-from common.engine import multinet, workers
-from common.fabric import memory
-from common.fabric import ffi, lib
-from common.fabric.connect import write_messages
-import common.fabric as fi
-
-def main():
-    info, _ = fi.pick("shm", lib.FI_MSG | lib.FI_RMA)
-    with fi.Closer() as own:
-        domain, cq, av, ep = fi.open_endpoint(own, info, cq_size=8)
-        me = fi.av_insert(av, fi.getname(ep))
-        src, dst = memory.Buffer(1 << 16), memory.Buffer(1 << 16)
-        src_mr = memory.register(own, domain, src, lib.FI_SEND | lib.FI_WRITE, key=1)
-        dst_mr = memory.register(own, domain, dst, lib.FI_RECV | lib.FI_REMOTE_WRITE, key=2)
-        desc, key, ctx = fi.mr_desc(src_mr), fi.mr_key(dst_mr), ffi.new("struct fi_context2[8]")
-        base, poller = fi.remote_base(info, dst.ptr), fi.Poller(cq)
-        def write(size=4096, desc=desc, key=key, data=None):
-            poller.until_posted(lambda: fi.writemsg(ep, src.ptr, size, desc, me, base, key, ctx,
-                                                    data=data), 10, "the WRITE")
-{broken}
-
-cli.run(main)
-"""
+# --- each rule, broken on purpose (tests/rules.py program) ----------------------------
 
 WAITING = ("attr = ffi.new('struct fi_cq_attr *', {{'size': 8, 'format': lib.FI_CQ_FORMAT_DATA, "
            "'wait_obj': lib.{wait}}})\n"
@@ -263,7 +241,7 @@ SHM_CANNOT = {"WRITE above 1 GiB", "WRITE with an immediate above 1 GiB", "mutex
 
 
 def run_broken(broken, rules=None):
-    program = PROGRAM.format(broken=textwrap.indent(broken, " " * 8))
+    program = rules_program(broken)
     return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
                           env=local_env(env(rules) if rules else {}), timeout=30, cwd=ROOT)
 
@@ -281,6 +259,7 @@ def test_a_broken_rule_is_one_line(rule, rules):
     assert_one_line_error(done, f"rules of {rules}: {words}")
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("rule", [rule for rule in BROKEN if rule not in SHM_CANNOT])
 def test_shm_alone_lets_it_through(rule):
     """What the rules catch, shm itself takes: the checks are what find it."""
@@ -292,7 +271,7 @@ def test_efa_takes_an_fd_wait_object_with_its_shm_path_off():
     """From 2.5, with FI_EFA_ENABLE_SHM_TRANSFER=0 efa opens no shm domain and so takes
     FI_WAIT_FD (rdm/efa_rdm_cq.c, efa_rdm_cq_configure_wait; efa_shm.c): the rule lets it
     through, to shm, which has no such CQ (-FI_ENOSYS)."""
-    program = PROGRAM.format(broken=textwrap.indent(WAITING.format(wait="FI_WAIT_FD"), " " * 8))
+    program = rules_program(WAITING.format(wait="FI_WAIT_FD"))
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
                           env=local_env({**env("efa"), "FI_EFA_ENABLE_SHM_TRANSFER": "0"}),
                           timeout=30, cwd=ROOT)

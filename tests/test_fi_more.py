@@ -11,7 +11,6 @@ of that path; here the rule and the chapter under it.
 """
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -19,8 +18,7 @@ import common.fabric as fi
 from common.chapter_pair import ROOT, chapter_module, local_env, run_pair
 from tests import fake_info
 from tests.one_line_errors import assert_one_line_error
-from tests.rules import SMALL
-from tests.test_fabric_rules import PROGRAM
+from tests.rules import SMALL, program as rules_program
 
 ROOM = "rules of efa-direct: a batch with FI_MORE past the send queue's room"
 SQ = "4"  # FI_SHM_TX_SIZE: shm's tx_attr.size, the send queue the rule holds a batch to
@@ -34,7 +32,7 @@ def batch(n, rules):
             "'the WRITE')\n"
             "assert info.tx_attr.size == %s, info.tx_attr.size\n"
             "poller.wait_all([ctx + i for i in range(%d)], 10, 'the WRITEs')") % (n, n - 1, SQ, n)
-    program = PROGRAM.format(broken=textwrap.indent(body, " " * 8))
+    program = rules_program(body)
     extra = {"FI_SHM_TX_SIZE": SQ, **({"FABRIC_RULES": rules} if rules else {})}
     return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
                           env=local_env(extra), timeout=30, cwd=ROOT)

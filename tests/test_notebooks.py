@@ -30,6 +30,7 @@ def test_there_is_a_notebook():
     assert NOTEBOOKS
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, monkeypatch):
     execute(path, monkeypatch)
@@ -78,6 +79,7 @@ def test_no_runs_of_the_reader_is_none(tmp_path, state):
     assert journey.yours(tmp_path) == []
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name", READ_RUNS)
 def test_notebook_shows_the_readers_runs(readers_tree, name, monkeypatch):
     text = execute(readers_tree / "notebooks" / f"{name}.ipynb", monkeypatch)

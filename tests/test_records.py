@@ -43,6 +43,7 @@ WRITES_RECORDS.update({n: ["--groups", "2", "--nics-per-gpu", "2", "--page-size"
                        for n in range(9, 16)})
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("number", sorted(WRITES_RECORDS))
 def test_a_record_holds_its_chapters_lesson_figure_and_both_sides_flags(number, tmp_path):
     """The LESSON of each chapter that the tour runs and that writes a record names the

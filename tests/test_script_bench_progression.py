@@ -40,6 +40,7 @@ def test_missing_fi_rma_bw_is_said_before_any_run(name, tmp_path):
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_a_later_failure_keeps_what_was_measured(name, tmp_path):
     done = script(name, tmp_path, fake_fi_rma_bw(tmp_path))
@@ -53,6 +54,7 @@ def test_a_later_failure_keeps_what_was_measured(name, tmp_path):
     assert not (tmp_path / "results" / "baselines").exists()
 
 
+@pytest.mark.long
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is installed")
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_gpus_without_cupy_is_one_line(name, tmp_path):

@@ -49,11 +49,13 @@ def fake_trial(tmp_path, monkeypatch, server, client, victim, fault):
     return chaos.run_trial(chaos.Trial(1, "99", "shm", victim, fault, 0.2, 0))
 
 
+@pytest.mark.long
 def test_a_well_behaved_pair_survives(tmp_path, monkeypatch):
     trial = fake_trial(tmp_path, monkeypatch, "fail", "hang", "client", "SIGKILL")
     assert trial.survived, trial.problems
 
 
+@pytest.mark.long
 def test_a_process_that_ignores_sigterm_is_a_failure(tmp_path, monkeypatch):
     trial = fake_trial(tmp_path, monkeypatch, "fail", "ignore-term", "client", "SIGTERM")
     assert not trial.survived
@@ -61,12 +63,14 @@ def test_a_process_that_ignores_sigterm_is_a_failure(tmp_path, monkeypatch):
         trial.problems
 
 
+@pytest.mark.long
 def test_a_survivor_that_hangs_after_its_peer_died_is_a_failure(tmp_path, monkeypatch):
     trial = fake_trial(tmp_path, monkeypatch, "hang", "hang", "client", "SIGKILL")
     problem, = trial.problems
     assert problem.startswith("server: still running")
 
 
+@pytest.mark.long
 def test_what_a_trial_leaves_is_reported_and_removed(tmp_path, monkeypatch):
     trial = fake_trial(tmp_path, monkeypatch, "leave-shm", "hang", "client", "SIGKILL")
     problem, = trial.problems
@@ -144,6 +148,7 @@ def test_bad_flags_are_one_line_and_exit_2(args, says):
     assert line.startswith("chaos.py: error: ") and says in line, line
 
 
+@pytest.mark.long
 def test_ctrl_c_ends_it_within_2_s_and_kills_its_trial(tmp_path):
     budget = Budget(30)
     token_before = set(os.listdir("/dev/shm"))
@@ -175,6 +180,7 @@ def chaos_children(pid):
     return found
 
 
+@pytest.mark.long
 def test_a_seeded_run_survives_every_fault():
     done = Budget(240).run([*CHAOS, *SURVIVED], env=local_env())
     figure = re.search(r"^faults survived (\d+)/(\d+)", done.stdout, re.MULTILINE)

@@ -52,6 +52,7 @@ def assert_all_gone(pids, within):
     assert not left, f"left in /dev/shm: {sorted(left)}"
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("whom", ["group", "launcher"])
 def test_ctrl_c_closes_every_rank(whom):
     """At a terminal Ctrl-C reaches the launcher and its ranks at once; passed on again by
@@ -100,6 +101,7 @@ def test_ranks_die_with_a_killed_launcher(program, tmp_path):
                 os.kill(p, signal.SIGKILL)
 
 
+@pytest.mark.long
 def test_a_frozen_rank_does_not_hold_the_launcher():
     """A rank stopped by SIGSTOP acts on no signal until SIGCONT: the launcher sends one
     after each, and SIGKILL (which acts on it anyway) bounds the rest."""
@@ -146,6 +148,7 @@ def stopped(pid):
         return False
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("when", ["start", "joined"])
 def test_a_frozen_rank_stops_the_job_once_silent_for_its_timeout(when, tmp_path):
     """A frozen rank closes no connection: the rendezvous takes one silent for as long as
@@ -183,6 +186,7 @@ def test_a_frozen_rank_stops_the_job_once_silent_for_its_timeout(when, tmp_path)
     assert_all_gone(pids, 0)
 
 
+@pytest.mark.long
 def test_a_frozen_rendezvous_is_seen_by_the_ranks():
     """A rendezvous that welcomed a rank and then went silent (its host, rank 0 or the
     launcher, frozen) ends the rank's gather once silent for the rank's --timeout."""
@@ -222,6 +226,7 @@ def joined(world, budget, silence=None):
     return server, groups
 
 
+@pytest.mark.long
 def test_a_gather_that_runs_out_names_the_ranks_that_did_not_come():
     """A rank that lives but is not at the gather (busy, or frozen just after its last sign
     of life, so not yet silent for long enough): the gather that runs out names it, not
@@ -252,6 +257,7 @@ def test_a_gather_that_runs_out_names_the_ranks_that_did_not_come():
     assert not server.is_alive()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "alive"])
 def test_beats_read_late_count_from_when_they_were_sent(frozen, monkeypatch):
     """A rank computes for longer than the silence, not looking, its beats left unread.
@@ -290,6 +296,7 @@ def test_beats_read_late_count_from_when_they_were_sent(frozen, monkeypatch):
 LINGERER = "import subprocess\nprint(subprocess.Popen(['sleep', '30']).pid, flush=True)\n"
 
 
+@pytest.mark.long
 def test_sigterm_as_the_ranks_end_is_said_by_the_launcher(tmp_path):
     budget = Budget(LIMIT)
     (tmp_path / "lingerer.py").write_text(LINGERER)

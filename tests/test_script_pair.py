@@ -21,6 +21,7 @@ LIMIT = 60  # seconds, quiet machine, for chapter 07's server and client to star
 STARTED_AND_STOPPED = 2 * LIMIT  # a test starts them, then waits LIMIT for pair.py's end
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("where", ["root", "elsewhere"])
 def test_each_side_is_named_by_the_path_the_reader_types(where, tmp_path):
     """From the repository's root, chapters/04_hello.py; from a folder outside it, the
@@ -73,6 +74,7 @@ def assert_nothing_left(pids):
     assert not left, f"left in /dev/shm: {sorted(left)}"
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("whom", ["group", "pair"])
 def test_ctrl_c_stops_both_sides_at_once(whom):
     budget = Budget(STARTED_AND_STOPPED)
@@ -92,6 +94,7 @@ def test_ctrl_c_stops_both_sides_at_once(whom):
     assert_nothing_left(sides)
 
 
+@pytest.mark.long
 def test_a_killed_client_leaves_nothing():
     """A client killed by SIGKILL removes nothing itself: pair.py removes its shm region."""
     budget = Budget(STARTED_AND_STOPPED)

@@ -74,6 +74,7 @@ def provider(request):
     return request.param
 
 
+@pytest.mark.long
 def test_the_series_table_between_two_hosts_on_loopback(provider, tmp_path):
     missing = rma_bw_missing()
     report = tmp_path / "report.json"
@@ -114,6 +115,7 @@ def test_the_series_table_between_two_hosts_on_loopback(provider, tmp_path):
         assert line["links_gbps"] is None  # shm and tcp report no link speed
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("how", ["MASTER_ADDR", "torchrun", "Slurm"])
 def test_the_hosts_meet_as_their_launcher_says(how, tmp_path):
     port = str(free_port())
@@ -175,6 +177,7 @@ def test_no_fi_rma_bw_is_one_line_naming_the_build(tmp_path):
     assert not (tmp_path / "report.json").exists()
 
 
+@pytest.mark.long
 def test_an_unreachable_peer_is_one_line(tmp_path):
     port = str(free_port())  # nobody serves there: rank 1 waits --wait seconds, then says so
     done = subprocess.run([sys.executable, SCRIPT, "--peer", "127.0.0.1", "--rank", "1",
@@ -185,6 +188,7 @@ def test_an_unreachable_peer_is_one_line(tmp_path):
     assert not (tmp_path / "report.json").exists()
 
 
+@pytest.mark.long
 def test_hosts_started_differently_both_stop_in_one_line(tmp_path):
     port = str(free_port())
     common = ["--peer", "127.0.0.1", "--port", port, "-p", "shm", "--no-baseline",
@@ -210,6 +214,7 @@ def started(pid, within=60.0):
         time.sleep(0.01)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("gone,how", [(0, signal.SIGTERM), (1, signal.SIGTERM),
                                        (0, signal.SIGKILL)])
 def test_a_host_gone_mid_run_stops_the_other_which_keeps_what_was_measured(gone, how, tmp_path):

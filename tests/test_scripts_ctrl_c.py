@@ -83,6 +83,7 @@ def notebooks_copy(to):
     return to
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("whom", ["group", "script"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_ctrl_c_of_a_script_is_one_line_and_leaves_nothing(case, whom, tmp_path):

@@ -26,6 +26,7 @@ transfer = pytest.importorskip("common.transfer")  # skipped only if the worker 
 from common.transfer import Engine, TransferError  # noqa: E402
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("provider,nics,spread", [
     ("shm", 1, "round-robin"), ("shm", 2, "round-robin"), ("shm", 2, "per-peer"),
     ("tcp", 2, "round-robin"), ("tcp", 2, "per-peer")])
@@ -45,6 +46,7 @@ def test_writes_arrive_byte_for_byte_and_immediates_in_any_order(provider, nics,
     assert "[1] control reply: bye" in out
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 def test_scatter_and_barriers_on_groups(ranks, provider):
     done = launched(ranks, "group", "-p", provider)
@@ -58,6 +60,7 @@ def test_scatter_and_barriers_on_groups(ranks, provider):
                          out, re.M), out
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("watch", [False, True], ids=["alone", "watching-the-group"])
 def test_a_peer_killed_mid_transfer_is_seen(provider, watch):
     """Without watching the group, the survivor sees it by itself: tcp fails the WRITEs,
@@ -146,6 +149,7 @@ class SendsNothing:
         return (lambda *_: self.rc) if name == "fi_sendmsg" else getattr(lib, name)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("rc,line", [
     (-lib.FI_EAGAIN, "no control message to peer 0 could be sent within 0.5 s (the provider's "
                      "queue stayed full): is the peer still running?"),
@@ -567,6 +571,7 @@ def test_writes_to_itself_and_the_arrival_table_when_full(monkeypatch):
         assert eng.stats()["arrived"] == 6
 
 
+@pytest.mark.long
 def test_a_failed_write_raises_the_providers_text():
     """A WRITE to a region whose key the peer never had: tcp closes the connection (its
     WRITEs fail with the provider's text) or the target drops it (shm): a TransferError or
@@ -694,6 +699,7 @@ def test_gpu_a_shm_engine_does_not_flush_and_the_real_flush_succeeds(monkeypatch
         assert flushed == [cuda_driver.OWNER]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("inject, rules", [(False, None), (True, None), (True, "efa")],
                          ids=["completions", "inject", "inject-under-efa-rules"])
 def test_the_benchmark_checks_its_pages_and_reports_each_case(tmp_path, inject, rules):
@@ -713,6 +719,7 @@ def test_the_benchmark_checks_its_pages_and_reports_each_case(tmp_path, inject, 
             for r in record["runs"]] == [(4096, 10, 0, 10 * inject)]
 
 
+@pytest.mark.long
 def test_the_benchmark_streams_commands_and_counts_them_all(tmp_path):
     """--stream 3: three commands in flight per repeat; rank 1 waits for all their pages
     (one fewer would leave it waiting), and the figures count all of them."""
@@ -729,6 +736,7 @@ def test_the_benchmark_streams_commands_and_counts_them_all(tmp_path):
     assert round(row["mpps"] * 1e6 * row["elapsed_s"]) == 30  # pages moved in a repeat
 
 
+@pytest.mark.long
 def test_the_benchmark_writes_a_prepared_command_and_checks_its_pages(tmp_path):
     """--prepared: each case's command made once and written every repeat (by libfabric
     here: host memory); its pages checked as write_pages' are, and the record says so."""
