@@ -45,8 +45,9 @@ def rank_nics(head, place, gpu, count=None):
     provider = fi.provider_of(head)
     if not nics:
         count = count or 1
-        return fi.rules.virtual_nics(head, count), (f"{count} virtual NIC{'s' * (count > 1)}, each a domain of "
-                                f"{provider} (no NIC with a PCI address here)")
+        return fi.rules.virtual_nics(head, count), (
+            f"{count} virtual NIC{'s' * (count > 1)}, each a domain of {provider} "
+            "(no NIC with a PCI address here)")
     mine = (nics_near_gpus(nics, [gpu])[0] if gpu is not None
             else node_share(nics, place.rank % place.ranks_per_node, place.ranks_per_node))
     mine = first_of_each([mine], count)[0]
