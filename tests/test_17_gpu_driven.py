@@ -43,9 +43,8 @@ def test_what_reaches_other_nodes_is_named_in_the_kernels_order():
     assert list(chapter_module(17).FAR) == kernels
 
 
-@pytest.mark.long
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is here")
-def test_no_cupy_is_one_line():
+def test_no_cupy_is_one_line():  # the fast tier's run of 17 where there is no GPU
     assert_one_line_error(run(17, *SMALL, "--iters", "0")[0], "cupy")
 
 
