@@ -95,3 +95,37 @@ def test_a_connect_cut_short_says_by_how_much():
     fmt = struct.Struct("<QQ")
     with pytest.raises(ValueError, match="CONNECT is 5 bytes short"):
         connect.unpack_from(fmt, b"\0" * 11)
+
+
+@pytest.mark.parametrize("text,said", [
+    ("zz00", "not a hex digit at position 0: 'z'"),
+    ("00a", "an odd number of hex digits (3): half a byte at the end"),
+    ("0011g2", "not a hex digit at position 4: 'g'"),
+])
+def test_an_address_error_says_exactly_what_is_wrong(text, said):
+    from common import cli
+    with pytest.raises(cli.UsageError, match=re.escape(said)):
+        cli.parse_address(text)
+
+
+def test_a_reversed_page_range_is_told_so():
+    from common import cli
+    with pytest.raises(cli.UsageError, match=re.escape("--pages: '64-0' is reversed: "
+                                                       "write 0-64")):
+        cli.parse_pages("64-0")
+
+
+@pytest.mark.parametrize("provider,mangle,said", [
+    ("shm", lambda a: a + b"\0", "1 trailing byte after the address's end"),
+    ("shm", lambda a: a[:-1], "no NUL at its end: cut short"),
+    ("tcp", lambda a: a[:-1], "1 byte too short"),
+    ("tcp", lambda a: a + b"\0\0", "2 bytes too long"),
+])
+def test_an_address_of_the_wrong_length_says_by_how_much(provider, mangle, said):
+    info, _ = fi.pick(provider)
+    with fi.Closer() as own:
+        _, _, _, ep = fi.open_endpoint(own, info)
+        good = fi.getname(ep)
+    fi.check_address(info, good)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        fi.check_address(info, mangle(good))
