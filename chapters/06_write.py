@@ -104,12 +104,12 @@ def server(info, args):
 
 def serve(own, domain, ep, av, poller, request, args):
     client, request = connect.accept(own, av, domain, ep, poller, request, CHAPTER, args.timeout)
-    seed, page_size, runs, nbufs = HEADER.unpack_from(request)
+    seed, page_size, runs, nbufs = connect.unpack_from(HEADER, request)
     at = HEADER.size
-    regions = [REGION.unpack_from(request, at + i * REGION.size) for i in range(nbufs)]
+    regions = [connect.unpack_from(REGION, request, at + i * REGION.size) for i in range(nbufs)]
     pages = connect.unpack_pages(request, at + nbufs * REGION.size, runs)
     npages = len(pages)
-    per_buffer = regions[0][1] // page_size
+    per_buffer = connect.check_targets(regions, page_size, pages)
 
     # The data, generated before anything is timed: page j of the request in slot j.
     source = memory.seeded_source(pages, page_size, seed, args.gpu)

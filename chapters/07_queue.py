@@ -164,9 +164,11 @@ def lends_credits(info):
 
 
 def serve(conn, info, request, args):
-    seed, page_size, iters, runs, nbufs, delivery = HEADER.unpack_from(request)
-    regions = [REGION.unpack_from(request, HEADER.size + i * REGION.size) for i in range(nbufs)]
+    seed, page_size, iters, runs, nbufs, delivery = connect.unpack_from(HEADER, request)
+    regions = [connect.unpack_from(REGION, request, HEADER.size + i * REGION.size)
+               for i in range(nbufs)]
     pages = connect.unpack_pages(request, HEADER.size + nbufs * REGION.size, runs)
+    connect.check_targets(regions, page_size, pages)
     npages = len(pages)
 
     try:

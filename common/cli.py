@@ -140,9 +140,18 @@ def client_hint(args, addr, lesson=None, extra=()):
 
 
 def parse_address(text):
-    """A peer address as printed by a server: hex digits, any case."""
-    if not text or len(text) % 2 or not re.fullmatch(r"[0-9a-fA-F]+", text):
-        raise UsageError(f"address must be an even number of hex digits, got '{text[:40]}'")
+    """A peer address as printed by a server: hex digits, any case. An error names the
+    first thing wrong: where a digit is not hex, or the half byte at the end (a length
+    wrong for the provider is fabric.check_address's to say)."""
+    bad = re.search(r"[^0-9a-fA-F]", text or "")
+    if not text:
+        raise UsageError("address is empty: give the hex digits the server printed")
+    if bad:
+        raise UsageError(f"address: not a hex digit at position {bad.start()}: "
+                         f"{bad[0]!r} (in '{text[:40]}')")
+    if len(text) % 2:
+        raise UsageError(f"address: an odd number of hex digits ({len(text)}): half a byte "
+                         "at the end; copy the whole address the server printed")
     return bytes.fromhex(text)
 
 
@@ -211,6 +220,8 @@ def parse_pages(text):
         lo, _, hi = part.partition("-")
         if not lo.isdigit() or (hi and not hi.isdigit()):
             raise UsageError(f"--pages: '{part}' is not a page number or range like 5-9")
+        if hi and int(hi) < int(lo):
+            raise UsageError(f"--pages: '{part}' is reversed: write {hi}-{lo}")
         pages.extend(range(int(lo), int(hi or lo) + 1))
     return pages
 

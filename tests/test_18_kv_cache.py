@@ -123,7 +123,7 @@ def test_a_decoder_frozen_while_it_checks_is_said_by_the_prefiller_within_its_ti
     (["--tokens", "0"], "expected a number 1.."),
     (["-p", "shm", "abcd"], "error: not an engine's address (2 bytes): copy the whole address "
                             "that the server printed"),
-    (["zz"], "address must be an even number of hex digits"),
+    (["zz"], "address: not a hex digit at position 0"),
     (["--dtype", "bf16"], "--dtype bf16 needs --gpu: the host (numpy) computes in fp32"),
 ])
 def test_bad_input_is_one_line(args, pattern):

@@ -14,7 +14,7 @@ from tests.one_line_errors import LIMIT, SHM_DEAD, TCP_DEAD, assert_one_line_err
 @pytest.mark.parametrize("args,pattern", [
     (["zz"], "hex digits"),
     (["abc"], "hex digits"),
-    (["-p", "tcp", "0011"], "addresses are 16 bytes; got 2"),
+    (["-p", "tcp", "0011"], "addresses are 16 bytes; this one is 14 bytes too short"),
     (["-p", "shm", "0011"], "NUL-terminated strings"),
     (["-p", "nosuch"], "unknown provider 'nosuch'"),
     (["-p", "efa"], "provider 'efa' has no usable device here"),

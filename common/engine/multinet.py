@@ -110,14 +110,14 @@ def unpack_names(data, at, count):
     """`count` addresses packed by pack_names from `at` on; and where they end."""
     names = []
     for _ in range(count):
-        (length,) = NAME.unpack_from(data, at)
+        (length,) = connect.unpack_from(NAME, data, at)
         names.append(data[at + NAME.size:at + NAME.size + length])
         at += NAME.size + length
     return names, at
 
 
 def serve(conn, head, request, args, engine):
-    seed, page_size, iters, runs, nbufs, groups, per_group = HEADER.unpack_from(request)
+    seed, page_size, iters, runs, nbufs, groups, per_group = connect.unpack_from(HEADER, request)
     names, at = unpack_names(request, HEADER.size, groups * per_group)
     own, lanes, started = conn.own, [], False
     try:
@@ -133,9 +133,11 @@ def serve(conn, head, request, args, engine):
                 lane.peer = fi.av_insert(lane.av, names[len(lanes)])
                 lanes.append(lane)
         introduce(conn, lanes)
-        regions = [REGION.unpack_from(request, at + i * REGION.size)
+        regions = [connect.unpack_from(REGION, request, at + i * REGION.size)
                    for i in range(groups * per_group * nbufs)]
         pages = connect.unpack_pages(request, at + len(regions) * REGION.size, runs)
+        for k in range(len(lanes)):  # each lane WRITEs into its own nbufs buffers
+            connect.check_targets(regions[k * nbufs:(k + 1) * nbufs], page_size, pages)
 
         for lane, count in zip(lanes, lane_iters(iters, len(lanes))):
             lane.iters = count

@@ -371,13 +371,23 @@ def max_write(info):
 
 def check_address(info, addr):
     """Raise ValueError unless `addr` has the shape of an address of this provider."""
+    what = f"{provider_of(info)} addresses are"
     if info.addr_format == lib.FI_ADDR_STR:
-        if not (addr.endswith(b"\0") and b"://" in addr and addr[:-1].isascii()):
-            raise ValueError(f"{provider_of(info)} addresses are NUL-terminated strings "
-                             f"like 'fi_shm://...'; got {len(addr)} other bytes")
+        end = addr.find(b"\0")
+        if end < 0:
+            raise ValueError(f"{what} NUL-terminated strings like 'fi_shm://...'; this one "
+                             f"has no NUL at its end: cut short?")
+        if end + 1 < len(addr):
+            extra = len(addr) - end - 1
+            raise ValueError(f"{what} NUL-terminated strings; {extra} trailing "
+                             f"byte{'s' if extra > 1 else ''} after the address's end "
+                             f"(the NUL at byte {end})")
+        if b"://" not in addr or not addr[:-1].isascii():
+            raise ValueError(f"{what} strings like 'fi_shm://...'; this one is not")
     elif info.src_addrlen and len(addr) != info.src_addrlen:
-        raise ValueError(f"{provider_of(info)} addresses are {info.src_addrlen} bytes; "
-                         f"got {len(addr)}")
+        off = len(addr) - info.src_addrlen
+        raise ValueError(f"{what} {info.src_addrlen} bytes; this one is {abs(off)} "
+                         f"byte{'s' if abs(off) > 1 else ''} too {'long' if off > 0 else 'short'}")
 
 
 # --- objects ---------------------------------------------------------------

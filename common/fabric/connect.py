@@ -57,8 +57,11 @@ def stray(message):
 def unpack(message, chapter):
     """(the client's address, the rest, why not) of a CONNECT to `chapter`'s server:
     `why not` is None, or says that the client is of another chapter."""
-    _, theirs, length = PREAMBLE.unpack_from(message)
+    _, theirs, length = unpack_from(PREAMBLE, message)
     at = PREAMBLE.size + length
+    if at > len(message):
+        raise ValueError(f"CONNECT is {at - len(message)} bytes short of the address it "
+                         f"announces ({length} bytes)")
     why = (None if theirs == chapter else
            f"this is chapter {chapter:02d}'s server; you ran chapter {theirs:02d}'s client")
     return message[PREAMBLE.size:at], message[at:], why
@@ -131,9 +134,43 @@ def unpack_pages(data, at, runs):
     """The pages of `runs` runs packed by pack_pages from `at` on."""
     pages = []
     for i in range(runs):
-        first, count = RUN.unpack_from(data, at + i * RUN.size)
+        first, count = unpack_from(RUN, data, at + i * RUN.size)
         pages.extend(range(first, first + count))
     return pages
+
+
+def unpack_from(fmt, data, at=0):
+    """`fmt`'s fields at `at` of a client's message; one that ends before them is a
+    ValueError that says by how much (a client's bytes are never trusted: struct.error
+    would be a traceback)."""
+    if len(data) < at + fmt.size:
+        raise ValueError(f"CONNECT is {at + fmt.size - len(data)} bytes short of its format")
+    return fmt.unpack_from(data, at)
+
+
+def check_targets(regions, page_size, pages):
+    """Refuse (ValueError) a CONNECT whose buffers (`regions`: remote address, size, key)
+    no WRITE of a page of `page_size` could reach, or whose `pages` lie past them: every
+    buffer holds the first one's whole pages, and page p is in buffer p // that many."""
+    if not regions:
+        raise ValueError("CONNECT names no buffers")
+    if page_size <= 0:
+        raise ValueError(f"CONNECT asks for page size {page_size}")
+    size = regions[0][1]
+    if size < page_size:
+        raise ValueError(f"CONNECT claims buffers of {size} bytes, smaller than its page "
+                         f"size ({page_size})")
+    per_buffer = size // page_size
+    if any(r[1] < size for r in regions):
+        raise ValueError("CONNECT claims buffers of unequal sizes")
+    if not pages:
+        raise ValueError("CONNECT asks for no pages")
+    last = max(pages)
+    if last >= len(regions) * per_buffer:
+        raise ValueError(f"CONNECT asks for page {last} of {len(regions)} "
+                         f"buffer{'s' if len(regions) > 1 else ''} of {per_buffer} "
+                         f"page{'s' if per_buffer > 1 else ''}")
+    return per_buffer
 
 
 def write_messages(source, page_size, pages, which, regions, desc, dest):

@@ -1,0 +1,131 @@
+"""No client can crash a server (issue 48): a CONNECT that lies gets one line, and the
+server serves its next client."""
+import re
+import struct
+import subprocess
+import sys
+
+import pytest
+
+import common.fabric as fi
+from common.chapter_pair import ADDRESS, chapter_module, chapter_path, local_env
+from common.fabric import connect, lib
+from tests.budget import Budget
+from tests.chapter_procs import start
+
+HONEST_07 = ["--page-size", "64K", "--buffer-size", "4M", "--pages", "0-63", "--iters", "200"]
+
+
+def send_raw(provider, address, message, timeout):
+    """SEND `message` as a client's first message to the server at `address` (hex)."""
+    info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA)
+    with fi.Closer() as own:
+        domain, _cq, av, ep = fi.open_endpoint(own, info)
+        poller = fi.Poller(_cq)
+        server = fi.av_insert(av, bytes.fromhex(address))
+        poller.send(own, domain, ep, message, server, 1001, timeout, "the lie")
+        return fi.getname(ep)
+
+
+def lies_07(me):
+    """Chapter 07 CONNECTs that lie, each with what the server must say about it."""
+    ch = chapter_module(7)
+    runs, pages = connect.pack_pages(range(4))
+
+    def body(page_size=64 << 10, nbufs=1, buffer_size=4 << 20, runs=runs, pages=pages):
+        return (ch.HEADER.pack(42, page_size, 100, runs, nbufs, False)
+                + b"".join(ch.REGION.pack(0, buffer_size, 1) for _ in range(nbufs)) + pages)
+
+    full = connect.pack(7, me, body())
+    return [
+        (connect.pack(7, me, body(buffer_size=1000)),
+         r"buffers of 1000 bytes, smaller than its page size \(65536\)"),
+        (connect.pack(7, me, body(page_size=0)), r"page size 0"),
+        (connect.pack(7, me, body(nbufs=0)), r"no buffers"),
+        (full[:len(full) - 5], r"\d+ bytes short"),
+        (connect.pack(7, me, body(buffer_size=1 << 16)), r"page 3 .*1 buffer of 1 page"),
+    ]
+
+
+def test_07_a_connect_that_lies_gets_one_line_and_the_next_client_is_served():
+    """Buffers smaller than a page (was: ZeroDivisionError in write_messages), a page size
+    of 0, no buffers, a CONNECT cut short (was: struct.error), a page past the buffers:
+    each one line from the server, which then serves an honest client."""
+    budget = Budget(60)
+    me = b"x" * 8  # an address of nobody: the server never reaches it
+    lies = lies_07(me)
+    server, out = start(7, ["-p", "shm", "--clients", str(len(lies) + 1), "--timeout",
+                            f"{budget.grant(10):g}"], ADDRESS.pattern)
+    try:
+        address = ADDRESS.search(out)[1]
+        for message, _ in lies:
+            send_raw("shm", address, message, budget.grant(10))
+        honest = subprocess.run([sys.executable, str(chapter_path(7)), "-p", "shm", address,
+                                 *HONEST_07], capture_output=True, text=True, env=local_env(),
+                                timeout=budget.left())
+        _, err = budget.communicate(server)
+    finally:
+        server.kill()
+    assert "Traceback" not in err, err
+    lines = err.splitlines()
+    assert len(lines) == len(lies), err
+    for line, (_, said) in zip(lines, lies):
+        assert line.startswith("client ") and "failed: " in line, line
+        assert re.search(said, line), (said, line)
+    assert honest.returncode == 0, honest.stderr
+    assert server.returncode == 0, err
+
+
+@pytest.mark.parametrize("lie,said", [
+    (dict(page_size=0), "page size 0"),
+    (dict(buffer_size=100), "smaller than its page size"),
+    (dict(nbufs=0), "no buffers"),
+    (dict(pages=[0, 64]), "page 64"),
+])
+def test_targets_refuse_what_no_write_could_reach(lie, said):
+    """The shared check of a CONNECT's buffers and pages (06, 07, 09-15)."""
+    args = dict(page_size=4096, nbufs=2, buffer_size=4096 * 32, pages=[0, 1])
+    args.update(lie)
+    regions = [(0, args["buffer_size"], 1)] * args["nbufs"]
+    with pytest.raises(ValueError, match=said):
+        connect.check_targets(regions, args["page_size"], args["pages"])
+
+
+def test_a_connect_cut_short_says_by_how_much():
+    fmt = struct.Struct("<QQ")
+    with pytest.raises(ValueError, match="CONNECT is 5 bytes short"):
+        connect.unpack_from(fmt, b"\0" * 11)
+
+
+@pytest.mark.parametrize("text,said", [
+    ("zz00", "not a hex digit at position 0: 'z'"),
+    ("00a", "an odd number of hex digits (3): half a byte at the end"),
+    ("0011g2", "not a hex digit at position 4: 'g'"),
+])
+def test_an_address_error_says_exactly_what_is_wrong(text, said):
+    from common import cli
+    with pytest.raises(cli.UsageError, match=re.escape(said)):
+        cli.parse_address(text)
+
+
+def test_a_reversed_page_range_is_told_so():
+    from common import cli
+    with pytest.raises(cli.UsageError, match=re.escape("--pages: '64-0' is reversed: "
+                                                       "write 0-64")):
+        cli.parse_pages("64-0")
+
+
+@pytest.mark.parametrize("provider,mangle,said", [
+    ("shm", lambda a: a + b"\0", "1 trailing byte after the address's end"),
+    ("shm", lambda a: a[:-1], "no NUL at its end: cut short"),
+    ("tcp", lambda a: a[:-1], "1 byte too short"),
+    ("tcp", lambda a: a + b"\0\0", "2 bytes too long"),
+])
+def test_an_address_of_the_wrong_length_says_by_how_much(provider, mangle, said):
+    info, _ = fi.pick(provider)
+    with fi.Closer() as own:
+        _, _, _, ep = fi.open_endpoint(own, info)
+        good = fi.getname(ep)
+    fi.check_address(info, good)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        fi.check_address(info, mangle(good))
