@@ -89,6 +89,7 @@ except ModuleNotFoundError:  # a Python the project is not installed in (setup.s
              "then .venv/bin/python scripts/doctor.py")
 from common.engine import topo  # noqa: E402
 from common.fabric import cuda_driver  # noqa: E402
+from common.model.instances import INSTANCES  # noqa: E402
 
 read = topo._read  # a file's text, stripped, or `default` where there is none
 
@@ -461,11 +462,9 @@ def topology_line(machine, buses, nics):
             "(chapters/08_topo.py prints the table)")
 
 
-# The EFA instances by their NICs (AWS's instance pages): name, NICs, Gbps each; a p5e has
-# the p5's NICs (its GPUs are H200s), so it reads as a p5. What each
-# should reach: notebooks/instances.ipynb and results/two_hosts/README.md.
-EFA_INSTANCES = (("p5.48xlarge", 32, 100), ("p5en.48xlarge", 16, 200),
-                 ("p6-b200.48xlarge", 8, 400), ("p6-b300.48xlarge", 16, 400))
+# The EFA instances by their NICs: name, NICs, Gbps each (common/model/instances.py, which
+# predicts what each should reach: notebooks/instances.ipynb, results/two_hosts/README.md).
+EFA_INSTANCES = tuple((i.name, i.nics, i.link_gbps) for i in INSTANCES.values())
 
 
 def instance_line(nics, provider="efa"):
