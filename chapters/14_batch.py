@@ -73,14 +73,6 @@ import common._native14 as native
 from common.engine.warmup import warmed
 import common.fabric as fi
 
-# The libfabric whose efa fabric rings the doorbell of a WRITE it queued with FI_MORE
-# (main's 3b01e1417). Up to 2.6.0 it posts a queued WRITE again with the WRITE's own flags
-# (rdm/efa_rdm_ope.c efa_rdm_ope_process_queued_ope, then rdm/efa_rdm_pke.c
-# efa_rdm_pke_write: txe->fi_flags), so no post of ours closes that batch. 2.4.x has the
-# fix too, as PR 12628, from a patch release: fi_version() gives major.minor only, so 2.4
-# counts as without it.
-EFA_RINGS_QUEUED = (2, 7)
-
 
 # %% [markdown]
 # ## Code
@@ -88,9 +80,9 @@ EFA_RINGS_QUEUED = (2, 7)
 # %%
 def more_flag(info):
     """(FI_MORE or 0, why) for the fabric of `info` on this libfabric (the cell "FI_MORE")."""
-    if fi.name_of(info) == "efa" and fi.version() < EFA_RINGS_QUEUED:
+    if fi.name_of(info) == "efa" and fi.version() < fi.EFA_RINGS_QUEUED:
         return 0, (f"FI_MORE off: efa's fabric before libfabric "
-                   f"{'.'.join(map(str, EFA_RINGS_QUEUED))} may send a WRITE it had to "
+                   f"{'.'.join(map(str, fi.EFA_RINGS_QUEUED))} may send a WRITE it had to "
                    f"queue with it, and ring no doorbell")
     return fi.lib.FI_MORE, "FI_MORE on all but each batch's last"
 

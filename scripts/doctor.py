@@ -47,7 +47,20 @@ What it looks at, and why:
   that registers (cuCtxGetCurrent); without one it fails, and efa's registration
   with it (EFAULT, or "Operation not supported": prov/efa/src/efa_mr.c).
 - GPU-NIC-NUMA map: chapter 08's layout (common/engine/topo.py): how many NICs each
-  GPU gets and whether any sits on another NUMA node than its GPU.
+  GPU gets and whether any sits on another NUMA node than its GPU; where this process
+  sees only some GPUs (Slurm --gpus-per-task, torchrun, CUDA_VISIBLE_DEVICES), the NICs
+  each of them drives, the same as with all seen.
+- instance: which EFA instance the NICs and their link speeds make (p5: 32 x 100 Gbps,
+  p5en: 16 x 200, p6-b200: 8 x 400, p6-b300: 16 x 400); fewer than one has, said.
+- GPU memory on efa: the endpoint is opened as the chapters open it, which requires
+  GPUDirect (common/fabric require_gpudirect): efa would otherwise register GPU memory
+  with a made-up key and copy every transfer through host memory (bounce buffers).
+- FI_MORE, HW counters, CQ wait (efa): what the libfabric loaded changes. efa's own
+  fabric rings no doorbell for a WRITE it queued with FI_MORE before 2.7 (chapter 14
+  leaves FI_MORE off there); from 2.7 efa's counters are the device's by default
+  (FI_EFA_USE_HW_CNTR), and a counter makes no progress: a CQ must still be read;
+  blocking CQ reads: efa-direct from 2.3, efa from 2.5.
+- --chapter N: efa or efa-direct for that chapter, and why, on this device and libfabric.
 - locked memory: efa and verbs pin every registered buffer, which counts
   against `ulimit -l` unless the process has CAP_IPC_LOCK; chapter 07
   registers 2 x 1 GiB. shm and tcp pin nothing.
@@ -58,6 +71,7 @@ What it looks at, and why:
   cudaMemcpy. The MoE chapters' proxy needs none: the stamps it polls live in
   pinned host memory.
 
+    .venv/bin/python scripts/doctor.py --chapter 14            # and which EFA fabric for 14
     .venv/bin/python scripts/doctor.py --sysfs DIR --dev DIR   # a described machine (tests)
 """
 import ctypes.util
@@ -75,6 +89,7 @@ except ModuleNotFoundError:  # a Python the project is not installed in (setup.s
              "then .venv/bin/python scripts/doctor.py")
 from common.engine import topo  # noqa: E402
 from common.fabric import cuda_driver  # noqa: E402
+from common.model.instances import INSTANCES  # noqa: E402
 
 read = topo._read  # a file's text, stripped, or `default` where there is none
 
@@ -339,15 +354,20 @@ def gpu_memory_lines(fi, providers):
             continue
         try:
             with fi.Closer() as own:
-                fabric = own(fi.fabric_open(granted))
-                domain = own(fi.domain_open(fabric, granted))
+                # the endpoint first, as the chapters open it: on efa it requires GPUDirect
+                # (fi.require_gpudirect), which a registration alone never shows (efa's
+                # rdm/efa_rdm_mr.c efa_rdm_mr_reg_impl answers with a made-up key, and the
+                # transfers go through host memory)
+                domain, _, _, _ = fi.open_endpoint(own, granted)
                 buf = memory.Buffer(1 << 16, gpu=0)
                 context = context or dmabuf_context_line(fi)  # as it is at registration
                 mr, how = memory.register_device(domain, buf.ptr, buf.size, memory.WRITE_TARGET,
                                                  1, buf.iface, buf.device)
                 own(mr)
         except (ValueError, fi.FabricError) as e:
-            lines.append((FIX, "GPU memory", f"{provider}: {e}"))
+            said = str(e)  # fi.require_gpudirect's names the provider already
+            lines.append((FIX, "GPU memory", said if said.startswith(f"{provider}:")
+                          else f"{provider}: {said}"))
             continue
         lines.append((OK, "GPU memory", f"{provider} registers GPU 0 memory (FI_HMEM): "
                       + how.removeprefix("GPU memory registered ")))
@@ -425,17 +445,131 @@ def topology_line(machine, buses, nics):
                 "one provider as virtual NICs")
     gpus = topo.machine_layout(buses, nics, machine.sysfs)  # all, if CUDA shows only some
     counts = sorted({len(g.nics) for g in gpus})
-    share = (f"{counts[0]} NICs per GPU" if len(counts) == 1
+    share = (f"{counts[0]} NIC{'s' * (counts[0] != 1)} per GPU" if len(counts) == 1
              else f"{counts[0]}-{counts[-1]} NICs per GPU (uneven)")
     far = [f"{n.name} (NUMA {n.numa}) of {g.name()} (NUMA {g.numa})" for g in gpus
            for n in g.nics if None not in (n.numa, g.numa) and n.numa != g.numa]
     seen = f" ({len(buses)} seen by this process)" if len(buses) < len(gpus) else ""
     text = f"{len(gpus)} GPUs{seen}, {len(nics)} NICs: {share}"
+    # Slurm, torchrun, CUDA_VISIBLE_DEVICES: the plan of the GPUs this process was given
+    plan = "; " + ", ".join(f"{g.name()} ({g.bus}) drives {' '.join(n.name for n in g.nics)}"
+                            for g in gpus if g.index is not None) + ", as with all seen" \
+        if seen else ""
     if far:
         return (ABSENT, "GPU-NIC map", f"{text}; on another NUMA node: {', '.join(far[:2])}"
-                f"{' ...' if len(far) > 2 else ''} (chapters/08_topo.py prints the table)")
-    return (OK, "GPU-NIC map", f"{text}, each on its GPU's NUMA node "
+                f"{' ...' if len(far) > 2 else ''}{plan} (chapters/08_topo.py prints the table)")
+    return (OK, "GPU-NIC map", f"{text}, each on its GPU's NUMA node{plan} "
             "(chapters/08_topo.py prints the table)")
+
+
+# The EFA instances by their NICs: name, NICs, Gbps each (common/model/instances.py, which
+# predicts what each should reach: notebooks/instances.ipynb, results/two_hosts/README.md).
+EFA_INSTANCES = tuple((i.name, i.nics, i.link_gbps) for i in INSTANCES.values())
+
+
+def instance_line(nics, provider="efa"):
+    """Which EFA instance this is, told by its NICs' count and link speed (fi_info's
+    link_attr); fewer NICs than an instance of their speed has is said, not a fix (a p4d has
+    4 of 100 Gbps, and a p5 that lost some to the driver has fewer too). A
+    ConnectX host (`provider` verbs) is only described: 8 x 400 Gbps is a p6-b200's shape."""
+    if not nics:
+        return (ABSENT, "instance", "no NIC with a PCI address: not an EFA or ConnectX host")
+    speeds = sorted({n.gbps for n in nics})
+    total = sum(n.gbps for n in nics)
+    text = (f"{len(nics)} NICs of {speeds[0]:g} Gbps, {total:g} Gbps" if len(speeds) == 1
+            else f"{len(nics)} NICs of {'/'.join(f'{g:g}' for g in speeds)} Gbps")
+    if not total:
+        return (ABSENT, "instance", f"{len(nics)} NICs that report no link speed: which "
+                "instance this is cannot be told")
+    if provider != "efa":
+        return (OK, "instance", f"a ConnectX host ({provider}): {text}")
+    for name, count, gbps in EFA_INSTANCES:
+        if speeds == [gbps] and len(nics) == count:
+            return (OK, "instance", f"{name}: {len(nics)} EFA NICs of {gbps} Gbps, {total:g} Gbps")
+    short = [(count, name) for name, count, gbps in EFA_INSTANCES
+             if speeds == [gbps] and len(nics) < count]
+    if short:
+        count, name = min(short)
+        return (ABSENT, "instance", f"{len(nics)} EFA NICs of {speeds[0]:g} Gbps, {total:g} "
+                f"Gbps: a {name} has {count}; if this is one, libfabric lists fewer: "
+                "fi_info -p efa, and the EFA driver (ls /sys/class/infiniband)")
+    known = ", ".join(name.split(".")[0] for name, _, _ in EFA_INSTANCES)
+    return (ABSENT, "instance", f"not an EFA instance this project knows ({known}): {text}")
+
+
+def version_lines(fi, version=None):
+    """What the libfabric loaded (`version`: its major.minor, or a test's) changes on efa, a
+    line each: FI_MORE on efa's own fabric, hardware counters, CQ wait objects."""
+    version = version or fi.version()
+    v = "%d.%d" % version
+    rings = "%d.%d" % fi.EFA_RINGS_QUEUED
+    if version >= fi.EFA_RINGS_QUEUED:
+        more = (OK, "FI_MORE", f"libfabric {v}: efa's fabric rings the doorbell of a WRITE it "
+                "queued (handshake, RNR): chapter 14 batches with FI_MORE on both fabrics")
+    else:
+        more = (ABSENT, "FI_MORE", f"efa's fabric on libfabric {v} may send a WRITE it queued "
+                "with FI_MORE and ring no doorbell: chapter 14 leaves FI_MORE off on it "
+                f"(one doorbell a WRITE); for batches, -p efa-direct, or libfabric >= {rings} "
+                "(EFA installer >= 1.51.0)")
+    cntr = "%d.%d" % fi.EFA_HW_COUNTERS
+    counters = (OK if version >= fi.EFA_HW_COUNTERS else ABSENT, "HW counters",
+                (f"libfabric {v}: efa counts completions in the device's counters by default"
+                 if version >= fi.EFA_HW_COUNTERS else
+                 f"libfabric {v}: efa's counters are software's (the device's by default from "
+                 f"{cntr})") + "; either way a counter makes no progress: code that waits on "
+                "fi_cntr_read must on -FI_EAGAIN read a CQ too, a CQ must still be read "
+                "(FI_EFA_USE_HW_CNTR=0 turns the device's off; the chapters count nothing)")
+    # the rule FABRIC_RULES applies (common/fabric/rules.h tut_rules_wait), at this version
+    taken = [name for name, mode in (("efa", fi.lib.RULES_EFA),
+                                     ("efa-direct", fi.lib.RULES_EFA_DIRECT))
+             if not fi.lib.tut_rules_wait(mode, version[0] << 16 | version[1],
+                                          fi.lib.FI_WAIT_UNSPEC, 0)]
+    which = {2: "efa and efa-direct", 1: "efa-direct only", 0: "neither fabric"}[len(taken)]
+    wait = (OK if len(taken) == 2 else ABSENT, "CQ wait",
+            f"libfabric {v}: blocking CQ reads (FI_WAIT_UNSPEC, FI_WAIT_FD) on {which} "
+            "(efa-direct from 2.3, efa from 2.5, FD only with FI_EFA_ENABLE_SHM_TRANSFER=0): "
+            "the chapters poll, a server idling between clients backs off"
+            + ("" if len(taken) == 2 else "; to block instead, libfabric >= 2.5"))
+    return [more, counters, wait]
+
+
+def direct_rma(fi, info):
+    """Whether efa-direct offers WRITEs here: listed, with FI_RMA (the device does RDMA read,
+    write and unsolicited-write receive: prov/efa/src/efa_prov_info.c)."""
+    direct = [i for i in fi.each(info) if fi.string(i.fabric_attr.name) == "efa-direct"]
+    return bool(direct) and all(i.caps & fi.lib.FI_RMA for i in direct)
+
+
+def chapter_line(fi, chapter, info, version=None):
+    """efa or efa-direct for `chapter`, with why: what the chapter does against what each
+    fabric is (prov/efa/docs/efa_fabric_comparison.md) on this device (`info`: efa's list,
+    None where there is none) and libfabric (`version`)."""
+    topic = f"chapter {chapter:02d}"
+    if info is None:
+        return (ABSENT, topic, "no EFA device here: the chapter runs on the default provider")
+    version = version or fi.version()
+    if chapter == 3:
+        return (OK, topic, "either: it lists both fabrics (-p efa, -p efa-direct)")
+    if chapter in (4, 5):
+        return (OK, topic, "efa (-p efa): its messages go past one MTU, which efa's fabric "
+                "cuts into packets; efa-direct sends one work request a message, up to the "
+                "device's max_msg_size (efa_prov_info.c)")
+    if not direct_rma(fi, info):
+        return (OK, topic, "efa (-p efa): efa-direct has no FI_RMA here (the device lacks RDMA "
+                "read, write or unsolicited-write receive, or libfabric < 2.0), and efa's "
+                "fabric emulates WRITEs with messages")
+    why = {14: ("one doorbell a batch with FI_MORE" + (
+                "" if version >= fi.EFA_RINGS_QUEUED else
+                "; FI_MORE off on efa's fabric on libfabric %d.%d" % version)),
+           16: "each WRITE one work request; ranks on one host reach each other through "
+               "the NIC (efa-direct has no shm path; -p efa takes shm for them)",
+           17: "each WRITE one work request; ranks on one host reach each other through "
+               "the NIC (efa-direct has no shm path; -p efa takes shm for them)",
+           19: "one WRITE, one immediate (efa's fabric cuts a WRITE into 1 GiB segments, "
+               "an immediate on each: the engine cuts it first)"}
+    return (OK, topic, f"efa-direct (-p efa-direct): "
+            + why.get(chapter, "each WRITE one work request to the device, nothing between "
+                               "(efa's fabric: packet entries and protocols on top)"))
 
 
 # --- the host ----------------------------------------------------------------
@@ -485,8 +619,8 @@ def gdrcopy_line(machine, buses):
 
 # --- all of it -----------------------------------------------------------------
 
-def examine(machine):
-    """Every line, in order."""
+def examine(machine, chapter=None):
+    """Every line, in order; with `chapter`, which of efa's fabrics it should take."""
     line, fi = libfabric(machine)
     lines = [line]
     if fi:
@@ -505,6 +639,7 @@ def examine(machine):
             nics[provider] = info
             if provider == "efa":
                 lines.append(rdma_write_line(fi, info))
+                lines += version_lines(fi)
     local = {p: info for p in ("shm", "tcp") if fi and (info := offered(fi, p))}
     if fi:
         lines.append((OK, "shm, tcp", f"usable: {', '.join(local)}") if local else
@@ -519,7 +654,11 @@ def examine(machine):
         lines.append(nic_to_gpu_line(fi, machine, real_nic))
     if fi:
         found = [n for info in nics.values() for n in topo.nics_here(info)]
+        for provider, info in nics.items():
+            lines.append(instance_line(topo.nics_here(info), provider))
         lines.append(topology_line(machine, buses, found))
+        if chapter:
+            lines.append(chapter_line(fi, chapter, nics.get("efa")))
     lines += [memlock_line(real_nic), hugepage_line(machine),
               gdrcopy_line(machine, buses)]
     return lines, summary(lines, real_nic, buses)
@@ -538,11 +677,15 @@ def main():
     p = usage.Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sysfs", default="/sys", help="root of sysfs (default /sys)")
     p.add_argument("--dev", default="/dev", help="device directory (default /dev)")
+    p.add_argument("--chapter", type=int, help="a chapter's number: say whether it should "
+                   "take efa or efa-direct here")
     args = p.parse_args()
+    if args.chapter is not None and not 3 <= args.chapter <= 19:
+        p.error(f"--chapter {args.chapter}: the chapters are 03-19")
     for name in ("sysfs", "dev"):
         if not Path(getattr(args, name)).is_dir():
             p.error(f"--{name} {getattr(args, name)}: no such directory")
-    lines, verdict = examine(Machine(args.sysfs, dev=args.dev))
+    lines, verdict = examine(Machine(args.sysfs, dev=args.dev), args.chapter)
     for status, topic, text in lines:
         print(f"{status:<4} {topic:<14} {text}")
     print(verdict)

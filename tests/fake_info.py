@@ -119,6 +119,18 @@ def pretend(monkeypatch, present=(), absent=()):
     monkeypatch.setattr(fi, "getinfo", getinfo)
 
 
+def efa_over_shm(monkeypatch, caps):
+    """A fake efa entry that fi.open_endpoint opens with shm's objects underneath: shm's
+    endpoint stands in for efa's. Like efa on a host whose device cannot reach GPU memory
+    (efa_hmem_validate_p2p_opt: -FI_EOPNOTSUPP), it refuses FI_HMEM_P2P_REQUIRED
+    (smr_ep_setopt knows no such option: -FI_ENOPROTOOPT)."""
+    shm, _ = fi.pick("shm", lib.FI_MSG | lib.FI_RMA)
+    for name in ("fabric_open", "domain_open", "endpoint_open"):
+        monkeypatch.setattr(fi, name, lambda *args, real=getattr(fi, name):
+                            real(*args[:-1], shm))
+    return infos(Entry("rdmap79s0-rdm", caps=caps))
+
+
 def really_usable(provider):
     """Whether this host's libfabric itself, no fake, has a device for `provider`."""
     try:

@@ -17,9 +17,17 @@ import os
 from pathlib import Path
 
 NVIDIA, AMAZON, MELLANOX, ASPEED = "0x10de", "0x1d0f", "0x15b3", "0x1a03"
-# Of each kind of endpoint, what sysfs's vendor, device and class files hold.
+# Of each kind of endpoint, what sysfs's vendor, device and class files hold. A kind
+# "gpu:MODEL" or "nic:GEN" is a "gpu" or "nic" of that model; the bare kinds are the p5's.
+# The device ids past the H100's and the first EFA's are illustrative: only the vendor and
+# class decide what the code finds.
 IDS = {"gpu": (NVIDIA, "0x2330", "0x030200"),       # H100 SXM5: a 3D controller
+       "gpu:h200": (NVIDIA, "0x2335", "0x030200"),
+       "gpu:b200": (NVIDIA, "0x2901", "0x030200"),
+       "gpu:b300": (NVIDIA, "0x3182", "0x030200"),
        "nic": (AMAZON, "0xefa1", "0x020000"),       # EFA: an Ethernet controller
+       "nic:efa3": (AMAZON, "0xefa2", "0x020000"),
+       "nic:efa4": (AMAZON, "0xefa3", "0x020000"),
        "verbs": (MELLANOX, "0x1021", "0x020700"),   # ConnectX-7: an InfiniBand controller
        "nvswitch": (NVIDIA, "0x22a3", "0x068000"),  # NVIDIA's, but a bridge: no GPU
        "vga": (ASPEED, "0x2000", "0x030000")}       # the BMC's display: a GPU's class, not NVIDIA's
@@ -95,9 +103,9 @@ def box(root, switches, nodes, visible=None):
         for k, (kind, name, bus, gbps) in enumerate(endpoints):
             down = addr(endpoints[0][2] - 1, k)
             real = device(root, [root_port, up, down, addr(bus)], numa, kind)
-            if kind == "gpu":
+            if kind.split(":")[0] == "gpu":
                 machine["gpus"].append(addr(bus))
-            elif kind == "nic":
+            elif kind.split(":")[0] == "nic":
                 machine["nics"].append({"name": name, "bus": addr(bus), "gbps": gbps})
             elif kind == "verbs":
                 symlink(root / "class" / "infiniband" / name / "device", real)
@@ -120,11 +128,35 @@ def eight_gpus(root, gpu_buses, nics_of, nodes, visible=None):
     return box(root, switches, nodes, visible)
 
 
-def p5(root, visible=None):
-    """8 GPUs x 4 EFA NICs of 100 Gbps, GPUs 0-3 on NUMA 0, 96 cores, 2 threads each."""
+def efa_instance(root, gpu, nic, per_gpu, gbps, visible=None):
+    """An EFA instance of 8 GPUs of kind `gpu`, each behind its own PCIe switch with
+    `per_gpu` EFA NICs of kind `nic` and `gbps` each, on the buses just below the GPU's
+    (the p5's layout, kept for the others: their bus numbers are illustrative, the
+    counts and speeds are AWS's). efa names a NIC by its bus in decimal: rdmap79s0 is
+    0000:4f:00.0. GPUs 0-3 on NUMA 0; 2 x 48 cores, 2 threads each (192 vCPUs)."""
     return eight_gpus(root, P5_GPUS, lambda g, bus: [
-        ("nic", f"rdmap{P5_NIC_NAMES[g] + k}s0", bus - 4 + k, 100) for k in range(4)],
+        (nic, f"rdmap{bus - per_gpu + k}s0", bus - per_gpu + k, gbps) for k in range(per_gpu)],
         nodes=[48, 48], visible=visible)
+
+
+def p5(root, visible=None):
+    """p5.48xlarge (2023): 8 H100, 32 EFA NICs of 100 Gbps, 4 behind each GPU's switch."""
+    return efa_instance(root, "gpu", "nic", 4, 100, visible)
+
+
+def p5en(root, visible=None):
+    """p5en.48xlarge (2024): 8 H200, 16 EFAv3 NICs of 200 Gbps, 2 a GPU: 3200 Gbps."""
+    return efa_instance(root, "gpu:h200", "nic:efa3", 2, 200, visible)
+
+
+def p6_b200(root, visible=None):
+    """p6-b200.48xlarge (2025): 8 B200, 8 EFAv4 NICs of 400 Gbps, 1 a GPU: 3200 Gbps."""
+    return efa_instance(root, "gpu:b200", "nic:efa4", 1, 400, visible)
+
+
+def p6_b300(root, visible=None):
+    """p6-b300.48xlarge (2025): 8 B300, 16 EFAv4 NICs of 400 Gbps, 2 a GPU: 6400 Gbps."""
+    return efa_instance(root, "gpu:b300", "nic:efa4", 2, 400, visible)
 
 
 def cx7(root, per_gpu, visible=None):
@@ -133,6 +165,14 @@ def cx7(root, per_gpu, visible=None):
     return eight_gpus(root, CX7_GPUS, lambda g, bus: [
         ("verbs", f"mlx5_{g * per_gpu + k}", bus - per_gpu + k, 400 // per_gpu)
         for k in range(per_gpu)], nodes=[56, 56], visible=visible)
+
+
+# Each machine by the name tests/fake_sysfs.py's command line takes: (root, visible) -> its
+# description. cx7: one 400 Gbps NIC a GPU, as a DGX H100's compute fabric has.
+INSTANCES = {"p5": p5, "p5en": p5en, "p6_b200": p6_b200, "p6_b300": p6_b300,
+             "cx7": lambda root, visible=None: cx7(root, 1, visible)}
+# NICs a GPU and Gbps in all, of each EFA instance (what chapter 08 shows on it).
+EFA_SHAPES = {"p5": (4, 3200), "p5en": (2, 3200), "p6_b200": (1, 3200), "p6_b300": (2, 6400)}
 
 
 def pretend(monkeypatch, root, machine):
@@ -154,11 +194,13 @@ def save(root, machine):
     return path
 
 
-if __name__ == "__main__":  # .venv/bin/python tests/fake_sysfs.py DIR: the p5, to try chapter 08 on
+if __name__ == "__main__":  # .venv/bin/python tests/fake_sysfs.py DIR [NAME]: to try chapter 08 on
     import sys
-    if len(sys.argv) != 2:
-        sys.exit("usage: .venv/bin/python tests/fake_sysfs.py DIR")
+    if len(sys.argv) not in (2, 3) or sys.argv[2:3] and sys.argv[2] not in INSTANCES:
+        sys.exit(f"usage: .venv/bin/python tests/fake_sysfs.py DIR [{'|'.join(INSTANCES)}] "
+                 "(default p5)")
     root = Path(sys.argv[1])
     from common.cli import command
-    print(command("--sysfs", root, "--machine", save(root, p5(root)),
+    machine = INSTANCES[sys.argv[2] if len(sys.argv) == 3 else "p5"](root)
+    print(command("--sysfs", root, "--machine", save(root, machine),
                   program=Path(__file__).resolve().parents[1] / "chapters" / "08_topo.py"))

@@ -279,3 +279,76 @@ def test_a_gpu_without_a_nic_of_its_own_shares_its_numa_nodes(tmp_path, monkeypa
                                 1, None)
         assert [fi.string(i.domain_attr.name) for i in infos[0]] == ["efa0"]
         assert what == "1 x 1 NICs: efa0"
+
+
+# --- the EFA instances of 2026: p5, p5en, p6-b200, p6-b300 ----------------------------------
+
+EFA = list(fake_sysfs.EFA_SHAPES)
+
+
+def own_nics(machine, gpu):
+    """The NICs behind GPU `gpu`'s switch in a fake EFA instance: efa names each by its bus."""
+    bus = int(machine["gpus"][gpu].split(":")[1], 16)
+    return [n["name"] for n in machine["nics"]
+            if bus - len(machine["nics"]) // 8 <= int(n["bus"].split(":")[1], 16) < bus]
+
+
+@pytest.mark.parametrize("name", EFA)
+def test_08_on_each_efa_instance_faked_by_name(tmp_path, name):
+    """`tests/fake_sysfs.py DIR NAME`, then the command it prints: chapter 08 shows each
+    GPU with its own 4 / 2 / 1 / 2 NICs and 3200 / 3200 / 3200 / 6400 Gbps in total."""
+    per_gpu, total = fake_sysfs.EFA_SHAPES[name]
+    made = subprocess.run([sys.executable, str(ROOT / "tests" / "fake_sysfs.py"), "fake", name],
+                          capture_output=True, text=True, env=local_env(), cwd=tmp_path,
+                          timeout=30)
+    assert made.returncode == 0, made.stderr
+    done = subprocess.run(shlex.split(made.stdout), capture_output=True, text=True,
+                          env=local_env(), cwd=tmp_path, timeout=30)
+    assert done.returncode == 0, done.stderr
+    machine = fake_sysfs.INSTANCES[name](tmp_path / "again")
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("cuda:")]
+    assert [row[5:] for row in rows] == [own_nics(machine, g) for g in range(8)]
+    assert all(len(row[5:]) == per_gpu for row in rows)
+    assert f"total link bandwidth: {8 * per_gpu} NICs, {total} Gbps" in done.stdout
+    assert "note:" not in done.stdout
+
+
+def test_fake_sysfs_names_an_unknown_instance_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "fake_sysfs.py"), "fake", "p4d"],
+                          capture_output=True, text=True, env=local_env(), cwd=tmp_path,
+                          timeout=30)
+    assert_one_line_error(done, "usage: .venv/bin/python tests/fake_sysfs.py DIR "
+                                "[p5|p5en|p6_b200|p6_b300|cx7]")
+
+
+@pytest.mark.parametrize("name", EFA)
+def test_08_each_efa_instance_with_one_visible_gpu_keeps_its_nics(tmp_path, name):
+    """A process given GPU g alone sees the table of the eight, GPU g as cuda:0 with the
+    same NICs as where it sees all."""
+    make = fake_sysfs.INSTANCES[name]
+    everything = table(chapter(tmp_path, fake_sysfs.save(tmp_path, make(tmp_path))))[0]
+    for g in (0, 5):
+        out = chapter(tmp_path, fake_sysfs.save(tmp_path, make(tmp_path, visible=[g])))
+        assert table(out)[0] == everything
+        (mine,) = [line.split() for line in out.splitlines() if line.startswith("cuda:0")]
+        assert mine[1] == make(tmp_path)["gpus"][g]
+
+
+@pytest.mark.parametrize("name", EFA)
+def test_lanes_of_chapters_09_to_15_on_each_efa_instance(tmp_path, monkeypatch, name):
+    """nics.lane_nics: each GPU's lanes are its own NICs (4 / 2 / 1 / 2), all eight seen or
+    only the one given; `--nics-per-gpu 1` takes the first of them."""
+    per_gpu, _ = fake_sysfs.EFA_SHAPES[name]
+    machine = fake_sysfs.INSTANCES[name](tmp_path)
+    head = fake_info.info_list([n["name"] for n in machine["nics"]])
+    fake_sysfs.pretend(monkeypatch, tmp_path, machine)
+    for per in (None, 1):
+        infos, what = lane_nics(types.SimpleNamespace(gpus=list(range(8)), provider_used="efa"),
+                                head, 8, per)
+        assert [[fi.string(i.domain_attr.name) for i in group] for group in infos] == \
+            [own_nics(machine, g)[:per] for g in range(8)]
+        assert what.startswith(f"8 x {per or per_gpu} NICs: ")
+    for g in range(8):
+        fake_sysfs.pretend(monkeypatch, tmp_path, fake_sysfs.INSTANCES[name](tmp_path, [g]))
+        infos, _ = lane_nics(types.SimpleNamespace(gpus=[0], provider_used="efa"), head, 1, None)
+        assert [fi.string(i.domain_attr.name) for i in infos[0]] == own_nics(machine, g)

@@ -82,6 +82,28 @@ def test_the_transfer_engines_worker_cores_with_one_visible_gpu(p5, tmp_path, mo
     assert engine.worker_cores(0) == set(range(36, 48))
 
 
+@pytest.mark.parametrize("name", list(fake_sysfs.EFA_SHAPES))
+def test_each_efa_instances_ranks_drive_their_gpus_nics(tmp_path, monkeypatch, name):
+    """The proxy (16-17) and the transfer engine (18-19) on a p5, p5en, p6-b200 and p6-b300:
+    rank r drives GPU r's own 4 / 2 / 1 / 2 NICs, whether it sees the eight GPUs or its own
+    alone, and its worker runs on that GPU's 12 cores."""
+    from common.transfer import engine
+    per_gpu, _ = fake_sysfs.EFA_SHAPES[name]
+    make = fake_sysfs.INSTANCES[name]
+    machine = make(tmp_path)
+    head = fake_info.info_list([n["name"] for n in machine["nics"]])
+    monkeypatch.setattr(topo.os, "sched_getaffinity", lambda pid: set(range(192)))
+    for rank in range(8):
+        want = [f"rdmap{int(machine['gpus'][rank].split(':')[1], 16) - per_gpu + k}s0"
+                for k in range(per_gpu)]
+        for visible, gpu in ((None, rank), ([rank], 0)):
+            fake_sysfs.pretend(monkeypatch, tmp_path, make(tmp_path, visible))
+            infos, line = rank_nics(head, group(rank), gpu)
+            assert names(infos) == want
+            assert line.startswith(f"{per_gpu} NIC{'s' * (per_gpu > 1)} (GPU {gpu}'s): ")
+            assert engine.worker_cores(gpu) == set(range(12 * rank, 12 * rank + 12))
+
+
 def test_a_nics_entry_of_another_fabric_is_not_taken(p5):
     """efa and efa-direct share domain names (prov/efa/src/efa_domain.h): a proxy's NICs
     come from the head's fabric and address format only."""

@@ -10,7 +10,7 @@ import pytest
 from common.fabric import cuda_driver, memory
 import common.fabric as fi
 from common.fabric import ffi, lib
-from tests.fake_info import Entry, infos
+from tests import fake_info
 from tests.gpu import needs_gpu
 
 PAGE = 4096
@@ -197,24 +197,12 @@ def test_which_way_is_said_once_per_run(monkeypatch, capsys):
         "GPU memory registered by dmabuf", "GPU memory registered by address (no dmabuf: x)"]
 
 
-def efa_over_shm(monkeypatch, caps):
-    """A fake efa entry (tests/fake_info.py) that fi.open_endpoint opens with shm's objects
-    underneath: shm's endpoint stands in for efa's. Like efa on a host whose device cannot
-    reach GPU memory (efa_hmem_validate_p2p_opt: -FI_EOPNOTSUPP), it refuses
-    FI_HMEM_P2P_REQUIRED (smr_ep_setopt knows no such option: -FI_ENOPROTOOPT)."""
-    shm, _ = fi.pick("shm", lib.FI_MSG | lib.FI_RMA)
-    for name in ("fabric_open", "domain_open", "endpoint_open"):
-        monkeypatch.setattr(fi, name, lambda *args, real=getattr(fi, name):
-                            real(*args[:-1], shm))
-    return infos(Entry("rdmap79s0-rdm", caps=caps))
-
-
 def test_efa_without_gpudirect_stops_at_the_endpoint(monkeypatch):
     """efa's RDM fabric registers GPU memory its device cannot reach with a made-up key
     (rdm/efa_rdm_mr.c efa_rdm_mr_reg_impl) and copies every transfer through host memory:
     the endpoint for GPU memory requires P2P before fi_enable, so the run stops there, in
     one line that names what is missing, before any registration says "by dmabuf"."""
-    efa = efa_over_shm(monkeypatch, lib.FI_MSG | lib.FI_RMA | lib.FI_HMEM)
+    efa = fake_info.efa_over_shm(monkeypatch, lib.FI_MSG | lib.FI_RMA | lib.FI_HMEM)
     with fi.Closer() as own, pytest.raises(ValueError) as stopped:
         fi.open_endpoint(own, efa)
     line = str(stopped.value)
@@ -225,7 +213,7 @@ def test_efa_without_gpudirect_stops_at_the_endpoint(monkeypatch):
 
 def test_efa_on_host_memory_requires_no_gpudirect(monkeypatch):
     with fi.Closer() as own:
-        fi.open_endpoint(own, efa_over_shm(monkeypatch, lib.FI_MSG | lib.FI_RMA))
+        fi.open_endpoint(own, fake_info.efa_over_shm(monkeypatch, lib.FI_MSG | lib.FI_RMA))
 
 
 @needs_gpu

@@ -347,3 +347,27 @@ def test_a_label_is_a_name_not_a_path(name, args):
     lines = done.stderr.strip().splitlines()
     assert done.returncode != 0 and "plain name" in lines[-1], done.stderr
     assert "Traceback" not in done.stderr
+
+
+# --- the EFA instances of 2026 (common/model/instances.py) -----------------------------------
+
+def test_each_instance_is_the_calibrated_p5_with_its_own_nics():
+    from common.model import instances
+    blog = calibration.load_blog()
+    p5, costs = calibration.p5(calibration.calibrate(blog, calibration.measured()))
+    assert instances.machine(p5, instances.INSTANCES["p5"]) == p5
+    shapes = {k: (i.nics, i.line_gbps) for k, i in instances.INSTANCES.items()}
+    assert shapes == {"p5": (32, 3200), "p5en": (16, 3200), "p6-b200": (8, 3200),
+                      "p6-b300": (16, 6400)}
+    published = json.loads((calibration.RESULTS / "mooncake_published.json").read_text())
+    rows = {r["instance"]: r for r in instances.table(p5, costs, published["instances"])}
+    # chapter 15 on the p5 is the calibrated model's chapter 15
+    assert rows["p5"]["chapter15_gbps"] == round(
+        throughput(p5, costs, calibration.CHAPTERS["15"][1]).gbps, 1)
+    # 1 MiB WRITEs are link-bound everywhere: twice the NICs' total, twice the figure
+    assert {r["transfer_limit"] for r in rows.values()} == {"link"}
+    assert rows["p6-b300"]["transfer_gbps"] == pytest.approx(2 * rows["p5"]["transfer_gbps"],
+                                                             rel=1e-3)
+    # a NIC four times as fast drains the fitted places four times as fast (chapter 15)
+    assert rows["p6-b200"]["chapter15_limit"] == "queue"
+    assert rows["p6-b200"]["mooncake_lower_bound"] and rows["p5"]["mooncake_gbps"] == 3111.2

@@ -145,7 +145,9 @@ def test_the_gpu_nic_map_is_chapter_08s(tmp_path):
     assert doctor.topology_line(Machine(tmp_path), [], nics)[0] == ABSENT
     line = doctor.topology_line(Machine(tmp_path), machine["gpus"][5:6], nics)
     assert line == (OK, "GPU-NIC map", "8 GPUs (1 seen by this process), 32 NICs: 4 NICs per "
-                    "GPU, each on its GPU's NUMA node (chapters/08_topo.py prints the table)")
+                    "GPU, each on its GPU's NUMA node; cuda:0 (0000:a8:00.0) drives rdmap164s0 "
+                    "rdmap165s0 rdmap166s0 rdmap167s0, as with all seen (chapters/08_topo.py "
+                    "prints the table)")
 
 
 def test_the_systems_libfabric_beside_the_efa_installers_is_a_fix(tmp_path, monkeypatch):
@@ -318,3 +320,146 @@ def test_each_chapter_is_told_the_fabric_its_hints_pick(monkeypatch):
     monkeypatch.setattr(fi, "getinfo", fake_getinfo([no_rma]))
     lines = {text.split(" (")[0]: status for status, _, text in doctor.fabric_lines(fi)}
     assert lines == {"chapters 04-05": OK, "chapters 06-07, 09-19": FIX, "chapter 08": FIX}
+
+
+# --- the EFA instances of 2026, one visible GPU, GPUDirect, the libfabric loaded ---------------
+
+def nics_of(machine, sysfs):
+    return [topo.Nic(n["name"], n.get("bus") or topo.rdma_device_bus(n["name"], sysfs), n["gbps"])
+            for n in machine["nics"]]
+
+
+@pytest.mark.parametrize("name,text", [
+    ("p5", "p5.48xlarge: 32 EFA NICs of 100 Gbps, 3200 Gbps"),
+    ("p5en", "p5en.48xlarge: 16 EFA NICs of 200 Gbps, 3200 Gbps"),
+    ("p6_b200", "p6-b200.48xlarge: 8 EFA NICs of 400 Gbps, 3200 Gbps"),
+    ("p6_b300", "p6-b300.48xlarge: 16 EFA NICs of 400 Gbps, 6400 Gbps"),
+    ("cx7", "a ConnectX host (verbs): 8 NICs of 400 Gbps, 3200 Gbps")])
+def test_the_instance_is_told_by_its_nics_and_their_speeds(tmp_path, name, text):
+    """From the NICs libfabric lists and their link speeds; the ConnectX box has a p6-b200's
+    shape (8 x 400 Gbps): only efa's NICs name an instance."""
+    machine = fake_sysfs.INSTANCES[name](tmp_path)
+    line = doctor.instance_line(nics_of(machine, tmp_path), "verbs" if name == "cx7" else "efa")
+    assert line == (OK, "instance", text)
+
+
+def test_efa_nics_of_no_known_instance_are_described(tmp_path):
+    nics = [topo.Nic(f"rdmap{k}s0", f"0000:{k + 16:02x}:00.0", 300) for k in range(4)]
+    assert doctor.instance_line(nics) == (
+        ABSENT, "instance", "not an EFA instance this project knows (p5, p5en, p6-b200, "
+        "p6-b300): 4 NICs of 300 Gbps, 1200 Gbps")
+
+
+def test_an_instance_short_of_nics_is_said(tmp_path):
+    """31 of a p5's 32 NICs listed, or 12 of a p6-b300's 16: a NIC the driver or libfabric
+    lost, or another instance (a p4d has 4 of 100 Gbps): said, with where to look."""
+    nics = nics_of(fake_sysfs.p5(tmp_path), tmp_path)
+    line = doctor.instance_line(nics[:31])
+    assert line == (ABSENT, "instance", "31 EFA NICs of 100 Gbps, 3100 Gbps: a p5.48xlarge has "
+                    "32; if this is one, libfabric lists fewer: fi_info -p efa, and the EFA "
+                    "driver (ls /sys/class/infiniband)")
+    nics = nics_of(fake_sysfs.p6_b300(tmp_path / "b300"), tmp_path / "b300")
+    assert doctor.instance_line(nics[:12])[2].startswith("12 EFA NICs of 400 Gbps, 4800 Gbps: "
+                                                         "a p6-b300.48xlarge has 16;")
+    assert doctor.instance_line([])[0] == ABSENT
+    assert doctor.instance_line([topo.Nic("x", "0000:01:00.0", 0)])[0] == ABSENT
+
+
+@pytest.mark.parametrize("name", ["p5", "p5en", "p6_b200", "p6_b300", "cx7"])
+def test_the_nic_plan_of_a_process_that_sees_one_gpu(tmp_path, name):
+    """Slurm, torchrun, CUDA_VISIBLE_DEVICES: the doctor names the NICs that GPU drives, the
+    same as chapter 08's row for it with all eight seen."""
+    machine = fake_sysfs.INSTANCES[name](tmp_path)
+    nics = nics_of(machine, tmp_path)
+    eight = topo.layout(machine["gpus"], nics_of(machine, tmp_path), tmp_path)
+    line = doctor.topology_line(Machine(tmp_path), machine["gpus"][3:4], nics)
+    per = len(nics) // 8
+    assert line == (OK, "GPU-NIC map", f"8 GPUs (1 seen by this process), {len(nics)} NICs: "
+                    f"{per} NIC{'s' * (per > 1)} per GPU, each on its GPU's NUMA node; cuda:0 "
+                    f"({machine['gpus'][3]}) drives {' '.join(n.name for n in eight[3].nics)}, "
+                    "as with all seen (chapters/08_topo.py prints the table)")
+
+
+def test_efa_without_gpudirect_is_a_fix_not_a_registration(monkeypatch):
+    """efa registers GPU memory its device cannot reach with a made-up key and copies through
+    host memory (rdm/efa_rdm_mr.c efa_rdm_mr_reg_impl): the doctor opens the endpoint as the
+    chapters do (fi.open_endpoint requires GPUDirect first) and says what is missing."""
+    efa = fake_info.efa_over_shm(monkeypatch, fi.lib.FI_MSG | fi.lib.FI_RMA | fi.lib.FI_HMEM)
+    monkeypatch.setattr(doctor, "offered", lambda fi, provider, caps=None: efa)
+    (line,) = doctor.gpu_memory_lines(fi, ["efa"])
+    assert line[:2] == (FIX, "GPU memory")
+    assert line[2].startswith("efa: the EFA device cannot reach GPU memory (GPUDirect RDMA): "
+                              "it needs nvidia-peermem loaded"), line
+    assert "through host memory" in line[2] and "\n" not in line[2]
+
+
+V = fi.lib  # the rules' modes
+
+@pytest.mark.parametrize("version,more,counters,wait", [
+    ((1, 17), ABSENT, ABSENT, ABSENT), ((2, 1), ABSENT, ABSENT, ABSENT),
+    ((2, 3), ABSENT, ABSENT, ABSENT), ((2, 5), ABSENT, ABSENT, OK),
+    ((2, 6), ABSENT, ABSENT, OK), ((2, 7), OK, OK, OK)])
+def test_what_the_libfabric_loaded_changes_on_efa(version, more, counters, wait):
+    lines = {topic: (status, text) for status, topic, text in doctor.version_lines(fi, version)}
+    assert set(lines) == {"FI_MORE", "HW counters", "CQ wait"}
+    assert [lines[t][0] for t in ("FI_MORE", "HW counters", "CQ wait")] == [more, counters, wait]
+    v = "%d.%d" % version
+    if more == ABSENT:
+        assert lines["FI_MORE"][1].startswith(f"efa's fabric on libfabric {v} may send a WRITE "
+                                              "it queued with FI_MORE and ring no doorbell:")
+        assert "-p efa-direct" in lines["FI_MORE"][1] and "2.7" in lines["FI_MORE"][1]
+    else:
+        assert lines["FI_MORE"][1].startswith(f"libfabric {v}: efa's fabric rings the doorbell")
+    assert ("FI_EFA_USE_HW_CNTR" in lines["HW counters"][1]
+            and "a CQ must still be read" in lines["HW counters"][1])
+    direct, efa = version >= (2, 3), version >= (2, 5)
+    assert lines["CQ wait"][1].startswith(
+        f"libfabric {v}: blocking CQ reads (FI_WAIT_UNSPEC, FI_WAIT_FD) on "
+        + ("efa and efa-direct" if efa else "efa-direct only" if direct else "neither fabric"))
+
+
+@pytest.mark.parametrize("chapter,direct_rma,version,fabric", [
+    (5, True, (2, 6), "efa"), (7, True, (2, 6), "efa-direct"), (7, False, (2, 6), "efa"),
+    (14, True, (2, 6), "efa-direct"), (14, True, (2, 7), "efa-direct"),
+    (16, True, (2, 6), "efa-direct"), (19, True, (2, 6), "efa-direct"), (3, True, (2, 6), "either")])
+def test_efa_or_efa_direct_for_the_chapter_asked(chapter, direct_rma, version, fabric):
+    rma = fi.lib.FI_MSG | (fi.lib.FI_RMA if direct_rma else 0)
+    status, topic, text = doctor.chapter_line(fi, chapter, efa_info("efa-direct", rma), version)
+    assert (status, topic) == (OK, f"chapter {chapter:02d}")
+    assert text.startswith(f"{fabric}" + (f" (-p {fabric})" if fabric != "either" else "")), text
+    if not direct_rma:
+        assert "efa-direct has no FI_RMA here" in text
+    if chapter == 14:
+        assert ("FI_MORE off on efa's fabric" in text) == (version < (2, 7))
+
+
+def test_a_chapter_without_efa_here_says_so():
+    assert doctor.chapter_line(fi, 14, None, (2, 6))[0] == ABSENT
+
+
+def test_a_chapter_out_of_range_is_one_line():
+    done = run("--chapter", "21")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == "doctor.py: error: --chapter 21: the chapters are 03-19\n"
+
+
+def test_the_doctor_on_a_p6_b300_rank_that_sees_gpu_3(tmp_path, monkeypatch):
+    """examine() on the fake p6-b300 with its 16 NICs listed by efa (both fabrics), in a
+    process given GPU 3 alone, asked about chapter 14: the instance, the NIC plan of that
+    GPU, what the libfabric loaded changes, and the fabric for 14, each one line."""
+    machine = fake_sysfs.p6_b300(tmp_path)
+    entries = [fake_info.Entry(f"{n['name']}-rdm", fabric=fabric, pci=n["bus"], gbps=n["gbps"])
+               for fabric in ("efa-direct", "efa") for n in machine["nics"]]
+    monkeypatch.setattr(doctor, "offered", lambda fi, provider, caps=None: (
+        fake_info.infos(*entries) if provider == "efa" and not (caps or 0) & fi.lib.FI_HMEM
+        else None))
+    monkeypatch.setattr(topo, "gpus_here", lambda: ([machine["gpus"][3]], None))
+    monkeypatch.delenv("FI_EFA_USE_DEVICE_RDMA", raising=False)
+    lines, _ = doctor.examine(Machine(tmp_path, proc=tmp_path, dev=tmp_path), chapter=14)
+    said = {topic: (status, text) for status, topic, text in lines}
+    assert said["instance"] == (OK, "p6-b300.48xlarge: 16 EFA NICs of 400 Gbps, 6400 Gbps")
+    assert "cuda:0 (0000:86:00.0) drives rdmap132s0-rdm rdmap133s0-rdm, as with all seen" \
+        in said["GPU-NIC map"][1]
+    assert {"FI_MORE", "HW counters", "CQ wait"} <= set(said)
+    assert said["chapter 14"][1].startswith("efa-direct (-p efa-direct): one doorbell a batch")
+    assert said["GPU memory"][0] == FIX  # no FI_HMEM granted by the fake

@@ -123,6 +123,18 @@ NAMED_FABRICS = {DIRECT: ("efa", DIRECT)}
 # fi_context2 for the provider's own use (efa_prov_info.c; prov/efa/src/efa.h
 # efa_fill_context writes it): ours all have one.
 DIRECT_MODE = lib.FI_CONTEXT2
+# The libfabric whose efa fabric rings the doorbell of a WRITE it queued with FI_MORE
+# (main's 3b01e1417). Up to 2.6.0 it posts a queued WRITE again with the WRITE's own flags
+# (rdm/efa_rdm_ope.c efa_rdm_ope_process_queued_ope, then rdm/efa_rdm_pke.c
+# efa_rdm_pke_write: txe->fi_flags), so no post of ours closes that batch. 2.4.x has the
+# fix too, as PR 12628, from a patch release: fi_version() gives major.minor only, so 2.4
+# counts as without it. Chapter 14 and the doctor read it.
+EFA_RINGS_QUEUED = (2, 7)
+# The libfabric whose efa counts completions in the device's counters by default
+# (FI_EFA_USE_HW_CNTR, main's f55dd70db; man/fi_efa.7.md): reading such a counter makes no
+# progress, so a caller that waits on one must still read a CQ on -FI_EAGAIN. The
+# chapters count nothing with fi_cntr: only the doctor says it.
+EFA_HW_COUNTERS = (2, 7)
 
 
 def hints(provider=None, ep_type=lib.FI_EP_RDM, caps=lib.FI_MSG, mr_mode=MR_MODE, mode=MODE,
