@@ -12,7 +12,7 @@ from tests.one_line_errors import LIMIT, SHM_DEAD, TCP_DEAD, assert_one_line_err
 
 @pytest.mark.parametrize("chapter", [4, 5])
 @pytest.mark.parametrize("args,pattern", [
-    (["zz"], "hex digits"),
+    (["zz"], "not a hex digit at position 0"),
     (["abc"], "hex digits"),
     (["-p", "tcp", "0011"], "addresses are 16 bytes; this one is 14 bytes too short"),
     (["-p", "shm", "0011"], "NUL-terminated strings"),
