@@ -1,12 +1,15 @@
 """No client can crash a server (issue 48): a CONNECT that lies gets one line, and the
 server serves its next client."""
 import re
+import signal
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 
+from common import shm_files
 import common.fabric as fi
 from common.chapter_pair import ADDRESS, chapter_module, chapter_path, local_env
 from common.fabric import connect, lib
@@ -129,3 +132,53 @@ def test_an_address_of_the_wrong_length_says_by_how_much(provider, mangle, said)
     fi.check_address(info, good)
     with pytest.raises(ValueError, match=re.escape(said)):
         fi.check_address(info, mangle(good))
+
+
+def server_line(server, budget):
+    """The server's next line on stderr, within the budget (its reader blocks: a thread)."""
+    import threading
+    got = []
+    reader = threading.Thread(target=lambda: got.append(server.stderr.readline()), daemon=True)
+    reader.start()
+    reader.join(budget.left())
+    assert got and got[0], "the server said nothing"
+    return got[0]
+
+
+@pytest.mark.long
+def test_07_a_client_stopped_then_continued_does_not_crash_the_server():
+    """Ctrl-Z and fg (issue 48): a --delivery-complete client stopped mid-run (SIGSTOP),
+    continued once the server gave up on it. On 1.17's shm the server removed it from its
+    AV with its WRITEs' answers still due, and the answers that came on SIGCONT made the
+    server's progress touch the unmapped region (SIGSEGV). The server must serve the next
+    client; the continued one ends with one line and a non-zero exit."""
+    budget = Budget(90)
+    wait = f"{budget.grant(3):g}"
+    server, out = start(7, ["-p", "shm", "--clients", "2", "--timeout", wait], ADDRESS.pattern)
+    procs = [server]
+    try:
+        address = ADDRESS.search(out)[1]
+        stopped, _ = start(7, ["-p", "shm", address, "--delivery-complete", "--iters",
+                               "100000000", "--timeout", wait, *HONEST_07[:-2]],
+                           "^memory:")
+        procs.append(stopped)
+        time.sleep(1)
+        stopped.send_signal(signal.SIGSTOP)
+        gave_up = server_line(server, budget)
+        assert gave_up.startswith("client 1"), gave_up
+        stopped.send_signal(signal.SIGCONT)
+        _, stopped_err = budget.communicate(stopped)
+        time.sleep(1)  # the server's progress takes the continued client's answers
+        honest = budget.run([sys.executable, str(chapter_path(7)), "-p", "shm", address,
+                             *HONEST_07], env=local_env())
+        _, err = budget.communicate(server)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        shm_files.remove_left_by([proc.pid for proc in procs])
+    assert server.returncode == 0, f"server exit {server.returncode}: {err}"
+    assert "Traceback" not in err, err
+    assert honest.returncode == 0, honest.stderr
+    assert stopped.returncode != 0
+    assert len(stopped_err.strip().splitlines()) == 1, stopped_err

@@ -207,11 +207,18 @@ def dupinfo(info):
     return ffi.gc(copy, lib.fi_freeinfo)
 
 
+SHM_PREFIX = b"fi_shm://"  # SMR_PREFIX, prov/shm/src/smr_util.h
+
+
 def at_address(info, name):
     """A copy of `info` whose endpoint takes the address `name` (from fi_getname), so that a
     new endpoint is reached where an old one was; `info` itself when `name` is None."""
     if name is None:
         return info
+    # shm takes an address with its prefix as one to name a new region after, and
+    # appends a uid and a count to it; without the prefix, as the very region's name
+    # (smr_endpoint_name, prov/shm/src/smr_ep.c)
+    name = name.removeprefix(SHM_PREFIX)
     copy = dupinfo(info)
     lib.free(copy.src_addr)  # fi_freeinfo frees what is there
     copy.src_addr = lib.malloc(len(name))
