@@ -182,3 +182,36 @@ def test_07_a_client_stopped_then_continued_does_not_crash_the_server():
     assert honest.returncode == 0, honest.stderr
     assert stopped.returncode != 0
     assert len(stopped_err.strip().splitlines()) == 1, stopped_err
+
+
+@pytest.mark.parametrize("chapter", [6])
+def test_a_client_that_gives_up_at_once_does_not_crash_the_server(chapter):
+    """A client with --timeout 0 gives up on its first SEND (issue 48). On shm before 2.0
+    that SEND, refused while it asks the server to map its region, leaves a connection
+    request; the client's region was gone by the time the server read it, and the
+    server's progress (smr_progress_connreq) dereferenced the region it failed to map:
+    SIGSEGV. The server must survive three such clients and serve an honest one."""
+    budget = Budget(60)
+    # no --clients: whether a quick client's CONNECT reached the server before it gave up
+    # is up to the machine; the server ends on Ctrl-C
+    server, out = start(chapter, ["-p", "shm", "--timeout", f"{budget.grant(10):g}"],
+                        ADDRESS.pattern)
+    try:
+        address = ADDRESS.search(out)[1]
+        for _ in range(3):
+            quick = budget.run([sys.executable, str(chapter_path(chapter)), "-p", "shm",
+                                address, "--timeout", "0"], env=local_env())
+            assert quick.returncode != 0
+            assert len(quick.stderr.strip().splitlines()) == 1, quick.stderr
+        time.sleep(1)  # the server's progress reads what they left
+        honest = budget.run([sys.executable, str(chapter_path(chapter)), "-p", "shm", address],
+                            env=local_env())
+        server.send_signal(signal.SIGINT)
+        _, err = budget.communicate(server)
+    finally:
+        server.kill()
+        server.wait()
+        shm_files.remove_left_by([server.pid])
+    assert server.returncode == 130, f"server exit {server.returncode}: {err}"
+    assert "Traceback" not in err, err
+    assert honest.returncode == 0, honest.stderr

@@ -208,6 +208,29 @@ def dupinfo(info):
 
 
 SHM_PREFIX = b"fi_shm://"  # SMR_PREFIX, prov/shm/src/smr_util.h
+CONNREQ_CHECKED = 2 << 16  # the API version from which shm checks that it mapped a requester
+CONNREQ_GRACE = 2.0  # seconds a client about to give up leaves its connection request to be read
+
+
+def connreq_pending(ep, post, poll):
+    """Before a client gives up on a post that met -FI_EAGAIN: on shm before libfabric 2.0,
+    keep calling `post` (and `poll`) until the provider takes it, for CONNREQ_GRACE
+    seconds at most; True if it did. Such a first post to a peer leaves it a connection
+    request naming our region and returns -FI_EAGAIN until the peer has mapped us
+    (smr_verify_peer, prov/shm/src/smr_ep.c). A peer that reads the request after our
+    region is gone fails to map it and, before 2.0, goes on through the NULL region and
+    dies (smr_progress_connreq, prov/shm/src/smr_progress.c: 2.0 checks the map). A post
+    taken says that the peer has mapped us: the region is then safe to remove."""
+    if API_VERSION >= CONNREQ_CHECKED or not getname(ep).startswith(SHM_PREFIX):
+        return False
+    grace = bounds.stretched(CONNREQ_GRACE)
+    with bounds.Deadline(grace, f"the peer did not read our connection request within "
+                         f"{grace:g} s") as deadline:
+        while time.monotonic() < deadline.at:
+            if post():
+                return True
+            poll()
+    return False
 
 
 def at_address(info, name):
@@ -768,15 +791,19 @@ class Poller:
                 # sleep (~50 us of timer slack), which cut tcp's throughput by 5x here.
                 os.sched_yield()
 
-    def until_posted(self, post, timeout, what):
+    def until_posted(self, post, timeout, what, ep=None):
         """Call `post` until the provider takes the operation (it returns False on
-        -FI_EAGAIN: queue full, or tcp still connecting), polling for progress meanwhile."""
+        -FI_EAGAIN: queue full, or tcp still connecting), polling for progress meanwhile.
+        `ep`, the endpoint `post` posts on: late, it may still be kept a while
+        (connreq_pending)."""
         late = f"no {what} within {timeout:g} s: is the peer running?"
         with bounds.Deadline(timeout, late) as deadline:
             while not post():
                 self.poll()
                 if time.monotonic() > deadline.at:
-                    raise TimeoutError(late)
+                    if ep is None or not connreq_pending(ep, post, self.poll):
+                        raise TimeoutError(late)
+                    return  # taken after all, once the peer had mapped us
 
     def send(self, own, domain, ep, data, dest, key, timeout, what, hint=""):
         """SEND the bytes `data` from a buffer registered for it (with requested `key`),
@@ -785,7 +812,7 @@ class Poller:
         mr = own(mr_reg(domain, buf, len(data), lib.FI_SEND, key=key))
         ctx = ffi.new("struct fi_context2 *")
         self.until_posted(lambda: sendmsg(ep, buf, len(data), mr_desc(mr), dest, ctx), timeout,
-                          f"{what} accepted")
+                          f"{what} accepted", ep)
         self.wait([ctx], timeout, f"{what} completion{hint}")
 
     def wait(self, contexts, timeout, what, or_remote_data=False, idle=False):
