@@ -12,14 +12,14 @@ from tests.one_line_errors import LIMIT, SHM_DEAD, TCP_DEAD, assert_one_line_err
 
 @pytest.mark.parametrize("chapter", [4, 5])
 @pytest.mark.parametrize("args,pattern", [
-    (["zz"], "hex digits"),
+    (["zz"], "not a hex digit at position 0"),
     (["abc"], "hex digits"),
     (["-p", "tcp", "0011"], "addresses are 16 bytes; this one is 14 bytes too short"),
     (["-p", "shm", "0011"], "NUL-terminated strings"),
     (["-p", "nosuch"], "unknown provider 'nosuch'"),
     (["-p", "efa"], "provider 'efa' has no usable device here"),
     (["-p", "shm", SHM_DEAD, "x" * 5000], "buffer holds"),
-    (["--timeout", "soon"], "invalid float value"),
+    (["--timeout", "soon"], "--timeout: expected seconds, 0 or more"),
     (["--bogus"], "unrecognized arguments"),
 ])
 def test_rejected_with_one_line(chapter, args, pattern):
