@@ -256,6 +256,8 @@ def run(main):
     try:
         try:
             bounds.watch()
+            if why := fi.prefix_mismatch():
+                raise UsageError(why)
             code = main()
         except SystemExit as e:  # sys.exit(...) in main(): the same way out as a return
             code = e.code

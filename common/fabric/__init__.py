@@ -12,6 +12,7 @@ the order libfabric wants them.
 """
 import contextlib
 import os
+import re
 import signal
 import sys
 import threading
@@ -45,6 +46,49 @@ shm_files.remove_left_by([os.getpid()])
 
 # The API version our headers describe; libfabric 2.x still serves 1.x callers.
 API_VERSION = (lib.FI_MAJOR_VERSION << 16) | lib.FI_MINOR_VERSION
+LIBFABRIC = re.compile(r"libfabric(-[0-9a-f]+)?\.so(\.\d+)*")  # also a wheel's (auditwheel)
+
+
+def libfabrics(maps):
+    """The libfabric.so files mapped, per `maps` (the text of /proc/PID/maps), each once;
+    also those a wheel bundles renamed (auditwheel: libfabric-<hash>.so.1)."""
+    found = []
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address perms offset device inode path
+        path = fields[5] if len(fields) == 6 else ""
+        if LIBFABRIC.fullmatch(os.path.basename(path)) and path not in found:
+            found.append(path)
+    return found
+
+
+def loaded_from():
+    """The path of the libfabric.so this process has loaded, or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return next(iter(libfabrics(maps.read())), None)
+    except OSError:
+        return None
+
+
+def loads_from(prefix):
+    """Whether the libfabric this binding loaded lies under `prefix` (an install prefix)."""
+    path = loaded_from()
+    return path is not None and os.path.realpath(path).startswith(
+        os.path.realpath(prefix) + os.sep)
+
+
+def prefix_mismatch():
+    """LIBFABRIC_PREFIX picks a libfabric when the binding is built (scripts/setup.sh); set
+    for a program, it must name the one the binding loads: else a reader on a p5 could
+    believe the EFA installer's in use while another runs. None, or one line saying which
+    is loaded and how to rebuild. Unset or empty (setup.sh's "the system's"): None."""
+    prefix = os.environ.get("LIBFABRIC_PREFIX")
+    if not prefix or loads_from(prefix):
+        return None
+    return (f"LIBFABRIC_PREFIX={prefix}, but the binding loads "
+            f"{os.path.realpath(loaded_from() or '?')} (libfabric {'%d.%d' % version()}): to "
+            f"use that one, rebuild the binding: LIBFABRIC_PREFIX={prefix} bash "
+            "scripts/setup.sh; or unset it")
 
 # What we can cope with: we register every buffer (LOCAL), we send the peer
 # absolute addresses when the provider wants them (VIRT_ADDR), buffers are
