@@ -95,11 +95,16 @@ def client(info, args, addr, message):
                              "is the server running?") as deadline:
             # -FI_EAGAIN: the provider cannot take it yet (tcp connects lazily);
             # polling the CQ lets it make progress, then we try again.
-            while not fi.sendmsg(ep, buf, len(message), desc, server_addr, ctx):
+            def post():
+                return fi.sendmsg(ep, buf, len(message), desc, server_addr, ctx)
+            while not post():
                 fi.cq_read(cq, entries)
                 if time.monotonic() > deadline.at:
-                    raise TimeoutError(f"server did not take the message within "
-                                       f"{args.timeout:g} s: is it running?")
+                    # 1.x's shm: leave the server time to read our request to be mapped
+                    if not fi.connreq_pending(ep, post, lambda: fi.cq_read(cq, entries)):
+                        raise TimeoutError(f"server did not take the message within "
+                                           f"{args.timeout:g} s: is it running?")
+                    break
             while not fi.cq_read(cq, entries):
                 if time.monotonic() > deadline.at:
                     raise TimeoutError(deadline.what)

@@ -64,7 +64,7 @@ class Buffer:
         """SEND `message` to dest and wait for its completion."""
         self.mem[0:len(message)] = message
         poller.until_posted(lambda: fi.sendmsg(ep, self.mem, len(message), self.desc, dest,
-                                               self.ctx), timeout, "message accepted")
+                                               self.ctx), timeout, "message accepted", ep)
         poller.wait([self.ctx], timeout, "send completion: is the peer still there?")
 
     def received(self, length):

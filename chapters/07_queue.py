@@ -135,18 +135,21 @@ def server(info, args):
                     continue
                 renew = False
                 try:
+                    # Contexts to spare: the provider, not us, should be the one to say "full".
+                    queue = OpQueue(ep, cq, poller, slots=fi.in_flight(info))
                     with fi.Closer() as client_own:  # what one client needs, released after it
                         client, request = connect.accept(client_own, av, domain, ep, poller,
-                                                         request, CHAPTER, args.timeout)
-                        # Contexts to spare: the provider, not us, should be the one to say "full".
-                        queue = OpQueue(ep, cq, poller, slots=fi.in_flight(info))
+                                                         request, CHAPTER, args.timeout,
+                                                         busy=queue.in_flight)
                         serve(Connection(client_own, domain, client, queue, inbox, backlog,
                                          args.timeout), info, request, args)
                 except (fi.FabricError, TimeoutError, ValueError) as e:  # serve the next one
                     connect.report(served + 1, e)
                     if isinstance(e, connect.Refused):
                         continue  # another chapter's client, told so: not one of --clients
-                    renew = lends_credits(info)
+                    # WRITEs still in flight after the drain (a stopped client's): the
+                    # client stays in the AV (connect.let_go) until the endpoint closes
+                    renew = lends_credits(info) or queue.in_flight() > 0
                 served += 1
                 if renew:
                     if fi.key(inbox.ctx) in poller.done:  # a CONNECT already here: keep it

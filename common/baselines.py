@@ -67,12 +67,12 @@ def tools_libfabric():
 
 
 def rma_bw_tool():
-    """fabtests' fi_rma_bw, from LIBFABRIC_PREFIX/bin, else .deps/libfabric/bin."""
+    """fabtests' fi_rma_bw, from bench.tools_prefix()/bin."""
     tool = prefix() / "bin" / "fi_rma_bw"
     if not tool.exists():
         raise FileNotFoundError(f"{tool} not found (fabtests are not in Debian's packages): "
                                 "build libfabric and fabtests with `bash scripts/build_libfabric.sh`,"
-                                " or set LIBFABRIC_PREFIX to an install that has bin/fi_rma_bw")
+                                " or set FABTESTS_PREFIX to an install that has bin/fi_rma_bw")
     return tool
 
 

@@ -98,9 +98,12 @@ def limit(infos, provider, memory, size, here, tool="fi_rma_bw"):
 
 
 def tools_prefix():
-    """Where the scripts take fabtests from: LIBFABRIC_PREFIX, else what
-    scripts/build_libfabric.sh builds (.deps/libfabric)."""
-    return Path(os.environ.get("LIBFABRIC_PREFIX") or ROOT / ".deps" / "libfabric")
+    """Where the scripts take fabtests from: FABTESTS_PREFIX; else LIBFABRIC_PREFIX where it is
+    the libfabric the binding loads (a chapter stops on any other: fabric.prefix_mismatch);
+    else what scripts/build_libfabric.sh builds (.deps/libfabric)."""
+    lf = os.environ.get("LIBFABRIC_PREFIX")
+    return Path(os.environ.get("FABTESTS_PREFIX") or (lf if lf and fi.loads_from(lf) else
+                                                     ROOT / ".deps" / "libfabric"))
 
 
 def measure_command(tool, provider, memory, size):

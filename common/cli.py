@@ -4,6 +4,7 @@ Same flag, same meaning, everywhere; bad input is one line on stderr and a
 non-zero exit, never a traceback.
 """
 import argparse
+import math
 import os
 import re
 import shlex
@@ -17,6 +18,7 @@ from common.records import parse_label  # noqa: F401 (an argparse type: cli.pars
 from common.usage import parse_size  # noqa: F401 (the chapters' cli.parse_size)
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+CACHE_LINE = 64  # bytes: a CPU cache line on x86 and on Arm's Neoverse (Grace)
 PEER_TIMEOUT = 10.0  # seconds a chapter waits for its peer before giving up
 
 
@@ -90,9 +92,10 @@ def parser(doc, **kw):
     p.add_argument("-p", "--provider", help="libfabric provider (efa, verbs, shm, tcp, ...) or "
                    "efa's fabric efa-direct; default: the first of efa, verbs, shm, tcp usable "
                    "here")
-    p.add_argument("--timeout", type=float, default=peer_timeout(),
+    p.add_argument("--timeout", type=seconds, default=peer_timeout(),
                    help="seconds to wait for the peer (default %(default).3g): a peer "
-                   "silent that long is taken for gone")
+                   "silent that long is taken for gone; 0: the peer must answer at once "
+                   "(a wait that finds nothing at its first look gives up)")
     return p
 
 
@@ -155,6 +158,18 @@ def parse_address(text):
     return bytes.fromhex(text)
 
 
+def seconds(text):
+    """An argparse type: a finite number of seconds, 0 or more (nan would never end a wait:
+    every comparison with it is false)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected seconds, 0 or more, not '{text}'")
+    return value
+
+
 def count(lo, hi=None):
     """An argparse type: a whole number in lo..hi (no upper bound: hi None)."""
     def parse(text):
@@ -174,7 +189,10 @@ def add_pages(p, pages, buffer_size, gpu=True):
     size = f"{buffer_size >> 20}M" if buffer_size < 1 << 30 else f"{buffer_size >> 30}G"
     side("client",
          p.add_argument("--page-size", type=parse_size, default=64 << 10,
-                        help="bytes per page (default 64K)"),
+                        help="bytes per page (default 64K), 1 up to --buffer-size: one WRITE "
+                        "per page, so at most the NIC's largest message. Any size is "
+                        "checked to the byte; a multiple of 64 (a cache line) is what a "
+                        "real NIC writes fast"),
          p.add_argument("--pages", help=f"pages to fill, e.g. 0,3,5-9 (default: {pages})"),
          p.add_argument("--buffers", type=int, default=2, help="buffers (default 2)"),
          p.add_argument("--buffer-size", type=parse_size, default=buffer_size,
@@ -206,6 +224,11 @@ def check_pages(args, default):
     if args.page_size <= 0 or args.buffer_size < args.page_size or args.buffers < 1:
         raise UsageError(f"need 0 < page size ({args.page_size}) <= buffer size "
                          f"({args.buffer_size}) and at least one buffer")
+    if args.page_size % CACHE_LINE and getattr(args, "address", None) is not None:
+        # Only the client's pages are laid out by it: the server's line would be noise.
+        print(f"note: page size {args.page_size} is not a multiple of {CACHE_LINE} bytes (a "
+              "cache line): pages then share lines, and a NIC's DMA into part of a line "
+              "costs the host a read-modify-write of it: correct, slower on a real NIC")
     per_buffer = args.buffer_size // args.page_size
     args.pages = parse_pages(args.pages) if args.pages is not None else default(per_buffer)
     if not args.pages or max(args.pages) >= args.buffers * per_buffer:
@@ -233,6 +256,8 @@ def run(main):
     try:
         try:
             bounds.watch()
+            if why := fi.prefix_mismatch():
+                raise UsageError(why)
             code = main()
         except SystemExit as e:  # sys.exit(...) in main(): the same way out as a return
             code = e.code

@@ -88,7 +88,9 @@ except ModuleNotFoundError:  # a Python the project is not installed in (setup.s
     sys.exit(f"FIX  project        not installed in {sys.executable}: bash scripts/setup.sh, "
              "then .venv/bin/python scripts/doctor.py")
 from common.engine import topo  # noqa: E402
+import common.fabric as fabric  # noqa: E402
 from common.fabric import cuda_driver  # noqa: E402
+from common.fabric import libfabrics  # noqa: E402
 from common.model.instances import INSTANCES  # noqa: E402
 
 read = topo._read  # a file's text, stripped, or `default` where there is none
@@ -149,22 +151,9 @@ def libfabric(machine):
 
 def loaded_from():
     """The path of the libfabric.so this process has loaded ('?' if none)."""
-    return next(iter(libfabrics(read("/proc/self/maps", ""))), "?")
+    return fabric.loaded_from() or "?"
 
 
-LIBFABRIC = re.compile(r"libfabric(-[0-9a-f]+)?\.so(\.\d+)*")
-
-
-def libfabrics(maps):
-    """The libfabric.so files mapped, per `maps` (the text of /proc/PID/maps), each once;
-    also those a wheel bundles renamed (auditwheel: libfabric-<hash>.so.1)."""
-    found = []
-    for line in maps.splitlines():
-        fields = line.split(maxsplit=5)  # address perms offset device inode path
-        path = fields[5] if len(fields) == 6 else ""
-        if LIBFABRIC.fullmatch(os.path.basename(path)) and path not in found:
-            found.append(path)
-    return found
 
 
 def binding_line(fi, path, built=None):
@@ -567,7 +556,7 @@ def chapter_line(fi, chapter, info, version=None):
                "the NIC (efa-direct has no shm path; -p efa takes shm for them)",
            19: "one WRITE, one immediate (efa's fabric cuts a WRITE into 1 GiB segments, "
                "an immediate on each: the engine cuts it first)"}
-    return (OK, topic, f"efa-direct (-p efa-direct): "
+    return (OK, topic, "efa-direct (-p efa-direct): "
             + why.get(chapter, "each WRITE one work request to the device, nothing between "
                                "(efa's fabric: packet entries and protocols on top)"))
 

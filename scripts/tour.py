@@ -347,6 +347,9 @@ def main():
     p.add_argument("--repeats", type=int, default=3, choices=range(3, 21), metavar="3..20",
                    help="runs of each measured chapter (default 3)")
     args = p.parse_args()
+    import common.fabric as fi  # the binding: loaded only once the flags are good
+    if why := fi.prefix_mismatch():  # every chapter would stop on it: say it once
+        p.error(why)
     start = time.monotonic()
     default, usable, version, line = about_here(args.provider)
     print(f"{line}\n")

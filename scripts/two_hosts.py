@@ -212,15 +212,6 @@ def join(rank, host0, port, how, wait):
 
 # --- what each host has ---------------------------------------------------------
 
-def loaded_libfabric():
-    """The path of the libfabric this process loaded (the chapters load the same one)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            return next((line.split()[-1] for line in maps if "libfabric.so" in line), None)
-    except OSError:
-        return None
-
-
 def nic(info, gpu, real):
     return {"fabric": fi.string(info.fabric_attr.name), "domain": fi.string(info.domain_attr.name),
             "gpu": gpu, "gbps": lib.tut_nic_speed(info) / 1e9, "real": real}
@@ -249,7 +240,7 @@ def here(args):
             "command": shown([sys.executable, *sys.argv]),
             "provider": fi.provider_of(head), "provider_why": why,
             "provider_used": args.provider_used,
-            "libfabric": {"version": "%d.%d" % fi.version(), "path": loaded_libfabric()},
+            "libfabric": {"version": "%d.%d" % fi.version(), "path": fi.loaded_from()},
             "fi_rma_bw": None if args.no_baseline else
             {"path": str(rma_bw_tool()), "libfabric": tools_libfabric()},
             "nic_07": first, "lanes": lanes, "lanes_line": what,

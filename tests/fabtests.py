@@ -1,5 +1,5 @@
 """Whether fabtests' fi_rma_bw, which the baselines run, is here (common/baselines.rma_bw_tool:
-LIBFABRIC_PREFIX/bin, else .deps/libfabric/bin)."""
+bench.tools_prefix()/bin)."""
 from common.baselines import rma_bw_tool
 
 

@@ -19,7 +19,7 @@ from tests.one_line_errors import LIMIT, SHM_DEAD, TCP_DEAD, assert_one_line_err
     (["-p", "nosuch"], "unknown provider 'nosuch'"),
     (["-p", "efa"], "provider 'efa' has no usable device here"),
     (["-p", "shm", SHM_DEAD, "x" * 5000], "buffer holds"),
-    (["--timeout", "soon"], "invalid float value"),
+    (["--timeout", "soon"], "--timeout: expected seconds, 0 or more"),
     (["--bogus"], "unrecognized arguments"),
 ])
 def test_rejected_with_one_line(chapter, args, pattern):

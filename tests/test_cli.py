@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from common import cli
 from common.chapter_pair import ROOT, chapter_path, local_env
 from tests.one_line_errors import SHM_DEAD, assert_one_line_error, run
 
@@ -104,3 +105,41 @@ def test_help_is_help(chapter):
     done, _ = run(chapter, "--help")
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert done.stdout.startswith("usage:")
+
+
+def page_args(*flags):
+    p = cli.parser("doc")
+    cli.add_peer(p)
+    cli.add_pages(p, pages="all", buffer_size=4 << 20)
+    return p.parse_args(["00", *flags])
+
+
+def test_page_size_help_says_what_a_page_size_must_be_and_why():
+    p = cli.parser("doc")
+    cli.add_pages(p, pages="all", buffer_size=4 << 20)
+    text = " ".join(p.format_help().split())
+    assert re.search(r"one WRITE per page", text), text
+    assert re.search(r"multiple of 64", text), text
+
+
+def test_a_page_size_off_the_cache_line_is_explained(capsys):
+    """--page-size 3000 (issue 48): allowed (odd sizes show the checks hold for any size),
+    and the client says in one line what it costs on a real NIC."""
+    args = page_args("--page-size", "3000", "--pages", "0")
+    cli.check_pages(args, lambda per_buffer: [0])
+    assert re.fullmatch(r"note: page size 3000 is not a multiple of 64 .*\n", capsys.readouterr().out)
+    args = page_args("--page-size", "4K", "--pages", "0")
+    cli.check_pages(args, lambda per_buffer: [0])
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "x"])
+def test_timeout_is_a_finite_number_of_seconds_at_least_0(value):
+    """--timeout nan never ended a wait (every comparison with nan is false); -1 was 0."""
+    with pytest.raises(cli.UsageError, match=r"--timeout.*0 or more"):
+        cli.parser("doc").parse_args(["--timeout", value])
+
+
+def test_timeout_0_says_what_it_means():
+    text = " ".join(cli.parser("doc").format_help().split())
+    assert "0: the peer must answer at once" in text, text

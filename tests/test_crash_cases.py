@@ -1,12 +1,15 @@
 """No client can crash a server (issue 48): a CONNECT that lies gets one line, and the
 server serves its next client."""
 import re
+import signal
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 
+from common import shm_files
 import common.fabric as fi
 from common.chapter_pair import ADDRESS, chapter_module, chapter_path, local_env
 from common.fabric import connect, lib
@@ -129,3 +132,86 @@ def test_an_address_of_the_wrong_length_says_by_how_much(provider, mangle, said)
     fi.check_address(info, good)
     with pytest.raises(ValueError, match=re.escape(said)):
         fi.check_address(info, mangle(good))
+
+
+def server_line(server, budget):
+    """The server's next line on stderr, within the budget (its reader blocks: a thread)."""
+    import threading
+    got = []
+    reader = threading.Thread(target=lambda: got.append(server.stderr.readline()), daemon=True)
+    reader.start()
+    reader.join(budget.left())
+    assert got and got[0], "the server said nothing"
+    return got[0]
+
+
+@pytest.mark.long
+def test_07_a_client_stopped_then_continued_does_not_crash_the_server():
+    """Ctrl-Z and fg (issue 48): a --delivery-complete client stopped mid-run (SIGSTOP),
+    continued once the server gave up on it. On 1.17's shm the server removed it from its
+    AV with its WRITEs' answers still due, and the answers that came on SIGCONT made the
+    server's progress touch the unmapped region (SIGSEGV). The server must serve the next
+    client; the continued one ends with one line and a non-zero exit."""
+    budget = Budget(90)
+    wait = f"{budget.grant(3):g}"
+    server, out = start(7, ["-p", "shm", "--clients", "2", "--timeout", wait], ADDRESS.pattern)
+    procs = [server]
+    try:
+        address = ADDRESS.search(out)[1]
+        stopped, _ = start(7, ["-p", "shm", address, "--delivery-complete", "--iters",
+                               "100000000", "--timeout", wait, *HONEST_07[:-2]],
+                           "^memory:")
+        procs.append(stopped)
+        time.sleep(1)
+        stopped.send_signal(signal.SIGSTOP)
+        gave_up = server_line(server, budget)
+        assert gave_up.startswith("client 1"), gave_up
+        stopped.send_signal(signal.SIGCONT)
+        _, stopped_err = budget.communicate(stopped)
+        time.sleep(1)  # the server's progress takes the continued client's answers
+        honest = budget.run([sys.executable, str(chapter_path(7)), "-p", "shm", address,
+                             *HONEST_07], env=local_env())
+        _, err = budget.communicate(server)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        shm_files.remove_left_by([proc.pid for proc in procs])
+    assert server.returncode == 0, f"server exit {server.returncode}: {err}"
+    assert "Traceback" not in err, err
+    assert honest.returncode == 0, honest.stderr
+    assert stopped.returncode != 0
+    assert len(stopped_err.strip().splitlines()) == 1, stopped_err
+
+
+@pytest.mark.parametrize("chapter", [6])
+def test_a_client_that_gives_up_at_once_does_not_crash_the_server(chapter):
+    """A client with --timeout 0 gives up on its first SEND (issue 48). On shm before 2.0
+    that SEND, refused while it asks the server to map its region, leaves a connection
+    request; the client's region was gone by the time the server read it, and the
+    server's progress (smr_progress_connreq) dereferenced the region it failed to map:
+    SIGSEGV. The server must survive three such clients and serve an honest one."""
+    budget = Budget(60)
+    # no --clients: whether a quick client's CONNECT reached the server before it gave up
+    # is up to the machine; the server ends on Ctrl-C
+    server, out = start(chapter, ["-p", "shm", "--timeout", f"{budget.grant(10):g}"],
+                        ADDRESS.pattern)
+    try:
+        address = ADDRESS.search(out)[1]
+        for _ in range(3):
+            quick = budget.run([sys.executable, str(chapter_path(chapter)), "-p", "shm",
+                                address, "--timeout", "0"], env=local_env())
+            assert quick.returncode != 0
+            assert len(quick.stderr.strip().splitlines()) == 1, quick.stderr
+        time.sleep(1)  # the server's progress reads what they left
+        honest = budget.run([sys.executable, str(chapter_path(chapter)), "-p", "shm", address],
+                            env=local_env())
+        server.send_signal(signal.SIGINT)
+        _, err = budget.communicate(server)
+    finally:
+        server.kill()
+        server.wait()
+        shm_files.remove_left_by([server.pid])
+    assert server.returncode == 130, f"server exit {server.returncode}: {err}"
+    assert "Traceback" not in err, err
+    assert honest.returncode == 0, honest.stderr

@@ -1,13 +1,15 @@
 """The libfabric the binding is built against: the one asked for, and with efa and verbs
 (scripts/build_libfabric.sh) their own code runs up to "no device" on every machine."""
 import os
+import subprocess
 import sys
 
 import pytest
 
+from common import bench
 import common.fabric as fi
-from scripts.doctor import loaded_from
-from common.chapter_pair import chapter_path, local_env
+from common.chapter_pair import ROOT, chapter_path, local_env
+from common.fabric import loaded_from
 from tests.budget import Budget
 from tests.one_line_errors import LIMIT, assert_one_line_error
 
@@ -36,3 +38,33 @@ def test_a_real_provider_without_its_device_is_one_line(provider, chapter):
     done = Budget(LIMIT).run([sys.executable, str(chapter_path(chapter)), "-p", provider],
                              env=local_env())
     assert_one_line_error(done, f"provider '{provider}' has no usable device here")
+
+
+@pytest.mark.parametrize("program", [chapter_path(3), ROOT / "scripts" / "tour.py"])
+def test_a_LIBFABRIC_PREFIX_the_binding_does_not_load_stops_a_chapter(tmp_path, program):
+    """Issue 48: LIBFABRIC_PREFIX set for a chapter or the tour (not for setup.sh) was
+    silently ignored, so a reader could believe the EFA installer's libfabric in use when
+    the binding loads another. Now one line: which one it loads, and how to rebuild."""
+    env = local_env({"LIBFABRIC_PREFIX": str(tmp_path)})
+    done = subprocess.run([sys.executable, str(program)], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode != 0
+    line = done.stderr.strip()
+    assert "\n" not in line, line
+    assert f"LIBFABRIC_PREFIX={tmp_path}" in line and os.path.realpath(loaded_from()) in line, line
+    assert f"LIBFABRIC_PREFIX={tmp_path} bash scripts/setup.sh" in line, line
+
+
+def test_the_LIBFABRIC_PREFIX_the_binding_loads_is_taken():
+    lib_dir = os.path.dirname(os.path.realpath(loaded_from()))
+    assert fi.loads_from(os.path.dirname(lib_dir))
+    assert not fi.loads_from("/nonexistent/prefix")
+
+
+def test_fabtests_have_their_own_prefix(monkeypatch, tmp_path):
+    """FABTESTS_PREFIX, else LIBFABRIC_PREFIX only where it is the binding's libfabric."""
+    monkeypatch.setenv("FABTESTS_PREFIX", str(tmp_path))
+    monkeypatch.setenv("LIBFABRIC_PREFIX", "/nonexistent/prefix")
+    assert bench.tools_prefix() == tmp_path
+    monkeypatch.delenv("FABTESTS_PREFIX")
+    assert bench.tools_prefix() == ROOT / ".deps" / "libfabric"

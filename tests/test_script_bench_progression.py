@@ -17,7 +17,7 @@ def script(name, tmp_path, prefix, *args):
     return subprocess.run([sys.executable, str(ROOT / "scripts" / f"{name}.py"), *QUICK,
                            "--results", str(tmp_path / "results"), *SCRIPTS[name], *args],
                           capture_output=True, text=True, timeout=300,
-                          env=local_env({"LIBFABRIC_PREFIX": str(prefix)}))
+                          env=local_env({"FABTESTS_PREFIX": str(prefix)}))
 
 
 def fake_fi_rma_bw(tmp_path):

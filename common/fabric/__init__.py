@@ -12,6 +12,7 @@ the order libfabric wants them.
 """
 import contextlib
 import os
+import re
 import signal
 import sys
 import threading
@@ -45,6 +46,49 @@ shm_files.remove_left_by([os.getpid()])
 
 # The API version our headers describe; libfabric 2.x still serves 1.x callers.
 API_VERSION = (lib.FI_MAJOR_VERSION << 16) | lib.FI_MINOR_VERSION
+LIBFABRIC = re.compile(r"libfabric(-[0-9a-f]+)?\.so(\.\d+)*")  # also a wheel's (auditwheel)
+
+
+def libfabrics(maps):
+    """The libfabric.so files mapped, per `maps` (the text of /proc/PID/maps), each once;
+    also those a wheel bundles renamed (auditwheel: libfabric-<hash>.so.1)."""
+    found = []
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address perms offset device inode path
+        path = fields[5] if len(fields) == 6 else ""
+        if LIBFABRIC.fullmatch(os.path.basename(path)) and path not in found:
+            found.append(path)
+    return found
+
+
+def loaded_from():
+    """The path of the libfabric.so this process has loaded, or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return next(iter(libfabrics(maps.read())), None)
+    except OSError:
+        return None
+
+
+def loads_from(prefix):
+    """Whether the libfabric this binding loaded lies under `prefix` (an install prefix)."""
+    path = loaded_from()
+    return path is not None and os.path.realpath(path).startswith(
+        os.path.realpath(prefix) + os.sep)
+
+
+def prefix_mismatch():
+    """LIBFABRIC_PREFIX picks a libfabric when the binding is built (scripts/setup.sh); set
+    for a program, it must name the one the binding loads: else a reader on a p5 could
+    believe the EFA installer's in use while another runs. None, or one line saying which
+    is loaded and how to rebuild. Unset or empty (setup.sh's "the system's"): None."""
+    prefix = os.environ.get("LIBFABRIC_PREFIX")
+    if not prefix or loads_from(prefix):
+        return None
+    return (f"LIBFABRIC_PREFIX={prefix}, but the binding loads "
+            f"{os.path.realpath(loaded_from() or '?')} (libfabric {'%d.%d' % version()}): to "
+            f"use that one, rebuild the binding: LIBFABRIC_PREFIX={prefix} bash "
+            "scripts/setup.sh; or unset it")
 
 # What we can cope with: we register every buffer (LOCAL), we send the peer
 # absolute addresses when the provider wants them (VIRT_ADDR), buffers are
@@ -219,11 +263,41 @@ def dupinfo(info):
     return ffi.gc(copy, lib.fi_freeinfo)
 
 
+SHM_PREFIX = b"fi_shm://"  # SMR_PREFIX, prov/shm/src/smr_util.h
+CONNREQ_CHECKED = 2 << 16  # the API version from which shm checks that it mapped a requester
+CONNREQ_GRACE = 2.0  # seconds a client about to give up leaves its connection request to be read
+
+
+def connreq_pending(ep, post, poll):
+    """Before a client gives up on a post that met -FI_EAGAIN: on shm before libfabric 2.0,
+    keep calling `post` (and `poll`) until the provider takes it, for CONNREQ_GRACE
+    seconds at most; True if it did. Such a first post to a peer leaves it a connection
+    request naming our region and returns -FI_EAGAIN until the peer has mapped us
+    (smr_verify_peer, prov/shm/src/smr_ep.c). A peer that reads the request after our
+    region is gone fails to map it and, before 2.0, goes on through the NULL region and
+    dies (smr_progress_connreq, prov/shm/src/smr_progress.c: 2.0 checks the map). A post
+    taken says that the peer has mapped us: the region is then safe to remove."""
+    if API_VERSION >= CONNREQ_CHECKED or not getname(ep).startswith(SHM_PREFIX):
+        return False
+    grace = bounds.stretched(CONNREQ_GRACE)
+    with bounds.Deadline(grace, f"the peer did not read our connection request within "
+                         f"{grace:g} s") as deadline:
+        while time.monotonic() < deadline.at:
+            if post():
+                return True
+            poll()
+    return False
+
+
 def at_address(info, name):
     """A copy of `info` whose endpoint takes the address `name` (from fi_getname), so that a
     new endpoint is reached where an old one was; `info` itself when `name` is None."""
     if name is None:
         return info
+    # shm takes an address with its prefix as one to name a new region after, and
+    # appends a uid and a count to it; without the prefix, as the very region's name
+    # (smr_endpoint_name, prov/shm/src/smr_ep.c)
+    name = name.removeprefix(SHM_PREFIX)
     copy = dupinfo(info)
     lib.free(copy.src_addr)  # fi_freeinfo frees what is there
     copy.src_addr = lib.malloc(len(name))
@@ -773,15 +847,19 @@ class Poller:
                 # sleep (~50 us of timer slack), which cut tcp's throughput by 5x here.
                 os.sched_yield()
 
-    def until_posted(self, post, timeout, what):
+    def until_posted(self, post, timeout, what, ep=None):
         """Call `post` until the provider takes the operation (it returns False on
-        -FI_EAGAIN: queue full, or tcp still connecting), polling for progress meanwhile."""
+        -FI_EAGAIN: queue full, or tcp still connecting), polling for progress meanwhile.
+        `ep`, the endpoint `post` posts on: late, it may still be kept a while
+        (connreq_pending)."""
         late = f"no {what} within {timeout:g} s: is the peer running?"
         with bounds.Deadline(timeout, late) as deadline:
             while not post():
                 self.poll()
                 if time.monotonic() > deadline.at:
-                    raise TimeoutError(late)
+                    if ep is None or not connreq_pending(ep, post, self.poll):
+                        raise TimeoutError(late)
+                    return  # taken after all, once the peer had mapped us
 
     def send(self, own, domain, ep, data, dest, key, timeout, what, hint=""):
         """SEND the bytes `data` from a buffer registered for it (with requested `key`),
@@ -790,7 +868,7 @@ class Poller:
         mr = own(mr_reg(domain, buf, len(data), lib.FI_SEND, key=key))
         ctx = ffi.new("struct fi_context2 *")
         self.until_posted(lambda: sendmsg(ep, buf, len(data), mr_desc(mr), dest, ctx), timeout,
-                          f"{what} accepted")
+                          f"{what} accepted", ep)
         self.wait([ctx], timeout, f"{what} completion{hint}")
 
     def wait(self, contexts, timeout, what, or_remote_data=False, idle=False):

@@ -67,16 +67,33 @@ def unpack(message, chapter):
     return message[PREAMBLE.size:at], message[at:], why
 
 
-def accept(own, av, domain, ep, poller, request, chapter, timeout):
+def accept(own, av, domain, ep, poller, request, chapter, timeout, busy=lambda: 0):
     """(the client's fi_addr, the rest of its CONNECT), for a client of `chapter`;
-    one of another chapter is told so by name and refused (Refused)."""
+    one of another chapter is told so by name and refused (Refused). `busy` says, when
+    `own` lets the client go, how many of our operations to it are still in flight
+    (OpQueue.in_flight): while any is, its address stays in the AV (let_go)."""
     address, body, why = unpack(request, chapter)
     client = fi.av_insert(av, address)
-    own.callback(fi.av_remove, av, client)
+    own.callback(let_go, av, client, busy)
     if why:
         refuse(own, domain, ep, poller, client, why, timeout)
         raise Refused(why)
     return client, body
+
+
+def let_go(av, client, busy):
+    """Remove a client from the AV, unless operations to it are still in flight: then the
+    server must close its endpoint (renew it) instead. shm's fi_av_remove unmaps the
+    peer's region (smr_map_del, prov/shm/src/smr_util.c), and a WRITE with
+    FI_DELIVERY_COMPLETE still waits for the peer's answer: when a stopped client is
+    continued and answers, the server's progress (smr_progress_resp_entry,
+    smr_progress.c) reads that peer's region through the AV's map. 1.17 leaves the
+    pointer to the unmapped region there (SIGSEGV in pthread_spin_trylock); 2.1 sets it
+    to NULL, which its SAR and inject answers then dereference. Closing the endpoint
+    discards what is still posted (man/fi_endpoint.3.md, fi_close), and no progress
+    runs on it after."""
+    if not busy():
+        fi.av_remove(av, client)
 
 
 def refusal(why):
