@@ -2,9 +2,9 @@
 shm and tcp, the ways the two find each other (--peer, MASTER_ADDR, torchrun's and Slurm's
 variables), bad input, and a host gone mid-run.
 
-fi_rma_bw is found as common/baselines.py finds it for the scripts (LIBFABRIC_PREFIX/bin, else
-.deps/libfabric/bin): set LIBFABRIC_PREFIX to a libfabric built with fabtests for the
-baseline part, which is skipped, with the reason, where it is absent.
+fi_rma_bw is found as common/bench.py tools_prefix finds it for the scripts
+(FABTESTS_PREFIX/bin; LIBFABRIC_PREFIX/bin where the binding loads that libfabric; else
+.deps/libfabric/bin): the baseline part is skipped, with the reason, where it is absent.
 """
 import json
 import os
@@ -170,7 +170,7 @@ def test_no_fi_rma_bw_is_one_line_naming_the_build(tmp_path):
     done = subprocess.run([sys.executable, SCRIPT, "--peer", "127.0.0.1", "-p", "shm",
                            "--out", str(tmp_path / "report.json")], capture_output=True,
                           text=True, cwd=ROOT, timeout=60,
-                          env=dict(os.environ, LIBFABRIC_PREFIX=str(tmp_path)))
+                          env=dict(os.environ, FABTESTS_PREFIX=str(tmp_path)))
     assert_one_line_error(done, f"{tmp_path}/bin/fi_rma_bw not found (fabtests are not in "
                                 "Debian's packages): build libfabric and fabtests with "
                                 "`bash scripts/build_libfabric.sh`")
@@ -312,7 +312,7 @@ def test_on_a_p5_the_ceiling_is_the_sum_of_the_links_and_each_nic_pair_is_named(
     assert lines[1]["baseline_gbps"] == 2950.0 and lines[1]["p5_percent"] == 97.1
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "fi_rma_bw").touch()
-    monkeypatch.setenv("LIBFABRIC_PREFIX", str(tmp_path))
+    monkeypatch.setenv("FABTESTS_PREFIX", str(tmp_path))
     command = rma_bw_command("efa", "write", 65536, 1000, 3, 29502, ("efa", "rdmap79s0-rdm"))
     assert command[1:] == ["-p", "efa", "-E=29502", "-o", "write", "-S", "65536", "-I", "1000",
                            "-f", "efa", "-d", "rdmap79s0-rdm", "-D", "cuda", "-i", "3"]
