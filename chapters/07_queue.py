@@ -140,16 +140,18 @@ def server(info, args):
                     with fi.Closer() as client_own:  # what one client needs, released after it
                         client, request = connect.accept(client_own, av, domain, ep, poller,
                                                          request, CHAPTER, args.timeout,
-                                                         busy=queue.in_flight)
+                                                         busy=queue.awaiting_answers)
                         serve(Connection(client_own, domain, client, queue, inbox, backlog,
                                          args.timeout), info, request, args)
                 except (fi.FabricError, TimeoutError, ValueError) as e:  # serve the next one
                     connect.report(served + 1, e)
                     if isinstance(e, connect.Refused):
                         continue  # another chapter's client, told so: not one of --clients
-                    # WRITEs still in flight after the drain (a stopped client's): the
-                    # client stays in the AV (connect.let_go) until the endpoint closes
-                    renew = lends_credits(info) or queue.in_flight() > 0
+                    # WRITEs that wait for a stopped client's answer after the drain: the
+                    # client stays in the AV (connect.let_go) until the endpoint closes.
+                    # Only then: a client that CONNECTed meanwhile (backlog) reached this
+                    # endpoint, and on shm a new one is a new region it never mapped
+                    renew = lends_credits(info) or queue.awaiting_answers() > 0
                 served += 1
                 if renew:
                     if fi.key(inbox.ctx) in poller.done:  # a CONNECT already here: keep it

@@ -165,7 +165,8 @@ def test_07_a_client_stopped_then_continued_does_not_crash_the_server():
         time.sleep(1)
         stopped.send_signal(signal.SIGSTOP)
         gave_up = server_line(server, budget)
-        assert gave_up.startswith("client 1"), gave_up
+        stuck = "exiting without closing" in gave_up  # the watchdog's line: see below
+        assert stuck or gave_up.startswith("client 1"), gave_up
         stopped.send_signal(signal.SIGCONT)
         _, stopped_err = budget.communicate(stopped)
         time.sleep(1)  # the server's progress takes the continued client's answers
@@ -178,7 +179,7 @@ def test_07_a_client_stopped_then_continued_does_not_crash_the_server():
             proc.wait()
         shm_files.remove_left_by([proc.pid for proc in procs])
     assert "Traceback" not in err, err
-    if "exiting without closing" in err:
+    if stuck or "exiting without closing" in err:
         # It may also end, as for a frozen peer: on 1.17's shm a client stopped while it
         # held its region's lock leaves the server's progress spinning on that lock, and
         # the server's watchdog ends it in one line (common/bounds.py), having served no

@@ -37,6 +37,7 @@ class OpQueue:
         self.free = collections.deque(range(slots))  # oldest freed first: a stale
         # completion then finds its context idle, not reused
         self.busy = bytearray(slots)         # what that context is doing: 0, WRITE or SEND
+        self.answered = bytearray(slots)     # its WRITE waits for the peer's answer
         self.pending = collections.deque()  # (kind, message, flags) not taken yet
         self.entries = fi.cq_entries(64)
         # Posts refused by the provider (-FI_EAGAIN), and posts held back because every
@@ -64,6 +65,7 @@ class OpQueue:
         rc = (lib.fi_writemsg if kind == WRITE else lib.fi_sendmsg)(self.ep, msg, flags)
         if rc == 0:
             self.busy[slot] = kind
+            self.answered[slot] = bool(flags & lib.FI_DELIVERY_COMPLETE)
             return True
         self.free.append(slot)
         if rc == -lib.FI_EAGAIN:
@@ -113,6 +115,12 @@ class OpQueue:
 
     def in_flight(self):
         return len(self.busy) - len(self.free)
+
+    def awaiting_answers(self):
+        """Operations in flight that complete only when the peer answers (WRITEs with
+        FI_DELIVERY_COMPLETE): while any is, the peer's address must stay where the
+        provider's progress looks for it (connect.let_go)."""
+        return sum(1 for slot, kind in enumerate(self.busy) if kind and self.answered[slot])
 
     def drain(self, timeout):
         """After a client's failure: wait (bounds.tidy) for what is in flight, then read the CQ

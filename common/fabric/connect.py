@@ -70,8 +70,8 @@ def unpack(message, chapter):
 def accept(own, av, domain, ep, poller, request, chapter, timeout, busy=lambda: 0):
     """(the client's fi_addr, the rest of its CONNECT), for a client of `chapter`;
     one of another chapter is told so by name and refused (Refused). `busy` says, when
-    `own` lets the client go, how many of our operations to it are still in flight
-    (OpQueue.in_flight): while any is, its address stays in the AV (let_go)."""
+    `own` lets the client go, how many of our operations to it still wait for its answer
+    (OpQueue.awaiting_answers): while any does, its address stays in the AV (let_go)."""
     address, body, why = unpack(request, chapter)
     client = fi.av_insert(av, address)
     own.callback(let_go, av, client, busy)
@@ -82,8 +82,8 @@ def accept(own, av, domain, ep, poller, request, chapter, timeout, busy=lambda: 
 
 
 def let_go(av, client, busy):
-    """Remove a client from the AV, unless operations to it are still in flight: then the
-    server must close its endpoint (renew it) instead. shm's fi_av_remove unmaps the
+    """Remove a client from the AV, unless operations to it still wait for its answer:
+    then the server must close its endpoint (renew it) instead. shm's fi_av_remove unmaps the
     peer's region (smr_map_del, prov/shm/src/smr_util.c), and a WRITE with
     FI_DELIVERY_COMPLETE still waits for the peer's answer: when a stopped client is
     continued and answers, the server's progress (smr_progress_resp_entry,
