@@ -140,7 +140,8 @@ def test_07_a_second_completion_is_caught(monkeypatch):
 
     monkeypatch.setattr(queue_module, "lib", type("Lib", (), {
         "fi_writemsg": staticmethod(writemsg), "FI_EAGAIN": ch.lib.FI_EAGAIN,
-        "FI_COMPLETION": ch.lib.FI_COMPLETION}))
+        "FI_COMPLETION": ch.lib.FI_COMPLETION,
+        "FI_DELIVERY_COMPLETE": ch.lib.FI_DELIVERY_COMPLETE}))
     monkeypatch.setattr(ch.fi, "cq_read", cq_read)
     monkeypatch.setattr(ch.fi, "cq_entries", lambda n: [])
     messages = queue_module.ffi.new("struct fi_msg_rma[]", 3)
@@ -162,7 +163,8 @@ def test_07_our_full_queue_is_not_counted_as_the_providers(monkeypatch):
     ch = chapter_module(7)
     monkeypatch.setattr(queue_module, "lib", type("Lib", (), {
         "fi_writemsg": staticmethod(lambda ep, msg, flags: 0), "FI_EAGAIN": ch.lib.FI_EAGAIN,
-        "FI_COMPLETION": ch.lib.FI_COMPLETION}))
+        "FI_COMPLETION": ch.lib.FI_COMPLETION,
+        "FI_DELIVERY_COMPLETE": ch.lib.FI_DELIVERY_COMPLETE}))
     messages = queue_module.ffi.new("struct fi_msg_rma[]", 2)
     queue = ch.OpQueue(None, None, None, slots=1)
     queue.write(messages + 0)
