@@ -82,7 +82,9 @@ def test_the_transfer_engines_worker_cores_with_one_visible_gpu(p5, tmp_path, mo
     assert engine.worker_cores(0) == set(range(36, 48))
 
 
-@pytest.mark.parametrize("name", list(fake_sysfs.EFA_SHAPES))
+@pytest.mark.parametrize("name", [  # the fast tier: the p5 and the p6-b300; the long one all
+    name if name in ("p5", "p6_b300") else pytest.param(name, marks=pytest.mark.long)
+    for name in fake_sysfs.EFA_SHAPES])
 def test_each_efa_instances_ranks_drive_their_gpus_nics(tmp_path, monkeypatch, name):
     """The proxy (16-17) and the transfer engine (18-19) on a p5, p5en, p6-b200 and p6-b300:
     rank r drives GPU r's own 4 / 2 / 1 / 2 NICs, whether it sees the eight GPUs or its own
