@@ -256,16 +256,21 @@ def describe(fi, info, provider):
     return f"{text}; address formats: {', '.join(formats)}; RDMA read and write by the NIC"
 
 
+def direct_entries(fi, info):
+    """The efa-direct entries of the fi_info list `info`."""
+    return [i for i in fi.each(info) if fi.string(i.fabric_attr.name) == "efa-direct"]
+
+
 def rdma_write_line(fi, info):
     """efa only: does the device do RDMA itself, or does efa's RDM fabric emulate it?"""
-    direct = [i for i in fi.each(info) if fi.string(i.fabric_attr.name) == "efa-direct"]
+    direct = direct_entries(fi, info)
     if os.environ.get("FI_EFA_USE_DEVICE_RDMA", "").lower() in ("0", "false", "no", "off"):
         return (FIX, "RDMA write", "FI_EFA_USE_DEVICE_RDMA is off: efa emulates RDMA with "
                 "messages; unset FI_EFA_USE_DEVICE_RDMA")
     if not direct:
         return (ABSENT, "RDMA write", "this libfabric has no efa-direct fabric (from 2.0), so "
                 "it does not show whether the device does RDMA write")
-    if all(i.caps & fi.lib.FI_RMA for i in direct):
+    if direct_rma(fi, info):
         return (OK, "RDMA write", "the device does RDMA read, write and unsolicited-write "
                 "receive (efa-direct claims FI_RMA)")
     return (ABSENT, "RDMA write", "the device lacks RDMA read, write or unsolicited-write "
@@ -525,7 +530,7 @@ def version_lines(fi, version=None):
 def direct_rma(fi, info):
     """Whether efa-direct offers WRITEs here: listed, with FI_RMA (the device does RDMA read,
     write and unsolicited-write receive: prov/efa/src/efa_prov_info.c)."""
-    direct = [i for i in fi.each(info) if fi.string(i.fabric_attr.name) == "efa-direct"]
+    direct = direct_entries(fi, info)
     return bool(direct) and all(i.caps & fi.lib.FI_RMA for i in direct)
 
 
