@@ -146,9 +146,9 @@ def parse_address(text):
     """A peer address as printed by a server: hex digits, any case. An error names the
     first thing wrong: where a digit is not hex, or the half byte at the end (a length
     wrong for the provider is fabric.check_address's to say)."""
-    bad = re.search(r"[^0-9a-fA-F]", text or "")
     if not text:
         raise UsageError("address is empty: give the hex digits the server printed")
+    bad = re.search(r"[^0-9a-fA-F]", text)
     if bad:
         raise UsageError(f"address: not a hex digit at position {bad.start()}: "
                          f"{bad[0]!r} (in '{text[:40]}')")
