@@ -268,7 +268,9 @@ class Watch(threading.Thread):
 
 def leftovers(pids, files):
     """The /dev/shm files that the trial's processes left: the shm provider's regions
-    "<pid>:<uid>:<n>" (prov/shm/src/smr_ep.c, smr_endpoint_name), and what they mapped."""
+    "<pid>:<uid>:<n>" (prov/shm/src/smr_ep.c, smr_endpoint_name), and what they mapped.
+    A chapter of the trial that started 10 s after one was left, with nothing mapping it,
+    has removed it already (common/shm_files.py, sweep) and said so on its stdout."""
     if not SHM.is_dir():
         return []
     jobs = {m[1] for m in (re.match(r"moe-([0-9a-f]+)-", f) for f in files) if m}
