@@ -69,10 +69,10 @@ import numpy as np
 from common import cli, launch
 import common.fabric as fi
 from common.fabric import memory
+from common.gpu.kernel_call import KernelCall
 from common.moe import graphs, harness
 from common.moe.bookkeeping import Shape, Stages, Wire, aligned, check_shape, check_tokens, \
     index_error
-from common.moe.kernel_call import KernelCall
 from common.moe.memory import CudaMemory
 from common.moe.nccl import NcclAllToAll
 from common.moe.proxy import Proxy

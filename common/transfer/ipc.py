@@ -31,7 +31,8 @@ import uuid
 
 import numpy as np
 
-from common.fabric import cuda_driver, memory
+from common.fabric import memory
+from common.gpu import cuda_driver
 
 WRITERS, RECORDS = 32, 1024    # writer rings in an inbox; commands in flight per writer
 MAGIC = b"TXIPC01\0"
