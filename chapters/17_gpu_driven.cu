@@ -1,5 +1,5 @@
 // Chapter 17's kernels: the GPU drives the all-to-all (cupy RawModule, with the fp8
-// wire format of common/moe/fp8.cuh). Run on 2 x H200 and on one.
+// wire format of common/gpu/fp8.cuh). Run on 2 x H200 and on one.
 #include "fp8.cuh"
 
 // No host in the loop. Every rank's region (cudaMalloc, mapped by the node's ranks through CUDA IPC) holds

@@ -16,7 +16,7 @@ cell "An update, step by step" below has the details.
 New since chapter 18: Engine.prepare_list (WRITEs of several lengths, one command made
 before the first update and written at each), Engine.signal, Engine.arrived; 128 x 128
 blocks and bf16 input in common/moe/reference.py's quantize_fp8 and in this chapter's
-kernels (19_weight_update.cu, on common/moe/fp8.cuh, chapter 16's rounding); in
+kernels (19_weight_update.cu, on common/gpu/fp8.cuh, chapter 16's rounding); in
 common/weights/, what is not the update: the two sides' layouts (model.py), a trainer's
 shards (shards.py), the kernels' numpy twin (ops.py), the check (check.py), the naive
 way (naive.py), the report (report.py), and main() with its flags (harness.py).

@@ -15,11 +15,12 @@ import numpy as np
 
 from common import launch
 from common.fabric import memory
+from common.gpu import INCLUDE
 from common.moe import reference as ref
 from common.fabric import lib
 
 SHM = "/dev/shm"
-HERE = os.path.dirname(os.path.abspath(__file__))  # fp8.cuh is beside this file
+HERE = os.path.dirname(os.path.abspath(__file__))  # ring.h is beside this file
 
 
 class Region:
@@ -111,7 +112,7 @@ class HostMemory:
 class CudaMemory:
     """--device cuda: the data region in GPU memory, straight from cudaMalloc (CUDA IPC
     hands out whole allocations) so that the node's ranks can map it; cupy and kernels
-    (common/moe/fp8.cuh's, and a chapter's) do the work. Run on 2 x H200 (see ready())."""
+    (common/gpu/fp8.cuh's, and a chapter's) do the work. Run on 2 x H200 (see ready())."""
     iface = lib.FI_HMEM_CUDA
 
     def __init__(self, own, group, size, kernels=None, blocking=True):
@@ -142,7 +143,7 @@ class CudaMemory:
         self.stream.use()  # this rank's cupy work, kernels and copies all go here
         self.marks, self.marked = [cp.cuda.Event() for _ in range(8)], 0
         code = open(kernels).read() if kernels else '#include "fp8.cuh"\n'
-        self.module = cp.RawModule(code=code, options=("-I" + HERE,))
+        self.module = cp.RawModule(code=code, options=("-I" + HERE, INCLUDE))
         self.quantize = self.module.get_function("fp8_quantize")
 
     def handle(self):

@@ -2,13 +2,13 @@
 kernels), or the kernels of chapters/19_weight_update.cu on the GPU; and the copy ceiling
 of either path, measured in the same run.
 """
-import os
 import time
 
 import numpy as np
 
 from common import bench
 from common.fabric import memory
+from common.gpu import INCLUDE
 from common.moe import reference as ref
 from common.weights import BLOCK
 
@@ -59,8 +59,7 @@ class CudaOps:
     def __init__(self, gpu, kernels):
         self.xp = cp = memory.cupy()
         memory.use_gpu(gpu)
-        module = cp.RawModule(code=open(kernels).read(), options=(
-            "-I" + os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "moe"),))
+        module = cp.RawModule(code=open(kernels).read(), options=(INCLUDE,))
         self._amax = module.get_function("fp8_weight_amax")
         self._codes = module.get_function("fp8_weight_codes")
 
