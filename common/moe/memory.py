@@ -16,6 +16,7 @@ import numpy as np
 from common import launch
 from common.fabric import memory
 from common.gpu import INCLUDE
+from common.gpu import rounding
 from common.moe import reference as ref
 from common.fabric import lib
 
@@ -195,10 +196,10 @@ class CudaMemory:
         cp = self.xp
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         n, hidden = x.shape
-        row = hidden + hidden // ref.FP8_BLOCK * 4
+        row = hidden + hidden // rounding.FP8_BLOCK * 4
         rows = cp.empty((n, row), cp.uint8)
         if n:
-            self.quantize((n, hidden // ref.FP8_BLOCK), (ref.FP8_BLOCK,),
+            self.quantize((n, hidden // rounding.FP8_BLOCK), (rounding.FP8_BLOCK,),
                           (x, rows, np.int32(hidden), np.int32(row)))
         return rows
 
