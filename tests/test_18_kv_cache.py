@@ -14,8 +14,8 @@ import pytest
 
 from common import shm_files
 from common.chapter_pair import ADDRESS, chapter_module, chapter_path, local_env, run_pair
-from common.kv_cache.bf16 import gemm_bf16, to_bf16
 from common.gpu import rounding
+from common.gpu.bf16 import gemm_bf16, to_bf16
 from tests.budget import Budget
 from tests.gpu import needs_gpu
 from tests.one_line_errors import assert_one_line_error, run
@@ -171,7 +171,7 @@ def cupy_or_skip():
 
 
 def test_gpu_bf16_rounding_is_the_references():
-    """common/kv_cache/bf16.py's one-pass kernel gives the bits of common/gpu/rounding.py's
+    """common/gpu/bf16.py's one-pass kernel gives the bits of common/gpu/rounding.py's
     to_bf16: ties to even, overflow to infinity, NaN kept, signed zeros."""
     cupy = cupy_or_skip()
     special = [1.0, -2.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -7, 0.0, -0.0, np.inf,
