@@ -79,10 +79,11 @@ import numpy as np
 
 from common import cli, launch
 from common._proxy import ffi, lib as native
-from common.moe import harness
 from common.gpu import rounding
-from common.moe.bookkeeping import Shape, Stages, Wire, aligned, check_shape, check_tokens, \
-    receive_plan, send_plan, weighted_sum
+from common.gpu.layout import aligned
+from common.moe import harness
+from common.moe.bookkeeping import Shape, Stages, Wire, check_shape, check_tokens, receive_plan, \
+    send_plan, weighted_sum
 from common.moe.memory import DEVICES, Region
 from common.moe.proxy import Proxy
 

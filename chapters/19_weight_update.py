@@ -85,10 +85,11 @@ import numpy as np
 
 from common import cli, launch
 from common.gpu import rounding
+from common.gpu.layout import aligned
 from common.weights import BARRIER, BLOCK, EDGES, LANDED, harness, imm, naive, split
 from common.weights.check import Check
-from common.weights.model import Param, aligned, check_piece, inference_tensors, lay_out, \
-    layers_named, parameters, shard_rows
+from common.weights.model import Param, check_piece, inference_tensors, lay_out, layers_named, \
+    parameters, shard_rows
 from common.weights.report import Clock, Report
 from common.weights.shards import Shards, staging_half
 

@@ -7,13 +7,7 @@ numpy or cupy arrays (`xp`).
 import numpy as np
 
 from common.gpu import rounding
-
-
-ALIGN = 64  # bytes: each section of a region starts on a cache line (16-byte copies fit)
-
-
-def aligned(size):
-    return -(-size // ALIGN) * ALIGN
+from common.gpu.layout import aligned
 
 
 class Shape:

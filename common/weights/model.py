@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 from common.cli import UsageError
 from common.gpu import rounding
-from common.moe.bookkeeping import aligned  # 64 bytes: every tensor starts on a cache line
+from common.gpu.layout import aligned  # every tensor starts on a cache line
 from common.weights import BLOCK
 
 MODELS = {  # Qwen3-30B-A3B's config.json; tiny: the same structure at toy sizes, for tests

@@ -6,8 +6,9 @@ import time
 import numpy as np
 
 from common.gpu import rounding
+from common.gpu.layout import aligned
 from common.weights import BARRIER, BLOCK, BROADCAST, FREE, GATHERED, imm, split
-from common.weights.model import aligned, views
+from common.weights.model import views
 
 
 def fp8_bytes(p):
