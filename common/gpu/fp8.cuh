@@ -1,6 +1,6 @@
 #pragma once
-// fp8 e4m3 on the GPU, for the MoE chapters and chapter 19's weights (cupy RawModule; 17's
-// kernels include it). Run on 2 x H200: its fp8 rows match the reference.
+// fp8 e4m3 on the GPU, for the MoE chapters and chapter 19's weights (cupy RawModule: 17's
+// and 19's kernels include it). Run on 2 x H200: its fp8 rows match common/gpu/rounding.py.
 //
 // fp8_quantize: one block of 128 threads per (token, block of 128 values). The
 // block's largest magnitude sets its scale (amax / 448, or 1 when all are zero); each

@@ -43,7 +43,7 @@ class HostOps:
 
 def e4m3(v):
     """fp8.cuh's fp8_e4m3 in numpy, bit for bit: keep 3 mantissa bits, ties to even
-    (8x the speed of the reference's table search, which checks it)."""
+    (8x the speed of rounding.to_e4m3's table search, which checks it)."""
     sign = ((v.view(np.uint32) >> 24) & 0x80).astype(np.uint8)
     a = np.minimum(np.abs(v), np.float32(rounding.FP8_MAX))
     bits = a.view(np.uint32)
