@@ -2,7 +2,7 @@
 shardings, shards quantised with their neighbours' edge maxima equal the whole tensor's
 quantisation, the check counts a flipped byte; runs of trainers and inference ranks on shm
 and tcp exact after two updates and the naive way; a rank gone mid-update, or frozen
-between two; bad input."""
+between two; bad input; nothing of the MoE chapters loaded."""
 import math
 import os
 import re
@@ -121,6 +121,15 @@ def test_the_kernels_rounding_in_numpy_matches_the_reference():
                         [0.0, 1e-9, 447.9, 448.0, 460.0, 1e6]]).astype(np.float32)
     x = np.concatenate([x, -x])
     assert np.array_equal(e4m3(x), rounding.to_e4m3(x))
+
+
+def test_the_weight_update_needs_nothing_of_the_moe_chapters():
+    """Chapter 19 and common/weights take fp8, bf16 and the layout of a region from
+    common/gpu/, not from the MoE chapters' scaffolding: nothing of common.moe is loaded."""
+    code = ("import sys; from common.chapter_pair import chapter_module; chapter_module(19); "
+            "print(sorted(m for m in sys.modules if m.startswith('common.moe')))")
+    done = Budget(60).run([sys.executable, "-c", code], env=local_env(), cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
 def test_the_check_counts_a_flipped_byte(ch19):
