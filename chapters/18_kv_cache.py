@@ -90,6 +90,7 @@ import numpy as np
 from common import bounds, cli
 import common.fabric as fi
 from common.fabric import memory
+from common.gpu import INCLUDE
 from common.kv_cache.prefill import MODELS, Layers, Shape, describe, prefill_alone
 from common.kv_cache.report import per_layer, record, say, summary
 from common.transfer import Engine
@@ -212,7 +213,8 @@ class Counter:
         import cupyx  # pinned host memory, mapped: the kernel writes it at the same address
         self.value, self.mark = cupyx.zeros_pinned(1, np.int64), cupyx.zeros_pinned(1, np.int64)
         self.ns = cupyx.zeros_pinned(layers + 1, np.uint64)  # the last: for calibrating
-        self.kernel = xp.RawModule(code=open(KERNELS).read()).get_function("kv_bump")
+        kernels = xp.RawModule(code=open(KERNELS).read(), options=(INCLUDE,))
+        self.kernel = kernels.get_function("kv_bump")
         self.clocks = []
         self.calibrate()
 

@@ -15,10 +15,10 @@
 # own (short) file follows. NEW lists the common/ modules that hold a chapter's lesson,
 # shown as new files after its own; the helpers around them are not (for 16 and 17: the
 # launcher, the proxy's opening of NICs, the reference, the checks and the benchmark,
-# all in common/; for 19: all of common/weights/, model.py too, which describes the
-# model and the two sides' layouts that the chapter's routing table is computed from,
-# not the update). Where the lesson is a loop in C or the kernels of a GPU, the C or
-# CUDA comes first.
+# all in common/, and the device helpers 17's kernels include from common/gpu/; for 19:
+# all of common/weights/, model.py too, which describes the model and the two sides'
+# layouts that the chapter's routing table is computed from, not the update). Where the
+# lesson is a loop in C or the kernels of a GPU, the C or CUDA comes first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

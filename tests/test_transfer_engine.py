@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import common.fabric as fi
-from common.fabric import cuda_driver, lib
+from common.fabric import lib
+from common.gpu import cuda_driver
 from common.chapter_pair import ROOT, local_env
 from tests.budget import Budget
 from tests.gpu import needs_gpu

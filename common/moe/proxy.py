@@ -15,7 +15,8 @@ import time
 
 from common import bounds
 from common.engine.nics import rank_nics
-from common.fabric import cuda_driver, memory
+from common.fabric import memory
+from common.gpu import cuda_driver
 from common._proxy import ffi, lib as native
 from common.fabric import lib
 import common.fabric as fi

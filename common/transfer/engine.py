@@ -14,7 +14,8 @@ import common.fabric as fi
 from common import bounds, launch
 from common.engine import topo
 from common.engine.nics import rank_nics
-from common.fabric import cuda_driver, lib, memory
+from common.fabric import lib, memory
+from common.gpu import cuda_driver
 from common.transfer import ipc, wire
 from common.transfer.control import Control
 

@@ -31,7 +31,8 @@ import uuid
 
 import numpy as np
 
-from common.fabric import cuda_driver, memory
+from common.fabric import memory
+from common.gpu import INCLUDE, cuda_driver
 
 WRITERS, RECORDS = 32, 1024    # writer rings in an inbox; commands in flight per writer
 MAGIC = b"TXIPC01\0"
@@ -173,7 +174,7 @@ class Copier:
         memory.current(gpu)
         self.ffi, self.native, self.gpu = ffi, native, gpu
         self.stream = cp.cuda.Stream(non_blocking=True)
-        module = cp.RawModule(code=open(KERNELS).read())
+        module = cp.RawModule(code=open(KERNELS).read(), options=(INCLUDE,))
         self.kernel = module.get_function("ipc_copy")
         self.blocks_done = cp.zeros(1, cp.uint32)  # one: the stream runs a kernel at a time
         self._memory = [cp.cuda.alloc(STAGING), cp.cuda.alloc_pinned_memory(STAGING),
