@@ -4,7 +4,7 @@ One Engine per GPU (or per process, for host memory): a domain, a data endpoint,
 an AV on each of the GPU's NICs (chapter 08's topology, as common/engine/nics.py chooses
 them for a rank; virtual NICs, more domains of shm or tcp, where no NIC has a PCI address),
 one C worker thread that owns their data path (common/transfer/worker.c, built as
-common._transfer: lazy batched posting as in chapter 15, every NIC's CQ reaped,
+common.transfer._native: lazy batched posting as in chapter 15, every NIC's CQ reaped,
 immediates counted), pinned near the GPU (chapter 12), and a control endpoint for
 SEND/RECV that Python drives (control.py).
 
@@ -39,7 +39,12 @@ and ipc.cu (the CUDA IPC route), worker.c (the C worker). This package re-export
 chapters, scripts and tests use; a test that changes a global (IMM_TABLE, worker_cores)
 patches the module that reads it (common.transfer.engine), as a copy here is not read.
 """
-from common.transfer import ipc
-from common.transfer.engine import PHASES, Engine, TransferError, _ffi, inject_size, native
+try:  # first: every module of the package imports it
+    from common.transfer import _native  # noqa: F401
+except ImportError as e:  # not built, or built before worker.c existed
+    raise ImportError(f"the transfer engine's worker is not built ({e}): run "
+                      "'.venv/bin/python common/_build_native.py'") from None
+from common.transfer import ipc  # noqa: E402
+from common.transfer.engine import PHASES, Engine, TransferError, _ffi, inject_size, native  # noqa: E402,E501
 
 __all__ = ["Engine", "PHASES", "TransferError", "_ffi", "inject_size", "ipc", "native"]

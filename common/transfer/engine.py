@@ -16,13 +16,8 @@ from common.engine import topo
 from common.engine.nics import rank_nics
 from common.fabric import cuda_driver, lib, memory
 from common.transfer import ipc, wire
+from common.transfer._native import ffi as _ffi, lib as native
 from common.transfer.control import Control
-
-try:
-    from common._transfer import ffi as _ffi, lib as native
-except ImportError as e:  # not built, or built before worker.c existed
-    raise ImportError(f"the transfer engine's worker is not built ({e}): run "
-                      "'.venv/bin/python common/_build_native.py'") from None
 
 RING = 1024            # commands queued at once (a power of two)
 IMM_TABLE = 1 << 14    # distinct immediate values the arrival table holds (a power of two)

@@ -168,7 +168,7 @@ class Copier:
     With `resident`, small prepared commands go to a kernel that stays (_stand)."""
 
     def __init__(self, gpu, direct=None, resident=False):
-        from common._transfer import ffi, lib as native
+        from common.transfer._native import ffi, lib as native
         cp = memory.cupy()
         memory.current(gpu)
         self.ffi, self.native, self.gpu = ffi, native, gpu
@@ -293,7 +293,7 @@ class Route:
         at = int(ffi.cast("uintptr_t", box))
         cp.cuda.runtime.hostRegister(at, inbox_size(), HOST_MAPPED)
         own.callback(cp.cuda.runtime.hostUnregister, at)
-        from common._transfer import lib as native
+        from common.transfer._native import lib as native
         slot = native.tx_inbox_claim(box, routes.engine.id + 1)
         if slot < 0:
             raise OSError(0, f"all {WRITERS} writer rings of that inbox are taken")
