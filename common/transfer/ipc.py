@@ -335,7 +335,7 @@ class Route:
         return record, self.head + 1
 
     def launch(self, a, imm, src, dst):
-        """A prepared command (engine.Prepared's struct tx_copy, its table on the GPU)
+        """A prepared command (commands.Prepared's struct tx_copy, its table on the GPU)
         from device address `src` to `dst`, as one kernel, or a job for the resident one;
         its record says the peer's worker what came (copier.c fills it). Returns (record,
         seq)."""
@@ -348,7 +348,7 @@ class Route:
         return self.records + ((self.head - 1) & (RECORDS - 1)), self.head
 
     def submit(self, command, wait):
-        """One command (engine.Command) as the copier's kernels; its record says the peer's
+        """One command (commands.Command) as the copier's kernels; its record says the peer's
         worker what came. Returns (record, seq, None): done once record.seq reaches seq;
         or (None, None, (side, index)) for an item out of range, nothing sent."""
         record, seq = self._record(command.imm, len(command.src_items))
