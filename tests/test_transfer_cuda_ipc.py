@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import common.fabric as fi
-from common.transfer import Engine, ipc
+from common.transfer import Engine, ipc, wire
 from common.transfer import _ffi, native
 from tests.budget import Budget
 from tests.gpu import needs_gpu
@@ -303,11 +303,11 @@ def test_a_region_descriptor_with_a_bad_handle_is_refused_in_one_line():
     with fi.Closer() as own:
         eng = Engine(own, provider="shm", timeout=Budget(10).seconds)
         good = eng.register(np.zeros(64, np.uint8)).descriptor()
-        bad = good + b"XXXX" + bytes(ipc.HANDLE.size - 4)
+        bad = good + b"XXXX" + bytes(wire.HANDLE.size - 4)
         with pytest.raises(ValueError) as excinfo:
             eng.remote(bad)
         assert str(excinfo.value).startswith("not a region descriptor"), excinfo.value
-        assert eng.remote(good + ipc.HANDLE.pack(ipc.MAGIC_HANDLE, bytes(64), 0, 1)).ipc \
+        assert eng.remote(good + wire.pack_handle(bytes(64), 0, 1)).ipc \
             == (bytes(64), 0, 1)
 
 

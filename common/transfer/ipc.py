@@ -25,13 +25,13 @@ SIGKILLed peer's region, then a new allocation, both without error).
 """
 import mmap
 import os
-import struct
 import time
 import uuid
 
 import numpy as np
 
 from common.fabric import cuda_driver, memory
+from common.transfer import wire
 
 WRITERS, RECORDS = 32, 1024    # writer rings in an inbox; commands in flight per writer
 MAGIC = b"TXIPC01\0"
@@ -45,12 +45,6 @@ DIRECT = 512                   # tables this short (entries) the kernel reads in
 STAND_SLOTS, STAND_JOB, STAND_CHUNKS = 64, 10, 4
 STAND_RUNNING, STAND_LEAVING, STAND_STOPPED = 1, 2, 3
 IDLE = 1e-3                    # seconds it stays on the GPU without a command
-# In an engine's address: this host (boot id, pid namespace), the inbox (pid, fd) and the
-# GPU (its PCI bus id, which names it whatever CUDA_VISIBLE_DEVICES says)
-HOST = struct.Struct("<16sQII16s")
-# In a region's descriptor: the allocation's IPC handle, the region's offset in it, its pid
-HANDLE = struct.Struct("<4s64sQI")
-MAGIC_HANDLE = b"IPC1"
 HOST_MAPPED = 2                # cudaHostRegisterMapped
 LAZY_PEER_ACCESS = 1           # cudaIpcMemLazyEnablePeerAccess
 KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ipc.cu")
@@ -92,7 +86,7 @@ class Inbox:
         own.callback(self.__dict__.pop, "box")  # no view left: mmap.close needs that
         ffi.memmove(self.box.magic, MAGIC, len(MAGIC))
         self.box.writers, self.box.records = WRITERS, RECORDS
-        self.address = HOST.pack(*host, os.getpid(), self.fd, bus.encode())
+        self.address = wire.pack_host(*host, os.getpid(), self.fd, bus)
 
 
 def export(ptr):
@@ -105,15 +99,7 @@ def export(ptr):
         handle = rt.ipcGetMemHandle(base)
     except Exception:
         return None
-    return HANDLE.pack(MAGIC_HANDLE, bytes(handle), ptr - base, os.getpid())
-
-
-def parse_handle(trailer):
-    """(handle, offset, pid) of a descriptor's trailer, or ValueError."""
-    magic, handle, offset, pid = HANDLE.unpack(trailer)
-    if magic != MAGIC_HANDLE:
-        raise ValueError("not a CUDA IPC handle")
-    return handle, offset, pid
+    return wire.pack_handle(bytes(handle), ptr - base, os.getpid())
 
 
 class Routes:
@@ -126,13 +112,13 @@ class Routes:
         self.host = this_host()
 
     def route(self, own, peer_host):
-        """A Route to the peer whose address carried `peer_host` (HOST), or (None, why)."""
-        boot, namespace, pid, fd, bus = HOST.unpack(peer_host)
+        """A Route to the peer whose address carried `peer_host` (wire.HOST), or (None,
+        why)."""
+        boot, namespace, pid, fd, bus = wire.parse_host(peer_host)
         if self.host != (boot, namespace):
             return None, "another host"
         gpu, cp = self.engine.gpu, self.cp
         rt = cp.cuda.runtime
-        bus = bus.rstrip(b"\0").decode()
         try:
             theirs = rt.deviceGetByPCIBusId(bus)
         except Exception:

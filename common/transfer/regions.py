@@ -32,7 +32,7 @@ class Region:
         self.engine, self.ptr, self.size, self.gpu = engine, ptr, size, gpu
         self.descs = _ffi.new("void *[]", descs)
         self.bases, self.keys = bases, keys
-        self.ipc_handle = ipc_handle  # ipc.HANDLE, for GPU memory CUDA can share
+        self.ipc_handle = ipc_handle  # wire.HANDLE, for GPU memory CUDA can share
 
     def descriptor(self):
         """Everything a peer needs to WRITE into this region: address, size, per NIC

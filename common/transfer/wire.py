@@ -1,22 +1,27 @@
-"""The transfer engine's byte formats: an engine's address and a region's descriptor.
+"""The transfer engine's byte formats: an engine's address and a region's descriptor, and
+what the CUDA IPC route (ipc.py) puts in each.
 
 Both are bytes a program hands to its peer however it likes (printed and pasted, a control
 message, an allgather), so each starts with a magic and is parsed with one-line errors.
 """
 import struct
 
-from common.transfer import ipc
-
 MAGIC_ADDRESS, MAGIC_REGION = b"TXA2", b"TXR1"
-# magic, engine id, NIC count, control address length, inbox length (0 or ipc.HOST.size)
+# magic, engine id, NIC count, control address length, inbox length (0 or HOST.size)
 ADDRESS = struct.Struct("<4sIHHH")
 NAME = struct.Struct("<H")          # a data NIC's address length (+ the address)
 REGION = struct.Struct("<4sQQH")    # magic, address, size, NIC count
 NIC_KEY = struct.Struct("<QQ")      # per NIC: remote base, key
+# In an engine's address: this host (boot id, pid namespace), the inbox (pid, fd) and the
+# GPU (its PCI bus id, which names it whatever CUDA_VISIBLE_DEVICES says)
+HOST = struct.Struct("<16sQII16s")
+# In a region's descriptor: the allocation's IPC handle, the region's offset in it, its pid
+HANDLE = struct.Struct("<4s64sQI")
+MAGIC_HANDLE = b"IPC1"
 
 
 def pack_address(ident, control, inbox, names, signal):
-    """An engine's address: its id, control address, CUDA IPC inbox (ipc.HOST, or b""),
+    """An engine's address: its id, control address, CUDA IPC inbox (HOST, or b""),
     each data NIC's address and its signal region's descriptor."""
     return (ADDRESS.pack(MAGIC_ADDRESS, ident, len(names), len(control), len(inbox))
             + control + inbox + b"".join(NAME.pack(len(n)) + n for n in names) + signal)
@@ -27,7 +32,7 @@ def parse_address(address):
     engine's address (pack_address); ValueError in one line if it is not one."""
     try:
         magic, ident, count, length, inbox_size = ADDRESS.unpack_from(address)
-        if magic != MAGIC_ADDRESS or inbox_size not in (0, ipc.HOST.size):
+        if magic != MAGIC_ADDRESS or inbox_size not in (0, HOST.size):
             raise ValueError
         at = ADDRESS.size
         control, at = address[at:at + length], at + length
@@ -49,7 +54,7 @@ def parse_address(address):
 
 def pack_region(ptr, size, bases, keys, ipc_handle):
     """A region's descriptor: address, size, per NIC (remote base, key), and the CUDA IPC
-    handle (ipc.HANDLE) of GPU memory that can be shared, else b""."""
+    handle (HANDLE) of GPU memory that can be shared, else b""."""
     return (REGION.pack(MAGIC_REGION, ptr, size, len(keys))
             + b"".join(NIC_KEY.pack(b, k) for b, k in zip(bases, keys))
             + ipc_handle)
@@ -61,12 +66,38 @@ def parse_region(descriptor):
     try:
         magic, ptr, size, count = REGION.unpack_from(descriptor)
         keys = REGION.size + count * NIC_KEY.size
-        if magic != MAGIC_REGION or len(descriptor) not in (keys, keys + ipc.HANDLE.size):
+        if magic != MAGIC_REGION or len(descriptor) not in (keys, keys + HANDLE.size):
             raise ValueError
-        handle = ipc.parse_handle(descriptor[keys:]) if len(descriptor) > keys else None
+        handle = parse_handle(descriptor[keys:]) if len(descriptor) > keys else None
     except (struct.error, ValueError, TypeError):
         raise ValueError(f"not a region descriptor ({len(descriptor)} bytes): use "
                          "Region.descriptor()") from None
     pairs = [NIC_KEY.unpack_from(descriptor, REGION.size + i * NIC_KEY.size)
              for i in range(count)]
     return ptr, size, [b for b, _ in pairs], [k for _, k in pairs], handle
+
+
+def pack_host(boot, namespace, pid, fd, bus):
+    """An engine's CUDA IPC inbox, in its address (HOST): this host, the inbox's memfd, the
+    GPU's PCI bus id (a str)."""
+    return HOST.pack(boot, namespace, pid, fd, bus.encode())
+
+
+def parse_host(data):
+    """(boot id, pid namespace, pid, fd, bus id) of pack_host's bytes."""
+    boot, namespace, pid, fd, bus = HOST.unpack(data)
+    return boot, namespace, pid, fd, bus.rstrip(b"\0").decode()
+
+
+def pack_handle(handle, offset, pid):
+    """A region descriptor's trailer for GPU memory (HANDLE): its allocation's CUDA IPC
+    handle (64 bytes), the region's offset in that allocation, the exporting pid."""
+    return HANDLE.pack(MAGIC_HANDLE, handle, offset, pid)
+
+
+def parse_handle(trailer):
+    """(handle, offset, pid) of a descriptor's trailer, or ValueError."""
+    magic, handle, offset, pid = HANDLE.unpack(trailer)
+    if magic != MAGIC_HANDLE:
+        raise ValueError("not a CUDA IPC handle")
+    return handle, offset, pid
