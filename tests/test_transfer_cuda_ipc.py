@@ -183,7 +183,7 @@ def test_both_launch_paths_fill_the_command_s_record_in_the_peer_s_inbox_alike()
     fake.finish()
     assert records[2, 0] == head + 1 and bytes(dst[128:192]) == bytes(src[:64])
     route = ipc.Route.__new__(ipc.Route)
-    route.routes, route.records, route.head = fake, ring, 2 * n - 1
+    route.copier, route.records, route.head = fake.copier, ring, 2 * n - 1
     record, seq = route._record(None, 3)
     assert records[n - 1].tolist() == [0, 0, 3, 0] and seq == 2 * n
     assert int(_ffi.cast("uintptr_t", record)) == records[n - 1:].ctypes.data

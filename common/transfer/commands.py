@@ -55,7 +55,7 @@ class Prepared:
         c, cp = self.command, memory.cupy()
         parts = offsets if c.lengths is None else [*offsets, c.lengths]
         memory.current(self.engine.gpu)
-        copier = self.route.routes.copier
+        copier = self.route.copier
         with copier.uploads:
             self.table = cp.asarray(np.concatenate(parts).astype(np.uint64))
             uploaded = cp.cuda.Event(disable_timing=True)

@@ -105,7 +105,7 @@ class Engine(Writes):
         if gpu is not None and cuda_ipc:
             try:
                 self._inbox = ipc.Inbox(own, _ffi, ipc.bus_id(gpu))
-                self._routes = ipc.Routes(self, _ffi)
+                self._routes = ipc.Routes(self)
                 w.inbox = self._inbox.box
             except OSError as e:
                 self.ipc_why = f"no inbox for CUDA IPC ({e.strerror or e})"

@@ -103,13 +103,11 @@ def export(ptr):
 
 
 class Routes:
-    """An engine's side as a writer: the kernel, the stream its commands run on in order
-    (one block counter serves them all) and a Route per peer of this host."""
+    """An engine's side as a writer: a Copier (the kernel, the stream its commands run on
+    in order: one block counter serves them all) and a Route per peer of this host."""
 
-    def __init__(self, engine, ffi):
-        cp = memory.cupy()
-        self.engine, self.ffi, self.cp = engine, ffi, cp
-        self.host = this_host()
+    def __init__(self, engine):
+        self.engine, self.host = engine, this_host()
 
     def route(self, own, peer_host):
         """A Route to the peer whose address carried `peer_host` (wire.HOST), or (None,
@@ -117,8 +115,7 @@ class Routes:
         boot, namespace, pid, fd, bus = wire.parse_host(peer_host)
         if self.host != (boot, namespace):
             return None, "another host"
-        gpu, cp = self.engine.gpu, self.cp
-        rt = cp.cuda.runtime
+        gpu, rt = self.engine.gpu, memory.cupy().cuda.runtime
         try:
             theirs = rt.deviceGetByPCIBusId(bus)
         except Exception:
@@ -126,23 +123,18 @@ class Routes:
         if theirs != gpu and not rt.deviceCanAccessPeer(gpu, theirs):
             return None, f"GPU {gpu} cannot access GPU {theirs} (no peer access)"
         try:
-            route = Route(own, self, pid, fd)
+            route = Route(own, self.start(own), pid, fd, self.engine.id + 1,
+                          self.engine.timeout)
         except OSError as e:
             return None, f"their inbox cannot be opened ({e.strerror})"
         return route, f"CUDA IPC, GPU {gpu} -> GPU {theirs}"
 
     def start(self, own):
-        """The kernel and its stream, made once a first peer is on this host."""
+        """The Copier, made once a first peer is on this host."""
         if not hasattr(self, "copier"):
             self.copier = Copier(self.engine.gpu, resident=self.engine.resident)
-            self.stream = self.copier.stream
-            own.callback(self.quiet)  # before the regions it copies go
-
-    def quiet(self):
-        """Nothing of ours left running on the GPU: the resident kernel gone, the stream
-        done."""
-        self.copier.rest(self.engine.timeout)
-        self.stream.synchronize()
+            own.callback(self.copier.quiet, self.engine.timeout)  # before its regions go
+        return self.copier
 
 
 class Copier:
@@ -227,6 +219,12 @@ class Copier:
         self.stand_stream.synchronize()  # its workers done with the last jobs
         self.queue[3] = 0
 
+    def quiet(self, timeout):
+        """Nothing of ours left running on the GPU: the resident kernel gone (within
+        `timeout` s), the stream done."""
+        self.rest(timeout)
+        self.stream.synchronize()
+
     def send(self, src, src_items, dst, dst_items, length, wait, sizes, page_size=None,
              lengths=None, seq_at=0, seq=0):
         """Queue the copies of one command on the stream: WRITE i from page (or byte
@@ -260,12 +258,14 @@ class Copier:
 
 
 class Route:
-    """The writer's CUDA IPC route to one peer of this host: its inbox mapped here (and
-    for the GPU, whose kernel stores each command's seq into it), a ring of it ours."""
+    """The writer's CUDA IPC route to one peer of this host: its inbox (the memfd `fd` of
+    process `pid`) mapped here (and for the GPU, whose kernel stores each command's seq
+    into it), a ring of it ours, claimed as `writer` (nonzero); `copier` sends the
+    commands; closing waits up to `timeout` s for its kernels."""
 
-    def __init__(self, own, routes, pid, fd):
-        ffi, cp = routes.ffi, routes.cp
-        self.routes = routes
+    def __init__(self, own, copier, pid, fd, writer, timeout):
+        ffi, cp = copier.ffi, memory.cupy()
+        self.copier, self.timeout = copier, timeout
         at = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
         try:
             self.map = mmap.mmap(at, inbox_size())
@@ -279,8 +279,8 @@ class Route:
         at = int(ffi.cast("uintptr_t", box))
         cp.cuda.runtime.hostRegister(at, inbox_size(), HOST_MAPPED)
         own.callback(cp.cuda.runtime.hostUnregister, at)
-        from common.transfer._native import lib as native
-        slot = native.tx_inbox_claim(box, routes.engine.id + 1)
+        native = copier.native
+        slot = native.tx_inbox_claim(box, writer)
         if slot < 0:
             raise OSError(0, f"all {WRITERS} writer rings of that inbox are taken")
         self.slot, self.records = box.slot[slot], native.tx_inbox_records(box, slot)
@@ -288,11 +288,10 @@ class Route:
         self.ffi = ffi
         self.mapped = {}  # IPC handle: its allocation's address here
         own.callback(self._close)
-        routes.start(own)
 
     def _close(self):
-        rt = self.routes.cp.cuda.runtime
-        self.routes.quiet()  # no kernel still reads or writes what we unmap
+        rt = memory.cupy().cuda.runtime
+        self.copier.quiet(self.timeout)  # no kernel still reads or writes what we unmap
         for base in self.mapped.values():
             rt.ipcCloseMemHandle(base)
         if self.slot.consumed == self.head:  # all counted: the ring is free for another
@@ -305,8 +304,8 @@ class Route:
             return remote.ptr  # our own process: already mapped
         base = self.mapped.get(handle)
         if base is None:
-            memory.current(self.routes.engine.gpu)  # mapped into that GPU's context
-            base = self.mapped[handle] = self.routes.cp.cuda.runtime.ipcOpenMemHandle(
+            memory.current(self.copier.gpu)  # mapped into that GPU's context
+            base = self.mapped[handle] = memory.cupy().cuda.runtime.ipcOpenMemHandle(
                 handle, LAZY_PEER_ACCESS)
         return base + offset
 
@@ -316,7 +315,7 @@ class Route:
     def _record(self, imm, count):
         """The next command's record in our ring of the peer's inbox, filled but for its
         seq (the kernel stores that last), and that seq."""
-        record = self.routes.copier.native.tx_inbox_next(
+        record = self.copier.native.tx_inbox_next(
             self.records, RECORDS - 1, self.head, imm or 0, imm is not None, count)
         return record, self.head + 1
 
@@ -325,7 +324,7 @@ class Route:
         from device address `src` to `dst`, as one kernel, or a job for the resident one;
         its record says the peer's worker what came (copier.c fills it). Returns (record,
         seq)."""
-        copier = self.routes.copier  # copier.c makes its GPU's context current
+        copier = self.copier  # copier.c makes its GPU's context current
         if copier.native.tx_write_prepared(copier.c, a, self.records, RECORDS - 1, self.head,
                                            imm or 0, imm is not None, src, dst):
             raise ValueError("the CUDA IPC route's launch failed: "
@@ -338,7 +337,7 @@ class Route:
         worker what came. Returns (record, seq, None): done once record.seq reaches seq;
         or (None, None, (side, index)) for an item out of range, nothing sent."""
         record, seq = self._record(command.imm, len(command.src_items))
-        bad = self.routes.copier.send(
+        bad = self.copier.send(
             command.src.ptr, command.src_items, self.address_of(command.dst),
             command.dst_items, command.length, wait, (command.src.size, command.dst.size),
             command.page_size, command.lengths, int(self.ffi.cast("uintptr_t", record)), seq)
