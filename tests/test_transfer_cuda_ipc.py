@@ -10,7 +10,7 @@ import pytest
 
 import common.fabric as fi
 from common.transfer import Engine, ipc, wire
-from common.transfer import _ffi, native
+from common.transfer._native import ffi as _ffi, lib as native
 from tests.budget import Budget
 from tests.gpu import needs_gpu
 from tests.transfer_launch import launched

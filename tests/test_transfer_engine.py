@@ -479,7 +479,7 @@ def test_an_error_entry_with_no_context_fails_the_engine_once_it_injected(error_
     engine's next call raises the provider's text in one line. Never a NULL dereference."""
     import threading
     from types import SimpleNamespace
-    ffi, native = transfer._ffi, transfer.native
+    from common.transfer._native import ffi, lib as native
     w = ffi.new("struct tx_worker *")
     keep = [ffi.new("struct fid_ep *[1]"), ffi.new("struct fid_cq *[]", [
         ffi.cast("struct fid_cq *", error_cq)]), ffi.new("struct tx_command *[4]"),

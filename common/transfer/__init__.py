@@ -36,8 +36,9 @@ kernel that stays on the GPU while commands come takes it from a queue in pinned
 The files: engine.py (Engine), commands.py (its WRITE calls, Prepared, Group),
 transfers.py (a command in flight), regions.py (peers and regions), wire.py (the bytes of
 an engine's address and a region's descriptor), control.py (the control endpoint), ipc.py
-and ipc.cu (the CUDA IPC route), worker.c (the C worker). This package re-exports what
-chapters, scripts and tests use; a test that changes a global (IMM_TABLE, worker_cores)
+and ipc.cu (the CUDA IPC route), worker.c (the C worker; with copier.c, built as
+common.transfer._native, whose ffi and lib a test imports from there). This package
+re-exports the public names; a test that changes a global (IMM_TABLE, worker_cores)
 patches the module that reads it (common.transfer.engine), as a copy here is not read.
 """
 try:  # first: every module of the package imports it
@@ -46,7 +47,7 @@ except ImportError as e:  # not built, or built before worker.c existed
     raise ImportError(f"the transfer engine's worker is not built ({e}): run "
                       "'.venv/bin/python common/_build_native.py'") from None
 from common.transfer import ipc  # noqa: E402
-from common.transfer.engine import Engine, _ffi, inject_size, native  # noqa: E402
+from common.transfer.engine import Engine, inject_size  # noqa: E402
 from common.transfer.transfers import PHASES, TransferError  # noqa: E402
 
-__all__ = ["Engine", "PHASES", "TransferError", "_ffi", "inject_size", "ipc", "native"]
+__all__ = ["Engine", "PHASES", "TransferError", "inject_size", "ipc"]
