@@ -316,18 +316,38 @@ def test_a_prepared_command_refuses_bad_pages_and_shifts_in_one_line(engine):
 
 
 def test_an_engine_used_after_it_closed_says_so_in_one_line():
-    """A write, a prepared write or an expect after the engine's Closer ran: not the
-    worker's last return code as a failure ("Success"), but that the engine is closed."""
+    """Every call after the engine's Closer ran but arrived() and stats(), which say what
+    was counted: not the worker's last return code as a failure ("Success"), nor the
+    provider's answer on a closed domain (register: "fi_mr_regattr: Invalid argument"),
+    nor a crash (connect and send reached closed AVs and endpoints), but that the engine
+    is closed. An expect() whose WRITEs came before the close is refused too."""
     with fi.Closer() as own:
         eng = Engine(own, provider="shm", timeout=Budget(10).seconds)
+        other = Engine(own, provider="shm", timeout=Budget(10).seconds).address()
         me = eng.connect(eng.address())
         _, src, _, dst = regions(eng, 4096, 33)
         prepared = eng.prepare_pages(me, src, [0], dst, [0], 4096)
+        descriptor = src.descriptor()
+        eng.signal(me, 2).wait()
+        deadline = time.monotonic() + Budget(10).seconds
+        while eng.arrived(2) < 1 and time.monotonic() < deadline:  # counted, not taken
+            time.sleep(0.01)
+    group = eng.group([me])
     for call in (lambda: eng.write_pages(me, src, [0], dst, [0], 4096, imm=1),
-                 lambda: prepared.write(imm=1), lambda: eng.expect(1, 1, 1)):
+                 lambda: eng.write(me, src, 0, dst, 0, 8),
+                 lambda: eng.write_list(me, src, [0], dst, [0], [8]),
+                 lambda: eng.prepare_pages(me, src, [0], dst, [0], 4096),
+                 lambda: eng.prepare_list(me, src, [0], dst, [0], [8]),
+                 lambda: prepared.write(imm=1), lambda: eng.expect(1, 1, 1),
+                 lambda: eng.expect(2, 1, 1), lambda: eng.signal(me, 3),
+                 lambda: eng.register(np.zeros(64, np.uint8)), lambda: eng.remote(descriptor),
+                 lambda: eng.address(), lambda: eng.connect(other),
+                 lambda: eng.send(me, b"hello"), lambda: eng.recv(1),
+                 lambda: group.scatter(src, [dst], 8), lambda: group.barrier(4, 1)):
         with pytest.raises(TransferError) as e:
             call()
-        one_line(e, "this engine is closed")
+        one_line(e, "this engine is closed (its Closer has run)")
+    assert eng.stats()["posted"] == 1 and eng.arrived(2) == 1
 
 
 def test_the_inject_size_is_the_smallest_nics_and_none_on_efa():

@@ -210,6 +210,7 @@ class Writes:
         it builds the WRITEs' offsets): ValueError, nothing posted. The items are page
         numbers of `page_size` bytes, or byte offsets (page_size None), int64 or uint64
         (pages_of); `length`: every WRITE's, or an array of one per WRITE."""
+        self._check()
         self._check_ends(peer, src, dst)
         lengths = length if isinstance(length, np.ndarray) else None
         if lengths is None and not isinstance(length, (int, np.integer)):

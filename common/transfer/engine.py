@@ -31,6 +31,8 @@ NAP_US = 20            # the worker's sleep when idle a while (it yields before 
 HOT, SPIN, CHECK_EVERY = 20e-6, 1e-3, 50e-6
 SPREADS = ("round-robin", "per-peer")
 CACHE_SIZE = "FI_MR_CACHE_MAX_SIZE"  # see Engine: GPU regions larger than its default
+CLOSED = ("this engine is closed (its Closer has run): it connects, registers, sends and "
+          "awaits nothing more")
 
 
 class Engine(Writes):
@@ -74,6 +76,7 @@ class Engine(Writes):
         # control messages go through NIC 0 (Control), so its link carries them
         self.max_send = fi.max_send(self.infos[0])
         self.id = secrets.randbits(32)
+        self.rc, self.error = None, None  # the worker's return code; why calls are refused
         self._keys = iter(range(1, 1 << 30))  # requested MR keys (tcp takes ours: unique)
         self._watch, self._peers, self._taken = [], {}, {}
         self._inflight, self._prune_at = [], 16  # Transfers the worker may still touch
@@ -116,7 +119,6 @@ class Engine(Writes):
         own.callback(self._held.clear)
         own.callback(self._regions.close)
         self._signal = self.register(np.zeros(SIGNAL, np.uint8))
-        self.rc, self.error = None, None
         self._thread = threading.Thread(target=self._run, args=(worker_cores(gpu),),
                                         daemon=True, name="transfer worker")
         # runs first: before the registrations and endpoints close; set before the thread
@@ -140,16 +142,18 @@ class Engine(Writes):
             self.error, self.rc = e, -lib.FI_EOTHER
 
     def _stop(self):
+        # said first: from here on every call is refused (_check), even where the join
+        # gives up, rather than made on endpoints and domains that are closing
+        self.error = TransferError(CLOSED)
         self._w.stop = 1
         bounds.join([self._thread], "the transfer engine")
-        self.error = TransferError("this engine is closed (its Closer has run): nothing more "
-                                   "can be sent or awaited")
 
     # --- addresses and regions ---------------------------------------------------------
 
     def address(self):
         """All a peer needs to connect: our id, control address, NIC count, each data
         NIC's address and our signal region's descriptor."""
+        self._check()
         inbox = self._inbox.address if self._inbox else b""
         return wire.pack_address(self.id, fi.getname(self._control.ep), inbox,
                                  [fi.getname(ep) for ep in self.eps], self._signal.descriptor())
@@ -158,6 +162,7 @@ class Engine(Writes):
         """The Peer at `address` (another engine's address()): inserted in every AV. Its
         `route` says how GPU pages go to it: "cuda-ipc" where it is on this host and our
         GPU reaches its GPU (ipc.py), else "libfabric"; `why` says why."""
+        self._check()
         ident, control, inbox, names, signal = wire.parse_address(address)
         if len(names) != len(self.eps):
             raise ValueError(f"that engine has {len(names)} NICs and this one "
@@ -179,6 +184,7 @@ class Engine(Writes):
         """Register `array` (numpy, cupy or torch; contiguous; not copied) on every NIC's
         domain, for WRITEs from it and into it. The engine holds the array until it closes,
         as long as the registration lasts: a peer may WRITE into it until then."""
+        self._check()
         ptr, size, gpu = buffer_of(array)
         if size == 0:
             raise ValueError("cannot register an empty array")
@@ -204,6 +210,7 @@ class Engine(Writes):
 
     def remote(self, descriptor):
         """A peer's region from its descriptor (Region.descriptor() over there)."""
+        self._check()
         ptr, size, bases, keys, handle = wire.parse_region(descriptor)
         if len(keys) != len(self.eps):
             raise ValueError(f"that region is registered on {len(keys)} NICs, this engine has "
@@ -222,6 +229,7 @@ class Engine(Writes):
         later expect(imm, ...) needs new ones. On shm of libfabric 2.x, arrivals from a
         peer that keeps writing are counted once it pauses (README, "Using another
         libfabric")."""
+        self._check()
         timeout = self.timeout if timeout is None else timeout
         taken = self._taken.get(imm, 0)
         arrived = lambda: self.arrived(imm)  # noqa: E731
@@ -251,6 +259,7 @@ class Engine(Writes):
     def send(self, peer, data):
         """SEND `data` (at most fi.max_send bytes) to `peer`'s control endpoint; returns
         once it completed. It carries our engine id as immediate data."""
+        self._check()
         data = bytes(data)
         if len(data) > self.max_send:
             raise ValueError(f"a control message of {len(data)} bytes; at most "
@@ -263,6 +272,7 @@ class Engine(Writes):
     def recv(self, timeout=None):
         """(the Peer that sent it, or None if not connected yet, the bytes) of the next
         control message."""
+        self._check()
         timeout = self.timeout if timeout is None else timeout
         ident, data = self._control.recv(timeout)
         mask = (1 << 8 * min(4, self.cq_data_size)) - 1
@@ -299,7 +309,8 @@ class Engine(Writes):
             self._routes.copier.rest(self.timeout)
 
     def _check(self):
-        if self.rc is not None:
+        """Raise why this engine does nothing more: it is closed, or its worker stopped."""
+        if self.error is not None or self.rc is not None:
             raise self._failure()
 
     def _failure(self):
