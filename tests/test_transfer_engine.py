@@ -107,7 +107,6 @@ def test_bad_input_is_refused_in_one_line_and_nothing_is_posted(engine):
         (lambda: eng.remote(src.descriptor()[:-3]), "not a region descriptor"),
         (lambda: eng.remote(one_nic.register(np.zeros(64, np.uint8)).descriptor()),
          "registered on 1 NICs, this engine has 2"),
-        (lambda: eng.connect(b"junk"), "not an engine's address (4 bytes)"),
         (lambda: eng.connect(one_nic.address()), "that engine has 1 NICs and this one 2"),
         (lambda: eng.write_pages(me, src, [0, 8], dst, [0, 1], 4096), "source page 8 is out of range"),
         (lambda: eng.write_pages(me, src, [0, 1], dst, [3, 4], 4096),
@@ -137,6 +136,41 @@ def test_bad_input_is_refused_in_one_line_and_nothing_is_posted(engine):
             call()
         one_line(excinfo, pattern)
     assert eng.stats()["posted"] == 0
+
+
+def test_a_callers_mistake_is_said_as_what_the_caller_did():
+    """For a program using the engine as a library: what it passed and what to pass, not
+    what a reader of a chapter should paste, nor a provider's error or a timeout (an shm
+    engine took a tcp engine's address and its WRITEs never went)."""
+    with fi.Closer() as own:
+        eng = Engine(own, provider="shm", timeout=Budget(10).seconds)
+        tcp = Engine(own, provider="tcp", timeout=Budget(10).seconds)
+        me = eng.connect(eng.address())
+        descriptor = eng.register(np.zeros(64, np.uint8)).descriptor()
+        cases = [
+            (lambda: eng.connect(b"junk"), "not an engine's address (4 bytes): pass the bytes "
+             "of another engine's Engine.address(), whole and unchanged"),
+            (lambda: eng.connect(eng.address().hex().encode()), "bytes.fromhex"),
+            (lambda: eng.connect(eng.address().hex()),
+             "an engine's address is bytes (Engine.address()), not a str"),
+            (lambda: eng.remote(descriptor.hex()),
+             "a region descriptor is bytes (Region.descriptor()), not a str"),
+            (lambda: eng.remote(descriptor[:-1]), f"not a region descriptor "
+             f"({len(descriptor) - 1} bytes): pass the bytes of a Region.descriptor(), whole "
+             "and unchanged"),
+            (lambda: eng.connect(tcp.address()),
+             "that engine runs on tcp and this one on shm: give both the same provider"),
+            (lambda: tcp.connect(eng.address()),
+             "that engine runs on shm and this one on tcp: give both the same provider"),
+            (lambda: eng.send(me, bytes(eng.max_send + 1)), "(Engine.max_send)"),
+            (lambda: eng.register(np.array([None, 1], object)),
+             "cannot register an array of Python objects (dtype object)"),
+        ]
+        for call, said in cases:
+            with pytest.raises(ValueError) as excinfo:
+                call()
+            one_line(excinfo, said)
+            assert "server" not in str(excinfo.value), excinfo.value
 
 
 class SendsNothing:

@@ -61,6 +61,7 @@ class Engine(Writes):
             os.environ[CACHE_SIZE] = str(1 << 40)
         info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA, hmem=gpu is not None)
         self.provider = fi.provider_of(info)
+        self.name = fi.name_of(info)  # as Engine(provider=...) names it: shm, tcp, efa-direct
         # A NIC (efa, verbs) writes GPU memory by GPUDirect RDMA: seeing its completion on
         # the host does not make those writes visible to the GPU's later reads unless the
         # device orders them for their owner; else expect() flushes them (CUDA driver API,
@@ -155,7 +156,7 @@ class Engine(Writes):
         NIC's address and our signal region's descriptor."""
         self._check()
         inbox = self._inbox.address if self._inbox else b""
-        return wire.pack_address(self.id, fi.getname(self._control.ep), inbox,
+        return wire.pack_address(self.id, self.name, fi.getname(self._control.ep), inbox,
                                  [fi.getname(ep) for ep in self.eps], self._signal.descriptor())
 
     def connect(self, address):
@@ -163,10 +164,14 @@ class Engine(Writes):
         `route` says how GPU pages go to it: "cuda-ipc" where it is on this host and our
         GPU reaches its GPU (ipc.py), else "libfabric"; `why` says why."""
         self._check()
-        ident, control, inbox, names, signal = wire.parse_address(address)
+        ident, provider, control, inbox, names, signal = wire.parse_address(address)
+        if provider != self.name:  # else a name one provider takes, another's WRITEs lost
+            raise ValueError(f"that engine runs on {provider} and this one on {self.name}: "
+                             "give both the same provider")
         if len(names) != len(self.eps):
             raise ValueError(f"that engine has {len(names)} NICs and this one "
-                             f"{len(self.eps)}: NIC i writes to NIC i, so counts must match")
+                             f"{len(self.eps)}: NIC i writes to NIC i, so give both the same "
+                             "nics")
         if ident in self._peers:
             return self._peers[ident]
         addrs = _ffi.new("fi_addr_t[]", [fi.av_insert(av, n) for av, n in zip(self.avs, names)])
@@ -214,7 +219,7 @@ class Engine(Writes):
         ptr, size, bases, keys, handle = wire.parse_region(descriptor)
         if len(keys) != len(self.eps):
             raise ValueError(f"that region is registered on {len(keys)} NICs, this engine has "
-                             f"{len(self.eps)}: NIC counts must match")
+                             f"{len(self.eps)}: give both engines the same nics")
         return RemoteRegion(ptr, size, bases, keys, handle)
 
     # --- arrivals ------------------------------------------------------------------
@@ -263,7 +268,7 @@ class Engine(Writes):
         data = bytes(data)
         if len(data) > self.max_send:
             raise ValueError(f"a control message of {len(data)} bytes; at most "
-                             f"{self.max_send} (fabric.max_send)")
+                             f"{self.max_send} (Engine.max_send)")
         if not isinstance(peer, Peer) or self._peers.get(peer.id) is not peer:
             raise ValueError("that peer is not one of this engine's (use Engine.connect)")
         self._control.send(peer, data, self.id & ((1 << 8 * min(4, self.cq_data_size)) - 1),

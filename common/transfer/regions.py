@@ -55,6 +55,9 @@ def buffer_of(array):
     """(address, bytes, GPU or None) of a numpy, cupy or torch array, which must be
     contiguous (a registration is one range)."""
     if isinstance(array, np.ndarray):
+        if array.dtype.hasobject:  # a peer's WRITE would overwrite the pointers
+            raise ValueError("cannot register an array of Python objects (dtype object): its "
+                             "bytes are pointers, not data")
         if not array.flags.c_contiguous:
             raise ValueError("the array must be contiguous")
         return array.ctypes.data, array.nbytes, None
