@@ -173,6 +173,20 @@ def test_a_callers_mistake_is_said_as_what_the_caller_did():
             assert "server" not in str(excinfo.value), excinfo.value
 
 
+@pytest.mark.parametrize("provider", ["shm", pytest.param("tcp", marks=pytest.mark.long)])
+def test_the_packages_example_of_two_processes_runs(provider):
+    """common/transfer/example.py, which README.md points a new user to: the writer's
+    pages land in the reader's memory, the reader counts them by their immediate and
+    connects back to the address that came before it had any peer."""
+    done = Budget(60).run([sys.executable, "-m", "common.transfer.example", "-p", provider,
+                           "--timeout", f"{Budget(10).seconds:g}"], cwd=ROOT, env=local_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines() == [
+        "writer: the reader says: 64 pages arrived, 0 wrong bytes",
+        "reader: 64 pages, 0 wrong bytes; the writer's first message came from peer None, as "
+        "none was connected; writer exit 0"], done.stdout + done.stderr
+
+
 class SendsNothing:
     """The cffi lib, but fi_sendmsg answers `rc` and sends nothing."""
 

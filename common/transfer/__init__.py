@@ -18,6 +18,10 @@ SEND/RECV that Python drives (control.py).
         layer = eng.prepare_pages(peer, region, [0, 1], remote, [7, 3], 4096)  # made once
         layer.write(imm=6, src_shift=2, dst_shift=2)  # pages 2, 3 to 9, 5; again and again
 
+For a program of your own, README.md beside this file: how two processes swap addresses
+and descriptors, what a region takes, each provider's range of immediates, what a closed
+engine refuses; example.py runs two processes so (python -m common.transfer.example).
+
 Python never touches a WRITE: it hands the worker a whole command (numpy arrays of
 offsets) and waits with short sleeps; the worker writes back each command's progress and
 the count of each immediate value that arrived, whatever the order and the NIC. Where a NIC
@@ -36,9 +40,9 @@ kernel that stays on the GPU while commands come takes it from a queue in pinned
 The files: engine.py (Engine), commands.py (its WRITE calls, Prepared, Group),
 transfers.py (a command in flight), regions.py (peers and regions), wire.py (the bytes of
 an engine's address and a region's descriptor), control.py (the control endpoint), ipc.py
-and ipc.cu (the CUDA IPC route), worker.c (the C worker; with copier.c, built as
-common.transfer._native, whose ffi and lib a test imports from there). This package
-re-exports the public names; a test that changes a global (IMM_TABLE, worker_cores)
+and ipc.cu (the CUDA IPC route), example.py (two processes), worker.c (the C worker; with
+copier.c, built as common.transfer._native, whose ffi and lib a test imports from there).
+This package re-exports the public names; a test that changes a global (IMM_TABLE, worker_cores)
 patches the module that reads it (common.transfer.engine), as a copy here is not read.
 """
 try:  # first: every module of the package imports it
