@@ -78,7 +78,7 @@ import time
 import numpy as np
 
 from common import cli, launch
-from common._proxy import ffi, lib as native
+from common.moe._native import ffi, lib as native
 from common.moe import harness
 from common.moe import reference as ref
 from common.moe.bookkeeping import Shape, Stages, Wire, aligned, check_shape, check_tokens, \

@@ -12,7 +12,7 @@ builds them in place. The transfer engine's worker (common/transfer/worker.c, th
 under chapters 18-19, with copier.c, its CUDA IPC route's launches) is built the same
 way, inside its package, as common.transfer._native, and so is the MoE host
 proxy of chapters 16-17 (common/moe/proxy.c, with the ring entry of common/moe/ring.h
-ahead of it), as common._proxy.
+ahead of it), as common.moe._native.
 """
 import glob
 import importlib.util
@@ -70,7 +70,7 @@ COPIER = os.path.join(HERE, "transfer", "copier.c")  # the CUDA IPC route's laun
 transfer = builder(WORKER, "common.transfer._native", with_lane=False,  # setup.py: ...:transfer
                    more=[COPIER])
 PROXY = os.path.join(HERE, "moe", "proxy.c")
-proxy = builder(PROXY, "common._proxy", with_lane=False,  # setup.py: ...:proxy
+proxy = builder(PROXY, "common.moe._native", with_lane=False,  # setup.py: ...:proxy
                 header=os.path.join(HERE, "moe", "ring.h"))
 
 if __name__ == "__main__":
