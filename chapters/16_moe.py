@@ -78,7 +78,7 @@ import time
 import numpy as np
 
 from common import cli, launch
-from common._proxy import ffi, lib as native
+from common.moe._native import ffi, lib as native
 from common.gpu import rounding
 from common.gpu.layout import aligned
 from common.moe import harness

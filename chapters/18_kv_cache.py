@@ -310,7 +310,11 @@ def prefiller(args, s, xp, addr):
     with fi.Closer() as own:
         eng = Engine(own, args.provider, gpu=args.gpu, nics=args.nics, timeout=args.timeout,
                      cuda_ipc=not args.no_cuda_ipc)
-        server = eng.connect(addr)  # a wrong address is said before anything is computed
+        try:  # a wrong address is said before anything is computed
+            server = eng.connect(addr)
+        except ValueError as e:  # said to the program; to the reader, who pasted the address:
+            raise cli.UsageError(f"{str(e).split(': ')[0]}: copy the whole address that the "
+                                 "decoder printed, and give both the same -p and --nics") from None
         print(f"provider: {eng.provider}; {eng.nics}; pages to the decoder by "
               f"{server.route} ({server.why})")
         print(f"prefiller: {describe(s)}", flush=True)

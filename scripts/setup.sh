@@ -43,8 +43,9 @@ python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
 [ ${#missing[@]} -eq 0 ] || as_root "${missing[@]}"
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
-# Reinstall when the build inputs or the chosen libfabric change.
-want="$(cat pyproject.toml setup.py common/_build_native.py common/fabric/_build.py common/*/*.h common/*/*.c chapters/*.c 2>/dev/null | sha1sum) ${LIBFABRIC_PREFIX:-pkg-config}"
+# Reinstall when the build inputs or the chosen libfabric change (not cffi's own
+# output, common/*/_native.c, written there by common/_build_native.py).
+want="$(cat pyproject.toml setup.py common/_build_native.py common/fabric/_build.py common/*/*.h common/*/[!_]*.c chapters/*.c 2>/dev/null | sha1sum) ${LIBFABRIC_PREFIX:-pkg-config}"
 if [ "$(cat .venv/.installed 2>/dev/null)" != "$want" ]; then
     say "installing the project into .venv (builds the libfabric binding)"
     log=.venv/install.log

@@ -122,7 +122,7 @@ def test_a_decoder_frozen_while_it_checks_is_said_by_the_prefiller_within_its_ti
     (["--model", "huge"], "argument --model: invalid choice"),
     (["--tokens", "0"], "expected a number 1.."),
     (["-p", "shm", "abcd"], "error: not an engine's address (2 bytes): copy the whole address "
-                            "that the server printed"),
+                            "that the decoder printed, and give both the same -p and --nics"),
     (["zz"], "address: not a hex digit at position 0"),
     (["--dtype", "bf16"], "--dtype bf16 needs --gpu: the host (numpy) computes in fp32"),
 ])
