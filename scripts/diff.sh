@@ -34,6 +34,10 @@ declare -A NEW=([07]=common/engine/opqueue.py [08]=common/engine/topo.py
 C_FIRST=" 11 12 13 14 15 17 "
 
 die() { echo "diff: $*" >&2; exit 2; }
+case "${1:-}" in
+    -h|--help) echo "usage: bash scripts/diff.sh [--all] CHAPTER [OTHER]"
+               sed -n '2,/^set -euo/{s/^# \{0,1\}//p}' "$0"; exit 0 ;;
+esac
 keep=""
 [ "${1:-}" != --all ] || { keep=1; shift; }
 [ $# -ge 1 ] && [ $# -le 2 ] || die "usage: scripts/diff.sh [--all] CHAPTER [OTHER]"
