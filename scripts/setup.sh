@@ -9,6 +9,12 @@
 # Where the AWS EFA installer put its libfabric (/opt/amazon/efa), that one is
 # the default: it has the efa provider the system's may lack.
 set -euo pipefail
+case "${1:-}" in  # which libfabric: LIBFABRIC_PREFIX (above), not an argument
+    "") ;;
+    -h|--help) echo "usage: bash scripts/setup.sh"
+               sed -n '2,/^set -euo/{s/^# \{0,1\}//p}' "$0"; exit 0 ;;
+    *) echo "setup: no arguments (the variables it reads: --help)" >&2; exit 2 ;;
+esac
 # Absolute, before the cd: the binding finds libfabric at run time under this path.
 [ ! -d "${LIBFABRIC_PREFIX:-}" ] || LIBFABRIC_PREFIX=$(cd "$LIBFABRIC_PREFIX" && pwd)
 cd "$(dirname "$0")/.."
