@@ -136,8 +136,9 @@ def choose(number, seed, chapters, providers, faults, victims, stratified=False)
         random.Random(f"{seed}:cells").shuffle(every)
         turn, i = divmod(number - 1, len(every))
         chapter, fault, provider = every[i]
-        own = sides(chapter, fault, victims)
-        victim = own[(turn + rng.randrange(len(own))) % len(own)] if turn else rng.choice(own)
+        own = sides(chapter, fault, victims)  # each side in turn, from a side the seed drew
+        victim = own[(turn + random.Random(f"{seed}:{every[i]}").randrange(len(own)))
+                     % len(own)]
     else:
         chapter, fault, provider = rng.choice(every)
         victim = rng.choice(sides(chapter, fault, victims))
