@@ -39,7 +39,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from datetime import datetime, timezone
 
 from common import records, usage
