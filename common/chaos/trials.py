@@ -323,11 +323,15 @@ def ranks_trial(run, spec, bound):
 
 def life(chapter, provider):
     """The cell's life: seconds from its start to its end in a clean run, measured once;
-    None, with the clean run's failure, where it did not end well."""
+    None, with the clean run's failure, where it did not end well (measured again for the
+    cell's next trial)."""
     key = (chapter, provider)
-    if key not in LIVES:
-        LIVES[key] = clean_life(Trial(0, chapter, provider, "", "", 0.0, 0.0))
-    return LIVES[key]
+    if key in LIVES:
+        return LIVES[key]
+    measured = clean_life(Trial(0, chapter, provider, "", "", 0.0, 0.0))
+    if measured[0] is not None:
+        LIVES[key] = measured
+    return measured
 
 
 def clean_life(trial):
