@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from common import bounds, cli, shm_files
-from scripts.chaos import python_dropped
+from common.chaos.faults import python_dropped
 from common.chapter_pair import ADDRESS, chapter_path, local_env
 from tests import shm_regions
 from tests.budget import Budget
@@ -256,7 +256,7 @@ def test_a_signal_while_a_chapter_starts_is_its_exit_and_one_line(sig):
     SIGTERM. Until the chapter's first import of the project installs ours, the handlers are
     Python's (its start, the standard library's imports: milliseconds): the process dies
     by the signal, or, inside Python's own start, with its fatal error, or CPython prints
-    and drops it (scripts/chaos.python_dropped)."""
+    and drops it (common/chaos/faults.python_dropped)."""
     wrong = []
     for delay in [0.05 * k for k in range(1, 21)]:
         proc = subprocess.Popen([sys.executable, str(chapter_path(6)), "-p", "shm", SHM_DEAD,
