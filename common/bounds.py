@@ -77,6 +77,7 @@ TIDY_BOUND = 1.0    # seconds a survivor may wait for its operations in flight b
 JOIN_BOUND = 1.0    # seconds a stopped worker thread has to return
 CLOSING = 0.5       # seconds kept for closing, out of STOP_GRACE, by a wait on the way out
 TICK = 0.25         # how often the watchdog looks at the armed deadlines
+PAUSED = 1.0        # a look this much later than TICK follows a pause of the process
 EXIT_STUCK = 1
 
 _armed = {}         # id -> Deadline, while it is armed
@@ -270,6 +271,12 @@ def watch():
 
 
 def _watch(fd):
+    # A look that comes long after the last one means this process was stopped (SIGSTOP,
+    # Ctrl-Z) or starved meanwhile: no call was watched then, and a deadline that passed
+    # during the pause is no sign of a stuck call. Its call gets SLACK from the resumption
+    # to return, as it would have had running: a server continued after a long stop
+    # finds its client gone and serves the next, instead of being ended on waking.
+    last = resumed = time.monotonic()
     while True:
         tick = TICK if not _signalled else _signalled[0][1] + STOP_GRACE - time.monotonic()
         ready, _, _ = select.select([fd], [], [], max(0.0, min(TICK, tick)))
@@ -278,11 +285,15 @@ def _watch(fd):
                 if signum in (signal.SIGINT, signal.SIGTERM):
                     noted(signum)
         now = time.monotonic()
+        if now - last > TICK + PAUSED:
+            resumed = now
+        last = now
         if _signalled and now > _signalled[0][1] + STOP_GRACE:
             name = signal.Signals(_signalled[0][0]).name
             end(f"interrupted ({name}), but a call did not return within {STOP_GRACE:g} s: "
                 "exiting without closing", exit_code())
-        late = next((d for d in list(_armed.values()) if now > d.at + SLACK), None)
+        late = next((d for d in list(_armed.values()) if now > max(d.at, resumed) + SLACK),
+                    None)
         if late is not None:
             end(f"error: {_said(late)}, and the provider call did not return within "
                 f"{SLACK:g} s more: exiting without closing", EXIT_STUCK)

@@ -174,6 +174,25 @@ def test_a_wait_whose_provider_call_never_returns_ends_past_its_deadline():
 
 
 @pytest.mark.long
+def test_a_process_stopped_past_its_deadline_gets_its_slack_once_continued():
+    """Ctrl-Z then fg: the watchdog does not take the pause for a stuck call; the call still
+    stuck SLACK after the continue is."""
+    proc = stuck("wait", "1")
+    try:
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(1 + bounds.SLACK + 1)
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(bounds.SLACK / 2)
+        assert proc.poll() is None, "ended by the watchdog on waking"
+        code, err, took = ended(proc, bounds.SLACK / 2 + STOP_MARGIN)
+        assert code == bounds.EXIT_STUCK
+        one_line(err, "no heartbeat from the server within 1 s, and the provider call did "
+                      "not return")
+    finally:
+        stop(proc)
+
+
+@pytest.mark.long
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_ends_a_process_stuck_in_a_provider_call(signum):
     proc = stuck("idle")
