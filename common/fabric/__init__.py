@@ -809,8 +809,8 @@ class OwnLockHeld(TimeoutError):
 class OwnLock:
     """Before libfabric 1.18, shm's progress in fi_cq_read takes our own region's spin lock,
     which a peer takes to put a command in our region, and spins until it is free
-    (peer_lock.h, tut_own_lock_held). An idle server looks at it before each read: held,
-    it does not read (a live peer frees it within microseconds), and held for
+    (peer_lock.h, tut_own_lock_held). A server's wait without a deadline (for its next
+    client: Poller given its endpoint) looks at it before each read: held, it does not read (a live peer frees it within microseconds), and held for
     OWN_LOCK_BOUND its holder is taken as dead or stopped (OwnLockHeld): the server then
     opens its endpoint again at the same address (at_address), a new region, and serves
     the next client. Nothing to see on other providers and versions."""
