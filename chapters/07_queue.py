@@ -137,7 +137,7 @@ def server(info, args):
     while not args.clients or served < args.clients:
         with fi.Closer() as own:  # the endpoint: opened again, at its address, when renewed
             domain, cq, av, ep = fi.open_endpoint(own, fi.at_address(info, name), shm=False)
-            poller = fi.Poller(cq)
+            poller = fi.Poller(cq, ep=ep)
             inbox = fi.Inbox(own, domain, ep, fi.max_send(info))
             if name is None:
                 name = fi.getname(ep)
@@ -145,7 +145,11 @@ def server(info, args):
                 print(cli.client_hint(args, name.hex(), LESSON), flush=True)
             while not args.clients or served < args.clients:
                 if not backlog:
-                    _, length = poller.wait([inbox.ctx], None, "CONNECT", idle=True)
+                    try:
+                        _, length = poller.wait([inbox.ctx], None, "CONNECT", idle=True)
+                    except fi.OwnLockHeld as e:  # a dead client's lock: a new endpoint
+                        connect.renewing(e)
+                        break
                     backlog.append(inbox.take(length))
                 request = backlog.pop(0)
                 if connect.stray(request):

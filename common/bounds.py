@@ -29,11 +29,16 @@ The bounds, the same for a server, a client and a rank:
   runs our handlers: a terminal's Ctrl-C there is the parent's to act on (forked()).
 - Where a server does not outlive its client's fault, in libfabric 1.x: a server that the
   watchdog ended on a dead client's lock (1.17's shm) serves no next client. A post no
-  longer waits on a client's lock (common/fabric/peer_lock.h refuses it while held), but the
-  server's own progress still takes its own region's lock (smr_progress_cmd,
-  smr_progress_resp: pthread_spin_lock(&ep->region->lock)), which a client killed or
-  stopped in the middle of a post to the server holds (about 1 client in 120 killed
-  within 10 ms of its start). On rxm
+  longer waits on a client's lock (common/fabric/peer_lock.h refuses it while held), and
+  the server's own progress, which takes its own region's lock (smr_progress_cmd,
+  smr_progress_resp: pthread_spin_lock(&ep->region->lock)), held by a client killed or
+  stopped in the middle of a post to the server (about 1 client in 120 killed within 10 ms
+  of its start), is not entered by a wait for the next client while that lock is held
+  (fabric.OwnLock): held for OWN_LOCK_BOUND (1 s), the server says so and opens its endpoint
+  again at the same address (04, which serves one message, ends: exit 1). What is left: a
+  lock taken in the instant between that look and the provider's, by a client killed
+  then: the CQ read is armed, and the watchdog ends the server (exit 1); and a wait with
+  a deadline (serving a client) that meets such a lock ends at the watchdog too. On rxm
   (`tcp;ofi_rxm`, 1.x's tcp; `verbs;ofi_rxm`) a frozen client's WRITEs hold tx credits
   of the server's endpoint (one pool an endpoint, tx_attr->size: rxm_get_tx_buf,
   prov/rxm/src/rxm_ep.c) until its process ends, in every version: so chapter 07's

@@ -150,6 +150,25 @@ static inline int tut_peer_locked(struct fid_ep *ep, fi_addr_t addr)
     return peer_lock_held_by_name(bare ? bare + 3 : name);
 }
 
+/* Whether the lock of `ep`'s own region is held now (1.x shm; 0 elsewhere). Our progress
+   takes it (smr_progress_resp, smr_progress_cmd, smr_progress.c) in every fi_cq_read that
+   finds the region signalled, and spins there while a peer holds it: a peer killed or
+   stopped in a post to us (smr_generic_rma, smr_rma.c; smr_generic_sendmsg, smr_msg.c)
+   holds it until it is continued, or forever. Read through the same kind of read-only
+   mapping as a peer's, by the name fi_getname gives, as a peer would. */
+static inline int tut_own_lock_held(struct fid_ep *ep)
+{
+    if (!peer_lock_applies(ep))
+        return 0;
+    char name[PEER_LOCK_NAME + 16];
+    size_t len = sizeof name - 1;
+    if (fi_getname(&ep->fid, name, &len) || len >= sizeof name)
+        return 0;
+    name[len] = '\0';
+    const char *bare = strstr(name, "://");
+    return peer_lock_held_by_name(bare ? bare + 3 : name);
+}
+
 /* fi_sendmsg and fi_writemsg, refused while the peer's lock is held (tut_peer_locked). */
 static inline ssize_t peer_sendmsg(struct fid_ep *ep, const struct fi_msg *msg, uint64_t flags)
 {
