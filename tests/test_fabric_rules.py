@@ -152,9 +152,9 @@ BROKEN = {  # rule: (what breaks it, the error line's words, rule sets that have
         "iov = ffi.new('struct iovec *', {'iov_base': ffi.cast('void *', src.ptr), "
         "'iov_len': 64})\n"
         "rma = ffi.new('struct fi_rma_iov[2]', [{'addr': base, 'len': 32, 'key': key}] * 2)\n"
-        "msg = ffi.new('struct fi_msg_rma *', {'msg_iov': iov, 'desc': ffi.new('void *[1]', "
-        "[desc]), 'iov_count': 1, 'addr': me, 'rma_iov': rma, 'rma_iov_count': 2, "
-        "'context': ctx})\n"
+        "descs = ffi.new('void *[1]', [desc])  # kept: a struct does not own what it points to\n"
+        "msg = ffi.new('struct fi_msg_rma *', {'msg_iov': iov, 'desc': descs, 'iov_count': 1, "
+        "'addr': me, 'rma_iov': rma, 'rma_iov_count': 2, 'context': ctx})\n"
         "poller.until_posted(lambda: fi.posted('fi_writemsg', lib.fi_writemsg(ep, msg, "
         "lib.FI_COMPLETION)), 10, 'the WRITE')",
         "more than one rma_iov", RULES),
@@ -196,8 +196,9 @@ BROKEN = {  # rule: (what breaks it, the error line's words, rule sets that have
         "assert fi.recvmsg(ep, dst.ptr, 192, fi.mr_desc(dst_mr), lib.FI_ADDR_UNSPEC, ctx + 1)\n"
         "iov = ffi.new('struct iovec[3]', [{'iov_base': ffi.cast('void *', src.ptr + 64 * i), "
         "'iov_len': 64} for i in range(3)])\n"
-        "msg = ffi.new('struct fi_msg *', {'msg_iov': iov, 'desc': ffi.new('void *[3]', "
-        "[desc] * 3), 'iov_count': 3, 'addr': me, 'context': ctx})\n"
+        "descs = ffi.new('void *[3]', [desc] * 3)  # kept: a struct does not own what it points to\n"
+        "msg = ffi.new('struct fi_msg *', {'msg_iov': iov, 'desc': descs, 'iov_count': 3, "
+        "'addr': me, 'context': ctx})\n"
         "poller.until_posted(lambda: fi.posted('fi_sendmsg', lib.fi_sendmsg(ep, msg, "
         "lib.FI_COMPLETION)), 10, 'the SEND')",
         "more than 2 buffers in one SEND or WRITE", ["efa-direct"]),
