@@ -90,16 +90,28 @@ def server(info, args):
 
         client, served = None, 0
         while not args.clients or served < args.clients:
-            ctx, length = poller.wait([b.ctx for b in inbox], None, "message",
-                                      idle=client is None)
+            try:  # a client that CONNECTed owes its text within --timeout
+                ctx, length = poller.wait([b.ctx for b in inbox],
+                                          None if client is None else args.timeout,
+                                          "text after the CONNECT", idle=client is None)
+            except TimeoutError as e:
+                client = let_go(av, client, served, e)
+                served += 1
+                continue
             buf = next(b for b in inbox if b.ctx == ctx)
             message = buf.received(length)
             buf.recv(ep)  # repost at once: the next message may be on its way
             if connect.is_connect(message):
-                if client is not None:
-                    fi.av_remove(av, client)  # the previous client never sent its text
-                address, _, why = connect.unpack(message, CHAPTER)
-                client = fi.av_insert(av, address)
+                if client is not None:  # the previous client never sent its text
+                    client = let_go(av, client, served, "a CONNECT came before its text")
+                    served += 1
+                try:  # a client's bytes are never trusted: one line, and the next client
+                    address, _, why = connect.unpack(message, CHAPTER)
+                    client = fi.av_insert(av, address, info)
+                except (ValueError, fi.FabricError) as e:
+                    connect.report(served + 1, e)
+                    served += 1
+                    continue
                 if not why:
                     continue
                 reply = connect.refusal(why)  # a client of another chapter: told why
@@ -122,6 +134,12 @@ def server(info, args):
             fi.av_remove(av, client)
             client = None
 
+
+def let_go(av, client, served, why):
+    """A client that CONNECTed and sent no text: said in one line, out of the AV."""
+    connect.report(served + 1, why if isinstance(why, Exception) else ValueError(why))
+    fi.av_remove(av, client)
+    return None
 
 def client(info, args, addr, message):
     with fi.Closer() as own:
