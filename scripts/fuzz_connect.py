@@ -55,6 +55,7 @@ ROOM = 4 * BUFFER  # bytes registered per buffer: a lie claiming more than BUFFE
 ITERS = 64         # WRITEs a plausible CONNECT asks for
 RING = 8           # receives kept posted for the server's answers
 TOKENS = "256"     # chapter 18's prompt, both sides
+KV_TIMEOUT = 5.0   # chapter 18's decoder's --timeout (server_args)
 # Addresses no process maps (non-canonical on x86-64 and arm64): a WRITE there fails
 NOWHERE = (0x8000_0000_0000_0000, 0xDEAD_0000_0000_0000)
 
@@ -67,7 +68,10 @@ def honest_args(chapter):
 
 
 def server_args(chapter):
-    return ["--tokens", TOKENS] if chapter == "18" else []
+    """Flags after --timeout 2. Chapter 18's decoder waits 10 x --timeout for its request,
+    which an honest prefiller sends once it has computed the prompt alone (prefill_alone):
+    seconds of a busy machine."""
+    return ["--tokens", TOKENS, "--timeout", f"{KV_TIMEOUT:g}"] if chapter == "18" else []
 
 
 # --- the lies -------------------------------------------------------------------------
@@ -445,6 +449,7 @@ class Server:
     def __init__(self, chapter, provider):
         self.args = [sys.executable, str(chapter_path(chapter)), "-p", provider,
                      "--timeout", f"{TIMEOUT:g}", *server_args(chapter)]
+        self.timeout = KV_TIMEOUT if chapter == "18" else TIMEOUT
         self.proc = owned(self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=local_env(), cwd=ROOT)
         self.readers = [_Collector(self.proc.stdout), _Collector(self.proc.stderr)]
@@ -482,7 +487,7 @@ class Cell:
 
 def answer(server, before, lie, liar):
     """The problems of the server's answer to `lie`: stderr lines from `before` on."""
-    bound = patience(TIMEOUT) + 5
+    bound = patience(server.timeout) + 5
     start = time.monotonic()
     wrote = sum(1 for line in server.out if line.startswith("wrote "))
 
@@ -546,14 +551,15 @@ def destination(liar, chapter, address):
     return fi.av_insert(liar.av, address)
 
 
-def tell_one(server, chapter, provider, seed, number, cell):
-    """Lie `number` at `server`, from an endpoint of its own, as every client has: on tcp a
-    server's fi_av_remove closes rxm's connection to the last client, and a SEND of ours
-    on it meanwhile completes here and is lost there. Its problems."""
+def tell_one(server, chapter, provider, seed, number, cell, kind=None):
+    """Lie `number` at `server` (of `kind`, if given), from an endpoint of its own, as every
+    client has: on tcp a server's fi_av_remove closes rxm's connection to the last
+    client, and a SEND of ours on it meanwhile completes here and is lost there. Its
+    problems."""
     with fi.Closer() as own:
         liar = Liar(own, provider, chapter)
         dest = destination(liar, chapter, server.address)
-        one = lie(number, seed, chapter, liar.me)
+        one = lie(number, seed, chapter, liar.me, kind)
         before = len(server.err)
         for message in one.messages:
             liar.send(dest, message, patience(TIMEOUT))
