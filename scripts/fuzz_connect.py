@@ -726,6 +726,9 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         sys.exit(main())
+    except (ValueError, fi.FabricError, TimeoutError) as e:  # --address: the server's, wrong
+        print(f"fuzz_connect: {e}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         print("fuzz_connect: interrupted; its servers are stopped", file=sys.stderr)
         sys.exit(130)
