@@ -71,7 +71,8 @@ def server(info, args):
         print(cli.client_hint(args, addr, extra=["hello"]), flush=True)
 
         entries = fi.cq_entries(1)
-        while not fi.cq_read(cq, entries):  # polling also drives the provider's progress
+        own_lock = fi.OwnLock(ep)  # shm before 1.18: a client killed mid-SEND ends this wait
+        while own_lock.held() or not fi.cq_read(cq, entries):  # polling also drives progress
             pass
         message = ffi.buffer(buf, entries[0].len)[:]
         if connect.is_connect(message):  # a later chapter's client: its first SEND says so

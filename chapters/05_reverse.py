@@ -77,68 +77,79 @@ class Buffer:
 
 # %%
 def server(info, args):
-    with fi.Closer() as own:
-        domain, cq, av, ep = fi.open_endpoint(own, info)
-        poller = fi.Poller(cq)
-        inbox = [Buffer(own, info, domain, key=1), Buffer(own, info, domain, key=2)]
-        outbox = Buffer(own, info, domain, key=3)
-        for b in inbox:  # two receives posted: a client sends CONNECT and TEXT back to back
-            b.recv(ep)
-        addr = fi.getname(ep).hex()
-        print(f"server address: {addr}")
-        print(cli.client_hint(args, addr, extra=["hello"]), flush=True)
+    served, name = 0, None
+    while not args.clients or served < args.clients:
+        with fi.Closer() as own:  # the endpoint: opened again, at its address, when renewed
+            domain, cq, av, ep = fi.open_endpoint(own, fi.at_address(info, name))
+            if name is None:
+                name = fi.getname(ep)
+                print(f"server address: {name.hex()}")
+                print(cli.client_hint(args, name.hex(), extra=["hello"]), flush=True)
+            served = serve(own, info, domain, cq, av, ep, args, served)
 
-        client, served = None, 0
-        while not args.clients or served < args.clients:
-            try:  # a client that CONNECTed owes its text within --timeout
-                ctx, length = poller.wait([b.ctx for b in inbox],
-                                          None if client is None else args.timeout,
-                                          "text after the CONNECT", idle=client is None)
-            except TimeoutError as e:
-                client = let_go(av, client, served, e)
+def serve(own, info, domain, cq, av, ep, args, served):
+    """Serve clients on `ep` until --clients have been (`served` so far), or until a dead
+    client's lock leaves the endpoint deaf (fabric.OwnLockHeld); returns how many."""
+    poller = fi.Poller(cq, ep=ep)
+    inbox = [Buffer(own, info, domain, key=1), Buffer(own, info, domain, key=2)]
+    outbox = Buffer(own, info, domain, key=3)
+    for b in inbox:  # two receives posted: a client sends CONNECT and TEXT back to back
+        b.recv(ep)
+    client = None
+    while not args.clients or served < args.clients:
+        try:  # a client that CONNECTed owes its text within --timeout
+            ctx, length = poller.wait([b.ctx for b in inbox],
+                                      None if client is None else args.timeout,
+                                      "text after the CONNECT", idle=client is None)
+        except fi.OwnLockHeld as e:  # (a TimeoutError too) a dead client's lock: a new endpoint
+            connect.renewing(e)
+            return served
+        except TimeoutError as e:
+            client = let_go(av, client, served, e)
+            served += 1
+            continue
+        except fi.CompletionError as e:  # a message longer than our buffer: one line
+            buf = next((b for b in inbox if fi.key(b.ctx) == fi.key(e.context)), None)
+            if buf is None or not connect.too_long(e, buf.size):
+                raise
+            buf.recv(ep)
+            continue
+        buf = next(b for b in inbox if b.ctx == ctx)
+        message = buf.received(length)
+        buf.recv(ep)  # repost at once: the next message may be on its way
+        if connect.is_connect(message):
+            if client is not None:  # the previous client never sent its text
+                client = let_go(av, client, served, "a CONNECT came before its text")
+                served += 1
+            try:  # a client's bytes are never trusted: one line, and the next client
+                address, _, why = connect.unpack(message, CHAPTER)
+                client = fi.av_insert(av, address, info)
+            except (ValueError, fi.FabricError) as e:
+                connect.report(served + 1, e)
                 served += 1
                 continue
-            except fi.CompletionError as e:  # a message longer than our buffer: one line
-                buf = next((b for b in inbox if fi.key(b.ctx) == fi.key(e.context)), None)
-                if buf is None or not connect.too_long(e, buf.size):
-                    raise
-                buf.recv(ep)
+            if not why:
                 continue
-            buf = next(b for b in inbox if b.ctx == ctx)
-            message = buf.received(length)
-            buf.recv(ep)  # repost at once: the next message may be on its way
-            if connect.is_connect(message):
-                if client is not None:  # the previous client never sent its text
-                    client = let_go(av, client, served, "a CONNECT came before its text")
-                    served += 1
-                try:  # a client's bytes are never trusted: one line, and the next client
-                    address, _, why = connect.unpack(message, CHAPTER)
-                    client = fi.av_insert(av, address, info)
-                except (ValueError, fi.FabricError) as e:
-                    connect.report(served + 1, e)
-                    served += 1
-                    continue
-                if not why:
-                    continue
-                reply = connect.refusal(why)  # a client of another chapter: told why
-            elif message[:1] == TEXT and client is not None:
-                text, why = message[1:].decode(errors="replace"), None
-                reply = TEXT + text[::-1].encode()
+            reply = connect.refusal(why)  # a client of another chapter: told why
+        elif message[:1] == TEXT and client is not None:
+            text, why = message[1:].decode(errors="replace"), None
+            reply = TEXT + text[::-1].encode()
+        else:
+            print(f"ignored a {len(message)}-byte message: neither a CONNECT nor a text "
+                  "after one", file=sys.stderr)
+            continue
+        try:
+            outbox.send(ep, poller, client, reply, args.timeout)
+            if why:
+                connect.report(served + 1, connect.Refused(why))
             else:
-                print(f"ignored a {len(message)}-byte message: neither a CONNECT nor a text "
-                      "after one", file=sys.stderr)
-                continue
-            try:
-                outbox.send(ep, poller, client, reply, args.timeout)
-                if why:
-                    connect.report(served + 1, connect.Refused(why))
-                else:
-                    print(f"client {served + 1}: {text!r} -> {text[::-1]!r}", flush=True)
-            except (fi.FabricError, TimeoutError) as e:  # that client is gone; serve the next
-                connect.report(served + 1, e)
-            served += not why  # another chapter's client, told so: not one of --clients
-            fi.av_remove(av, client)
-            client = None
+                print(f"client {served + 1}: {text!r} -> {text[::-1]!r}", flush=True)
+        except (fi.FabricError, TimeoutError) as e:  # that client is gone; serve the next
+            connect.report(served + 1, e)
+        served += not why  # another chapter's client, told so: not one of --clients
+        fi.av_remove(av, client)
+        client = None
+    return served
 
 
 def let_go(av, client, served, why):
@@ -146,6 +157,7 @@ def let_go(av, client, served, why):
     connect.report(served + 1, why if isinstance(why, Exception) else ValueError(why))
     fi.av_remove(av, client)
     return None
+
 
 def client(info, args, addr, message):
     with fi.Closer() as own:

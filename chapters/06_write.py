@@ -79,26 +79,32 @@ BAD_KEY = 0xBAD0_0000  # --bad-key: a key no registration of ours has
 
 # %%
 def server(info, args):
-    with fi.Closer() as own:
-        domain, cq, av, ep = fi.open_endpoint(own, info)
-        poller = fi.Poller(cq)
-        inbox = fi.Inbox(own, domain, ep, fi.max_send(info))
-        addr = fi.getname(ep).hex()
-        print(f"server address: {addr}")
-        print(cli.client_hint(args, addr), flush=True)
-        served = 0
-        while not args.clients or served < args.clients:
-            request = connect.next_request(poller, inbox)
-            if connect.stray(request):
-                continue
-            try:
-                with fi.Closer() as client_own:  # what one client needs, released after it
-                    serve(client_own, info, domain, ep, av, poller, request, args)
-            except (fi.FabricError, TimeoutError, ValueError) as e:  # serve the next one
-                connect.report(served + 1, e)
-                if isinstance(e, connect.Refused):
-                    continue  # another chapter's client, told so: not one of --clients
-            served += 1
+    served, name = 0, None
+    while not args.clients or served < args.clients:
+        with fi.Closer() as own:  # the endpoint: opened again, at its address, when renewed
+            domain, cq, av, ep = fi.open_endpoint(own, fi.at_address(info, name))
+            poller = fi.Poller(cq, ep=ep)
+            inbox = fi.Inbox(own, domain, ep, fi.max_send(info))
+            if name is None:
+                name = fi.getname(ep)
+                print(f"server address: {name.hex()}")
+                print(cli.client_hint(args, name.hex()), flush=True)
+            while not args.clients or served < args.clients:
+                try:
+                    request = connect.next_request(poller, inbox)
+                except fi.OwnLockHeld as e:  # a dead client's lock: a new endpoint
+                    connect.renewing(e)
+                    break
+                if connect.stray(request):
+                    continue
+                try:
+                    with fi.Closer() as client_own:  # what one client needs, released after it
+                        serve(client_own, info, domain, ep, av, poller, request, args)
+                except (fi.FabricError, TimeoutError, ValueError) as e:  # serve the next one
+                    connect.report(served + 1, e)
+                    if isinstance(e, connect.Refused):
+                        continue  # another chapter's client, told so: not one of --clients
+                served += 1
 
 
 def serve(own, info, domain, ep, av, poller, request, args):

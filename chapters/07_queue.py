@@ -1,26 +1,26 @@
 """Chapter 07 - queue: a queue for -FI_EAGAIN, 1 GiB buffers, the first throughput figure.
 
-What you will learn: a provider takes only so many operations at once; when
-its queue is full, fi_writemsg returns -FI_EAGAIN. Calling it again at once
-is a spin that may never end (most providers move data only while you read
-their CQ), and dropping the operation loses a page. So the writer keeps such
-operations in a queue of its own, reads the CQ, and posts from the queue,
-oldest first, as room comes back. With that, the server can post a million
-WRITEs as fast as the provider takes them, and we get the series' first
-number: Gbps = 8 x page size x WRITEs / elapsed, from the first post until
-the client says all the data is in its memory (LANDED), against the NIC's
-link speed or fi_rma_bw on this machine (results/baselines/). Which queue is
-full on shm and tcp, and why the printed client asks for --delivery-complete:
-the cell "Whose queue is full" below.
+What you will learn: a provider takes only so many operations at once; when its queue is
+full, fi_writemsg returns -FI_EAGAIN. Calling it again at once is a spin that may never
+end (most providers move data only while you read their CQ), and dropping the operation
+loses a page. So the writer keeps such operations in a queue of its own, reads the CQ,
+and posts from the queue, oldest first, as room comes back. With that, the server can
+post a million WRITEs as fast as the provider takes them, and we get the series' first
+number: Gbps = 8 x page size x WRITEs / elapsed, from the first post until the client
+says all the data is in its memory (LANDED), against the NIC's link speed or fi_rma_bw
+on this machine (results/baselines/). Which queue is full on shm and tcp, and why the
+printed client asks for --delivery-complete: the cell "Whose queue is full" below.
 
-New since chapter 06: the pending queue (OpQueue); one context per WRITE in
-flight, from a free list, so every completion is matched to exactly one
-WRITE; WRITE messages built once per page; 1 GiB buffers; --iters WRITEs that
-cycle over the pages; a heartbeat SEND, queued like the WRITEs, telling the
-client how far the server is; a Connection (common/engine/opqueue.py) holding
-what serving one client takes: its address, the queue, the heartbeat, the
-inbox, the CONNECTs of others waiting meanwhile; a live progress line (on a
-terminal); Gbps, Mpps and % of a limit; --json.
+New since chapter 06: the pending queue (OpQueue); one context per WRITE in flight, from
+a free list, so every completion is matched to exactly one WRITE; WRITE messages built
+once per page; 1 GiB buffers; --iters WRITEs that cycle over the pages; a heartbeat SEND,
+queued like the WRITEs, telling the client how far the server is; a Connection
+(common/engine/opqueue.py) holding what serving one client takes: its address, the
+queue, the heartbeat, the inbox, the CONNECTs of others waiting meanwhile; a live
+progress line (on a terminal); Gbps, Mpps and % of a limit; --json. And a new endpoint,
+at the address the clients were given, after a client that failed while the provider
+still held WRITEs to it: only fi_close gives those back (the cell "A new endpoint after
+a failed client").
 
     .venv/bin/python chapters/07_queue.py                                  # server (the writer)
     .venv/bin/python chapters/07_queue.py ADDRESS                          # client: 1,000,000 x 64 KiB
@@ -51,15 +51,32 @@ LESSON = {"figure": "refused", "visible": {"at_least": 1}, "field": "refused",
 # stops answering keeps its slots; before 2.5 that blocks every later answer too
 # (they are taken in order), and no later client's WRITE completes: so it is not
 # the default. 1.x's tcp;ofi_rxm refuses when rxm's tx credits run out
-# (rxm_ep.c), and a frozen client keeps the credits of its WRITEs until its
-# process ends: the server then opens its endpoint again at the same address
-# (lends_credits). 2.x's own tcp takes every WRITE (no bound: xnet_alloc_tx) and
+# (rxm_ep.c), and a frozen client keeps the credits of its WRITEs (the next
+# cell). 2.x's own tcp takes every WRITE (no bound: xnet_alloc_tx) and
 # never refuses, and -p 'tcp;ofi_rxm' shows the lesson there. The server prints
 # the provider's refusals apart from the posts held back because every context
 # of ours was in flight. The printed client asks for pages over 4 KiB
 # (SMR_INJECT_SIZE): 1.x's shm sends a smaller WRITE with FI_DELIVERY_COMPLETE in
 # segments, one such WRITE per peer at a time (smr_select_proto, sar_status), which
 # refuses nearly every post and leaves little of the throughput.
+
+# %% [markdown]
+# ## A new endpoint after a failed client
+# After a client fails, the server serves the next one on the same endpoint, except
+# where the provider keeps, for a client that stopped answering (frozen, or stopped
+# with Ctrl-Z), what only fi_close of the endpoint gives back. rxm (tcp;ofi_rxm,
+# verbs;ofi_rxm) lends each operation one of tx_attr.size credits until it completes
+# (rxm_get_tx_buf, prov/rxm/src/rxm_ep.c), and such a client's WRITEs complete neither
+# when its address leaves our AV nor before its process ends: each one leaves us fewer
+# credits. shm, with --delivery-complete: a WRITE waits for the client's answer, and the
+# client must stay in our AV meanwhile, since fi_av_remove unmaps its region
+# (smr_map_del, prov/shm/src/smr_util.c), which our progress reads when the answer
+# comes (smr_progress_resp_entry, smr_progress.c; connect.let_go). Closing the endpoint
+# discards what is still posted (fi_close, man/fi_endpoint.3.md). So the server then
+# closes it and opens a new one at the same address (fi.at_address): the one it printed,
+# which the next client was given. Not after every failure: a client whose CONNECT came
+# meanwhile reached the old endpoint, and on shm the new one is a region it has not
+# mapped.
 
 # %% [markdown]
 # ## efa-direct: what a WRITE demands of the device alone (-p efa-direct)
@@ -120,7 +137,7 @@ def server(info, args):
     while not args.clients or served < args.clients:
         with fi.Closer() as own:  # the endpoint: opened again, at its address, when renewed
             domain, cq, av, ep = fi.open_endpoint(own, fi.at_address(info, name), shm=False)
-            poller = fi.Poller(cq)
+            poller = fi.Poller(cq, ep=ep)
             inbox = fi.Inbox(own, domain, ep, fi.max_send(info))
             if name is None:
                 name = fi.getname(ep)
@@ -128,7 +145,11 @@ def server(info, args):
                 print(cli.client_hint(args, name.hex(), LESSON), flush=True)
             while not args.clients or served < args.clients:
                 if not backlog:
-                    backlog.append(connect.next_request(poller, inbox))
+                    try:
+                        backlog.append(connect.next_request(poller, inbox))
+                    except fi.OwnLockHeld as e:  # a dead client's lock: a new endpoint
+                        connect.renewing(e)
+                        break
                 request = backlog.pop(0)
                 if connect.stray(request):
                     continue
@@ -146,11 +167,12 @@ def server(info, args):
                     connect.report(served + 1, e)
                     if isinstance(e, connect.Refused):
                         continue  # another chapter's client, told so: not one of --clients
-                    # WRITEs that wait for a stopped client's answer after the drain: the
-                    # client stays in the AV (connect.let_go) until the endpoint closes.
-                    # Only then: a client that CONNECTed meanwhile (backlog) reached this
-                    # endpoint, and on shm a new one is a new region it never mapped
-                    # (a renewal loses what arrives meanwhile: only when a credit is out)
+                    # The provider still holds WRITEs to the failed client (rxm's
+                    # credits; on shm the WRITEs awaiting its answer, which keep it in
+                    # the AV: connect.let_go): only closing the endpoint frees them.
+                    # A new one at the same address serves the next client (the cell
+                    # "A new endpoint after a failed client"). Not when none is out (a
+                    # lying CONNECT): a renewal loses what arrives meanwhile.
                     renew = (lends_credits(info) and queue.in_flight() > 0
                              or queue.awaiting_answers() > 0)
                 served += 1
@@ -163,9 +185,8 @@ def server(info, args):
 def lends_credits(info):
     """Does a failed client leave our endpoint short? rxm (tcp;ofi_rxm, verbs;ofi_rxm) lends
     each operation one of tx_attr.size credits until it completes (rxm_get_tx_buf,
-    prov/rxm/src/rxm_ep.c), and a frozen client's WRITEs never complete: not when its
-    address leaves our AV, not until its process ends. Closing the endpoint gives them
-    back; a new one at the same address serves the next client."""
+    prov/rxm/src/rxm_ep.c): a frozen client's WRITEs keep theirs until its process ends,
+    whether or not its address is still in our AV. Closing the endpoint gives them back."""
     return "ofi_rxm" in fi.provider_of(info)
 
 

@@ -8,8 +8,9 @@ lazy (submit only enqueues; the queue is drained when polling completions,
 which is when room appears) and reached 97% of 3200 Gbps. The count of
 -FI_EAGAIN in the report shows the difference where a completion means room
 (0 against millions: shm with CUDA IPC, libfabric 2.1.0, 2 x H200);
-LESSON says why shm's 4 KiB WRITEs on a small machine are refused either way,
-and why libfabric 2.x's own tcp refuses none either way (1.x's tcp, rxm, does).
+LESSON says why shm's WRITEs on a small machine are refused either way, and
+why libfabric 2.x's own tcp refuses none either way (1.x's tcp, rxm, does:
+0 lazy against millions eager, 64 KiB pages on 2 cores).
 
 New since chapter 14: in chapters/15_lazy.c, a visit calls enqueue(), which
 only fills the pending ring, in place of submit(), and drains the ring only
@@ -24,12 +25,19 @@ nothing in flight: until the provider is full).
 Transcript and figures (a 2-core VM; 2 x H200): results/15_lazy/README.md
 """
 # LESSON: this chapter's figure and where it moves; scripts/tour.py says how it is read.
+# 64 KiB, not the 4 KiB of 10-14: 1.x's tcp (rxm) refuses once 2048 WRITEs of an endpoint
+# wait (tx_attr.size: its tx credits, rxm_get_tx_buf in prov/rxm/src/rxm_ep.c), and a
+# connection's sockets hold thousands of 4 KiB WRITEs beyond those (tcp_wmem, tcp_rmem),
+# so 14 was refused only where its reader fell far behind (0 times in some runs); a few
+# hundred of 64 KiB (results/15_lazy/README.md)
 LESSON = {"figure": "refused", "visible": {"than": "14", "by": 2}, "field": "refused",
-          "client": "--groups 2 --nics-per-gpu 2 --page-size 4K --buffer-size 1M --pages 0-63 "
-                    "--iters 100000",
-          "why_not": {"shm": "shm completes a WRITE of up to 4 KiB once it is queued, before "
-                             "the peer takes it (prov/shm/src/smr_rma.c), so a completion is "
-                             "no promise of room and lazy posts are refused too, the more so "
+          "client": "--groups 2 --nics-per-gpu 2 --page-size 64K --buffer-size 4M --pages 0-63 "
+                    "--iters 20000",
+          "why_not": {"shm": "shm completes a WRITE once it is queued for the peer, before "
+                             "the peer takes it: up to 4 KiB its data goes in the peer's "
+                             "queue, a larger one (copied at once by CMA) leaves a notice "
+                             "there (smr_rma_fast, prov/shm/src/smr_rma.c). A completion is "
+                             "no promise of room, and lazy posts are refused too, the more so "
                              "the less often the peer gets a core.",
                       # 1.x's tcp is tcp;ofi_rxm: rxm refuses once its tx credits are lent
                       # out (rxm_ep.c), and lazy posts are refused less there

@@ -78,11 +78,12 @@ import time
 import numpy as np
 
 from common import cli, launch
-from common._proxy import ffi, lib as native
+from common.moe._native import ffi, lib as native
+from common.gpu import rounding
+from common.gpu.layout import aligned
 from common.moe import harness
-from common.moe import reference as ref
-from common.moe.bookkeeping import Shape, Stages, Wire, aligned, check_shape, check_tokens, \
-    receive_plan, send_plan, weighted_sum
+from common.moe.bookkeeping import Shape, Stages, Wire, check_shape, check_tokens, receive_plan, \
+    send_plan, weighted_sum
 from common.moe.memory import DEVICES, Region
 from common.moe.proxy import Proxy
 
@@ -266,7 +267,7 @@ class AllToAll(Stages):
                              f"got {expert_out.shape}")
         self._stage("dispatched", "combine sent")
         out = xp.empty((len(self.gather), L.hidden), xp.uint16)
-        out[self.gather] = ref.to_bf16(expert_out)  # back in each sender's order
+        out[self.gather] = rounding.to_bf16(expert_out)  # back in each sender's order
         self.mem.data[L.combine_out:L.combine_out + out.size * 2] = out.view(xp.uint8).ravel()
         self.mem.ready()
         start = np.concatenate([[0], np.cumsum(self.from_each)])

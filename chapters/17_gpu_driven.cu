@@ -1,5 +1,6 @@
 // Chapter 17's kernels: the GPU drives the all-to-all (cupy RawModule, with the fp8
-// wire format of common/moe/fp8.cuh). Run on 2 x H200 and on one.
+// wire format of common/gpu/fp8.cuh). Run on 2 x H200 and on one.
+#include "device.cuh"  // common/gpu/: the clock, block sums, row copies, bf16
 #include "fp8.cuh"
 
 // No host in the loop. Every rank's region (cudaMalloc, mapped by the node's ranks through CUDA IPC) holds
@@ -44,13 +45,6 @@ __device__ unsigned int m17_stamp(unsigned int round)  // 14 bits, never 0
     return round % 0x3FFF + 1;
 }
 
-__device__ unsigned long long m17_now()
-{
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
 // One thread: wait until every source has finished `round`: a node peer's flag (this
 // kind's row) has reached it, another node's stamps of kinds a and b say it. Returns the
 // first source that did not within timeout_ns, or -1.
@@ -59,13 +53,13 @@ __device__ int m17_wait(const long long *far, const volatile unsigned int *flags
 {
     const volatile unsigned int *stamps = (const volatile unsigned int *)far[M17_STAMPS];
     unsigned int stamp = m17_stamp(round);
-    unsigned long long start = m17_now();
+    unsigned long long start = gpu_now();
     for (int s = 0; s < world;) {
         bool in = m17_near(far, s) ? (int)(flags[s] - round) >= 0
                                    : stamps[a * world + s] == stamp && stamps[b * world + s] == stamp;
         if (in) {
             s++;
-        } else if (m17_now() - start > timeout_ns) {
+        } else if (gpu_now() - start > timeout_ns) {
             return s;
         } else {
             __nanosleep(64);
@@ -130,41 +124,6 @@ __device__ void m17_ring_go(const long long *far, unsigned long long at)
     *(volatile unsigned long long *)far[M17_HEAD] = at;
 }
 
-__device__ int m17_block_sum(int v)
-{
-    __shared__ int warp_sum[32];
-    for (int offset = 16; offset; offset >>= 1)
-        v += __shfl_xor_sync(0xffffffffu, v, offset);
-    __syncthreads();  // warp_sum may still be read by a previous call
-    if ((threadIdx.x & 31) == 0)
-        warp_sum[threadIdx.x >> 5] = v;
-    __syncthreads();
-    int total = 0;
-    for (int w = 0; w < (blockDim.x + 31) >> 5; w++)
-        total += warp_sum[w];
-    return total;
-}
-
-// A block copies one row; 16 bytes at a time when everything is 16-byte aligned. Loads
-// bypass L1 (__ldcg): the row may have just been stored by a peer.
-__device__ void m17_copy_row(unsigned char *to, const unsigned char *from, long long bytes)
-{
-    if (((bytes | (long long)to | (long long)from) & 15) == 0) {
-        for (long long i = threadIdx.x; i < bytes / 16; i += blockDim.x)
-            ((uint4 *)to)[i] = __ldcg((const uint4 *)from + i);
-    } else {
-        for (long long i = threadIdx.x; i < bytes; i += blockDim.x)
-            to[i] = __ldcg(from + i);
-    }
-}
-
-// Expert indices as the caller has them, int32 or int64 (index_bytes 4 or 8): a
-// conversion would cost a launch, and more host time than the kernel it feeds.
-__device__ long long m17_index(const void *indices, int index_bytes, long long i)
-{
-    return index_bytes == 8 ? ((const long long *)indices)[i] : ((const int *)indices)[i];
-}
-
 // dispatch, 1: a block per expert counts its selections and numbers them in token order
 // (a ballot per warp, warps in turn), so the layout is the same every run. It also
 // checks the batch: *error becomes 1 for an index out of range (block 0 looks), 2 for
@@ -193,12 +152,12 @@ extern "C" __global__ void m17_route(const void *indices, int index_bytes, int e
     int base = 0;
     for (int first = 0; first < entries; first += blockDim.x) {
         int i = first + threadIdx.x;
-        long long expert = i < entries ? m17_index(indices, index_bytes, i) : -1;
+        long long expert = i < entries ? index_at(indices, index_bytes, i) : -1;
         bool mine = expert == e;
         if (e == 0 && i < entries && (expert < 0 || expert >= experts))
             atomicMax(error, 1);
         for (int other = mine ? i - i % topk : 0; mine && other < i; other++)
-            if (m17_index(indices, index_bytes, other) == e)
+            if (index_at(indices, index_bytes, other) == e)
                 atomicMax(error, 2);
         unsigned int ballot = __ballot_sync(0xffffffffu, mine);
         if (lane == 0)
@@ -233,11 +192,11 @@ extern "C" __global__ void m17_dispatch_push(
     int b = blockIdx.x;
     unsigned char *own = (unsigned char *)peers[rank];
     if (b < entries) {
-        int e = (int)m17_index(indices, index_bytes, b), d = e / local;
+        int e = (int)index_at(indices, index_bytes, b), d = e / local;
         int start = 0;  // the rows of d's experts before e, in our stream to d
         for (int x = d * local + threadIdx.x; x < e; x += blockDim.x)
             start += counts[x];
-        int q = m17_block_sum(start) + position[b];
+        int q = block_sum(start) + position[b];
         unsigned char *to = m17_near(far, d)
             ? (unsigned char *)peers[d] + (q < private_rows
                 ? slots + rank * slot_bytes + header_bytes + q * row_bytes
@@ -245,7 +204,7 @@ extern "C" __global__ void m17_dispatch_push(
             : own + (q < private_rows  // the outbox, laid out as it will land
                 ? far[M17_OUT_SLOTS] + d * slot_bytes + header_bytes + q * row_bytes
                 : far[M17_OUT_STRIPES] + (d * per_peer + q - private_rows) * row_bytes);
-        m17_copy_row(to, rows + (long long)(b / topk) * row_bytes, row_bytes);
+        copy_row(to, rows + (long long)(b / topk) * row_bytes, row_bytes);
         if (threadIdx.x == 0)
             stream_pos[b] = q;
     } else {
@@ -390,23 +349,14 @@ extern "C" __global__ void m17_dispatch_gather(
         long long at = q < private_rows
             ? slots + s * slot_bytes + header_bytes + q * row_bytes
             : overflow + (s * per_peer + q - private_rows) * row_bytes;
-        m17_copy_row(out + j * split, region + at, split);
+        copy_row(out + j * split, region + at, split);
         if (split < row_bytes)
-            m17_copy_row(tail + j * (row_bytes - split), region + at + split,
-                         row_bytes - split);
+            copy_row(tail + j * (row_bytes - split), region + at + split, row_bytes - split);
         if (threadIdx.x == 0) {
             row_source[j] = s;
             row_stream[j] = q;
         }
     }
-}
-
-__device__ unsigned short m17_bf16(float v)  // round to nearest even, as the reference
-{
-    unsigned int bits = __float_as_uint(v);
-    if (v != v)
-        return 0x7FC0;
-    return (unsigned short)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
 // combine, 1: blocks stride over the received rows (state[1], the plan's total): each
@@ -430,15 +380,15 @@ extern "C" __global__ void m17_combine_push(
         if (hidden % 8 == 0) {  // 16-byte stores over NVLink: 8 values a thread
             for (int h = 8 * threadIdx.x; h < hidden; h += 8 * blockDim.x) {
                 float4 a = *(const float4 *)(from + h), b = *(const float4 *)(from + h + 4);
-                uint4 v = {m17_bf16(a.x) | (unsigned int)m17_bf16(a.y) << 16,
-                           m17_bf16(a.z) | (unsigned int)m17_bf16(a.w) << 16,
-                           m17_bf16(b.x) | (unsigned int)m17_bf16(b.y) << 16,
-                           m17_bf16(b.z) | (unsigned int)m17_bf16(b.w) << 16};
+                uint4 v = {bf16_bits(a.x) | (unsigned int)bf16_bits(a.y) << 16,
+                           bf16_bits(a.z) | (unsigned int)bf16_bits(a.w) << 16,
+                           bf16_bits(b.x) | (unsigned int)bf16_bits(b.y) << 16,
+                           bf16_bits(b.z) | (unsigned int)bf16_bits(b.w) << 16};
                 *(uint4 *)(to + h) = v;
             }
         } else {
             for (int h = threadIdx.x; h < hidden; h += blockDim.x)
-                to[h] = m17_bf16(from[h]);
+                to[h] = bf16_bits(from[h]);
         }
     }
     if (!m17_last_block(done, peers, far, flags + 4 * (M17_COMBINE * world + rank), round) ||
@@ -505,7 +455,7 @@ extern "C" __global__ void m17_combine_sum(
     float *weight = (float *)(source + topk);
     for (int k = threadIdx.x; k < topk; k += blockDim.x) {
         int i = t * topk + k;
-        long long d = m17_index(indices, index_bytes, i) / local;
+        long long d = index_at(indices, index_bytes, i) / local;
         source[k] = (d * per_peer + stream_pos[i]) * hidden;
         weight[k] = weights[i];
     }

@@ -69,14 +69,14 @@ import numpy as np
 from common import cli, launch
 import common.fabric as fi
 from common.fabric import memory
+from common.gpu.kernel_call import KernelCall
+from common.gpu.layout import aligned
+from common.gpu.rounding import FP8_BLOCK
 from common.moe import graphs, harness
-from common.moe.bookkeeping import Shape, Stages, Wire, aligned, check_shape, check_tokens, \
-    index_error
-from common.moe.kernel_call import KernelCall
+from common.moe.bookkeeping import Shape, Stages, Wire, check_shape, check_tokens, index_error
 from common.moe.memory import CudaMemory
 from common.moe.nccl import NcclAllToAll
 from common.moe.proxy import Proxy
-from common.moe.reference import FP8_BLOCK
 from common.moe.serving import Caller
 
 KERNELS = os.path.splitext(os.path.abspath(__file__))[0] + ".cu"  # 17_gpu_driven.cu

@@ -91,6 +91,7 @@ import numpy as np
 from common import bounds, cli
 import common.fabric as fi
 from common.fabric import memory
+from common.gpu import INCLUDE
 from common.kv_cache.prefill import MODELS, Layers, Shape, describe, prefill_alone
 from common.kv_cache.report import per_layer, record, say, summary
 from common.transfer import Engine
@@ -224,7 +225,8 @@ class Counter:
         import cupyx  # pinned host memory, mapped: the kernel writes it at the same address
         self.value, self.mark = cupyx.zeros_pinned(1, np.int64), cupyx.zeros_pinned(1, np.int64)
         self.ns = cupyx.zeros_pinned(layers + 1, np.uint64)  # the last: for calibrating
-        self.kernel = xp.RawModule(code=open(KERNELS).read()).get_function("kv_bump")
+        kernels = xp.RawModule(code=open(KERNELS).read(), options=(INCLUDE,))
+        self.kernel = kernels.get_function("kv_bump")
         self.clocks = []
         self.calibrate()
 
@@ -320,7 +322,11 @@ def prefiller(args, s, xp, addr):
     with fi.Closer() as own:
         eng = Engine(own, args.provider, gpu=args.gpu, nics=args.nics, timeout=args.timeout,
                      cuda_ipc=not args.no_cuda_ipc)
-        server = eng.connect(addr)  # a wrong address is said before anything is computed
+        try:  # a wrong address is said before anything is computed
+            server = eng.connect(addr)
+        except ValueError as e:  # said to the program; to the reader, who pasted the address:
+            raise cli.UsageError(f"{str(e).split(': ')[0]}: copy the whole address that the "
+                                 "decoder printed, and give both the same -p and --nics") from None
         print(f"provider: {eng.provider}; {eng.nics}; pages to the decoder by "
               f"{server.route} ({server.why})")
         print(f"prefiller: {describe(s)}", flush=True)

@@ -1,5 +1,5 @@
 // Chapter 19's kernels: fp8 weights in 128 x 128 blocks from a trainer's rows of a bf16
-// tensor, with common/moe/fp8.cuh's rounding and block maximum (what chapter 16 does in
+// tensor, with common/gpu/fp8.cuh's rounding and block maximum (what chapter 16 does in
 // 1 x 128 blocks of float32). A trainer holds rows [first, first + rows) of the tensor;
 // the block rows at its edges it shares with its neighbours, hence two kernels: the
 // largest magnitude over its own rows of each block it touches (fp8_weight_amax), then,

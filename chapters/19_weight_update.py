@@ -15,8 +15,8 @@ cell "An update, step by step" below has the details.
 
 New since chapter 18: Engine.prepare_list (WRITEs of several lengths, one command made
 before the first update and written at each), Engine.signal, Engine.arrived; 128 x 128
-blocks and bf16 input in common/moe/reference.py's quantize_fp8 and in this chapter's
-kernels (19_weight_update.cu, on common/moe/fp8.cuh, chapter 16's rounding); in
+blocks and bf16 input in common/gpu/rounding.py's quantize_fp8 and in this chapter's
+kernels (19_weight_update.cu, on common/gpu/fp8.cuh, chapter 16's rounding); in
 common/weights/, what is not the update: the two sides' layouts (model.py), a trainer's
 shards (shards.py), the kernels' numpy twin (ops.py), the check (check.py), the naive
 way (naive.py), the report (report.py), and main() with its flags (harness.py).
@@ -57,7 +57,7 @@ LESSON = {"figure": "check"}
 # An inference rank knows which layers are complete by those counts: it serves the new
 # weights only after the barrier, and says which layers are stale if a trainer dies
 # mid-update. Every weight and scale is then checked, bit for bit, against the plain
-# quantisation of the whole tensor (common/moe/reference.py), and a second update with a
+# quantisation of the whole tensor (common/gpu/rounding.py), and a second update with a
 # third of the parameters changed must change exactly the tensors built from those. The
 # same update the naive way runs in the same job: trainer 0 gathers each tensor, quantises
 # it and sends all of it to every inference rank.
@@ -84,11 +84,12 @@ from typing import NamedTuple
 import numpy as np
 
 from common import cli, launch
-from common.moe import reference as ref
+from common.gpu import rounding
+from common.gpu.layout import aligned
 from common.weights import BARRIER, BLOCK, EDGES, LANDED, harness, imm, naive, split
 from common.weights.check import Check
-from common.weights.model import Param, aligned, check_piece, inference_tensors, lay_out, \
-    layers_named, parameters, shard_rows
+from common.weights.model import Param, check_piece, inference_tensors, lay_out, layers_named, \
+    parameters, shard_rows
 from common.weights.report import Clock, Report
 from common.weights.shards import Shards, staging_half
 
@@ -243,7 +244,7 @@ class Trainer(Shards):
             for e in self.edges.values():
                 self.amax[e.amax_index] = xp.maximum(
                     self.amax[e.amax_index], self.edge_buffer[e.inbox_at:e.inbox_at + e.count])
-            self.scales[...] = ref.fp8_scales(self.amax)
+            self.scales[...] = rounding.fp8_scales(self.amax)
             for s in sent:
                 s.wait()
         flying, writes = [None, None], 0

@@ -10,9 +10,9 @@ worker's calls are checked like Python's.
 setup.py builds them all (module common._nativeNN); `.venv/bin/python common/_build_native.py`
 builds them in place. The transfer engine's worker (common/transfer/worker.c, the engine
 under chapters 18-19, with copier.c, its CUDA IPC route's launches) is built the same
-way, as common._transfer, and so is the MoE host
+way, inside its package, as common.transfer._native, and so is the MoE host
 proxy of chapters 16-17 (common/moe/proxy.c, with the ring entry of common/moe/ring.h
-ahead of it), as common._proxy.
+ahead of it), as common.moe._native.
 """
 import glob
 import importlib.util
@@ -67,10 +67,10 @@ for _path in SOURCES:  # ch11, ch12, ...: the names setup.py's cffi_modules poin
     globals()["ch" + os.path.basename(_path)[:2]] = builder(_path)
 WORKER = os.path.join(HERE, "transfer", "worker.c")
 COPIER = os.path.join(HERE, "transfer", "copier.c")  # the CUDA IPC route's launches
-transfer = builder(WORKER, "common._transfer", with_lane=False,  # setup.py: ...:transfer
+transfer = builder(WORKER, "common.transfer._native", with_lane=False,  # setup.py: ...:transfer
                    more=[COPIER])
 PROXY = os.path.join(HERE, "moe", "proxy.c")
-proxy = builder(PROXY, "common._proxy", with_lane=False,  # setup.py: ...:proxy
+proxy = builder(PROXY, "common.moe._native", with_lane=False,  # setup.py: ...:proxy
                 header=os.path.join(HERE, "moe", "ring.h"))
 
 if __name__ == "__main__":

@@ -186,7 +186,7 @@ def gather_ceiling(gpu, page, src_pages, dst_pages, size, repeats):
     built, to the stream's end (None where the driver has none)."""
     import cupy as cp
     import numpy as np
-    from common.moe.kernel_call import KernelCall
+    from common.gpu.kernel_call import KernelCall
     from common.transfer import ipc
     copier = ipc.Copier(gpu)
     hold = cp.RawKernel(HOLD, "hold")
@@ -260,7 +260,7 @@ def batch_copy(src, src_pages, dst, dst_pages, page, stream):
     batch; None where the driver has no cuMemcpyBatchAsync (CUDA 12.8's) or refuses it
     (said in one line)."""
     import numpy as np
-    from common.fabric import cuda_driver
+    from common.gpu import cuda_driver
     ffi = cuda_driver.ffi
     try:
         call = cuda_driver.function("cuMemcpyBatchAsync_v2")

@@ -11,7 +11,7 @@ import shlex
 import sys
 
 import common.fabric as fi
-from common import bounds
+from common import bounds, shm_files
 from common.fabric import FabricError
 from common.patience import STRETCH, stretched  # noqa: F401 (cli.STRETCH, for the tests)
 from common.records import parse_label  # noqa: F401 (an argparse type: cli.parse_label)
@@ -37,7 +37,8 @@ class Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         """Flags anywhere, also after the positionals (`ADDRESS -p shm "hi"`), as people type
-        them; a flag of the other side (see side()) refused in one line."""
+        them; a flag of the other side (see side()) refused in one line. A program about to
+        run (its flags good) first removes what killed processes left in /dev/shm."""
         sided = [a for a in self._actions if getattr(a, "side", None)]
         given = argparse.Namespace(**{a.dest: _UNSET for a in sided})
         parsed = self.parse_intermixed_args(args, namespace or given)
@@ -56,6 +57,8 @@ class Parser(argparse.ArgumentParser):
             raise UsageError(f"{', '.join(wrong)}: {'a flag' if one else 'flags'} of the "
                              f"{other}{why}, not of the {me}: give {'it' if one else 'them'} "
                              f"to the {other}")
+        if removed := shm_files.sweep():
+            print(f"removed from /dev/shm, left by processes that ended: {' '.join(removed)}")
         return parsed
 
 

@@ -18,6 +18,12 @@
 # Other variables: PREFIX (.deps/libfabric in this repo), CUDA_HOME
 # (/usr/local/cuda), JOBS (number of cores). 2-5 minutes on 2 cores.
 set -euo pipefail
+case "${1:-}" in  # what it builds: the variables above, not arguments
+    "") ;;
+    -h|--help) echo "usage: bash scripts/build_libfabric.sh"
+               sed -n '2,/^set -euo/{s/^# \{0,1\}//p}' "$0"; exit 0 ;;
+    *) echo "build_libfabric: no arguments (the variables it reads: --help)" >&2; exit 2 ;;
+esac
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 version=${LIBFABRIC_VERSION:-}

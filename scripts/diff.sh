@@ -6,23 +6,26 @@
 #   bash scripts/diff.sh 04 07       # any two chapters
 #
 # A chapter builds on the one before it unless PARENT says otherwise; "-" means it
-# stands alone and is shown whole (07: its server rebuilt around an op queue and an
-# endpoint it renews, which against 06 shows 06's server taken away as much as its own;
-# 16: an all-to-all among ranks and its proxy share no line with 07's server and client;
-# 09: its program, built around lanes, would differ from 07's in every line).
+# stands alone and is shown whole, which the first line says: 03 and 04 (the first
+# programs), 08 (the topology, read from sysfs: no WRITE), 09 (its program, built around
+# lanes, would differ from 07's in every line), 16 (an all-to-all among ranks and its
+# proxy share no line with 07's server and client), 18 and 19 (prefill and decode, then
+# trainers and inference ranks, on the transfer engine of common/transfer). 07 is shown
+# against 06: its op queue takes the place of 06's wait for each WRITE, and 06's server
+# loop shows taken away too, since 07's renews its endpoint.
 # Where a chapter's code moved into common/, LESSON names that file: it is compared with
 # the parent's program (shown whole where the chapter stands alone), then the chapter's
 # own (short) file follows. NEW lists the common/ modules that hold a chapter's lesson,
 # shown as new files after its own; the helpers around them are not (for 16 and 17: the
 # launcher, the proxy's opening of NICs, the reference, the checks and the benchmark,
-# all in common/; for 19: all of common/weights/, model.py too, which describes the
-# model and the two sides' layouts that the chapter's routing table is computed from,
-# not the update). Where the lesson is a loop in C or the kernels of a GPU, the C or
-# CUDA comes first.
+# all in common/, and the device helpers 17's kernels include from common/gpu/; for 19:
+# all of common/weights/, model.py too, which describes the model and the two sides'
+# layouts that the chapter's routing table is computed from, not the update). Where the
+# lesson is a loop in C or the kernels of a GPU, the C or CUDA comes first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-declare -A PARENT=([03]=- [04]=- [07]=- [08]=- [09]=- [16]=- [17]=16 [18]=- [19]=-)
+declare -A PARENT=([03]=- [04]=- [08]=- [09]=- [16]=- [17]=16 [18]=- [19]=-)
 declare -A LESSON=([09]=common/engine/multinet.py)
 declare -A NEW=([07]=common/engine/opqueue.py [08]=common/engine/topo.py
                 [10]=common/engine/warmup.py
@@ -31,6 +34,10 @@ declare -A NEW=([07]=common/engine/opqueue.py [08]=common/engine/topo.py
 C_FIRST=" 11 12 13 14 15 17 "
 
 die() { echo "diff: $*" >&2; exit 2; }
+case "${1:-}" in
+    -h|--help) echo "usage: bash scripts/diff.sh [--all] CHAPTER [OTHER]"
+               sed -n '2,/^set -euo/{s/^# \{0,1\}//p}' "$0"; exit 0 ;;
+esac
 keep=""
 [ "${1:-}" != --all ] || { keep=1; shift; }
 [ $# -ge 1 ] && [ $# -le 2 ] || die "usage: scripts/diff.sh [--all] CHAPTER [OTHER]"
@@ -44,6 +51,14 @@ else
 fi
 [ -n "$(chapter "$to" py)" ] || die "no chapter $to in chapters/"
 [ "$from" = - ] || [ -n "$(chapter "$from" py)" ] || die "no chapter $from in chapters/"
+
+if [ "$from" = - ]; then
+    echo "# $to stands alone (it builds on no chapter's program): shown whole"
+elif [ -n "$pair" ]; then
+    echo "# $to against $from"
+else
+    echo "# $to against $from, the chapter it builds on"
+fi
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

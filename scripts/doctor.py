@@ -89,7 +89,7 @@ except ModuleNotFoundError:  # a Python the project is not installed in (setup.s
              "then .venv/bin/python scripts/doctor.py")
 from common.engine import topo  # noqa: E402
 import common.fabric as fabric  # noqa: E402
-from common.fabric import cuda_driver  # noqa: E402
+from common.gpu import cuda_driver  # noqa: E402
 from common.fabric import libfabrics  # noqa: E402
 from common.model.instances import INSTANCES  # noqa: E402
 
@@ -402,7 +402,7 @@ def dmabuf_context_line(fi, current=None):
 
 
 def cuda_attribute(which, gpu=0):
-    """A CUDA driver device attribute (common/fabric/cuda_driver.py), or None where it cannot
+    """A CUDA driver device attribute (common/gpu/cuda_driver.py), or None where it cannot
     be read."""
     try:
         return cuda_driver.attribute(which, gpu)

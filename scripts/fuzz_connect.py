@@ -78,8 +78,10 @@ def server_args(chapter):
 
 @dataclass
 class Me:
-    """What a lie may tell the truth about: our address, our buffers (base, size, key)."""
+    """What a lie may tell the truth about: our address, our provider (fabric.name_of: an
+    engine's address carries it), our buffers (base, size, key)."""
     address: bytes
+    provider: str
     regions: list
     max_send: int
     # A SEND longer than the server's receive: never on shm, whose receiver then spins for
@@ -308,7 +310,7 @@ def mid_run(rng, form):
 # chapter 18: its request is REQUEST + an engine's address (common/transfer/wire.py)
 def engine_address(rng, me, nics=1, control=None, signal=None):
     region = wire.pack_region(0, 0, [0] * nics, [0] * nics, b"")
-    return wire.pack_address(rng.randrange(1 << 32), control or me.address, b"",
+    return wire.pack_address(rng.randrange(1 << 32), me.provider, control or me.address, b"",
                              [me.address] * nics, region if signal is None else signal)
 
 
@@ -321,11 +323,11 @@ def kv_request(rng, me, kind):
     if kind == "padded":
         return "bytes after its end", [whole + rng.randbytes(rng.randrange(1, 64))], 1, False
     if kind == "zero":
-        head = wire.ADDRESS.pack(wire.MAGIC_ADDRESS, 0, 0, 0, 0)
+        head = wire.ADDRESS.pack(wire.MAGIC_ADDRESS, 0, 0, 0, 0, 0)
         return "every address field 0", [request + head], 1, False
     if kind == "largest":
         head = wire.ADDRESS.pack(wire.MAGIC_ADDRESS, largest(32), largest(16), largest(16),
-                                 largest(16))
+                                 largest(16), largest(8))
         return "every address field at its largest", [request + head + whole[-40:]], 1, False
     if kind == "counts":
         nics = rng.randrange(2, 9)
@@ -406,7 +408,8 @@ class Liar:
                 mr = own(fi.mr_reg(self.domain, buf, ROOM, memory.WRITE_TARGET, key=7010 + i))
                 self.buffers.append(buf)
                 regions.append((fi.remote_base(self.info, fi.key(buf)), ROOM, fi.mr_key(mr)))
-        self.me = Me(fi.getname(self.ep), regions, self.size, oversize=provider != "shm")
+        self.me = Me(fi.getname(self.ep), fi.name_of(self.info), regions, self.size,
+                     oversize=provider != "shm")
         self.heard, self.errors = [], 0
 
     def _post(self, i):
@@ -547,7 +550,7 @@ def honest(server, chapter, provider):
 def destination(liar, chapter, address):
     """The server's address in our AV: chapter 18's decoder's is its engine's control one."""
     if chapter == "18":
-        address = wire.parse_address(address)[1]
+        address = wire.parse_address(address)[2]
     return fi.av_insert(liar.av, address)
 
 

@@ -9,6 +9,12 @@
 # Where the AWS EFA installer put its libfabric (/opt/amazon/efa), that one is
 # the default: it has the efa provider the system's may lack.
 set -euo pipefail
+case "${1:-}" in  # which libfabric: LIBFABRIC_PREFIX (above), not an argument
+    "") ;;
+    -h|--help) echo "usage: bash scripts/setup.sh"
+               sed -n '2,/^set -euo/{s/^# \{0,1\}//p}' "$0"; exit 0 ;;
+    *) echo "setup: no arguments (the variables it reads: --help)" >&2; exit 2 ;;
+esac
 # Absolute, before the cd: the binding finds libfabric at run time under this path.
 [ ! -d "${LIBFABRIC_PREFIX:-}" ] || LIBFABRIC_PREFIX=$(cd "$LIBFABRIC_PREFIX" && pwd)
 cd "$(dirname "$0")/.."
@@ -43,8 +49,9 @@ python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
 [ ${#missing[@]} -eq 0 ] || as_root "${missing[@]}"
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
-# Reinstall when the build inputs or the chosen libfabric change.
-want="$(cat pyproject.toml setup.py common/_build_native.py common/fabric/_build.py common/*/*.h common/*/*.c chapters/*.c 2>/dev/null | sha1sum) ${LIBFABRIC_PREFIX:-pkg-config}"
+# Reinstall when the build inputs or the chosen libfabric change (not cffi's own
+# output, common/*/_native.c, written there by common/_build_native.py).
+want="$(cat pyproject.toml setup.py common/_build_native.py common/fabric/_build.py common/*/*.h common/*/[!_]*.c chapters/*.c 2>/dev/null | sha1sum) ${LIBFABRIC_PREFIX:-pkg-config}"
 if [ "$(cat .venv/.installed 2>/dev/null)" != "$want" ]; then
     say "installing the project into .venv (builds the libfabric binding)"
     log=.venv/install.log

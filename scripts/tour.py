@@ -8,8 +8,8 @@ Each chapter declares, in the LESSON dict below its docstring, what shows its le
               figure of FIGURES below, printed by its server
   "visible"   when that figure counts as shown: a threshold every repeat meets
               ({"at_least": 1}), or a factor by which it beats another chapter (or itself
-              with other server flags) on medians, no repeat of one inside the range of the
-              other ({"than": "11 --engine python", "by": 1.5})
+              with other server flags) on medians, each median outside the range of the
+              other's repeats ({"than": "11 --engine python", "by": 1.5})
   "client"    the client's flags of the run that shows it (the server prints that command)
   "field"     where its --json record keeps that figure (chapters that write one)
   "why_not"   per provider, why the figure cannot move there on a machine like this one:
@@ -311,12 +311,14 @@ def verdict(lesson, mine, theirs):
     a, b = statistics.median(mine), statistics.median(theirs)
     better, worse = (b, a) if lower else (a, b)
     factor = better / worse if worse else float("inf")
-    apart = max(mine) < min(theirs) if lower else min(mine) > max(theirs)
+    # Beyond the noise: each median outside the other's whole range, so that one repeat
+    # that a burst of load slowed (or sped) cannot make the lesson, nor hide it.
+    apart = (a < min(theirs) and b > max(mine)) if lower else (a > max(theirs) and b < min(mine))
     word = "lower" if lower else "higher"
     if factor >= rule["by"] and apart:
-        return True, f"{factor:.1f}x {word}, every repeat apart"
+        return True, f"{factor:.1f}x {word}, each median beyond the other's range"
     return False, (f"{factor:.2f}x {word}, less than {rule['by']:g}x" if factor < rule["by"]
-                   else f"{factor:.1f}x {word}, but the repeats overlap")
+                   else f"{factor:.1f}x {word}, but a median lies in the other's range")
 
 
 def about_here(provider):

@@ -5,10 +5,13 @@ fault of each kind. `pytest -m long` runs the long tier: every fault in every ch
 loads, every flag and provider combination. A test named by its node id runs whatever
 its tier; `-m` chooses otherwise (`-m "long or not long"`: both tiers)."""
 import os
+import signal
+import threading
 
 import pytest
 
 from common import cli
+from common.chapter_pair import INTERRUPTED_WAIT
 from tests import fake_info, processes
 from tests.budget import Budget
 from tests.shm_regions import SHM, Watcher
@@ -19,6 +22,7 @@ EXIT = 15  # seconds, quiet machine, for what a test started to end after it (a 
 
 os.environ.setdefault("FI_TCP_IFACE", "lo")  # keep tcp on loopback in this process too
 os.environ[cli.STRETCH] = "1"  # the chapters we start wait as long as this busy machine needs
+STOPPING = []  # the thread that ends what the suite started, once Ctrl-C came
 
 
 def pytest_collection_modifyitems(config, items):
@@ -37,9 +41,12 @@ def pytest_collection_modifyitems(config, items):
 def watcher():
     """After every run of every chapter, no shm region of ours may be left behind
     (other programs' regions, made while the suite runs, are theirs: tests/shm_regions.py),
-    and no process the suite started may still run. What is found is removed, then named."""
+    and no process the suite started may still run. What is found is removed, then named.
+    Ctrl-C ends them all within 2 s (interrupted)."""
     watcher = Watcher()
+    before = signal.signal(signal.SIGINT, lambda *_: interrupted(watcher.token))
     yield watcher
+    signal.signal(signal.SIGINT, before)
     left = processes.wait_gone(watcher.token, Budget(EXIT).seconds)
     processes.stop(watcher.token, left)
     regions = watcher.left()
@@ -47,6 +54,25 @@ def watcher():
         (SHM / name).unlink(missing_ok=True)
     assert not left, f"still running after the suite: {processes.report(left)}"
     assert not regions, f"left in /dev/shm: {sorted(regions)}"
+
+
+def interrupted(token):
+    """Ctrl-C to pytest: Ctrl-C now to every process the suite started (a test waiting on
+    one, or its clean-up, would otherwise wait out the chapter's --timeout, and the
+    fixtures below their EXIT), a kill to those still running INTERRUPTED_WAIT s later;
+    then the KeyboardInterrupt, as Python's own handler raises it."""
+    if not STOPPING:
+        fds = processes.signalled(token, processes.running(token), signal.SIGINT)
+        STOPPING.append(threading.Thread(target=processes.finish, args=(fds, INTERRUPTED_WAIT),
+                                         daemon=True))
+        STOPPING[0].start()
+    raise KeyboardInterrupt
+
+
+def pytest_keyboard_interrupt(excinfo):
+    """pytest ends only once what the suite started has (the thread of interrupted())."""
+    for thread in STOPPING:
+        thread.join()
 
 
 @pytest.fixture(autouse=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 from common import shm_files
 
 PROC = Path("/proc")
+KILLED = 1.0  # seconds a SIGKILLed process may take to be gone (its memory freed)
 
 
 def running(token):
@@ -70,8 +71,14 @@ def wait_gone(token, seconds):
     return left
 
 
-def stop(token, pids, seconds=5.0):
-    """SIGTERM, then SIGKILL after `seconds`, to each of `pids` that still holds `token`."""
+def stop(token, pids, seconds=5.0, first=signal.SIGTERM):
+    """`first` (SIGTERM), then SIGKILL after `seconds`, to each of `pids` that still holds
+    `token`; what those killed left in /dev/shm is removed."""
+    finish(signalled(token, pids, first), seconds)
+
+
+def signalled(token, pids, sig):
+    """Send `sig` to each of `pids` that still holds `token`: their pidfds, for finish()."""
     fds = []
     for pid in pids:
         try:
@@ -83,14 +90,25 @@ def stop(token, pids, seconds=5.0):
         except OSError:
             ours = False
         if ours:
-            send(fd, signal.SIGTERM)
-            fds.append(fd)
+            send(fd, sig)
+            fds.append((pid, fd))
         else:
             os.close(fd)
-    deadline = time.monotonic() + seconds
-    for fd in fds:  # a pidfd reads ready once its process has ended
+    return fds
+
+
+def finish(fds, seconds):
+    """SIGKILL to the processes of `fds` (signalled()) still running `seconds` from now, and
+    what they left in /dev/shm removed once they are gone."""
+    deadline, killed = time.monotonic() + seconds, []
+    for pid, fd in fds:  # a pidfd reads ready once its process has ended
         if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
             send(fd, signal.SIGKILL)
+            killed.append((pid, fd))
+    for pid, fd in killed:
+        select.select([fd], [], [], KILLED)
+    shm_files.remove_left_by([pid for pid, _ in killed])
+    for _, fd in fds:
         os.close(fd)
 
 

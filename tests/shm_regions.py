@@ -10,6 +10,10 @@ blocked on inotify sees each region appear while its creator is still opening it
 reads the creator's environment then. A region whose creator was gone before it could be
 read is counted as ours: a leak is never hidden, at the price of blaming the suite for a
 foreign process that made a region and died within that instant.
+
+A chapter that starts sweeps regions of ended processes that nobody maps once they are
+10 s old (common/shm_files.py, sweep): a leak is looked for here right after each test,
+and only one older than that, of a test that starts a chapter after it, is gone first.
 """
 import ctypes
 import os

@@ -14,7 +14,7 @@ import common.fabric as fi
 from common import launch
 from common.engine import topo
 from common.engine.nics import rank_nics
-from common.fabric import cuda_driver
+from common.gpu import cuda_driver
 from common.chapter_pair import ROOT, chapter_path, local_env
 from tests import fake_info, fake_sysfs
 from tests.budget import Budget

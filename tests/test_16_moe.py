@@ -220,7 +220,7 @@ def test_bad_shapes_are_refused(shape, pattern):
 
 def test_kernel_arguments_take_the_bits_the_driver_reads():
     # cuLaunchKernel reads 4 bytes of an int's slot, 8 of a pointer's (little-endian)
-    from common.moe.kernel_call import _word
+    from common.gpu.kernel_call import _word
 
     class Device:  # what a cupy array offers: .data.ptr
         class data:
@@ -234,7 +234,7 @@ def test_kernel_arguments_take_the_bits_the_driver_reads():
 def test_no_cuda_driver_is_one_line():
     # a ValueError, which cli.run says in one line, not an OSError's traceback
     import ctypes
-    from common.moe.kernel_call import KernelCall
+    from common.gpu.kernel_call import KernelCall
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:

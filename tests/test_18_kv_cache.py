@@ -14,8 +14,8 @@ import pytest
 
 from common import shm_files
 from common.chapter_pair import ADDRESS, chapter_module, chapter_path, local_env, run_pair
-from common.kv_cache.bf16 import gemm_bf16, to_bf16
-from common.moe import reference as ref
+from common.gpu import rounding
+from common.gpu.bf16 import gemm_bf16, to_bf16
 from tests.budget import Budget
 from tests.gpu import needs_gpu
 from tests.one_line_errors import assert_one_line_error, run
@@ -122,7 +122,7 @@ def test_a_decoder_frozen_while_it_checks_is_said_by_the_prefiller_within_its_ti
     (["--model", "huge"], "argument --model: invalid choice"),
     (["--tokens", "0"], "expected a number 1.."),
     (["-p", "shm", "abcd"], "error: not an engine's address (2 bytes): copy the whole address "
-                            "that the server printed"),
+                            "that the decoder printed, and give both the same -p and --nics"),
     (["zz"], "address: not a hex digit at position 0"),
     (["--dtype", "bf16"], "--dtype bf16 needs --gpu: the host (numpy) computes in fp32"),
 ])
@@ -171,7 +171,7 @@ def cupy_or_skip():
 
 
 def test_gpu_bf16_rounding_is_the_references():
-    """common/kv_cache/bf16.py's one-pass kernel gives the bits of common/moe/reference.py's
+    """common/gpu/bf16.py's one-pass kernel gives the bits of common/gpu/rounding.py's
     to_bf16: ties to even, overflow to infinity, NaN kept, signed zeros."""
     cupy = cupy_or_skip()
     special = [1.0, -2.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -7, 0.0, -0.0, np.inf,
@@ -179,7 +179,7 @@ def test_gpu_bf16_rounding_is_the_references():
     x = np.concatenate([np.array(special, np.float32),
                         np.random.default_rng(0).standard_normal(100_000).astype(np.float32)])
     got = cupy.asnumpy(to_bf16(cupy.asarray(x)))
-    assert got.dtype == np.uint16 and np.array_equal(got, ref.to_bf16(x))
+    assert got.dtype == np.uint16 and np.array_equal(got, rounding.to_bf16(x))
 
 
 @pytest.mark.parametrize("m,k,n", [(300, 512, 384), (1, 4096, 128), (4096, 128, 4096)])
@@ -189,10 +189,10 @@ def test_gpu_bf16_gemm_is_the_product_of_its_bf16_inputs(m, k, n):
     terms; a wrong layout or transposition is off by the order of the terms themselves."""
     cupy = cupy_or_skip()
     rng = np.random.default_rng(m + k + n)
-    a = ref.to_bf16(rng.standard_normal((m, k)).astype(np.float32))
-    b = ref.to_bf16((rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32))
+    a = rounding.to_bf16(rng.standard_normal((m, k)).astype(np.float32))
+    b = rounding.to_bf16((rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32))
     got = cupy.asnumpy(gemm_bf16(cupy.asarray(a), cupy.asarray(b)))
-    a64, b64 = ref.from_bf16(a).astype(np.float64), ref.from_bf16(b).astype(np.float64)
+    a64, b64 = rounding.from_bf16(a).astype(np.float64), rounding.from_bf16(b).astype(np.float64)
     want, scale = a64 @ b64, np.abs(a64) @ np.abs(b64)
     assert got.dtype == np.float32 and got.shape == (m, n)
     worst = float(np.max(np.abs(got - want) / scale))

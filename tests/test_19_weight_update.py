@@ -2,7 +2,7 @@
 shardings, shards quantised with their neighbours' edge maxima equal the whole tensor's
 quantisation, the check counts a flipped byte; runs of trainers and inference ranks on shm
 and tcp exact after two updates and the naive way; a rank gone mid-update, or frozen
-between two; bad input."""
+between two; bad input; nothing of the MoE chapters loaded."""
 import math
 import os
 import re
@@ -16,7 +16,7 @@ import pytest
 
 from common import shm_files
 from common.launch import KILL_WAIT
-from common.moe import reference as ref
+from common.gpu import rounding
 from common.weights import BLOCK
 from common.weights.check import Check
 from common.weights.model import MODELS, inference_tensors, lay_out, parameters, values, \
@@ -89,10 +89,10 @@ def test_fused_and_sharded_tensors_take_the_right_rows(ch19):
 
 def test_shards_quantised_with_shared_edge_maxima_equal_the_whole_tensor():
     rng = np.random.default_rng(3)
-    whole = ref.to_bf16(rng.standard_normal((384, 256)).astype(np.float32)
+    whole = rounding.to_bf16(rng.standard_normal((384, 256)).astype(np.float32)
                         * np.float32(2.0) ** rng.integers(-8, 8, (384, 1)))
     whole[128:256, 128:] = 0  # a block of zeros: scale 1
-    codes, scales = ref.quantize_fp8(ref.from_bf16(whole), BLOCK)
+    codes, scales = rounding.quantize_fp8(rounding.from_bf16(whole), BLOCK)
     cuts = [0, 100, 110, 300, 384]  # block 0 split in two, block 0 and 2 in three shards...
     parts = []
     for lo, hi in zip(cuts, cuts[1:]):
@@ -106,21 +106,30 @@ def test_shards_quantised_with_shared_edge_maxima_equal_the_whole_tensor():
         full[first:first + len(amax)] = np.maximum(full[first:first + len(amax)], amax)
     for lo, hi, amax in parts:
         first = lo // BLOCK
-        mine = ref.fp8_scales(full[first:first + len(amax)]).ravel()
+        mine = rounding.fp8_scales(full[first:first + len(amax)]).ravel()
         for c0 in (0, 128):  # the whole width, and a column shard (o_proj's)
             out = np.zeros((hi - lo) * 128, np.uint8)
             HostOps.codes(whole[lo:hi], lo, mine, 2, c0, 128, out)
             assert np.array_equal(out.reshape(hi - lo, 128), codes[lo:hi, c0:c0 + 128])
-    assert np.array_equal(ref.fp8_scales(full), scales)
+    assert np.array_equal(rounding.fp8_scales(full), scales)
 
 
 def test_the_kernels_rounding_in_numpy_matches_the_reference():
-    table = ref.E4M3
+    table = rounding.E4M3
     middles = (table[1:] + table[:-1]) / 2
     x = np.concatenate([table, middles, np.nextafter(middles, 0), np.nextafter(middles, 1e9),
                         [0.0, 1e-9, 447.9, 448.0, 460.0, 1e6]]).astype(np.float32)
     x = np.concatenate([x, -x])
-    assert np.array_equal(e4m3(x), ref.to_e4m3(x))
+    assert np.array_equal(e4m3(x), rounding.to_e4m3(x))
+
+
+def test_the_weight_update_needs_nothing_of_the_moe_chapters():
+    """Chapter 19 and common/weights take fp8, bf16 and the layout of a region from
+    common/gpu/, not from the MoE chapters' scaffolding: nothing of common.moe is loaded."""
+    code = ("import sys; from common.chapter_pair import chapter_module; chapter_module(19); "
+            "print(sorted(m for m in sys.modules if m.startswith('common.moe')))")
+    done = Budget(60).run([sys.executable, "-c", code], env=local_env(), cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
 def test_the_check_counts_a_flipped_byte(ch19):
@@ -138,7 +147,7 @@ def test_the_check_counts_a_flipped_byte(ch19):
             if scales is None:
                 data[at:at + height] = x
                 continue
-            codes, s = ref.quantize_fp8(ref.from_bf16(x), BLOCK)
+            codes, s = rounding.quantize_fp8(rounding.from_bf16(x), BLOCK)
             data[at:at + height] = codes[:, piece.col0:piece.col1]
             scales[at // BLOCK:(at + height) // BLOCK] = \
                 s[:, piece.col0 // BLOCK:piece.col1 // BLOCK]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from common import bounds, cli, shm_files
-from scripts.chaos import python_dropped
+from common.chaos.faults import python_dropped
 from common.chapter_pair import ADDRESS, chapter_path, local_env
 from tests import shm_regions
 from tests.budget import Budget
@@ -174,6 +174,25 @@ def test_a_wait_whose_provider_call_never_returns_ends_past_its_deadline():
 
 
 @pytest.mark.long
+def test_a_process_stopped_past_its_deadline_gets_its_slack_once_continued():
+    """Ctrl-Z then fg: the watchdog does not take the pause for a stuck call; the call still
+    stuck SLACK after the continue is."""
+    proc = stuck("wait", "1")
+    try:
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(1 + bounds.SLACK + 1)
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(bounds.SLACK / 2)
+        assert proc.poll() is None, "ended by the watchdog on waking"
+        code, err, took = ended(proc, bounds.SLACK / 2 + STOP_MARGIN)
+        assert code == bounds.EXIT_STUCK
+        one_line(err, "no heartbeat from the server within 1 s, and the provider call did "
+                      "not return")
+    finally:
+        stop(proc)
+
+
+@pytest.mark.long
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_ends_a_process_stuck_in_a_provider_call(signum):
     proc = stuck("idle")
@@ -256,7 +275,7 @@ def test_a_signal_while_a_chapter_starts_is_its_exit_and_one_line(sig):
     SIGTERM. Until the chapter's first import of the project installs ours, the handlers are
     Python's (its start, the standard library's imports: milliseconds): the process dies
     by the signal, or, inside Python's own start, with its fatal error, or CPython prints
-    and drops it (scripts/chaos.python_dropped)."""
+    and drops it (common/chaos/faults.python_dropped)."""
     wrong = []
     for delay in [0.05 * k for k in range(1, 21)]:
         proc = subprocess.Popen([sys.executable, str(chapter_path(6)), "-p", "shm", SHM_DEAD,

@@ -7,7 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from common.fabric import cuda_driver, memory
+from common.fabric import memory
+from common.gpu import cuda_driver
 import common.fabric as fi
 from common.fabric import ffi, lib
 from tests import fake_info

@@ -1,5 +1,5 @@
-"""scripts/chaos.py: its flags, its table, that its checks catch a process that breaks a
-bound (fake programs that do), and a short seeded run of real chapters."""
+"""scripts/chaos.py and common/chaos: its flags, its cells and table, that its checks catch a
+process that breaks a bound (fake programs that do), and short seeded runs of real chapters."""
 import os
 import re
 import signal
@@ -10,6 +10,7 @@ import time
 import pytest
 
 from scripts import chaos
+from common.chaos import faults, procs, trials
 from common.chapter_pair import ROOT, local_env
 from tests.budget import Budget
 
@@ -40,13 +41,15 @@ sys.exit("fake: the peer is gone")
 '''
 
 
-def fake_trial(tmp_path, monkeypatch, server, client, victim, fault):
+def fake_trial(tmp_path, monkeypatch, server, client, victim, fault, extra=0.0):
+    """A trial of the fakes: the fault 0.2 s into a life of 0.5 s (no clean run of them)."""
     program = tmp_path / "fake.py"
     program.write_text(FAKE)
-    monkeypatch.setattr(chaos, "TIMEOUT", 1.0)
-    monkeypatch.setitem(chaos.SPECS, "99", chaos.Spec(
-        "pair", ["--do", server], ["--do", client], 0.5, from_output=True, program=program))
-    return chaos.run_trial(chaos.Trial(1, "99", "shm", victim, fault, 0.2, 0))
+    monkeypatch.setattr(trials, "TIMEOUT", 1.0)
+    monkeypatch.setitem(trials.SPECS, "99", trials.Spec(
+        "pair", ["--do", server], ["--do", client], program=program))
+    monkeypatch.setitem(trials.LIVES, ("99", "shm"), (0.5, []))
+    return trials.run_trial(trials.Trial(1, "99", "shm", victim, fault, 0.4, extra))
 
 
 @pytest.mark.long
@@ -82,26 +85,45 @@ def test_what_a_trial_leaves_is_reported_and_removed(tmp_path, monkeypatch):
 
 
 def test_a_trial_is_the_same_for_the_same_seed_and_number():
-    args = (["07", "16"], ["shm", "tcp"], list(chaos.FAULTS), list(chaos.VICTIMS))
-    assert chaos.choose(5, 1, *args) == chaos.choose(5, 1, *args)
-    assert {chaos.choose(n, 1, *args).chapter for n in range(1, 30)} == {"07", "16"}
-    only = chaos.choose(3, 1, ["07", "16"], ["tcp"], ["SIGSTOP"], ["launcher"])
+    args = (["07", "16"], ["shm", "tcp"], list(faults.FAULTS), list(trials.VICTIMS))
+    assert trials.choose(5, 1, *args) == trials.choose(5, 1, *args)
+    assert {trials.choose(n, 1, *args).chapter for n in range(1, 30)} == {"07", "16"}
+    only = trials.choose(3, 1, ["07", "16"], ["tcp"], ["SIGSTOP"], ["launcher"])
     assert (only.chapter, only.provider, only.fault, only.victim) == \
         ("16", "tcp", "SIGSTOP", "launcher")
 
 
+def test_stratified_trials_cover_every_cell_once_before_any_twice():
+    """Chapters 04-19 but 08 and 17, the 7 faults, shm and tcp: 196 cells, each once in
+    trials 1-196, in an order that the seed shuffles; on the second pass each cell's victim
+    is the other side of the first pass's (EXIT has one side: the client, the ranks)."""
+    args = (list(trials.SPECS), list(trials.PROVIDERS), list(faults.FAULTS),
+            list(trials.VICTIMS))
+    every = trials.cells(args[0], args[2], args[1], args[3])
+    assert len(every) == 14 * 7 * 2
+    first = [trials.choose(n, 4, *args, stratified=True) for n in range(1, len(every) + 1)]
+    assert sorted(t.cell for t in first) == sorted(every)
+    second = {t.cell: t.victim for t in (trials.choose(n, 4, *args, stratified=True)
+                                         for n in range(len(every) + 1, 2 * len(every) + 1))}
+    assert all(second[t.cell] != t.victim for t in first if t.fault != "EXIT")
+    assert [t.cell for t in first[:5]] != \
+        [trials.choose(n, 5, *args, stratified=True).cell for n in range(1, 6)]
+
+
 def test_the_table_counts_survivors_per_chapter_fault_and_provider():
-    def trial(chapter, fault, provider, problems=(), missed=False):
-        t = chaos.Trial(1, chapter, provider, "client", fault, 0.0, 0, missed=missed)
+    def trial(number, chapter, fault, provider, problems=(), missed=False):
+        t = trials.Trial(number, chapter, provider, "client", fault, 0.0, 0.0, missed=missed)
         t.problems = list(problems)
         return t
-    trials = [trial("07", "SIGKILL", "shm"), trial("07", "SIGKILL", "shm", ["client: hung"]),
-              trial("16", "SIGSTOP", "tcp"), trial("16", "SIGSTOP", "tcp", missed=True)]
-    lines = chaos.table(trials, ["SIGKILL", "SIGSTOP"], ["shm", "tcp"]).splitlines()
-    assert lines[0].split() == ["ch", "KILL/shm", "KILL/tcp", "STOP/shm", "STOP/tcp"]
+    run = [trial(1, "07", "SIGKILL", "shm"), trial(2, "07", "SIGKILL", "shm", ["client: hung"]),
+           trial(3, "16", "TSTP", "tcp"), trial(4, "16", "TSTP", "tcp", missed=True)]
+    lines = chaos.table(run, ["SIGKILL", "TSTP"], ["shm", "tcp"]).splitlines()
+    assert lines[0].split() == ["ch", "KILL/shm", "KILL/tcp", "TSTP/shm", "TSTP/tcp"]
     assert lines[1].split() == ["07", "1/2", "-", "-", "-"]
     assert lines[2].split() == ["16", "-", "-", "-", "1/1"]  # a miss is no trial of a bound
-    assert chaos.figure(trials) == "faults survived 2/3"
+    assert chaos.figure(run) == "faults survived 2/3"
+    assert chaos.failed_cells(run) == ["07 SIGKILL shm: 1/2 (trials 2)"]
+    assert chaos.per_cell(run)[("16", "TSTP", "tcp")] == [1, 1, 1]
 
 
 def traceback(*frames):
@@ -121,11 +143,12 @@ def traceback(*frames):
 ])
 def test_a_fault_in_pythons_own_start_is_told_apart(rc, err, starting):
     proc = type("Victim", (), {"rc": rc, "err": err})()
-    assert chaos.python_starting(proc, "SIGINT" if rc in (-2, 1, 130) else "SIGTERM") is starting
+    signum = signal.SIGINT if rc in (-2, 1, 130) else signal.SIGTERM
+    assert faults.python_starting(proc, signum) is starting
 
 
 def test_a_trial_whose_victim_was_starting_counts_only_when_a_survivor_failed():
-    quiet, failed = (chaos.Trial(n, "05", "shm", "client", "SIGINT", 0.0, 0, starting=True)
+    quiet, failed = (trials.Trial(n, "05", "shm", "client", "SIGINT", 0.0, 0.0, starting=True)
                      for n in (1, 2))
     failed.problems = ["server: still running 15.0 s after its peer's fault"]
     assert not quiet.counted and failed.counted
@@ -195,7 +218,7 @@ SURVIVED = ["--seed", "2", "--trials", "8", "--minutes", "2", "--chapters", "16"
             "--faults", "SIGINT,SIGKILL,SIGSTOP", "--providers", "shm"]
 
 
-class EndedLauncher(chaos.Launcher):
+class EndedLauncher(procs.Launcher):
     """A launcher that has ended with `rc` after writing `err` (its ranks' lines prefixed)."""
 
     def __init__(self, rc, err):
@@ -215,8 +238,65 @@ def test_a_launcher_is_judged_by_its_own_lines_not_its_ranks(own, blamed):
     which its launcher passed on; the launcher, whose own line was right, was blamed for it."""
     relayed = [f"[2] {line}" for line in traceback(("chapters/19_weight_update.py",
                                                     "from common import cli"))]
-    trial = chaos.Trial(1, "19", "shm", "rank 2", "SIGINT", 0.0, 0)
-    run = chaos.Run(trial)
+    trial = trials.Trial(1, "19", "shm", "rank 2", "SIGINT", 0.0, 0.0)
+    run = trials.Run(trial)
     run.watch.stopping = True  # nothing of this trial runs: its watch has nothing to see
-    chaos.survivor_ok(run, EndedLauncher(1, relayed + own), 10.0, 0.0)
+    faults.survivor_ok(run, EndedLauncher(1, relayed + own), 10.0, 0.0)
     assert any("a traceback" in p for p in trial.problems) is blamed, trial.problems
+
+
+def test_ctrl_z_stops_a_trials_process():
+    """A trial's process is in a group of its own in our session, as a shell's job is: a
+    SIGTSTP to a group whose members' parents are all in other sessions (an orphaned one)
+    is discarded by the kernel, and Ctrl-Z stopped nothing."""
+    proc = procs.Proc("sleeper", ["sleep", "30"], local_env())
+    try:
+        os.killpg(proc.pid, signal.SIGTSTP)
+        assert wait_state(proc.pid, "T"), "not stopped by SIGTSTP"
+        os.killpg(proc.pid, signal.SIGCONT)
+        assert wait_state(proc.pid, "S"), "not continued by SIGCONT"
+    finally:
+        proc.kill()
+
+
+def wait_state(pid, state):
+    budget = Budget(10)
+    while budget.left() > 0:
+        if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == state:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_pair_stopped_by_ctrl_z_and_continued_survives(tmp_path, monkeypatch):
+    """TSTP to a client that fails a second after it starts: continued 0.1 s later, it
+    fails as it would have, and its server, which fails by itself, too."""
+    trial = fake_trial(tmp_path, monkeypatch, "fail", "fail", "client", "TSTP")
+    assert trial.survived, trial.problems
+    assert trial.detail == "continued after 0.10 s"
+
+
+@pytest.mark.long
+def test_a_continued_process_that_hangs_is_a_failure(tmp_path, monkeypatch):
+    trial = fake_trial(tmp_path, monkeypatch, "fail", "hang", "client", "STOPCONT", 0.9)
+    problem, = trial.problems
+    assert problem.startswith("client: still running") and "after its continue" in problem
+
+
+@pytest.mark.long
+def test_a_client_that_does_not_end_with_its_short_timeout_is_a_failure(tmp_path, monkeypatch):
+    trial = fake_trial(tmp_path, monkeypatch, "fail", "hang", "client", "EXIT", 0.5)
+    assert trial.commands[1][-2:] == ["--timeout", "0.187"]  # (0.5 - 0.2) / 0.8 of 0.5 s
+    problem, = trial.problems
+    assert problem.startswith("client: still running") and "short --timeout" in problem
+
+
+@pytest.mark.long
+def test_a_seeded_run_survives_stops_continues_and_early_ends():
+    done = Budget(300).run([*CHAOS, "--seed", "3", "--trials", "6", "--minutes", "3",
+                            "--chapters", "07,16", "--providers", "shm",
+                            "--faults", "STOPCONT,TSTP,EXIT"], env=local_env())
+    figure = re.search(r"^faults survived (\d+)/(\d+)", done.stdout, re.MULTILINE)
+    assert figure and figure[1] == figure[2] and int(figure[2]) > 0, done.stdout + done.stderr
+    assert "cells: 6 of 6 covered" in done.stdout, done.stdout
+    assert done.returncode == 0

@@ -2,6 +2,7 @@
 the chapter changes, added and taken away, the C first where the lesson is C, docstrings
 left out unless --all; bad input in one line."""
 import ast
+import re
 import subprocess
 
 import pytest
@@ -99,13 +100,38 @@ def test_where_the_lesson_is_c_the_c_comes_first():
     assert any("__global__" in line for line in shown(diff("17").stdout)[files[0]][0])
 
 
-@pytest.mark.parametrize("chapter", ["04", "07", "09", "16", "18"])
-def test_a_chapter_that_stands_alone_is_shown_whole(chapter):
+@pytest.mark.parametrize("chapter", ["04", "09", "16", "18"])
+def test_a_chapter_that_stands_alone_is_shown_whole_and_says_so(chapter):
     """PARENT "-": every file is new, nothing of another chapter taken away."""
     done = diff(chapter)
     files = shown(done.stdout)
+    assert done.stdout.startswith(f"# {chapter} stands alone"), done.stdout[:200]
     assert files and all(not removed for _, removed in files.values()), list(files)
     assert done.stdout.count("--- /dev/null") == len(files)
+
+
+def test_07_is_shown_against_06():
+    """The op queue takes the place of 06's wait for each WRITE: both sides of that show."""
+    done = diff("07")
+    assert done.stdout.startswith("# 07 against 06, the chapter it builds on\n")
+    files = shown(done.stdout)
+    assert "--- a/chapters/06_write.py\n+++ b/chapters/07_queue.py\n" in done.stdout
+    assert 'storage = ffi.new("struct fi_context2[]", npages)  # one context per WRITE in ' \
+           'flight' in files["chapters/07_queue.py"][1]
+
+
+def stand_alone_in(text, start, end):
+    """The chapters named between `start` and `end` of `text`, after the last ';' there."""
+    part = text[text.index(start):text.index(end, text.index(start))]
+    return set(re.findall(r"\b\d\d\b", part.rsplit(";", 1)[-1]))
+
+
+def test_readme_names_the_chapters_diff_shows_whole():
+    """README's "Start here" lists the chapters PARENT has as "-", no more, no fewer."""
+    parents = re.search(r"declare -A PARENT=\((.*?)\)", DIFF.read_text())[1]
+    alone = set(re.findall(r"\[(\d\d)\]=-", parents))
+    readme = (ROOT / "README.md").read_text()
+    assert alone and stand_alone_in(readme, "`scripts/diff.sh NN`", "shown whole") == alone
 
 
 def test_unchanged_code_is_said_in_one_line():

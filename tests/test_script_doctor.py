@@ -11,7 +11,7 @@ import pytest
 
 import common.fabric as fi
 from common.engine import topo
-from common.fabric import cuda_driver
+from common.gpu import cuda_driver
 from scripts import doctor
 from scripts.doctor import ABSENT, FIX, OK, Machine
 from common.chapter_pair import ROOT, local_env

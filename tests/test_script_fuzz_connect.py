@@ -13,7 +13,7 @@ from scripts import fuzz_connect as fz
 from tests.budget import Budget
 
 FUZZ = [sys.executable, str(ROOT / "scripts" / "fuzz_connect.py")]
-ME = fz.Me(b"fi_shm://4242:0:0\0", [(0x7000_0000, fz.ROOM, 11), (0x7100_0000, fz.ROOM, 12)],
+ME = fz.Me(b"fi_shm://4242:0:0\0", "shm", [(0x7000_0000, fz.ROOM, 11), (0x7100_0000, fz.ROOM, 12)],
            4096)
 
 

@@ -15,6 +15,7 @@ from common.chapter_pair import ROOT, local_env
 from tests.budget import Budget
 
 SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
+SHELL_SCRIPTS = sorted((ROOT / "scripts").glob("*.sh"))
 TESTS = sorted((ROOT / "tests").glob("*.py"))
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 NAMES = {path.stem for path in SCRIPTS}
@@ -77,6 +78,18 @@ def test_a_test_imports_helpers_not_other_test_files(path):
 def test_a_script_answers_help(path):
     done = Budget(60).run([sys.executable, str(path), "--help"], env=local_env())
     assert done.returncode == 0 and done.stdout.startswith("usage: "), done.stderr
+
+
+@pytest.mark.parametrize("path", SHELL_SCRIPTS, ids=[p.stem for p in SHELL_SCRIPTS])
+def test_a_shell_script_answers_help_and_refuses_what_it_does_not_take(path):
+    """--help shows its header (setup and the build used to start on it); an argument it
+    does not take is one line and exit 2, before anything runs."""
+    done = Budget(60).run(["bash", str(path), "--help"], env=local_env())
+    assert done.returncode == 0 and done.stdout.startswith("usage: bash scripts/"), done.stderr
+    assert path.read_text().splitlines()[1].lstrip("# ") in done.stdout
+    done = Budget(60).run(["bash", str(path), "--nonsense"], env=local_env())
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
 def test_the_checks_see_an_import_of_a_script_and_a_change_of_sys_path():

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import common.fabric as fi
-from common.transfer import Engine, ipc
-from common.transfer import _ffi, native
+from common.transfer import Engine, ipc, wire
+from common.transfer._native import ffi as _ffi, lib as native
 from tests.budget import Budget
 from tests.gpu import needs_gpu
 from tests.transfer_launch import launched
@@ -183,7 +183,7 @@ def test_both_launch_paths_fill_the_command_s_record_in_the_peer_s_inbox_alike()
     fake.finish()
     assert records[2, 0] == head + 1 and bytes(dst[128:192]) == bytes(src[:64])
     route = ipc.Route.__new__(ipc.Route)
-    route.routes, route.records, route.head = fake, ring, 2 * n - 1
+    route.copier, route.records, route.head = fake.copier, ring, 2 * n - 1
     record, seq = route._record(None, 3)
     assert records[n - 1].tolist() == [0, 0, 3, 0] and seq == 2 * n
     assert int(_ffi.cast("uintptr_t", record)) == records[n - 1:].ctypes.data
@@ -303,11 +303,11 @@ def test_a_region_descriptor_with_a_bad_handle_is_refused_in_one_line():
     with fi.Closer() as own:
         eng = Engine(own, provider="shm", timeout=Budget(10).seconds)
         good = eng.register(np.zeros(64, np.uint8)).descriptor()
-        bad = good + b"XXXX" + bytes(ipc.HANDLE.size - 4)
+        bad = good + b"XXXX" + bytes(wire.HANDLE.size - 4)
         with pytest.raises(ValueError) as excinfo:
             eng.remote(bad)
         assert str(excinfo.value).startswith("not a region descriptor"), excinfo.value
-        assert eng.remote(good + ipc.HANDLE.pack(ipc.MAGIC_HANDLE, bytes(64), 0, 1)).ipc \
+        assert eng.remote(good + wire.pack_handle(bytes(64), 0, 1)).ipc \
             == (bytes(64), 0, 1)
 
 

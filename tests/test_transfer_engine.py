@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import common.fabric as fi
-from common.fabric import cuda_driver, lib
+from common.fabric import lib
+from common.gpu import cuda_driver
 from common.chapter_pair import ROOT, local_env
 from tests.budget import Budget
 from tests.gpu import needs_gpu
@@ -107,7 +108,6 @@ def test_bad_input_is_refused_in_one_line_and_nothing_is_posted(engine):
         (lambda: eng.remote(src.descriptor()[:-3]), "not a region descriptor"),
         (lambda: eng.remote(one_nic.register(np.zeros(64, np.uint8)).descriptor()),
          "registered on 1 NICs, this engine has 2"),
-        (lambda: eng.connect(b"junk"), "not an engine's address (4 bytes)"),
         (lambda: eng.connect(one_nic.address()), "that engine has 1 NICs and this one 2"),
         (lambda: eng.write_pages(me, src, [0, 8], dst, [0, 1], 4096), "source page 8 is out of range"),
         (lambda: eng.write_pages(me, src, [0, 1], dst, [3, 4], 4096),
@@ -137,6 +137,55 @@ def test_bad_input_is_refused_in_one_line_and_nothing_is_posted(engine):
             call()
         one_line(excinfo, pattern)
     assert eng.stats()["posted"] == 0
+
+
+def test_a_callers_mistake_is_said_as_what_the_caller_did():
+    """For a program using the engine as a library: what it passed and what to pass, not
+    what a reader of a chapter should paste, nor a provider's error or a timeout (an shm
+    engine took a tcp engine's address and its WRITEs never went)."""
+    with fi.Closer() as own:
+        eng = Engine(own, provider="shm", timeout=Budget(10).seconds)
+        tcp = Engine(own, provider="tcp", timeout=Budget(10).seconds)
+        me = eng.connect(eng.address())
+        descriptor = eng.register(np.zeros(64, np.uint8)).descriptor()
+        cases = [
+            (lambda: eng.connect(b"junk"), "not an engine's address (4 bytes): pass the bytes "
+             "of another engine's Engine.address(), whole and unchanged"),
+            (lambda: eng.connect(eng.address().hex().encode()), "bytes.fromhex"),
+            (lambda: eng.connect(eng.address().hex()),
+             "an engine's address is bytes (Engine.address()), not a str"),
+            (lambda: eng.remote(descriptor.hex()),
+             "a region descriptor is bytes (Region.descriptor()), not a str"),
+            (lambda: eng.remote(descriptor[:-1]), f"not a region descriptor "
+             f"({len(descriptor) - 1} bytes): pass the bytes of a Region.descriptor(), whole "
+             "and unchanged"),
+            (lambda: eng.connect(tcp.address()),
+             "that engine runs on tcp and this one on shm: give both the same provider"),
+            (lambda: tcp.connect(eng.address()),
+             "that engine runs on shm and this one on tcp: give both the same provider"),
+            (lambda: eng.send(me, bytes(eng.max_send + 1)), "(Engine.max_send)"),
+            (lambda: eng.register(np.array([None, 1], object)),
+             "cannot register an array of Python objects (dtype object)"),
+        ]
+        for call, said in cases:
+            with pytest.raises(ValueError) as excinfo:
+                call()
+            one_line(excinfo, said)
+            assert "server" not in str(excinfo.value), excinfo.value
+
+
+@pytest.mark.parametrize("provider", ["shm", pytest.param("tcp", marks=pytest.mark.long)])
+def test_the_packages_example_of_two_processes_runs(provider):
+    """common/transfer/example.py, which README.md points a new user to: the writer's
+    pages land in the reader's memory, the reader counts them by their immediate and
+    connects back to the address that came before it had any peer."""
+    done = Budget(60).run([sys.executable, "-m", "common.transfer.example", "-p", provider,
+                           "--timeout", f"{Budget(10).seconds:g}"], cwd=ROOT, env=local_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines() == [
+        "writer: the reader says: 64 pages arrived, 0 wrong bytes",
+        "reader: 64 pages, 0 wrong bytes; the writer's first message came from peer None, as "
+        "none was connected; writer exit 0"], done.stdout + done.stderr
 
 
 class SendsNothing:
@@ -316,18 +365,38 @@ def test_a_prepared_command_refuses_bad_pages_and_shifts_in_one_line(engine):
 
 
 def test_an_engine_used_after_it_closed_says_so_in_one_line():
-    """A write, a prepared write or an expect after the engine's Closer ran: not the
-    worker's last return code as a failure ("Success"), but that the engine is closed."""
+    """Every call after the engine's Closer ran but arrived() and stats(), which say what
+    was counted: not the worker's last return code as a failure ("Success"), nor the
+    provider's answer on a closed domain (register: "fi_mr_regattr: Invalid argument"),
+    nor a crash (connect and send reached closed AVs and endpoints), but that the engine
+    is closed. An expect() whose WRITEs came before the close is refused too."""
     with fi.Closer() as own:
         eng = Engine(own, provider="shm", timeout=Budget(10).seconds)
+        other = Engine(own, provider="shm", timeout=Budget(10).seconds).address()
         me = eng.connect(eng.address())
         _, src, _, dst = regions(eng, 4096, 33)
         prepared = eng.prepare_pages(me, src, [0], dst, [0], 4096)
+        descriptor = src.descriptor()
+        eng.signal(me, 2).wait()
+        deadline = time.monotonic() + Budget(10).seconds
+        while eng.arrived(2) < 1 and time.monotonic() < deadline:  # counted, not taken
+            time.sleep(0.01)
+    group = eng.group([me])
     for call in (lambda: eng.write_pages(me, src, [0], dst, [0], 4096, imm=1),
-                 lambda: prepared.write(imm=1), lambda: eng.expect(1, 1, 1)):
+                 lambda: eng.write(me, src, 0, dst, 0, 8),
+                 lambda: eng.write_list(me, src, [0], dst, [0], [8]),
+                 lambda: eng.prepare_pages(me, src, [0], dst, [0], 4096),
+                 lambda: eng.prepare_list(me, src, [0], dst, [0], [8]),
+                 lambda: prepared.write(imm=1), lambda: eng.expect(1, 1, 1),
+                 lambda: eng.expect(2, 1, 1), lambda: eng.signal(me, 3),
+                 lambda: eng.register(np.zeros(64, np.uint8)), lambda: eng.remote(descriptor),
+                 lambda: eng.address(), lambda: eng.connect(other),
+                 lambda: eng.send(me, b"hello"), lambda: eng.recv(1),
+                 lambda: group.scatter(src, [dst], 8), lambda: group.barrier(4, 1)):
         with pytest.raises(TransferError) as e:
             call()
-        one_line(e, "this engine is closed")
+        one_line(e, "this engine is closed (its Closer has run)")
+    assert eng.stats()["posted"] == 1 and eng.arrived(2) == 1
 
 
 def test_the_inject_size_is_the_smallest_nics_and_none_on_efa():
@@ -479,7 +548,7 @@ def test_an_error_entry_with_no_context_fails_the_engine_once_it_injected(error_
     engine's next call raises the provider's text in one line. Never a NULL dereference."""
     import threading
     from types import SimpleNamespace
-    ffi, native = transfer._ffi, transfer.native
+    from common.transfer._native import ffi, lib as native
     w = ffi.new("struct tx_worker *")
     keep = [ffi.new("struct fid_ep *[1]"), ffi.new("struct fid_cq *[]", [
         ffi.cast("struct fid_cq *", error_cq)]), ffi.new("struct tx_command *[4]"),

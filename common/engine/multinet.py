@@ -46,7 +46,7 @@ class Lane:
     def __init__(self, own, info, gpu=None):
         self.info, self.gpu = info, gpu  # gpu: whose memory it carries (None: host)
         self.domain, self.cq, self.av, self.ep = fi.open_endpoint(own, info, shm=False)
-        self.poller = fi.Poller(self.cq)
+        self.poller = fi.Poller(self.cq, ep=self.ep)
         self.queue = OpQueue(self.ep, self.cq, self.poller, slots=fi.in_flight(info))
         self.iters = self.submitted = 0
         self.messages = []
@@ -67,34 +67,41 @@ class Lane:
 
 
 def server(info, args, engine):
-    with fi.Closer() as own:
-        control = Lane(own, info)
-        inbox = fi.Inbox(own, control.domain, control.ep, fi.max_send(info))
-        addr = fi.getname(control.ep).hex()
-        print(f"server address: {addr}")
-        print(cli.client_hint(args, addr, args.lesson, swap_gpus(args)), flush=True)
-        served, backlog = 0, []
-        while not args.clients or served < args.clients:
-            if not backlog:
-                backlog.append(connect.next_request(control.poller, inbox))
-            request = backlog.pop(0)
-            if connect.stray(request):
-                continue
-            try:
-                with fi.Closer() as client_own:
-                    client, request = connect.accept(client_own, info, control.av,
-                                                     control.domain, control.ep,
-                                                     control.poller, request, args.number,
-                                                     args.timeout)
-                    # held past client_own's close: the workers' C arrays (conn.keep) with it
-                    conn = Connection(client_own, control.domain, client, control.queue, inbox,
-                                      backlog, args.timeout)
-                    serve(conn, info, request, args, engine)
-            except (fi.FabricError, TimeoutError, ValueError) as e:
-                connect.report(served + 1, e)
-                if isinstance(e, connect.Refused):
-                    continue  # another chapter's client, told so: not one of --clients
-            served += 1
+    served, backlog, name = 0, [], None
+    while not args.clients or served < args.clients:
+        with fi.Closer() as own:  # the endpoint: opened again, at its address, when renewed
+            control = Lane(own, fi.at_address(info, name))
+            inbox = fi.Inbox(own, control.domain, control.ep, fi.max_send(info))
+            if name is None:
+                name = fi.getname(control.ep)
+                print(f"server address: {name.hex()}")
+                print(cli.client_hint(args, name.hex(), args.lesson, swap_gpus(args)),
+                      flush=True)
+            while not args.clients or served < args.clients:
+                if not backlog:
+                    try:
+                        backlog.append(connect.next_request(control.poller, inbox))
+                    except fi.OwnLockHeld as e:  # a dead client's lock: a new endpoint
+                        connect.renewing(e)
+                        break
+                request = backlog.pop(0)
+                if connect.stray(request):
+                    continue
+                try:
+                    with fi.Closer() as client_own:
+                        client, request = connect.accept(client_own, info, control.av,
+                                                         control.domain, control.ep,
+                                                         control.poller, request, args.number,
+                                                         args.timeout)
+                        # held past client_own's close: the workers' C arrays (conn.keep)
+                        conn = Connection(client_own, control.domain, client, control.queue,
+                                          inbox, backlog, args.timeout)
+                        serve(conn, info, request, args, engine)
+                except (fi.FabricError, TimeoutError, ValueError) as e:
+                    connect.report(served + 1, e)
+                    if isinstance(e, connect.Refused):
+                        continue  # another chapter's client, told so: not one of --clients
+                served += 1
 
 
 def swap_gpus(args):

@@ -829,6 +829,42 @@ def key(context):
 
 
 IDLE_NAP = (50e-6, 4e-3)  # seconds: an idle wait's first sleep, and its longest
+OWN_LOCK_BOUND = 1.0  # seconds our region's lock may stay held in an idle wait (1.x shm)
+
+
+class OwnLockHeld(TimeoutError):
+    """Our endpoint's shm region has stayed locked past OWN_LOCK_BOUND while we waited, idle,
+    by a peer killed or stopped in a post to us: no CQ read of this endpoint can return
+    until that peer is continued (OwnLock)."""
+
+
+class OwnLock:
+    """Before libfabric 1.18, shm's progress in fi_cq_read takes our own region's spin lock,
+    which a peer takes to put a command in our region, and spins until it is free
+    (peer_lock.h, tut_own_lock_held). A server's wait without a deadline (for its next
+    client: Poller given its endpoint) looks at it before each read: held, it does not read (a live peer frees it within microseconds), and held for
+    OWN_LOCK_BOUND its holder is taken as dead or stopped (OwnLockHeld): the server then
+    opens its endpoint again at the same address (at_address), a new region, and serves
+    the next client. Nothing to see on other providers and versions."""
+
+    def __init__(self, ep):
+        self.ep, self.since = ep, None
+        self.bound = bounds.stretched(OWN_LOCK_BOUND)
+
+    def held(self):
+        """Whether the lock is held now (then do not read the CQ); OwnLockHeld once it has
+        been held, at every look, for the bound."""
+        if not lib.tut_own_lock_held(self.ep):
+            self.since = None
+            return False
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+        elif now - self.since > self.bound:
+            raise OwnLockHeld(f"our endpoint's shm region has been locked for {self.bound:g} s "
+                              "by a client killed or stopped while it posted to us (libfabric "
+                              "< 1.18)")
+        return True
 
 
 class Poller:
@@ -839,8 +875,8 @@ class Poller:
     (FI_REMOTE_CQ_DATA) is kept apart, in arrival order.
     """
 
-    def __init__(self, cq, batch=16):
-        self.cq, self.entries = cq, cq_entries(batch)
+    def __init__(self, cq, batch=16, ep=None):
+        self.cq, self.entries, self.ep = cq, cq_entries(batch), ep  # ep: OwnLock's
         self.done, self.remote_data = {}, []
 
     def poll(self):
@@ -864,9 +900,10 @@ class Poller:
 
     def _wait(self, ready, timeout, what, idle):
         deadline = None if timeout is None else time.monotonic() + timeout
+        own_lock = OwnLock(self.ep) if timeout is None and self.ep is not None else None
         nap = 0.0
         while not ready():
-            if self.poll():
+            if self._read(own_lock):
                 nap = 0.0
                 continue
             if deadline is not None and time.monotonic() > deadline:
@@ -878,6 +915,19 @@ class Poller:
                 # Let a peer on the same core run. Not time.sleep(0): that is a real
                 # sleep (~50 us of timer slack), which cut tcp's throughput by 5x here.
                 os.sched_yield()
+
+    def _read(self, own_lock):
+        """poll(), unless `own_lock` (an OwnLock, for a wait without a deadline) says our
+        region is locked. Such a wait has no deadline, but each read there does: the lock
+        taken by a peer killed in the instant between our look and our progress's is the
+        watchdog's to end (one line, exit 1), not a hang."""
+        if own_lock is None:
+            return self.poll()
+        if own_lock.held():
+            return 0
+        with bounds.Deadline(own_lock.bound, "a CQ read did not return: our shm region is locked "
+                             "by a client killed or stopped while it posted to us"):
+            return self.poll()
 
     def until_posted(self, post, timeout, what, ep=None):
         """Call `post` until the provider takes the operation (it returns False on
@@ -909,7 +959,9 @@ class Poller:
         With `or_remote_data`, immediate data arriving first ends the wait: (None, 0).
         `idle`: a server waiting for its next client, which backs off instead of taking
         a core (a blocking wait is no way out on every libfabric: EFA's CQs take a wait
-        object from 2.3 on efa-direct and 2.5 on efa, common/fabric/rules.h tut_rules_wait)."""
+        object from 2.3 on efa-direct and 2.5 on efa, common/fabric/rules.h tut_rules_wait).
+        Without a deadline (`timeout` None), a Poller given its endpoint raises OwnLockHeld
+        where a dead client's lock would hang the wait."""
         self._until(lambda: any(key(c) in self.done for c in contexts)
                     or (or_remote_data and self.remote_data), timeout, what, idle)
         ctx = next((c for k in self.done for c in contexts if key(c) == k), None)

@@ -268,6 +268,14 @@ def verified(checked, asked, total, iters, page_size, wrong):
     return f"verified {what} ({checked * page_size} bytes){reach}: {wrong} wrong bytes"
 
 
+def renewing(error):
+    """The server's one line when its endpoint can serve no one (fabric.OwnLockHeld): it
+    opens a new one at the same address, which the next client reaches."""
+    print(f"{error}: opening the endpoint again at the same address", file=sys.stderr,
+          flush=True)
+    shm_files.remove_dead_peers()  # the killed client's region
+
+
 def gone(error):
     """Whether `error` says that the peer is no longer there."""
     return (isinstance(error, fi.CompletionError)

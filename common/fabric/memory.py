@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from common.fabric import cuda_driver
+from common.gpu import cuda_driver
 import common.fabric as fi
 from common.fabric import lib
 

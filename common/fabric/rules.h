@@ -97,6 +97,7 @@
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_eq.h>
 #include <rdma/fi_rma.h>
+#include "peer_lock.h"  /* 1.x shm: no post waits on a stopped peer's lock */
 
 enum { RULES_OFF, RULES_EFA, RULES_VERBS, RULES_EFA_DIRECT };
 #define RULES_BROKEN (-0x4000)
@@ -398,8 +399,8 @@ static inline ssize_t rules_msg(struct fid_ep *ep, const struct fi_msg *msg, uin
 
 static inline ssize_t tut_sendmsg(struct fid_ep *ep, const struct fi_msg *msg, uint64_t flags)
 {
-    return tut_rules() ? rules_msg(ep, msg, flags, RULES_SEND, fi_sendmsg)
-                       : fi_sendmsg(ep, msg, flags);
+    return tut_rules() ? rules_msg(ep, msg, flags, RULES_SEND, peer_sendmsg)
+                       : peer_sendmsg(ep, msg, flags);
 }
 
 static inline ssize_t tut_recvmsg(struct fid_ep *ep, const struct fi_msg *msg, uint64_t flags)
@@ -412,7 +413,7 @@ static inline ssize_t tut_writemsg(struct fid_ep *ep, const struct fi_msg_rma *m
                                    uint64_t flags)
 {
     if (!tut_rules())
-        return fi_writemsg(ep, msg, flags);
+        return peer_writemsg(ep, msg, flags);
     void *desc[RULES_MAX_IOV];
     struct fi_msg_rma copy = *msg;
     struct fi_rma_iov rma;
@@ -428,7 +429,7 @@ static inline ssize_t tut_writemsg(struct fid_ep *ep, const struct fi_msg_rma *m
     rma.key &= ~RULES_KEY_MASK;  /* the provider's own key again */
     copy.desc = desc;
     copy.rma_iov = &rma;
-    return rules_count(ep, 1, flags, fi_writemsg(ep, &copy, flags));
+    return rules_count(ep, 1, flags, peer_writemsg(ep, &copy, flags));
 }
 
 /* An injected operation went or was refused: a post without FI_MORE, closing a batch. */
@@ -444,7 +445,8 @@ static inline ssize_t tut_inject(struct fid_ep *ep, const void *buf, size_t len,
 {
     if (rules_efa() && len > RULES_EFA_MTU)  /* no descriptor, no completion */
         return RULES_BROKEN - RULE_MTU;
-    return rules_injected(ep, fi_inject(ep, buf, len, dest));
+    return rules_injected(ep, tut_peer_locked(ep, dest) ? -FI_EAGAIN
+                                                        : fi_inject(ep, buf, len, dest));
 }
 
 /* An injected WRITE: no descriptor, no completion (so no CQ room), but a WRITE's key and
@@ -462,7 +464,8 @@ static inline ssize_t rules_inject_write(struct fid_ep *ep, const void *buf, siz
             return RULES_BROKEN - RULE_RMA_INJECT;
         key &= ~RULES_KEY_MASK;  /* the provider's own key again */
     }
-    return rules_injected(ep, flags & FI_REMOTE_CQ_DATA
+    return rules_injected(ep, tut_peer_locked(ep, dest) ? -FI_EAGAIN
+                          : flags & FI_REMOTE_CQ_DATA
                           ? fi_inject_writedata(ep, buf, len, data, dest, addr, key)
                           : fi_inject_write(ep, buf, len, dest, addr, key));
 }

@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from common.fabric import memory
-from common.kv_cache.bf16 import gemm_bf16, to_bf16
+from common.gpu.bf16 import gemm_bf16, to_bf16
 
 # Qwen3-235B-A22B at TP4, one rank's shard: 94 layers, hidden 4096, 64 query heads and 4 KV
 # heads of 128 (16 and 1 a rank), 8 of 128 experts of 1536 active (3072 a rank's worth).

@@ -5,9 +5,9 @@ moves the bytes; reference: what dispatch and combine must produce (numpy) and t
 to check them with; harness: the chapters' flags, checks, benchmark and records; proxy:
 what chapter 16's proxy loop drives (its NICs, their endpoints, the peers' addresses);
 memory: where the ranks keep their bytes (host or GPU) and what does the kernels' work;
-fp8.cuh: the fp8 wire format on the GPU; kernel_call: CUDA kernel launches at the driver's
-cost; nccl: the baseline, the same all-to-all moved by NCCL; serving: a serving engine's
-arrays (cupy or torch) and stream at chapter 17's door; graphs: chapter 17's layer in a
-CUDA graph, checked and timed. The protocol itself is in
-chapters/16_moe.py, the GPU driving it in chapters/17_gpu_driven.py.
+nccl: the baseline, the same all-to-all moved by NCCL; serving: a serving engine's arrays
+(cupy or torch) and stream at chapter 17's door; graphs: chapter 17's layer in a CUDA
+graph, checked and timed. The protocol itself is in chapters/16_moe.py, the GPU driving
+it in chapters/17_gpu_driven.py; what any GPU code stands on (the fp8 wire format on the
+GPU, kernel launches) in common/gpu/.
 """

@@ -6,14 +6,8 @@ numpy or cupy arrays (`xp`).
 """
 import numpy as np
 
-from common.moe import reference as ref
-
-
-ALIGN = 64  # bytes: each section of a region starts on a cache line (16-byte copies fit)
-
-
-def aligned(size):
-    return -(-size // ALIGN) * ALIGN
+from common.gpu import rounding
+from common.gpu.layout import aligned
 
 
 class Shape:
@@ -26,7 +20,7 @@ class Shape:
         self.world, self.experts, self.local = world, experts, experts // world
         self.max_tokens, self.topk, self.hidden, self.dtype = max_tokens, topk, hidden, dtype
         # one token on the wire: fp8 codes + a float32 scale per 128 values, or bf16
-        self.row = hidden + hidden // ref.FP8_BLOCK * 4 if dtype == "fp8" else 2 * hidden
+        self.row = hidden + hidden // rounding.FP8_BLOCK * 4 if dtype == "fp8" else 2 * hidden
         self.out_row = 2 * hidden  # combine: bf16
         self.per_peer = max_tokens * min(topk, self.local)
 
@@ -63,8 +57,8 @@ def check_shape(world, max_tokens, experts, topk, hidden, dtype, private, combin
         raise ValueError(f"dispatch dtype must be fp8 or bf16, not {dtype!r}")
     if combine != "bf16":  # what the published kernels send back too; summed in float32
         raise ValueError(f"combine dtype must be bf16, not {combine!r}")
-    if dtype == "fp8" and hidden % ref.FP8_BLOCK:
-        raise ValueError(f"fp8 needs hidden ({hidden}) to be a multiple of {ref.FP8_BLOCK}")
+    if dtype == "fp8" and hidden % rounding.FP8_BLOCK:
+        raise ValueError(f"fp8 needs hidden ({hidden}) to be a multiple of {rounding.FP8_BLOCK}")
 
 
 OUT_OF_RANGE, TWICE = 1, 2  # what is wrong with a batch's expert indices (0: nothing)
@@ -108,7 +102,7 @@ class Wire:
     def encode(self, x):
         """float32 tokens (n, hidden) -> rows (n, row bytes)."""
         if self.dtype == "bf16":
-            return ref.to_bf16(x).view(self.xp.uint8)
+            return rounding.to_bf16(x).view(self.xp.uint8)
         return self.mem.quantize_fp8(x)
 
     def split(self, rows):
@@ -122,8 +116,8 @@ class Wire:
         """Back to float32, on the host (for the checks)."""
         tokens = self.mem.host(tokens)
         if scales is None:
-            return ref.from_bf16(tokens)
-        return ref.dequantize_fp8(np.ascontiguousarray(tokens), self.mem.host(scales))
+            return rounding.from_bf16(tokens)
+        return rounding.dequantize_fp8(np.ascontiguousarray(tokens), self.mem.host(scales))
 
 
 def send_plan(xp, indices, experts):
@@ -156,5 +150,5 @@ def weighted_sum(xp, rows, order, weights, hidden):
     """combine's last step: bf16 rows in send order -> per token, the weighted sum."""
     n, topk = weights.shape
     values = xp.empty((n * topk, hidden), xp.float32)
-    values[order] = ref.from_bf16(rows.view(xp.uint16).reshape(n * topk, hidden))
+    values[order] = rounding.from_bf16(rows.view(xp.uint16).reshape(n * topk, hidden))
     return (weights[:, :, None] * values.reshape(n, topk, hidden)).sum(axis=1)

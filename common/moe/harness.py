@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from common import bench, cli
+from common.gpu import rounding
 from common.moe import reference as ref
 from common.moe.bookkeeping import check_shape
 from common.fabric import lib
@@ -149,9 +150,10 @@ def case_inputs(L, rank, dtype, case, seed, tokens=None):
     answers = np.zeros((L.world * L.per_peer, L.hidden), np.float32)
     answers[:len(values)] = ref.expert_factor(experts, L.experts).astype(np.float32)[:, None] \
         * values
-    wanted = np.stack([ref.from_bf16(ref.to_bf16(ref.expert_factor(indices[:, j], L.experts)
-                                                 [:, None].astype(np.float32) * trips[rank]))
-                       for j in range(L.topk)], axis=1)
+    factors = [ref.expert_factor(indices[:, j], L.experts)[:, None].astype(np.float32)
+               for j in range(L.topk)]
+    wanted = np.stack([rounding.from_bf16(rounding.to_bf16(f * trips[rank])) for f in factors],
+                      axis=1)
     want = ref.combine(indices, weights, wanted)
     return inputs[rank], indices, weights, answers, (expected, expected_counts, want)
 

@@ -15,11 +15,13 @@ import numpy as np
 
 from common import launch
 from common.fabric import memory
+from common.gpu import INCLUDE
+from common.gpu import rounding
 from common.moe import reference as ref
 from common.fabric import lib
 
 SHM = "/dev/shm"
-HERE = os.path.dirname(os.path.abspath(__file__))  # fp8.cuh is beside this file
+HERE = os.path.dirname(os.path.abspath(__file__))  # ring.h is beside this file
 
 
 class Region:
@@ -111,7 +113,7 @@ class HostMemory:
 class CudaMemory:
     """--device cuda: the data region in GPU memory, straight from cudaMalloc (CUDA IPC
     hands out whole allocations) so that the node's ranks can map it; cupy and kernels
-    (common/moe/fp8.cuh's, and a chapter's) do the work. Run on 2 x H200 (see ready())."""
+    (common/gpu/fp8.cuh's, and a chapter's) do the work. Run on 2 x H200 (see ready())."""
     iface = lib.FI_HMEM_CUDA
 
     def __init__(self, own, group, size, kernels=None, blocking=True):
@@ -142,7 +144,7 @@ class CudaMemory:
         self.stream.use()  # this rank's cupy work, kernels and copies all go here
         self.marks, self.marked = [cp.cuda.Event() for _ in range(8)], 0
         code = open(kernels).read() if kernels else '#include "fp8.cuh"\n'
-        self.module = cp.RawModule(code=code, options=("-I" + HERE,))
+        self.module = cp.RawModule(code=code, options=("-I" + HERE, INCLUDE))
         self.quantize = self.module.get_function("fp8_quantize")
 
     def handle(self):
@@ -194,10 +196,10 @@ class CudaMemory:
         cp = self.xp
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         n, hidden = x.shape
-        row = hidden + hidden // ref.FP8_BLOCK * 4
+        row = hidden + hidden // rounding.FP8_BLOCK * 4
         rows = cp.empty((n, row), cp.uint8)
         if n:
-            self.quantize((n, hidden // ref.FP8_BLOCK), (ref.FP8_BLOCK,),
+            self.quantize((n, hidden // rounding.FP8_BLOCK), (rounding.FP8_BLOCK,),
                           (x, rows, np.int32(hidden), np.int32(row)))
         return rows
 

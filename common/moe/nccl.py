@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from common.moe import reference as ref
+from common.gpu import rounding
 from common.moe.bookkeeping import (Shape, Stages, Wire, check_shape, check_tokens,
                                     receive_plan, send_plan, weighted_sum)
 from common.moe.memory import CudaMemory
@@ -76,7 +76,7 @@ class NcclAllToAll(Stages):
         L, xp = self.L, self.xp
         self._stage("dispatched", "combine sent")
         self.out = xp.empty((len(self.gather), L.hidden), xp.uint16)
-        self.out[self.gather] = ref.to_bf16(expert_out)
+        self.out[self.gather] = rounding.to_bf16(expert_out)
         self.back = xp.empty((self.n_tokens * L.topk, L.hidden), xp.uint16)
         self._exchange(self.out, self.from_each, self.back, self.per_dest, L.out_row)
 

@@ -1,6 +1,6 @@
 """The host proxy of chapters 16 and 17: the thread that drives the NICs for the device side.
 
-Its loop is in C (proxy.c, built as common._proxy; chapter 16 teaches it): the device side
+Its loop is in C (proxy.c, built as common.moe._native; chapter 16 teaches it): the device side
 (numpy on the host, or GPU kernels) writes commands into a ring in host memory, the loop
 posts them as WRITEs with immediate data and turns each immediate that arrives into a stamp
 in an arrival table. This module opens what the loop drives: an endpoint on each NIC of the
@@ -15,8 +15,9 @@ import time
 
 from common import bounds
 from common.engine.nics import rank_nics
-from common.fabric import cuda_driver, memory
-from common._proxy import ffi, lib as native
+from common.fabric import memory
+from common.gpu import cuda_driver
+from common.moe._native import ffi, lib as native
 from common.fabric import lib
 import common.fabric as fi
 

@@ -66,7 +66,7 @@ int tx_write_prepared(struct tx_copier *c, struct tx_copy *a, struct tx_inbox_re
  * own that the kernel's waits for, so that the upload of one command's table overlaps the
  * kernel of the one before. A command too long for half the ring goes as several
  * kernels, in the stream's order, its items all checked before the first; only the last
- * stores the command's seq. A prepared command (engine.Prepared) has its table on the GPU
+ * stores the command's seq. A prepared command (commands.Prepared) has its table on the GPU
  * already, checked once when it was made: its launch is the launch alone, and where
  * the copier has a resident kernel (ipc.cu's ipc_stand) a small one is not even that:
  * a job of ten words in the kernel's queue.

@@ -1,6 +1,6 @@
-"""The transfer engine itself: Engine, its peers, regions and commands (see the package's
-docstring); the byte formats are wire.py's, the control endpoint control.py's."""
-import collections
+"""The transfer engine itself: Engine, set up, addresses, regions, arrivals, control
+messages and waits (see the package's docstring); its WRITE calls are commands.py's, the
+byte formats wire.py's, the control endpoint control.py's."""
 import os
 import secrets
 import struct
@@ -14,19 +14,16 @@ import common.fabric as fi
 from common import bounds, launch
 from common.engine import topo
 from common.engine.nics import rank_nics
-from common.fabric import cuda_driver, lib, memory
+from common.fabric import lib, memory
+from common.gpu import cuda_driver
 from common.transfer import ipc, wire
+from common.transfer._native import ffi as _ffi, lib as native
+from common.transfer.commands import RING, Group, Writes
 from common.transfer.control import Control
+from common.transfer.regions import SIGNAL, Peer, Region, RemoteRegion, buffer_of
+from common.transfer.transfers import TransferError
 
-try:
-    from common._transfer import ffi as _ffi, lib as native
-except ImportError as e:  # not built, or built before worker.c existed
-    raise ImportError(f"the transfer engine's worker is not built ({e}): run "
-                      "'.venv/bin/python common/_build_native.py'") from None
-
-RING = 1024            # commands queued at once (a power of two)
 IMM_TABLE = 1 << 14    # distinct immediate values the arrival table holds (a power of two)
-SIGNAL = 8             # bytes of the signal region a barrier writes into
 NAP_US = 20            # the worker's sleep when idle a while (it yields before that)
 # A wait (Engine._until) spins for its first HOT seconds, yields until SPIN, then naps
 # (a yield took about 1 us on an H200 box, a resident copier's command 7 us there:
@@ -34,265 +31,12 @@ NAP_US = 20            # the worker's sleep when idle a while (it yields before 
 # at least every CHECK_EVERY seconds (each look took 3-5 us there)
 HOT, SPIN, CHECK_EVERY = 20e-6, 1e-3, 50e-6
 SPREADS = ("round-robin", "per-peer")
-PHASES = ("building", "picking up", "posting", "completing", "seeing")  # Transfer.phases
 CACHE_SIZE = "FI_MR_CACHE_MAX_SIZE"  # see Engine: GPU regions larger than its default
+CLOSED = ("this engine is closed (its Closer has run): it connects, registers, sends and "
+          "awaits nothing more")
 
 
-# A command, every argument checked but its items (pages_of's arrays): WRITE i goes from
-# page src_items[i] of src to page dst_items[i] of dst, or from byte offset to byte offset
-# where page_size is None; length bytes each, or lengths[i]
-Command = collections.namedtuple(
-    "Command", "peer src dst src_items dst_items page_size length lengths imm inject")
-
-
-class TransferError(fi.FabricError):
-    """A WRITE failed; the text is the provider's (fi_cq_strerror) or the call's. A
-    FabricError, so that a chapter says it in one line (cli.run): tcp fails the WRITEs in
-    flight to a peer that died."""
-
-    def __init__(self, text, rc=0):
-        RuntimeError.__init__(self, text)  # the whole text: no call of ours to name first
-        self.call, self.rc, self.text = "a WRITE", rc, text
-
-
-class Peer:
-    """Another engine, connected: its address in each of our NICs' AVs."""
-
-    def __init__(self, index, ident, addrs, signal, control):
-        self.index, self.id = index, ident
-        self.addr = addrs        # fi_addr_t[nics]: its NIC i in our NIC i's AV
-        self.signal = signal     # its signal region (a RemoteRegion)
-        self.control = control   # its control endpoint in our control AV
-        self.ipc = None          # an ipc.Route where GPU pages go by CUDA IPC
-        self.route = "libfabric"  # or "cuda-ipc": how pages between GPU memory go ...
-        self.why = "host memory"  # ... and why
-
-    def __repr__(self):
-        return f"Peer({self.index})"
-
-
-class Region:
-    """Memory registered on every NIC's domain, as a WRITE's source and target."""
-
-    def __init__(self, engine, ptr, size, descs, bases, keys, gpu=None, ipc_handle=b""):
-        self.engine, self.ptr, self.size, self.gpu = engine, ptr, size, gpu
-        self.descs = _ffi.new("void *[]", descs)
-        self.bases, self.keys = bases, keys
-        self.ipc_handle = ipc_handle  # ipc.HANDLE, for GPU memory CUDA can share
-
-    def descriptor(self):
-        """Everything a peer needs to WRITE into this region: address, size, per NIC
-        (remote base, key), and for GPU memory its CUDA IPC handle. Send it (a control
-        message, an allgather)."""
-        return wire.pack_region(self.ptr, self.size, self.bases, self.keys, self.ipc_handle)
-
-
-class RemoteRegion:
-    """A peer's region, from its descriptor."""
-
-    def __init__(self, ptr, size, bases, keys, ipc_handle=None):
-        self.ptr, self.size = ptr, size
-        self.bases = _ffi.new("uint64_t[]", bases)
-        self.keys = _ffi.new("uint64_t[]", keys)
-        self.ipc = ipc_handle  # (handle, offset, pid) where CUDA IPC can map it
-
-
-class Transfer:
-    """One command's WRITEs: done when every one completed; wait() raises on failure."""
-
-    def __init__(self, engine, command, keep):
-        self.engine, self.command, self._keep = engine, command, keep
-        self.count = command.count
-
-    @property
-    def done(self):
-        return native.tx_done(self.command) >= self.count
-
-    def wait(self, timeout=None):
-        """Wait until every WRITE completed; TransferError (the provider's text) if one
-        failed, TimeoutError after `timeout` s (default: the engine's)."""
-        timeout = self.engine.timeout if timeout is None else timeout
-        self.engine._until(lambda: self.done, timeout, lambda: (
-            f"{self.count} WRITEs not completed within {timeout:g} s "
-            f"({native.tx_done(self.command)} completed, {self.command.posted} posted)"))
-        self.raise_failure()
-        return self
-
-    def phases(self, called, returned):
-        """Where a finished command's time went, in seconds: from the call that made it
-        (`called`, time.monotonic_ns()) to its queuing (Python building it), the worker's
-        first post, its last post, the last completion, and `returned` (time.monotonic_ns()
-        once wait() returned: Python seeing it). The worker's stamps are CLOCK_MONOTONIC's,
-        time.monotonic's clock."""
-        marks = [called, *(int(t) for t in self.command.ns), returned]
-        return {name: (b - a) * 1e-9 for name, a, b in zip(PHASES, marks, marks[1:])}
-
-    def raise_failure(self):
-        c = self.command
-        if native.tx_status(c):
-            raise TransferError(f"WRITE on NIC {c.failed_nic} failed: "
-                                f"{_ffi.string(c.error).decode(errors='replace')} "
-                                f"(ret {c.status}; {c.skipped} of {c.count} not posted)",
-                                c.status)
-
-
-class IpcTransfer:
-    """One command sent by CUDA IPC (ipc.py): done once its kernel stored its sequence
-    number into the peer's inbox; nothing can fail after the launch but the GPU itself."""
-
-    def __init__(self, engine, record, seq, count, queued, launched):
-        self.engine, self.record, self.seq = engine, record, seq
-        self.count, self.ns = count, (queued, launched, 0)  # ns: queued, launched, seen
-
-    @property
-    def done(self):
-        if self.ns[2]:
-            return True
-        if self.record.seq < self.seq:  # a later lap of the ring stores a larger one
-            return False
-        self.ns = (*self.ns[:2], time.monotonic_ns())
-        return True
-
-    def wait(self, timeout=None):
-        timeout = self.engine.timeout if timeout is None else timeout
-        self.engine._until(lambda: self.done, timeout, lambda: (
-            f"a command of {self.count} copies by CUDA IPC not done within {timeout:g} s"))
-        return self
-
-    def phases(self, called, returned):
-        """As Transfer.phases: building (Python), posting (the launch), completing (the
-        kernel, until Python saw its mark), seeing; no worker picks it up."""
-        queued, launched, seen = self.ns
-        marks = [called, queued, queued, launched, seen or returned, returned]
-        return {name: (b - a) * 1e-9 for name, a, b in zip(PHASES, marks, marks[1:])}
-
-    def raise_failure(self):
-        pass
-
-
-class Prepared:
-    """A command made once and written many times (Engine.prepare_pages, prepare_list), as
-    a KV cache's layers or a model's weights are sent again and again with the same layout.
-    Its items are checked and turned into byte offsets once; on the CUDA IPC route its
-    table goes to the GPU once, so that each write() is one kernel launch, with no pass
-    over the items and no upload. On libfabric each write() hands the worker those
-    offsets, shifted.
-
-    write(imm, src_shift, dst_shift): the same WRITEs, every source item moved by
-    src_shift and every destination item by dst_shift (pages, or bytes for prepare_list):
-    chapter 18's layer l is layer 0's pages, shifted."""
-
-    def __init__(self, engine, command):
-        self.engine, self.command = engine, command
-        self.unit = command.page_size or 1
-        offsets = self.offsets = [offsets_of(command, side) for side in (0, 1)]  # checked
-        ends = [o + (command.length if command.lengths is None else command.lengths)
-                for o in offsets]
-        self.reach = [int(e.max()) if len(e) else 0 for e in ends]  # the furthest byte
-        self.route = engine._route(command)
-        if self.route:
-            self._on_gpu(offsets)
-
-    def _on_gpu(self, offsets):
-        """The kernel's table (byte offsets, then lengths), uploaded on the copier's stream
-        for uploads, which its kernels' stream then waits for: an upload from pageable
-        memory waits for its stream's earlier work, which on the kernels' stream would be
-        the copies in flight. An IpcTransfer keeps the table until its kernel is done."""
-        c, cp = self.command, memory.cupy()
-        parts = offsets if c.lengths is None else [*offsets, c.lengths]
-        memory.current(self.engine.gpu)
-        copier = self.route.routes.copier
-        with copier.uploads:
-            self.table = cp.asarray(np.concatenate(parts).astype(np.uint64))
-            uploaded = cp.cuda.Event(disable_timing=True)
-            uploaded.record()
-        copier.stream.wait_event(uploaded)
-        a = self.args = _ffi.new("struct tx_copy *")
-        a.count, a.scale, a.length = len(offsets[0]), 1, c.length
-        a.table, a.table_lengths = self.table.data.ptr, c.lengths is not None
-        a.longest = c.length if c.lengths is None else int(c.lengths.max(initial=0))
-        self.src, self.dst = c.src.ptr, self.route.address_of(c.dst)
-
-    def write(self, imm=None, src_shift=0, dst_shift=0):
-        eng, c = self.engine, self.command
-        eng._check_imm(imm)
-        if src_shift or dst_shift:  # the unshifted command was checked when it was made
-            self._check_shifts(src_shift, dst_shift)
-        if not self.route:  # the offsets checked when it was made, shifted
-            eng._check()
-            return eng._post(c._replace(imm=imm), self.offsets[0] + src_shift * self.unit,
-                             self.offsets[1] + dst_shift * self.unit)
-        # The CUDA IPC route, lean: a launch is ~6 us here and the kernel of 100 pages 6-8
-        eng._check()
-        route = self.route
-        if not route.room():
-            eng._room(route, c.peer)
-        queued = time.monotonic_ns()
-        record, seq = route.launch(self.args, imm, self.src + src_shift * self.unit,
-                                   self.dst + dst_shift * self.unit)
-        eng._ipc_commands += 1
-        t = IpcTransfer(eng, record, seq, self.args.count, queued, time.monotonic_ns())
-        t.keep = self.table  # read by the kernel until it is done
-        return eng._track(t)
-
-    def _check_shifts(self, src_shift, dst_shift):
-        c = self.command
-        for name, shift, region, reach in (("src_shift", src_shift, c.src, self.reach[0]),
-                                           ("dst_shift", dst_shift, c.dst, self.reach[1])):
-            if not isinstance(shift, (int, np.integer)) or shift < 0:
-                raise ValueError(f"{name} must be a non-negative integer, not {shift!r}")
-            if reach + shift * self.unit > region.size:
-                raise ValueError(f"{name} {shift} puts bytes up to {reach + shift * self.unit}"
-                                 f" in a region of {region.size}")
-
-
-class Group:
-    """Engines that scatter and meet at barriers: `peers`, member i being peers[i]."""
-
-    def __init__(self, engine, peers):
-        self.engine, self.members = engine, list(peers)
-
-    def scatter(self, src, dsts, length, imm=None):
-        """Slice i of `src` (bytes [i*length, (i+1)*length)) to member i's region dsts[i]
-        (at its start), each WRITE with `imm`. One Transfer for all of them."""
-        if len(dsts) != len(self.members):
-            raise ValueError(f"{len(dsts)} destinations for {len(self.members)} members")
-        parts = [self.engine._command(p, src, np.array([i * length], np.uint64), d,
-                                      np.zeros(1, np.uint64), length, imm)
-                 for i, (p, d) in enumerate(zip(self.members, dsts))]
-        for part in parts:  # all checked before the first is posted
-            offsets_of(part, 0), offsets_of(part, 1)
-        return _Several([self.engine._submit(part) for part in parts])
-
-    def barrier(self, imm, timeout=None):
-        """An 8-byte WRITE with `imm` to each member's signal region, then wait for one
-        from each member (expect(imm, len(members)))."""
-        timeout = self.engine.timeout if timeout is None else timeout
-        eng = self.engine
-        sent = [eng.signal(p, imm) for p in self.members]
-        eng.expect(imm, len(self.members), timeout)
-        for t in sent:
-            t.wait(timeout)
-
-
-class _Several:
-    """Transfers that are done together (a scatter's, one per member)."""
-
-    def __init__(self, transfers):
-        self.transfers = transfers
-        self.count = sum(t.count for t in transfers)
-
-    @property
-    def done(self):
-        return all(t.done for t in self.transfers)
-
-    def wait(self, timeout=None):
-        for t in self.transfers:
-            t.wait(timeout)
-        return self
-
-
-class Engine:
+class Engine(Writes):
     """One GPU's (or process's) transfer engine; see the package's docstring."""
 
     def __init__(self, own, provider=None, gpu=None, nics=None, spread="round-robin",
@@ -318,6 +62,7 @@ class Engine:
             os.environ[CACHE_SIZE] = str(1 << 40)
         info, _ = fi.pick(provider, lib.FI_MSG | lib.FI_RMA, hmem=gpu is not None)
         self.provider = fi.provider_of(info)
+        self.name = fi.name_of(info)  # as Engine(provider=...) names it: shm, tcp, efa-direct
         # A NIC (efa, verbs) writes GPU memory by GPUDirect RDMA: seeing its completion on
         # the host does not make those writes visible to the GPU's later reads unless the
         # device orders them for their owner; else expect() flushes them (CUDA driver API,
@@ -333,6 +78,7 @@ class Engine:
         # control messages go through NIC 0 (Control), so its link carries them
         self.max_send = fi.max_send(self.infos[0])
         self.id = secrets.randbits(32)
+        self.rc, self.error = None, None  # the worker's return code; why calls are refused
         self._keys = iter(range(1, 1 << 30))  # requested MR keys (tcp takes ours: unique)
         self._watch, self._peers, self._taken = [], {}, {}
         self._inflight, self._prune_at = [], 16  # Transfers the worker may still touch
@@ -364,7 +110,7 @@ class Engine:
         if gpu is not None and cuda_ipc:
             try:
                 self._inbox = ipc.Inbox(own, _ffi, ipc.bus_id(gpu))
-                self._routes = ipc.Routes(self, _ffi)
+                self._routes = ipc.Routes(self)
                 w.inbox = self._inbox.box
             except OSError as e:
                 self.ipc_why = f"no inbox for CUDA IPC ({e.strerror or e})"
@@ -375,7 +121,6 @@ class Engine:
         own.callback(self._held.clear)
         own.callback(self._regions.close)
         self._signal = self.register(np.zeros(SIGNAL, np.uint8))
-        self.rc, self.error = None, None
         self._thread = threading.Thread(target=self._run, args=(worker_cores(gpu),),
                                         daemon=True, name="transfer worker")
         # runs first: before the registrations and endpoints close; set before the thread
@@ -399,28 +144,35 @@ class Engine:
             self.error, self.rc = e, -lib.FI_EOTHER
 
     def _stop(self):
+        # said first: from here on every call is refused (_check), even where the join
+        # gives up, rather than made on endpoints and domains that are closing
+        self.error = TransferError(CLOSED)
         self._w.stop = 1
         bounds.join([self._thread], "the transfer engine")
-        self.error = TransferError("this engine is closed (its Closer has run): nothing more "
-                                   "can be sent or awaited")
 
     # --- addresses and regions ---------------------------------------------------------
 
     def address(self):
         """All a peer needs to connect: our id, control address, NIC count, each data
         NIC's address and our signal region's descriptor."""
+        self._check()
         inbox = self._inbox.address if self._inbox else b""
-        return wire.pack_address(self.id, fi.getname(self._control.ep), inbox,
+        return wire.pack_address(self.id, self.name, fi.getname(self._control.ep), inbox,
                                  [fi.getname(ep) for ep in self.eps], self._signal.descriptor())
 
     def connect(self, address):
         """The Peer at `address` (another engine's address()): inserted in every AV. Its
         `route` says how GPU pages go to it: "cuda-ipc" where it is on this host and our
         GPU reaches its GPU (ipc.py), else "libfabric"; `why` says why."""
-        ident, control, inbox, names, signal = wire.parse_address(address)
+        self._check()
+        ident, provider, control, inbox, names, signal = wire.parse_address(address)
+        if provider != self.name:  # else a name one provider takes, another's WRITEs lost
+            raise ValueError(f"that engine runs on {provider} and this one on {self.name}: "
+                             "give both the same provider")
         if len(names) != len(self.eps):
             raise ValueError(f"that engine has {len(names)} NICs and this one "
-                             f"{len(self.eps)}: NIC i writes to NIC i, so counts must match")
+                             f"{len(self.eps)}: NIC i writes to NIC i, so give both the same "
+                             "nics")
         if ident in self._peers:
             return self._peers[ident]
         # a peer's address is never trusted: checked before each AV takes it (fi.av_insert)
@@ -440,6 +192,7 @@ class Engine:
         """Register `array` (numpy, cupy or torch; contiguous; not copied) on every NIC's
         domain, for WRITEs from it and into it. The engine holds the array until it closes,
         as long as the registration lasts: a peer may WRITE into it until then."""
+        self._check()
         ptr, size, gpu = buffer_of(array)
         if size == 0:
             raise ValueError("cannot register an empty array")
@@ -465,178 +218,12 @@ class Engine:
 
     def remote(self, descriptor):
         """A peer's region from its descriptor (Region.descriptor() over there)."""
+        self._check()
         ptr, size, bases, keys, handle = wire.parse_region(descriptor)
         if len(keys) != len(self.eps):
             raise ValueError(f"that region is registered on {len(keys)} NICs, this engine has "
-                             f"{len(self.eps)}: NIC counts must match")
+                             f"{len(self.eps)}: give both engines the same nics")
         return RemoteRegion(ptr, size, bases, keys, handle)
-
-    # --- WRITEs --------------------------------------------------------------------
-
-    def write(self, peer, src, src_offset, dst, dst_offset, length, imm=None, inject=False):
-        """One WRITE of `length` bytes from src[src_offset:] to dst[dst_offset:].
-
-        inject=True (here and in write_pages, write_list): each WRITE of at most
-        inject_size bytes is injected (fi_inject_write, fi_inject_writedata) and done once
-        posted: the provider has copied its source, which may be reused at once, but
-        nothing says it was delivered; the receiver's count of its immediate does. No
-        command can say it failed: an error entry the provider writes for it (with no
-        context) stops the engine, every later call raising. Longer WRITEs go as without
-        inject, with a completion."""
-        for name, value in (("src_offset", src_offset), ("dst_offset", dst_offset)):
-            if not isinstance(value, (int, np.integer)) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
-        return self._submit(self._command(peer, src, np.array([src_offset], np.uint64), dst,
-                                          np.array([dst_offset], np.uint64), length, imm,
-                                          inject))
-
-    def write_pages(self, peer, src, src_pages, dst, dst_pages, page_size, imm=None,
-                    inject=False):
-        """Page src_pages[i] of `src` to page dst_pages[i] of `dst` (page p: bytes
-        [p*page_size, (p+1)*page_size)), one WRITE each, all posted by the worker."""
-        return self._submit(self._pages(peer, src, src_pages, dst, dst_pages, page_size,
-                                        imm, inject))
-
-    def write_list(self, peer, src, src_offsets, dst, dst_offsets, lengths, imm=None,
-                   inject=False):
-        """WRITE i: lengths[i] bytes from src[src_offsets[i]:] to dst[dst_offsets[i]:],
-        all posted by the worker (chapter 19: a layer's tensors of several sizes)."""
-        return self._submit(self._list(peer, src, src_offsets, dst, dst_offsets, lengths,
-                                       imm, inject))
-
-    def prepare_pages(self, peer, src, src_pages, dst, dst_pages, page_size, inject=False):
-        """write_pages made once, to be written many times (Prepared.write): its pages
-        checked now, and on the CUDA IPC route its table put on the GPU now."""
-        return Prepared(self, self._pages(peer, src, src_pages, dst, dst_pages, page_size,
-                                          None, inject))
-
-    def prepare_list(self, peer, src, src_offsets, dst, dst_offsets, lengths, inject=False):
-        """write_list made once, to be written many times (Prepared.write)."""
-        return Prepared(self, self._list(peer, src, src_offsets, dst, dst_offsets, lengths,
-                                         None, inject))
-
-    def _pages(self, peer, src, src_pages, dst, dst_pages, page_size, imm, inject):
-        if not isinstance(page_size, (int, np.integer)) or page_size <= 0:
-            raise ValueError(f"page_size must be a positive integer, not {page_size!r}")
-        src_pages, dst_pages = pages_of(src_pages, "src_pages"), pages_of(dst_pages, "dst_pages")
-        if len(src_pages) != len(dst_pages):
-            raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} "
-                             "destination pages")
-        return self._command(peer, src, src_pages, dst, dst_pages, page_size, imm, inject,
-                             page_size=int(page_size))
-
-    def _list(self, peer, src, src_offsets, dst, dst_offsets, lengths, imm, inject):
-        offsets = [pages_of(x, name, "byte counts") for x, name in (
-            (src_offsets, "src_offsets"), (dst_offsets, "dst_offsets"), (lengths, "lengths"))]
-        if len({len(x) for x in offsets}) != 1:
-            raise ValueError(f"{len(offsets[0])} source offsets, {len(offsets[1])} "
-                             f"destination offsets and {len(offsets[2])} lengths")
-        if len(offsets[2]) and offsets[2].dtype.kind == "i" and offsets[2].min() < 0:
-            raise ValueError(f"lengths has a negative byte count ({int(offsets[2].min())})")
-        return self._command(peer, src, offsets[0], dst, offsets[1],
-                             offsets[2].astype(np.uint64), imm, inject)
-
-    def _check_ends(self, peer, src, dst):
-        if not isinstance(peer, Peer) or self._peers.get(peer.id) is not peer:
-            raise ValueError("that peer is not one of this engine's (use Engine.connect)")
-        if not isinstance(src, Region) or src.engine is not self:
-            raise ValueError("the source must be a region registered by this engine "
-                             "(Engine.register)")
-        if not isinstance(dst, RemoteRegion):
-            raise ValueError("the destination must be a RemoteRegion (Engine.remote)")
-
-    def _command(self, peer, src, src_items, dst, dst_items, length, imm, inject=False,
-                 page_size=None):
-        """A Command, every argument checked but the items (_submit's route checks them as
-        it builds the WRITEs' offsets): ValueError, nothing posted. The items are page
-        numbers of `page_size` bytes, or byte offsets (page_size None), int64 or uint64
-        (pages_of); `length`: every WRITE's, or an array of one per WRITE."""
-        self._check_ends(peer, src, dst)
-        lengths = length if isinstance(length, np.ndarray) else None
-        if lengths is None and not isinstance(length, (int, np.integer)):
-            raise ValueError(f"a WRITE's length must be an integer, not {length!r}")
-        sizes = [length] if lengths is None else \
-            [int(lengths.min()), int(lengths.max())] if len(lengths) else []
-        for size in sizes:
-            if not 0 < size <= self.max_write:
-                raise ValueError(f"a WRITE's length must be 1 to {self.max_write} bytes "
-                                 f"({self.provider}'s largest), not {size}")
-        self._check_imm(imm)
-        return Command(peer, src, dst, src_items, dst_items, page_size,
-                       0 if lengths is not None else int(length), lengths, imm, inject)
-
-    def _check_imm(self, imm):
-        bits = 8 * self.cq_data_size
-        if imm is not None and (not isinstance(imm, (int, np.integer))
-                                or not 0 <= imm < 1 << bits):
-            raise ValueError(f"imm {imm!r} does not fit the {self.cq_data_size} bytes of "
-                             f"immediate data {self.provider} carries (0 to {(1 << bits) - 1})")
-
-    def _route(self, command):
-        """The ipc.Route that carries `command`, or None: libfabric."""
-        peer, src, dst = command.peer, command.src, command.dst
-        return peer.ipc if peer.ipc and dst.ipc and src.gpu == self.gpu else None
-
-    def _submit(self, command):
-        self._check()
-        route = self._route(command)
-        if route:
-            return self._submit_ipc(route, command)
-        return self._post(command, offsets_of(command, 0), offsets_of(command, 1))
-
-    def _post(self, command, src_offsets, dst_offsets):
-        """Hand the worker `command`, its items as byte offsets already checked."""
-        peer, src, dst = command.peer, command.src, command.dst
-        w = self._w
-        if w.head - native.tx_tail(w) >= RING:
-            self._until(lambda: w.head - native.tx_tail(w) < RING, self.timeout,
-                        lambda: f"room in the worker's ring of {RING} commands")
-        c = _ffi.new("struct tx_command *")
-        c.count, c.length = len(src_offsets), command.length
-        if command.lengths is not None:
-            c.lengths = _ffi.cast("uint64_t *", command.lengths.ctypes.data)
-        c.src = _ffi.cast("uint64_t *", src_offsets.ctypes.data)
-        c.dst = _ffi.cast("uint64_t *", dst_offsets.ctypes.data)
-        c.local_base = _ffi.cast("char *", src.ptr)
-        c.local_descs, c.remote_base, c.remote_key = src.descs, dst.bases, dst.keys
-        c.addr = peer.addr
-        c.round_robin = self.spread == "round-robin"
-        c.nic = peer.nic
-        c.has_imm, c.imm = command.imm is not None, command.imm or 0
-        c.inject_size = self.inject_size if command.inject else 0
-        t = self._track(Transfer(self, c, (command, src_offsets, dst_offsets)))
-        native.tx_submit(w, c)
-        return t
-
-    def _submit_ipc(self, route, command):
-        self._room(route, command.peer)
-        queued = time.monotonic_ns()
-        record, seq, bad = route.submit(
-            command, lambda ready, why: self._until(ready, self.timeout, why))
-        if bad:
-            refuse(command, *bad)
-        self._ipc_commands += 1
-        return self._track(IpcTransfer(self, record, seq, len(command.src_items), queued,
-                                       time.monotonic_ns()))
-
-    def _room(self, route, peer):
-        if not route.room():
-            self._until(route.room, self.timeout, lambda: (
-                f"peer {peer.index} took none of our last {ipc.RECORDS} commands by "
-                f"CUDA IPC within {self.timeout:g} s: is it still running?"))
-
-    def _track(self, transfer):
-        """Hold `transfer` (and what it keeps alive) until it is done."""
-        self._inflight.append(transfer)
-        if len(self._inflight) > self._prune_at:  # now and then: each .done costs a read
-            self._inflight = [x for x in self._inflight if not x.done]
-            self._prune_at = 2 * len(self._inflight) + 16
-        return transfer
-
-    def signal(self, peer, imm):
-        """An 8-byte WRITE with `imm` into the peer's signal region: a message that is
-        only its immediate (the peer expects it)."""
-        return self.write(peer, self._signal, 0, peer.signal, 0, SIGNAL, imm)
 
     # --- arrivals ------------------------------------------------------------------
 
@@ -650,6 +237,7 @@ class Engine:
         later expect(imm, ...) needs new ones. On shm of libfabric 2.x, arrivals from a
         peer that keeps writing are counted once it pauses (README, "Using another
         libfabric")."""
+        self._check()
         timeout = self.timeout if timeout is None else timeout
         taken = self._taken.get(imm, 0)
         arrived = lambda: self.arrived(imm)  # noqa: E731
@@ -679,10 +267,11 @@ class Engine:
     def send(self, peer, data):
         """SEND `data` (at most fi.max_send bytes) to `peer`'s control endpoint; returns
         once it completed. It carries our engine id as immediate data."""
+        self._check()
         data = bytes(data)
         if len(data) > self.max_send:
             raise ValueError(f"a control message of {len(data)} bytes; at most "
-                             f"{self.max_send} (fabric.max_send)")
+                             f"{self.max_send} (Engine.max_send)")
         if not isinstance(peer, Peer) or self._peers.get(peer.id) is not peer:
             raise ValueError("that peer is not one of this engine's (use Engine.connect)")
         self._control.send(peer, data, self.id & ((1 << 8 * min(4, self.cq_data_size)) - 1),
@@ -691,6 +280,7 @@ class Engine:
     def recv(self, timeout=None):
         """(the Peer that sent it, or None if not connected yet, the bytes) of the next
         control message."""
+        self._check()
         timeout = self.timeout if timeout is None else timeout
         ident, data = self._control.recv(timeout)
         mask = (1 << 8 * min(4, self.cq_data_size)) - 1
@@ -727,7 +317,8 @@ class Engine:
             self._routes.copier.rest(self.timeout)
 
     def _check(self):
-        if self.rc is not None:
+        """Raise why this engine does nothing more: it is closed, or its worker stopped."""
+        if self.error is not None or self.rc is not None:
             raise self._failure()
 
     def _failure(self):
@@ -771,71 +362,6 @@ class Engine:
             else:
                 nap = min(max(2 * nap, 20e-6), 1e-3, max(20e-6, (now - start) / 16))
                 time.sleep(nap)
-
-
-def pages_of(pages, name, what="page numbers"):
-    """`pages` as a contiguous int64 or uint64 array (itself where it is one): ValueError
-    unless it is a sequence of integers. offsets_of checks their values."""
-    array = np.asarray(pages)
-    if array.ndim != 1 or (len(array) and array.dtype.kind not in "iu"):
-        raise ValueError(f"{name} must be a sequence of {what}")
-    if array.dtype not in (np.int64, np.uint64) or not array.flags.c_contiguous:
-        array = np.ascontiguousarray(array, np.uint64 if array.dtype.kind == "u" else np.int64)
-    return array
-
-
-def offsets_of(command, side):
-    """The byte offsets (a new uint64 array) of a command's items on `side` (0: source,
-    1: destination), built and checked in one pass of C (tx_offsets); refuse() the first
-    that is negative or puts its WRITE out of its region."""
-    items = command.dst_items if side else command.src_items
-    out = np.empty(len(items), np.uint64)
-    lengths = command.lengths
-    at = native.tx_offsets(_ffi.from_buffer(items), items.dtype.kind == "i", len(items),
-                           command.page_size or 1, command.length,
-                           _ffi.NULL if lengths is None else _ffi.from_buffer("uint64_t[]", lengths),
-                           (command.dst if side else command.src).size,
-                           _ffi.from_buffer("uint64_t[]", out))
-    if at >= 0:
-        refuse(command, side, at)
-    return out
-
-
-def refuse(command, side, at):
-    """ValueError for item `at` of the command's `side`, found out of range."""
-    items, region = (command.dst_items, command.dst) if side else (command.src_items, command.src)
-    paged, item = command.page_size is not None, int(items[at])
-    n = int(command.length if command.lengths is None else command.lengths[at])
-    where = ("destination", "dst") if side else ("source", "src")
-    arg = where[1] + ("_pages" if paged else "_offsets")
-    if item < 0:
-        what = "page number" if paged else "byte offset"
-        raise ValueError(f"{arg} has a negative {what} ({item})")
-    if paged:
-        raise ValueError(f"{where[0]} page {item} is out of range: the region holds "
-                         f"{region.size // command.page_size} pages of {command.page_size} bytes")
-    raise ValueError(f"{where[0]} bytes {item}..{item + n} are out of range: the region has "
-                     f"{region.size}")
-
-
-def buffer_of(array):
-    """(address, bytes, GPU or None) of a numpy, cupy or torch array, which must be
-    contiguous (a registration is one range)."""
-    if isinstance(array, np.ndarray):
-        if not array.flags.c_contiguous:
-            raise ValueError("the array must be contiguous")
-        return array.ctypes.data, array.nbytes, None
-    if hasattr(array, "data_ptr") and hasattr(array, "is_contiguous"):  # torch
-        if not array.is_contiguous():
-            raise ValueError("the tensor must be contiguous")
-        gpu = array.device.index if array.is_cuda else None
-        return array.data_ptr(), array.numel() * array.element_size(), gpu
-    if hasattr(array, "data") and hasattr(array, "device") and hasattr(array.data, "ptr"):
-        if not array.flags.c_contiguous:  # cupy
-            raise ValueError("the array must be contiguous")
-        return array.data.ptr, array.nbytes, array.device.id
-    raise ValueError(f"cannot register a {type(array).__name__}: numpy, cupy or torch arrays")
-
 
 def inject_size(infos):
     """The longest WRITE inject=True injects on every NIC: tx_attr.inject_size, 4 KiB on

@@ -1,6 +1,7 @@
 // The transfer engine's CUDA IPC route (common/transfer/ipc.py): one command's copies,
 // made by the GPU straight into a peer's memory on this host, then marked done in the
 // peer's inbox (host memory its worker polls).
+#include "device.cuh"  // common/gpu/: gpu_now, the GPU's global timer
 
 // table: the command's source items, then its destination items, then (with `lengths`)
 // each copy's length; else every copy is `length` bytes. An item times `scale` is a
@@ -83,13 +84,6 @@ extern "C" __global__ void ipc_copy(const char *src, char *dst,
 #define STAND_LEAVING 2
 #define STAND_STOPPED 3
 
-__device__ unsigned long long ipc_now()
-{
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
 extern "C" __global__ void ipc_stand(volatile unsigned long long *queue,
                                      volatile unsigned long long *scratch,
                                      unsigned long long start, unsigned long long epoch,
@@ -100,14 +94,14 @@ extern "C" __global__ void ipc_stand(volatile unsigned long long *queue,
         if (threadIdx.x >= 32)
             return;
         unsigned int lane = threadIdx.x;
-        unsigned long long next = start, last = ipc_now(), looks = 0;
+        unsigned long long next = start, last = gpu_now(), looks = 0;
         for (;;) {
             unsigned long long published = 0;
             int idle = 0;
             if (lane == 0) {  // one read of host memory a look (about 1 us): quit now and then
                 published = queue[0];
                 idle = published <= next &&
-                       (ipc_now() - last >= idle_ns || (++looks % 64 == 0 && queue[3]));
+                       (gpu_now() - last >= idle_ns || (++looks % 64 == 0 && queue[3]));
             }
             published = __shfl_sync(~0u, published, 0);
             if (published > next) {
@@ -123,7 +117,7 @@ extern "C" __global__ void ipc_stand(volatile unsigned long long *queue,
                 if (lane == 0)
                     scratch[0] = published;
                 next = published;
-                last = ipc_now();
+                last = gpu_now();
                 continue;
             }
             if (!__shfl_sync(~0u, idle, 0))

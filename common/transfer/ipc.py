@@ -25,13 +25,14 @@ SIGKILLed peer's region, then a new allocation, both without error).
 """
 import mmap
 import os
-import struct
 import time
 import uuid
 
 import numpy as np
 
-from common.fabric import cuda_driver, memory
+from common.fabric import memory
+from common.gpu import INCLUDE, cuda_driver
+from common.transfer import wire
 
 WRITERS, RECORDS = 32, 1024    # writer rings in an inbox; commands in flight per writer
 MAGIC = b"TXIPC01\0"
@@ -45,12 +46,6 @@ DIRECT = 512                   # tables this short (entries) the kernel reads in
 STAND_SLOTS, STAND_JOB, STAND_CHUNKS = 64, 10, 4
 STAND_RUNNING, STAND_LEAVING, STAND_STOPPED = 1, 2, 3
 IDLE = 1e-3                    # seconds it stays on the GPU without a command
-# In an engine's address: this host (boot id, pid namespace), the inbox (pid, fd) and the
-# GPU (its PCI bus id, which names it whatever CUDA_VISIBLE_DEVICES says)
-HOST = struct.Struct("<16sQII16s")
-# In a region's descriptor: the allocation's IPC handle, the region's offset in it, its pid
-HANDLE = struct.Struct("<4s64sQI")
-MAGIC_HANDLE = b"IPC1"
 HOST_MAPPED = 2                # cudaHostRegisterMapped
 LAZY_PEER_ACCESS = 1           # cudaIpcMemLazyEnablePeerAccess
 KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ipc.cu")
@@ -92,7 +87,7 @@ class Inbox:
         own.callback(self.__dict__.pop, "box")  # no view left: mmap.close needs that
         ffi.memmove(self.box.magic, MAGIC, len(MAGIC))
         self.box.writers, self.box.records = WRITERS, RECORDS
-        self.address = HOST.pack(*host, os.getpid(), self.fd, bus.encode())
+        self.address = wire.pack_host(*host, os.getpid(), self.fd, bus)
 
 
 def export(ptr):
@@ -105,34 +100,23 @@ def export(ptr):
         handle = rt.ipcGetMemHandle(base)
     except Exception:
         return None
-    return HANDLE.pack(MAGIC_HANDLE, bytes(handle), ptr - base, os.getpid())
-
-
-def parse_handle(trailer):
-    """(handle, offset, pid) of a descriptor's trailer, or ValueError."""
-    magic, handle, offset, pid = HANDLE.unpack(trailer)
-    if magic != MAGIC_HANDLE:
-        raise ValueError("not a CUDA IPC handle")
-    return handle, offset, pid
+    return wire.pack_handle(bytes(handle), ptr - base, os.getpid())
 
 
 class Routes:
-    """An engine's side as a writer: the kernel, the stream its commands run on in order
-    (one block counter serves them all) and a Route per peer of this host."""
+    """An engine's side as a writer: a Copier (the kernel, the stream its commands run on
+    in order: one block counter serves them all) and a Route per peer of this host."""
 
-    def __init__(self, engine, ffi):
-        cp = memory.cupy()
-        self.engine, self.ffi, self.cp = engine, ffi, cp
-        self.host = this_host()
+    def __init__(self, engine):
+        self.engine, self.host = engine, this_host()
 
     def route(self, own, peer_host):
-        """A Route to the peer whose address carried `peer_host` (HOST), or (None, why)."""
-        boot, namespace, pid, fd, bus = HOST.unpack(peer_host)
+        """A Route to the peer whose address carried `peer_host` (wire.HOST), or (None,
+        why)."""
+        boot, namespace, pid, fd, bus = wire.parse_host(peer_host)
         if self.host != (boot, namespace):
             return None, "another host"
-        gpu, cp = self.engine.gpu, self.cp
-        rt = cp.cuda.runtime
-        bus = bus.rstrip(b"\0").decode()
+        gpu, rt = self.engine.gpu, memory.cupy().cuda.runtime
         try:
             theirs = rt.deviceGetByPCIBusId(bus)
         except Exception:
@@ -140,23 +124,18 @@ class Routes:
         if theirs != gpu and not rt.deviceCanAccessPeer(gpu, theirs):
             return None, f"GPU {gpu} cannot access GPU {theirs} (no peer access)"
         try:
-            route = Route(own, self, pid, fd)
+            route = Route(own, self.start(own), pid, fd, self.engine.id + 1,
+                          self.engine.timeout)
         except OSError as e:
             return None, f"their inbox cannot be opened ({e.strerror})"
         return route, f"CUDA IPC, GPU {gpu} -> GPU {theirs}"
 
     def start(self, own):
-        """The kernel and its stream, made once a first peer is on this host."""
+        """The Copier, made once a first peer is on this host."""
         if not hasattr(self, "copier"):
             self.copier = Copier(self.engine.gpu, resident=self.engine.resident)
-            self.stream = self.copier.stream
-            own.callback(self.quiet)  # before the regions it copies go
-
-    def quiet(self):
-        """Nothing of ours left running on the GPU: the resident kernel gone, the stream
-        done."""
-        self.copier.rest(self.engine.timeout)
-        self.stream.synchronize()
+            own.callback(self.copier.quiet, self.engine.timeout)  # before its regions go
+        return self.copier
 
 
 class Copier:
@@ -168,12 +147,12 @@ class Copier:
     With `resident`, small prepared commands go to a kernel that stays (_stand)."""
 
     def __init__(self, gpu, direct=None, resident=False):
-        from common._transfer import ffi, lib as native
+        from common.transfer._native import ffi, lib as native
         cp = memory.cupy()
         memory.current(gpu)
         self.ffi, self.native, self.gpu = ffi, native, gpu
         self.stream = cp.cuda.Stream(non_blocking=True)
-        module = cp.RawModule(code=open(KERNELS).read())
+        module = cp.RawModule(code=open(KERNELS).read(), options=(INCLUDE,))
         self.kernel = module.get_function("ipc_copy")
         self.blocks_done = cp.zeros(1, cp.uint32)  # one: the stream runs a kernel at a time
         self._memory = [cp.cuda.alloc(STAGING), cp.cuda.alloc_pinned_memory(STAGING),
@@ -241,6 +220,12 @@ class Copier:
         self.stand_stream.synchronize()  # its workers done with the last jobs
         self.queue[3] = 0
 
+    def quiet(self, timeout):
+        """Nothing of ours left running on the GPU: the resident kernel gone (within
+        `timeout` s), the stream done."""
+        self.rest(timeout)
+        self.stream.synchronize()
+
     def send(self, src, src_items, dst, dst_items, length, wait, sizes, page_size=None,
              lengths=None, seq_at=0, seq=0):
         """Queue the copies of one command on the stream: WRITE i from page (or byte
@@ -274,12 +259,14 @@ class Copier:
 
 
 class Route:
-    """The writer's CUDA IPC route to one peer of this host: its inbox mapped here (and
-    for the GPU, whose kernel stores each command's seq into it), a ring of it ours."""
+    """The writer's CUDA IPC route to one peer of this host: its inbox (the memfd `fd` of
+    process `pid`) mapped here (and for the GPU, whose kernel stores each command's seq
+    into it), a ring of it ours, claimed as `writer` (nonzero); `copier` sends the
+    commands; closing waits up to `timeout` s for its kernels."""
 
-    def __init__(self, own, routes, pid, fd):
-        ffi, cp = routes.ffi, routes.cp
-        self.routes = routes
+    def __init__(self, own, copier, pid, fd, writer, timeout):
+        ffi, cp = copier.ffi, memory.cupy()
+        self.copier, self.timeout = copier, timeout
         at = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
         try:
             self.map = mmap.mmap(at, inbox_size())
@@ -293,8 +280,8 @@ class Route:
         at = int(ffi.cast("uintptr_t", box))
         cp.cuda.runtime.hostRegister(at, inbox_size(), HOST_MAPPED)
         own.callback(cp.cuda.runtime.hostUnregister, at)
-        from common._transfer import lib as native
-        slot = native.tx_inbox_claim(box, routes.engine.id + 1)
+        native = copier.native
+        slot = native.tx_inbox_claim(box, writer)
         if slot < 0:
             raise OSError(0, f"all {WRITERS} writer rings of that inbox are taken")
         self.slot, self.records = box.slot[slot], native.tx_inbox_records(box, slot)
@@ -302,11 +289,10 @@ class Route:
         self.ffi = ffi
         self.mapped = {}  # IPC handle: its allocation's address here
         own.callback(self._close)
-        routes.start(own)
 
     def _close(self):
-        rt = self.routes.cp.cuda.runtime
-        self.routes.quiet()  # no kernel still reads or writes what we unmap
+        rt = memory.cupy().cuda.runtime
+        self.copier.quiet(self.timeout)  # no kernel still reads or writes what we unmap
         for base in self.mapped.values():
             rt.ipcCloseMemHandle(base)
         if self.slot.consumed == self.head:  # all counted: the ring is free for another
@@ -319,8 +305,8 @@ class Route:
             return remote.ptr  # our own process: already mapped
         base = self.mapped.get(handle)
         if base is None:
-            memory.current(self.routes.engine.gpu)  # mapped into that GPU's context
-            base = self.mapped[handle] = self.routes.cp.cuda.runtime.ipcOpenMemHandle(
+            memory.current(self.copier.gpu)  # mapped into that GPU's context
+            base = self.mapped[handle] = memory.cupy().cuda.runtime.ipcOpenMemHandle(
                 handle, LAZY_PEER_ACCESS)
         return base + offset
 
@@ -330,16 +316,16 @@ class Route:
     def _record(self, imm, count):
         """The next command's record in our ring of the peer's inbox, filled but for its
         seq (the kernel stores that last), and that seq."""
-        record = self.routes.copier.native.tx_inbox_next(
+        record = self.copier.native.tx_inbox_next(
             self.records, RECORDS - 1, self.head, imm or 0, imm is not None, count)
         return record, self.head + 1
 
     def launch(self, a, imm, src, dst):
-        """A prepared command (engine.Prepared's struct tx_copy, its table on the GPU)
+        """A prepared command (commands.Prepared's struct tx_copy, its table on the GPU)
         from device address `src` to `dst`, as one kernel, or a job for the resident one;
         its record says the peer's worker what came (copier.c fills it). Returns (record,
         seq)."""
-        copier = self.routes.copier  # copier.c makes its GPU's context current
+        copier = self.copier  # copier.c makes its GPU's context current
         if copier.native.tx_write_prepared(copier.c, a, self.records, RECORDS - 1, self.head,
                                            imm or 0, imm is not None, src, dst):
             raise ValueError("the CUDA IPC route's launch failed: "
@@ -348,11 +334,11 @@ class Route:
         return self.records + ((self.head - 1) & (RECORDS - 1)), self.head
 
     def submit(self, command, wait):
-        """One command (engine.Command) as the copier's kernels; its record says the peer's
+        """One command (commands.Command) as the copier's kernels; its record says the peer's
         worker what came. Returns (record, seq, None): done once record.seq reaches seq;
         or (None, None, (side, index)) for an item out of range, nothing sent."""
         record, seq = self._record(command.imm, len(command.src_items))
-        bad = self.routes.copier.send(
+        bad = self.copier.send(
             command.src.ptr, command.src_items, self.address_of(command.dst),
             command.dst_items, command.length, wait, (command.src.size, command.dst.size),
             command.page_size, command.lengths, int(self.ffi.cast("uintptr_t", record)), seq)

@@ -10,7 +10,7 @@ provider's largest message.
 """
 from typing import NamedTuple
 
-from common.moe.reference import FP8_BLOCK
+from common.gpu.rounding import FP8_BLOCK
 
 BLOCK = FP8_BLOCK  # 128: weight blocks are 128 x 128, one float32 scale each
 

@@ -1,8 +1,8 @@
 """Chapter 19's check on an inference rank, after each update: every weight and scale, bit
-for bit, against the plain quantisation of the whole tensor (common/moe/reference.py), and
+for bit, against the plain quantisation of the whole tensor (common/gpu/rounding.py), and
 the tensors whose bytes changed since the update before against those that should have.
 """
-from common.moe import reference as ref
+from common.gpu import rounding
 from common.weights import BLOCK
 from common.weights.model import checksum, values, views
 
@@ -30,7 +30,7 @@ class Check:
                 if not p.fp8:
                     wrong += 2 * int(xp.count_nonzero(mine != x))
                     continue
-                codes, s = ref.quantize_fp8(ref.from_bf16(x), BLOCK)
+                codes, s = rounding.quantize_fp8(rounding.from_bf16(x), BLOCK)
                 wrong += int(xp.count_nonzero(mine != codes[:, piece.col0:piece.col1]))
                 b = piece.at_row // BLOCK
                 theirs = s[:, piece.col0 // BLOCK:piece.col1 // BLOCK]

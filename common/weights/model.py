@@ -6,8 +6,8 @@ in a rank's memory, and the values the tests and the checks compute on both side
 from typing import NamedTuple
 
 from common.cli import UsageError
-from common.moe import reference as ref
-from common.moe.bookkeeping import aligned  # 64 bytes: every tensor starts on a cache line
+from common.gpu import rounding
+from common.gpu.layout import aligned  # every tensor starts on a cache line
 from common.weights import BLOCK
 
 MODELS = {  # Qwen3-30B-A3B's config.json; tiny: the same structure at toy sizes, for tests
@@ -218,7 +218,8 @@ def values(xp, seed, p, version, lo, hi):
         z ^= z >> xp.uint64(31)
         u = (z >> xp.uint64(40)).astype(xp.float32) * xp.float32(2.0 ** -23) - xp.float32(1)
         row = 2.0 ** ((xp.arange(a, b, dtype=xp.float32) * 7 + p.index) % 9 - 6)
-        out[a - lo:b - lo] = ref.to_bf16(u.reshape(b - a, p.cols) * row.astype(xp.float32)[:, None])
+        out[a - lo:b - lo] = rounding.to_bf16(u.reshape(b - a, p.cols)
+                                              * row.astype(xp.float32)[:, None])
     return out
 
 

@@ -5,9 +5,10 @@ import time
 
 import numpy as np
 
-from common.moe import reference as ref
+from common.gpu import rounding
+from common.gpu.layout import aligned
 from common.weights import BARRIER, BLOCK, BROADCAST, FREE, GATHERED, imm, split
-from common.weights.model import aligned, views
+from common.weights.model import views
 
 
 def fp8_bytes(p):
@@ -59,7 +60,7 @@ def naive_trainer(tr, n, remote):
         if p.fp8:
             blocks = (p.rows // BLOCK) * (p.cols // BLOCK)
             ops.amax(whole, 0, tr.amax[:blocks])
-            scales = ref.fp8_scales(tr.amax[:blocks])
+            scales = rounding.fp8_scales(tr.amax[:blocks])
             ops.codes(whole, 0, scales, p.cols // BLOCK, 0, p.cols, tr.staging[:p.rows * p.cols])
             at = aligned(p.rows * p.cols) // 4
             tr.staging.view(xp.float32)[at:at + blocks] = scales

@@ -2,14 +2,14 @@
 kernels), or the kernels of chapters/19_weight_update.cu on the GPU; and the copy ceiling
 of either path, measured in the same run.
 """
-import os
 import time
 
 import numpy as np
 
 from common import bench
 from common.fabric import memory
-from common.moe import reference as ref
+from common.gpu import INCLUDE
+from common.gpu import rounding
 from common.weights import BLOCK
 
 class HostOps:
@@ -21,7 +21,7 @@ class HostOps:
         rows, cols = x.shape
         top, blocks = first % BLOCK, len(out) // (cols // BLOCK)
         padded = np.zeros((blocks * BLOCK, cols), np.float32)
-        padded[top:top + rows] = np.abs(ref.from_bf16(x))
+        padded[top:top + rows] = np.abs(rounding.from_bf16(x))
         out[:] = padded.reshape(blocks, BLOCK, cols // BLOCK, BLOCK).max(axis=(1, 3)).ravel()
 
     @staticmethod
@@ -29,7 +29,7 @@ class HostOps:
         block_rows = (first + np.arange(len(x))) // BLOCK - first // BLOCK
         s = scales[:(block_rows[-1] + 1) * scale_cols].reshape(-1, scale_cols)[block_rows]
         s = np.repeat(s[:, c0 // BLOCK:(c0 + width) // BLOCK], BLOCK, axis=1)
-        out[:] = e4m3(ref.from_bf16(x[:, c0:c0 + width]) / s).ravel()
+        out[:] = e4m3(rounding.from_bf16(x[:, c0:c0 + width]) / s).ravel()
 
     @staticmethod
     def sync():
@@ -43,9 +43,9 @@ class HostOps:
 
 def e4m3(v):
     """fp8.cuh's fp8_e4m3 in numpy, bit for bit: keep 3 mantissa bits, ties to even
-    (8x the speed of the reference's table search, which checks it)."""
+    (8x the speed of rounding.to_e4m3's table search, which checks it)."""
     sign = ((v.view(np.uint32) >> 24) & 0x80).astype(np.uint8)
-    a = np.minimum(np.abs(v), np.float32(ref.FP8_MAX))
+    a = np.minimum(np.abs(v), np.float32(rounding.FP8_MAX))
     bits = a.view(np.uint32)
     bits = bits + np.uint32(0x7FFFF) + ((bits >> 20) & 1)
     normal = ((bits >> 23) - 120) << 3 | ((bits >> 20) & 7)  # exponent - 127 + 7
@@ -59,8 +59,7 @@ class CudaOps:
     def __init__(self, gpu, kernels):
         self.xp = cp = memory.cupy()
         memory.use_gpu(gpu)
-        module = cp.RawModule(code=open(kernels).read(), options=(
-            "-I" + os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "moe"),))
+        module = cp.RawModule(code=open(kernels).read(), options=(INCLUDE,))
         self._amax = module.get_function("fp8_weight_amax")
         self._codes = module.get_function("fp8_weight_codes")
 

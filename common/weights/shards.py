@@ -3,8 +3,9 @@ in one array, the block maxima and scales of its fp8 rows, the training step tha
 them new values, and the size of its staging. Chapter 19's Trainer is one of these, with
 its staging, its edge buffer and its batches of WRITEs.
 """
+from common.gpu.layout import aligned
 from common.weights import BLOCK
-from common.weights.model import aligned, values
+from common.weights.model import values
 
 
 def staging_half(layers, t, staging):

@@ -1,11 +1,11 @@
 #pragma once
-// fp8 e4m3 on the GPU, for the MoE chapters and chapter 19's weights (cupy RawModule; 17's
-// kernels include it). Run on 2 x H200: its fp8 rows match the reference.
+// fp8 e4m3 on the GPU, for the MoE chapters and chapter 19's weights (cupy RawModule: 17's
+// and 19's kernels include it). Run on 2 x H200: its fp8 rows match common/gpu/rounding.py.
 //
 // fp8_quantize: one block of 128 threads per (token, block of 128 values). The
 // block's largest magnitude sets its scale (amax / 448, or 1 when all are zero); each
 // value becomes an e4m3 code, rounded to nearest even and saturated at +-448, exactly
-// as common/moe/reference.py does in numpy (the checks compare bytes). The row is
+// as common/gpu/rounding.py does in numpy (the checks compare bytes). The row is
 // [hidden codes | hidden / 128 float32 scales].
 
 __device__ unsigned char fp8_e4m3(float v)
@@ -35,7 +35,7 @@ __device__ float block_max128(float a, int i, float *warp_max)
     return amax;
 }
 
-// A block's scale from its largest magnitude, as common/moe/reference.py computes it.
+// A block's scale from its largest magnitude, as common/gpu/rounding.py computes it.
 __device__ float fp8_scale(float amax)
 {
     return amax > 0.0f ? amax / 448.0f : 1.0f;

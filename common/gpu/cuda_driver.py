@@ -1,7 +1,7 @@
 """The few CUDA driver calls we make ourselves, loaded at run time (no CUDA toolkit to build).
 
 libcuda.so.1 comes with the NVIDIA driver, so it is there wherever a GPU is, and loaded
-already where cupy runs. The calls: cuLaunchKernel (common/moe/kernel_call.py; with
+already where cupy runs. The calls: cuLaunchKernel (common/gpu/kernel_call.py; with
 cuMemcpyHtoDAsync and an event between two streams, from C: common/transfer/copier.c),
 the batched copy the CUDA IPC route is measured against (cuMemcpyBatchAsync, CUDA
 12.8's: common/baselines.py), a dmabuf fd for a range of GPU memory and whether the

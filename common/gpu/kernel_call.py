@@ -9,8 +9,8 @@ hands the driver the slots' addresses.
 """
 import numpy as np
 
-from common.fabric import cuda_driver
-from common.fabric.cuda_driver import ffi
+from common.gpu import cuda_driver
+from common.gpu.cuda_driver import ffi
 
 
 def _word(value):

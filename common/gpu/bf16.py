@@ -14,7 +14,7 @@ ROUND_BF16 = """
 unsigned int bits = __float_as_uint(x);
 h = x != x ? (unsigned short)0x7FC0
            : (unsigned short)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-"""  # to nearest, ties to even; NaN stays NaN: common/moe/reference.py's to_bf16, one pass
+"""  # to nearest, ties to even; NaN stays NaN: common/gpu/rounding.py's to_bf16, one pass
 
 
 @functools.cache
