@@ -87,7 +87,6 @@ def server(info, args):
                 print(cli.client_hint(args, name.hex(), extra=["hello"]), flush=True)
             served = serve(own, info, domain, cq, av, ep, args, served)
 
-
 def serve(own, info, domain, cq, av, ep, args, served):
     """Serve clients on `ep` until --clients have been (`served` so far), or until a dead
     client's lock leaves the endpoint deaf (fabric.OwnLockHeld); returns how many."""
@@ -98,20 +97,37 @@ def serve(own, info, domain, cq, av, ep, args, served):
         b.recv(ep)
     client = None
     while not args.clients or served < args.clients:
-        try:
-            ctx, length = poller.wait([b.ctx for b in inbox], None, "message",
-                                      idle=client is None)
-        except fi.OwnLockHeld as e:
+        try:  # a client that CONNECTed owes its text within --timeout
+            ctx, length = poller.wait([b.ctx for b in inbox],
+                                      None if client is None else args.timeout,
+                                      "text after the CONNECT", idle=client is None)
+        except fi.OwnLockHeld as e:  # (a TimeoutError too) a dead client's lock: a new endpoint
             connect.renewing(e)
             return served
+        except TimeoutError as e:
+            client = let_go(av, client, served, e)
+            served += 1
+            continue
+        except fi.CompletionError as e:  # a message longer than our buffer: one line
+            buf = next((b for b in inbox if fi.key(b.ctx) == fi.key(e.context)), None)
+            if buf is None or not connect.too_long(e, buf.size):
+                raise
+            buf.recv(ep)
+            continue
         buf = next(b for b in inbox if b.ctx == ctx)
         message = buf.received(length)
         buf.recv(ep)  # repost at once: the next message may be on its way
         if connect.is_connect(message):
-            if client is not None:
-                fi.av_remove(av, client)  # the previous client never sent its text
-            address, _, why = connect.unpack(message, CHAPTER)
-            client = fi.av_insert(av, address)
+            if client is not None:  # the previous client never sent its text
+                client = let_go(av, client, served, "a CONNECT came before its text")
+                served += 1
+            try:  # a client's bytes are never trusted: one line, and the next client
+                address, _, why = connect.unpack(message, CHAPTER)
+                client = fi.av_insert(av, address, info)
+            except (ValueError, fi.FabricError) as e:
+                connect.report(served + 1, e)
+                served += 1
+                continue
             if not why:
                 continue
             reply = connect.refusal(why)  # a client of another chapter: told why
@@ -134,6 +150,13 @@ def serve(own, info, domain, cq, av, ep, args, served):
         fi.av_remove(av, client)
         client = None
     return served
+
+
+def let_go(av, client, served, why):
+    """A client that CONNECTed and sent no text: said in one line, out of the AV."""
+    connect.report(served + 1, why if isinstance(why, Exception) else ValueError(why))
+    fi.av_remove(av, client)
+    return None
 
 
 def client(info, args, addr, message):

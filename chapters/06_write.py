@@ -91,16 +91,15 @@ def server(info, args):
                 print(cli.client_hint(args, name.hex()), flush=True)
             while not args.clients or served < args.clients:
                 try:
-                    _, length = poller.wait([inbox.ctx], None, "CONNECT", idle=True)
+                    request = connect.next_request(poller, inbox)
                 except fi.OwnLockHeld as e:  # a dead client's lock: a new endpoint
                     connect.renewing(e)
                     break
-                request = inbox.take(length)
                 if connect.stray(request):
                     continue
                 try:
                     with fi.Closer() as client_own:  # what one client needs, released after it
-                        serve(client_own, domain, ep, av, poller, request, args)
+                        serve(client_own, info, domain, ep, av, poller, request, args)
                 except (fi.FabricError, TimeoutError, ValueError) as e:  # serve the next one
                     connect.report(served + 1, e)
                     if isinstance(e, connect.Refused):
@@ -108,12 +107,13 @@ def server(info, args):
                 served += 1
 
 
-def serve(own, domain, ep, av, poller, request, args):
-    client, request = connect.accept(own, av, domain, ep, poller, request, CHAPTER, args.timeout)
+def serve(own, info, domain, ep, av, poller, request, args):
+    client, request = connect.accept(own, info, av, domain, ep, poller, request, CHAPTER,
+                                     args.timeout)
     seed, page_size, runs, nbufs = connect.unpack_from(HEADER, request)
     at = HEADER.size
     regions = [connect.unpack_from(REGION, request, at + i * REGION.size) for i in range(nbufs)]
-    pages = connect.unpack_pages(request, at + nbufs * REGION.size, runs)
+    pages = connect.unpack_pages(request, at + nbufs * REGION.size, runs, page_size)
     npages = len(pages)
     per_buffer = connect.check_targets(regions, page_size, pages)
 

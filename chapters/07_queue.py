@@ -146,11 +146,10 @@ def server(info, args):
             while not args.clients or served < args.clients:
                 if not backlog:
                     try:
-                        _, length = poller.wait([inbox.ctx], None, "CONNECT", idle=True)
+                        backlog.append(connect.next_request(poller, inbox))
                     except fi.OwnLockHeld as e:  # a dead client's lock: a new endpoint
                         connect.renewing(e)
                         break
-                    backlog.append(inbox.take(length))
                 request = backlog.pop(0)
                 if connect.stray(request):
                     continue
@@ -159,7 +158,7 @@ def server(info, args):
                     # Contexts to spare: the provider, not us, should be the one to say "full".
                     queue = OpQueue(ep, cq, poller, slots=fi.in_flight(info))
                     with fi.Closer() as client_own:  # what one client needs, released after it
-                        client, request = connect.accept(client_own, av, domain, ep, poller,
+                        client, request = connect.accept(client_own, info, av, domain, ep, poller,
                                                          request, CHAPTER, args.timeout,
                                                          busy=queue.awaiting_answers)
                         serve(Connection(client_own, domain, client, queue, inbox, backlog,
@@ -172,8 +171,10 @@ def server(info, args):
                     # credits; on shm the WRITEs awaiting its answer, which keep it in
                     # the AV: connect.let_go): only closing the endpoint frees them.
                     # A new one at the same address serves the next client (the cell
-                    # "A new endpoint after a failed client").
-                    renew = lends_credits(info) or queue.awaiting_answers() > 0
+                    # "A new endpoint after a failed client"). Not when none is out (a
+                    # lying CONNECT): a renewal loses what arrives meanwhile.
+                    renew = (lends_credits(info) and queue.in_flight() > 0
+                             or queue.awaiting_answers() > 0)
                 served += 1
                 if renew:
                     if fi.key(inbox.ctx) in poller.done:  # a CONNECT already here: keep it
@@ -193,7 +194,10 @@ def serve(conn, info, request, args):
     seed, page_size, iters, runs, nbufs, delivery = connect.unpack_from(HEADER, request)
     regions = [connect.unpack_from(REGION, request, HEADER.size + i * REGION.size)
                for i in range(nbufs)]
-    pages = connect.unpack_pages(request, HEADER.size + nbufs * REGION.size, runs)
+    pages = connect.unpack_pages(request, HEADER.size + nbufs * REGION.size, runs, page_size)
+    if not 1 <= iters < 1 << 32:  # the client's own check (main), made again: a CONNECT lies
+        raise ValueError(f"CONNECT asks for {iters} WRITEs: 1..{(1 << 32) - 1} travel as "
+                         "32-bit immediate data")
     connect.check_targets(regions, page_size, pages)
     npages = len(pages)
 
@@ -216,6 +220,7 @@ def serve(conn, info, request, args):
         while len(message := conn.queue.next_message(conn.inbox, conn.timeout)) != LANDED.size:
             conn.backlog.append(message)  # another client's CONNECT: it is served next
         elapsed = time.perf_counter() - start
+        connect.check_landed(LANDED.unpack(message)[0], iters)
     except Exception:  # this client failed: let what is in flight finish, then serve the next
         conn.queue.drain(conn.timeout)  # (not on Ctrl-C: opqueue.drain says why)
         raise

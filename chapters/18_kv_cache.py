@@ -82,6 +82,7 @@ import common  # first: a Ctrl-C during the imports below is one line (common/bo
 import json
 import os
 import struct
+import sys
 import threading
 import time
 
@@ -131,10 +132,9 @@ def decoder(args, s, xp):
         args.provider_used = eng.provider.split(";")[0]
         print(f"server address: {eng.address().hex()}")
         print(cli.client_hint(args, eng.address().hex(), extra=shape_flags(args)), flush=True)
-        peer, hello = eng.recv(args.timeout * 10)
-        if not hello.startswith(REQUEST):
-            raise ValueError("the first message was not a request")
-        peer = eng.connect(hello[len(REQUEST):])
+        peer = None
+        while peer is None:  # what is not a prefiller's request is said, and the wait goes on
+            peer = prefiller_of(eng, eng.recv(args.timeout * 10)[1])
         request, first = 1, 0                          # its pages: slots first..first+pages
         started = now()
         eng.send(peer, REQUEST + json.dumps({
@@ -162,6 +162,18 @@ def decoder(args, s, xp):
         eng.send(peer, CHECKED + struct.pack("<Q", wrong))
         say(s, json.loads(report), ttft, wrong)
         return 1 if wrong else 0
+
+
+def prefiller_of(eng, hello):
+    """The peer whose request `hello` is, connected; None, said in one line, where it is not
+    a request with an engine's address (another program's message, a lie)."""
+    try:
+        if not hello.startswith(REQUEST):
+            raise ValueError("not a request")
+        return eng.connect(hello[len(REQUEST):])
+    except (ValueError, fi.FabricError) as e:
+        print(f"ignored a {len(hello)}-byte message: {e}", file=sys.stderr, flush=True)
+        return None
 
 
 def cancel(eng, peer, request, layer, args):

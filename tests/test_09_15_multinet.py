@@ -133,7 +133,7 @@ def test_a_refused_client_hears_why_at_once(provider):
 
         def serve():  # as multinet.server serves each CONNECT
             try:
-                addr, body = connect.accept(own, server.av, server.domain, server.ep,
+                addr, body = connect.accept(own, info, server.av, server.domain, server.ep,
                                             server.poller, request, 9, 20.0)
                 conn = Connection(own, server.domain, addr, server.queue, server_inbox, [], 20.0)
                 multinet.serve(conn, info, body, argparse.Namespace(gpus=[0, 1]), None)

@@ -91,7 +91,7 @@ def test_connect_says_whose_it_is():
 @pytest.mark.parametrize("pages", [[0, 1, 2, 7, 8, 3], [5], list(range(3000))])
 def test_page_runs_keep_pages_and_order(pages):
     runs, packed = connect.pack_pages(pages)
-    assert connect.unpack_pages(packed, 0, runs) == pages
+    assert connect.unpack_pages(packed, 0, runs, 4096) == pages
 
 
 def test_messages_are_taken_in_the_order_they_came():

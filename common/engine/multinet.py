@@ -80,19 +80,19 @@ def server(info, args, engine):
             while not args.clients or served < args.clients:
                 if not backlog:
                     try:
-                        _, length = control.poller.wait([inbox.ctx], None, "CONNECT", idle=True)
+                        backlog.append(connect.next_request(control.poller, inbox))
                     except fi.OwnLockHeld as e:  # a dead client's lock: a new endpoint
                         connect.renewing(e)
                         break
-                    backlog.append(inbox.take(length))
                 request = backlog.pop(0)
                 if connect.stray(request):
                     continue
                 try:
                     with fi.Closer() as client_own:
-                        client, request = connect.accept(client_own, control.av, control.domain,
-                                                         control.ep, control.poller, request,
-                                                         args.number, args.timeout)
+                        client, request = connect.accept(client_own, info, control.av,
+                                                         control.domain, control.ep,
+                                                         control.poller, request, args.number,
+                                                         args.timeout)
                         # held past client_own's close: the workers' C arrays (conn.keep)
                         conn = Connection(client_own, control.domain, client, control.queue,
                                           inbox, backlog, args.timeout)
@@ -125,26 +125,32 @@ def unpack_names(data, at, count):
 
 def serve(conn, head, request, args, engine):
     seed, page_size, iters, runs, nbufs, groups, per_group = connect.unpack_from(HEADER, request)
-    names, at = unpack_names(request, HEADER.size, groups * per_group)
     own, lanes, started = conn.own, [], False
     try:
+        # the whole CONNECT is checked before anything is opened for it (flags.parse's
+        # checks, made again: a CONNECT lies)
+        if not 1 <= groups <= 64 or not 1 <= per_group <= 64:
+            raise ValueError(f"CONNECT names {groups} groups of {per_group} NICs: 1..64 each")
+        if not groups * per_group <= iters < 1 << 32:
+            raise ValueError(f"CONNECT asks for {iters} WRITEs over {groups * per_group} NICs")
         if args.gpus and len(args.gpus) != groups:
             raise ValueError(f"the client has {groups} groups, this server "
                              f"{len(args.gpus)} GPUs")
+        names, at = unpack_names(request, HEADER.size, groups * per_group)
+        regions = [connect.unpack_from(REGION, request, at + i * REGION.size)
+                   for i in range(groups * per_group * nbufs)]
+        pages = connect.unpack_pages(request, at + len(regions) * REGION.size, runs, page_size)
+        for k in range(groups * per_group):  # each lane WRITEs into its own nbufs buffers
+            connect.check_targets(regions[k * nbufs:(k + 1) * nbufs], page_size, pages)
         infos, what = lane_nics(args, head, groups, per_group)
         print(what, flush=True)
         for g in range(groups):
             for n in range(per_group):
                 lane = Lane(own, infos[g][n], args.gpus[g] if args.gpus else None)
                 lane.group = g
-                lane.peer = fi.av_insert(lane.av, names[len(lanes)])
+                lane.peer = fi.av_insert(lane.av, names[len(lanes)], lane.info)
                 lanes.append(lane)
         introduce(conn, lanes)
-        regions = [connect.unpack_from(REGION, request, at + i * REGION.size)
-                   for i in range(groups * per_group * nbufs)]
-        pages = connect.unpack_pages(request, at + len(regions) * REGION.size, runs)
-        for k in range(len(lanes)):  # each lane WRITEs into its own nbufs buffers
-            connect.check_targets(regions[k * nbufs:(k + 1) * nbufs], page_size, pages)
 
         for lane, count in zip(lanes, lane_iters(iters, len(lanes))):
             lane.iters = count
@@ -165,6 +171,7 @@ def serve(conn, head, request, args, engine):
         while len(message := conn.queue.next_message(conn.inbox, conn.timeout)) != LANDED.size:
             conn.backlog.append(message)
         elapsed, cpu = time.perf_counter() - this_run.at, time.process_time() - cpu
+        connect.check_landed(LANDED.unpack(message)[0], iters)
     except Exception as e:  # this client failed (not Ctrl-C: opqueue.drain says why)
         # one timeout for them all, not one each: the next client's CONNECT waits meanwhile
         deadline = time.monotonic() + conn.timeout

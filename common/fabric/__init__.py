@@ -14,6 +14,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -561,14 +562,45 @@ def getname(ep):
     return ffi.buffer(buf, size[0])[:]
 
 
-def av_insert(av, addr):
-    """Insert one raw address; returns the fi_addr_t to send to."""
+def av_insert(av, addr, info=None):
+    """Insert one raw address; returns the fi_addr_t to send to. With `info` (the AV's
+    provider) the address is one a peer told us, never trusted: ValueError in one line
+    unless it has that provider's shape (check_address) and, on shm, names an endpoint
+    that exists on this host (shm_peer)."""
+    if info is not None:
+        check_address(info, addr)
+        if info.addr_format == lib.FI_ADDR_STR and provider_of(info) == "shm":
+            shm_peer(addr)
+        if info.addr_format == lib.FI_SOCKADDR_IN and addr[:2] != AF_INET:
+            # the util AV (ofi_ip_av_insertv, prov/util/src/util_av.c, 1.17 to 2.6) sets its
+            # address length from each address's family (ofi_sizeofaddr): a family it does
+            # not know makes it 0, and every insert after that is "too large for AV" (EINVAL)
+            raise ValueError(f"{provider_of(info)} addresses are IPv4 (sockaddr_in); this "
+                             "one is not")
+
     out = ffi.new("fi_addr_t *")
     n = check("fi_av_insert", lib.fi_av_insert(av, addr, 1, out, 0, ffi.NULL))
     if n != 1:
         raise FabricError("fi_av_insert", -lib.FI_EINVAL, "address rejected")
     shm_files.met(bytes(addr))
     return out[0]
+
+
+AF_INET = socket.AF_INET.to_bytes(2, sys.byteorder)  # sockaddr_in's first field, sin_family
+SHM_NAME_MAX = 256  # SMR_NAME_MAX, include/ofi_shm.h (1.17), prov/shm/src/smr_util.h (2.x)
+
+
+def shm_peer(addr):
+    """Refuse (ValueError) an shm address whose region is not in /dev/shm. 1.17's shm takes
+    such a name (smr_map_add, prov/util/src/util_shm.c: shm_open's ENOENT is no error)
+    and leaves it in its map for good, keyed by the caller's buffer, with a slot a later
+    peer is given too (smr_map_del skips a peer it never mapped): the next peer's address
+    then finds the other's region, and an fi_av_remove unmaps it under its owner (SIGSEGV
+    in smr_sendmsg). A name must be one region's: no folder, within SHM_NAME_MAX."""
+    name = addr.removeprefix(SHM_PREFIX).rstrip(b"\0")
+    if (not addr.startswith(SHM_PREFIX) or not name or b"/" in name or b"\0" in name
+            or len(addr) > SHM_NAME_MAX or not os.path.exists(b"/dev/shm/" + name)):
+        raise ValueError(f"no shm endpoint at {addr[:40]!r} on this host")
 
 
 def av_remove(av, fi_addr):

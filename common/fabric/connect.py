@@ -11,12 +11,13 @@ buffer to 8 bytes each. A client that goes away mid-run is reported as gone,
 in one line, and the server serves the next.
 """
 import errno
+import os
 import struct
 import sys
 
 from common import cli, shm_files
 import common.fabric as fi
-from common.fabric import ffi
+from common.fabric import ffi, lib
 
 MAGIC = b"LFtu"                    # "libfabric tutorial"
 PREAMBLE = struct.Struct("<4sBH")  # magic, the client's chapter, its address length
@@ -38,6 +39,30 @@ class Refused(ValueError):
 
 def pack(chapter, address, body):
     return PREAMBLE.pack(MAGIC, chapter, len(address)) + address + body
+
+
+def next_request(poller, inbox):
+    """The next message in `inbox` (an fi.Inbox), waited for as long as it takes. One longer
+    than the inbox fails its receive (FI_ETRUNC: a client that ignores fabric.max_send):
+    said in one line, and the wait goes on."""
+    while True:
+        try:
+            _, length = poller.wait([inbox.ctx], None, "CONNECT", idle=True)
+            return inbox.take(length)
+        except fi.CompletionError as e:
+            if fi.key(e.context) != fi.key(inbox.ctx) or not too_long(e, inbox.size):
+                raise
+            inbox.post()
+
+
+def too_long(error, size):
+    """Whether `error` is a receive of `size` bytes failed by a longer message (FI_ETRUNC);
+    if so, said in one line."""
+    if abs(error.rc) != lib.FI_ETRUNC:
+        return False
+    print(f"ignored a message longer than {size} bytes (one SEND here)", file=sys.stderr,
+          flush=True)
+    return True
 
 
 def is_connect(message):
@@ -67,13 +92,14 @@ def unpack(message, chapter):
     return message[PREAMBLE.size:at], message[at:], why
 
 
-def accept(own, av, domain, ep, poller, request, chapter, timeout, busy=lambda: 0):
-    """(the client's fi_addr, the rest of its CONNECT), for a client of `chapter`;
+def accept(own, info, av, domain, ep, poller, request, chapter, timeout, busy=lambda: 0):
+    """(the client's fi_addr, the rest of its CONNECT), for a client of `chapter`, its
+    address checked for `info`'s provider before it goes into the AV (fi.av_insert);
     one of another chapter is told so by name and refused (Refused). `busy` says, when
     `own` lets the client go, how many of our operations to it still wait for its answer
     (OpQueue.awaiting_answers): while any does, its address stays in the AV (let_go)."""
     address, body, why = unpack(request, chapter)
-    client = fi.av_insert(av, address)
+    client = fi.av_insert(av, address, info)
     own.callback(let_go, av, client, busy)
     if why:
         refuse(own, domain, ep, poller, client, why, timeout)
@@ -116,6 +142,13 @@ def heard(message):
     return message
 
 
+def check_landed(said, iters):
+    """Refuse (ValueError) a LANDED that does not confirm the `iters` WRITEs written: the
+    client passes on the immediate data it got, so any other count is a lie or a loss."""
+    if said != iters:
+        raise ValueError(f"the client says {said} WRITEs landed, of {iters}")
+
+
 def fits(info, size, too_many):
     """Refuse (cli.UsageError, saying what is `too_many`) a CONNECT of `size` bytes that
     one SEND on `info`'s NIC would not carry whole."""
@@ -147,13 +180,28 @@ def pages_flag(pages):
     return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def unpack_pages(data, at, runs):
-    """The pages of `runs` runs packed by pack_pages from `at` on."""
-    pages = []
-    for i in range(runs):
-        first, count = unpack_from(RUN, data, at + i * RUN.size)
-        pages.extend(range(first, first + count))
-    return pages
+def unpack_pages(data, at, runs, page_size):
+    """The pages of `runs` runs packed by pack_pages from `at` on, which end the CONNECT.
+    Every count is a client's: the message's length is checked against them before a
+    run is read, and the pages of `page_size` bytes against this host's memory before
+    the list is built (a server generates them all: memory.seeded_source)."""
+    end = at + runs * RUN.size
+    if end != len(data):
+        raise ValueError(f"CONNECT is {len(data)} bytes; its {runs} page runs make it {end}")
+    counted = [unpack_from(RUN, data, at + i * RUN.size) for i in range(runs)]
+    total = sum(count for _, count in counted)
+    if total * max(page_size, PAGE_COST) > source_bound():
+        raise ValueError(f"CONNECT asks for {total} pages of {page_size} bytes: more than "
+                         f"half this host's memory")
+    return [p for first, count in counted for p in range(first, first + count)]
+
+
+PAGE_COST = 64  # bytes a server holds per page asked for, however small the page
+
+
+def source_bound():
+    """The most bytes of pages a server generates for one client: half its memory."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
 def unpack_from(fmt, data, at=0):

@@ -175,9 +175,11 @@ class Engine(Writes):
                              "nics")
         if ident in self._peers:
             return self._peers[ident]
-        addrs = _ffi.new("fi_addr_t[]", [fi.av_insert(av, n) for av, n in zip(self.avs, names)])
+        # a peer's address is never trusted: checked before each AV takes it (fi.av_insert)
+        addrs = _ffi.new("fi_addr_t[]", [fi.av_insert(av, n, info) for av, n, info
+                                         in zip(self.avs, names, self.infos)])
         peer = Peer(len(self._peers), ident, addrs, self.remote(signal),
-                    fi.av_insert(self._control.av, control))
+                    fi.av_insert(self._control.av, control, self.infos[0]))
         peer.nic = per_peer_nic(self.id, ident, len(self.eps))
         peer.why = self.ipc_why if not self._routes else "it has no GPU engine"
         if self._routes and inbox:
