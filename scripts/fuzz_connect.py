@@ -468,13 +468,14 @@ class Server:
         return self.proc.poll() is None
 
     def stop(self):
-        """Ctrl-C, as a reader would: exit 130 within 2 s, or a problem."""
+        """Ctrl-C, as a reader would: exit 130 within 2 s (or 0: chapter 18's decoder, done
+        with its request, may end by itself meanwhile), or a problem."""
         if not self.alive():
             return None
         stop(self.proc, patience(2))
         for r in self.readers:
             r.join(1)
-        return None if self.proc.returncode == 130 else \
+        return None if self.proc.returncode in (0, 130) else \
             f"the server ended {self.proc.returncode} on Ctrl-C, not 130"
 
 
