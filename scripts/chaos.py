@@ -7,8 +7,9 @@ the trial's token in its environment. At an instant drawn over the victim's whol
 (as long as a clean run of the chapter lasts), one process (the victim) gets one fault
 (common/chaos/faults.py): SIGINT, SIGTERM, SIGKILL, SIGSTOP (a frozen peer, kept
 stopped), STOPCONT or TSTP (stopped, by SIGSTOP or Ctrl-Z's SIGTSTP, and continued after
-a pause), or EXIT (the client or the ranks end on their own, given a --timeout of 0 up to
-half a second). Then it checks that
+a pause), EXIT (the client or the ranks end on their own, given a --timeout of 0 up to
+half a second), or LIE (the client is scripts/fuzz_connect.py, sending one lie in the
+chapter's formats). Then it checks that
 
 - the signalled process ends within 2 s with exit 130 (SIGINT) or 143 (SIGTERM) and one
   line on stderr, no traceback; a continued one ends with one line and a non-zero exit,

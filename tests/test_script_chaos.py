@@ -94,18 +94,19 @@ def test_a_trial_is_the_same_for_the_same_seed_and_number():
 
 
 def test_stratified_trials_cover_every_cell_once_before_any_twice():
-    """Chapters 04-19 but 08 and 17, the 7 faults, shm and tcp: 196 cells, each once in
-    trials 1-196, in an order that the seed shuffles; on the second pass each cell's victim
-    is the other side of the first pass's (EXIT has one side: the client, the ranks)."""
+    """Chapters 04-19 but 08 and 17, the 7 faults, shm and tcp, and a lying client at the 11
+    chapters whose servers read a CONNECT: 218 cells, each once in trials 1-218, in an order
+    that the seed shuffles; on the second pass each cell's victim is the other side of the
+    first pass's (EXIT and LIE have one side: the client, the ranks)."""
     args = (list(trials.SPECS), list(trials.PROVIDERS), list(faults.FAULTS),
             list(trials.VICTIMS))
     every = trials.cells(args[0], args[2], args[1], args[3])
-    assert len(every) == 14 * 7 * 2
+    assert len(every) == 14 * 7 * 2 + 11 * 2
     first = [trials.choose(n, 4, *args, stratified=True) for n in range(1, len(every) + 1)]
     assert sorted(t.cell for t in first) == sorted(every)
     second = {t.cell: t.victim for t in (trials.choose(n, 4, *args, stratified=True)
                                          for n in range(len(every) + 1, 2 * len(every) + 1))}
-    assert all(second[t.cell] != t.victim for t in first if t.fault != "EXIT")
+    assert all(second[t.cell] != t.victim for t in first if t.fault not in ("EXIT", "LIE"))
     assert [t.cell for t in first[:5]] != \
         [trials.choose(n, 5, *args, stratified=True).cell for n in range(1, 6)]
 
@@ -289,6 +290,24 @@ def test_a_client_that_does_not_end_with_its_short_timeout_is_a_failure(tmp_path
     assert trial.commands[1][-2:] == ["--timeout", "0.187"]  # (0.5 - 0.2) / 0.8 of 0.5 s
     problem, = trial.problems
     assert problem.startswith("client: still running") and "short --timeout" in problem
+
+
+def test_a_lying_client_is_one_lie_of_the_fuzzer_at_the_servers_address():
+    trial = trials.choose(3, 8, ["07"], ["shm"], ["LIE"], ["server", "client"])
+    assert trial.victim == "client"
+    args = faults.FAULTS["LIE"].client(trial, ["chapter's own client"], "00ab")
+    assert args[1].endswith("scripts/fuzz_connect.py") and args[2:4] == ["--address", "00ab"]
+    assert trials.sides("04", "LIE", ["server", "client"]) == []  # 04 reads no CONNECT
+
+
+@pytest.mark.long
+def test_a_seeded_run_survives_lies():
+    done = Budget(300).run([*CHAOS, "--seed", "6", "--trials", "4", "--minutes", "3",
+                            "--chapters", "06,13", "--faults", "LIE"], env=local_env())
+    figure = re.search(r"^faults survived (\d+)/(\d+)", done.stdout, re.MULTILINE)
+    assert figure and figure[1] == figure[2] and int(figure[2]) > 0, done.stdout + done.stderr
+    assert "cells: 4 of 4 covered" in done.stdout, done.stdout
+    assert done.returncode == 0
 
 
 @pytest.mark.long

@@ -12,6 +12,9 @@ that the victim and its survivors are held to.
 - EXIT: the client (the ranks) ends on its own early: its --timeout is 0 (a wait that
   finds nothing at its first look gives up) up to a fraction of a second, so it gives up
   at whichever wait of its life first finds its peer slower than that.
+- LIE: the client is scripts/fuzz_connect.py, which sends the server one lie in the
+  chapter's own formats (a CONNECT or a control message that is wrong) and exits 0; the
+  server says one line about it and serves its next client.
 
 A survivor ends, or serves its next client, within its --timeout + 5 s of its peer's fault:
 of the stop, where the pause outlasted its --timeout, else of the end the continued run
@@ -21,6 +24,7 @@ one whose client is another program (a client that lies) overrides client().
 import os
 import re
 import signal
+import sys
 import time
 
 from common.chapter_pair import ROOT
@@ -48,7 +52,9 @@ class Fault:
     def __init__(self, name, signum=None):
         self.name, self.signum = name, signum
 
-    def client(self, trial, args):
+    chapters = None    # the chapters it applies to, where not all
+
+    def client(self, trial, args, address):
         """The victim's command (a client's, or each rank's), from the trial's own."""
         return args
 
@@ -122,7 +128,7 @@ class OwnEnd(Fault):
     def timeout(self, trial):
         return 0.0 if trial.extra < 0.2 else OWN_TIMEOUT * (trial.extra - 0.2) / 0.8
 
-    def client(self, trial, args):
+    def client(self, trial, args, address):
         trial.detail = f"--timeout {self.timeout(trial):.3f}"
         return [*args, "--timeout", f"{self.timeout(trial):.3f}"]  # the last one counts
 
@@ -138,10 +144,25 @@ class OwnEnd(Fault):
         survivor_ok(run, victim, 0.0, since, "by itself")
 
 
+class Lie(OwnEnd):
+    """A client that lies: lie K of the trial's number as seed (drawn from the trial's
+    `pick`), at the chapters whose servers read a CONNECT (scripts/fuzz_connect.py CHAPTERS)."""
+    victims = ("client",)
+    chapters = ("05", "06", "07", "09", "10", "11", "12", "13", "14", "15", "18")
+    LIES = 1000  # K from 1 to this: every kind of lie, each with its own draws
+
+    def client(self, trial, args, address):
+        lie = trial.pick % self.LIES + 1
+        trial.detail = f"lie {lie} of seed {trial.number}"
+        return [sys.executable, str(ROOT / "scripts" / "fuzz_connect.py"), "--address", address,
+                "--chapter", trial.chapter, "-p", trial.provider, "--seed", str(trial.number),
+                "--lie", str(lie)]
+
+
 FAULTS = {f.name: f for f in (
     Fault("SIGINT", signal.SIGINT), Fault("SIGTERM", signal.SIGTERM),
     Fault("SIGKILL", signal.SIGKILL), Freeze("SIGSTOP", signal.SIGSTOP),
-    StopCont("STOPCONT", signal.SIGSTOP), StopCont("TSTP", signal.SIGTSTP), OwnEnd("EXIT"))}
+    StopCont("STOPCONT", signal.SIGSTOP), StopCont("TSTP", signal.SIGTSTP), OwnEnd("EXIT"), Lie("LIE"))}
 
 
 def reach(victim, trial, origin):

@@ -119,6 +119,8 @@ def sides(chapter, fault, victims):
     """Who can be the victim of `fault` in a chapter: server or client of a pair; a rank or
     the launcher of ranks."""
     own = ("server", "client") if SPECS[chapter].kind == "pair" else ("rank", "launcher")
+    if FAULTS[fault].chapters and chapter not in FAULTS[fault].chapters:
+        return []
     return [v for v in victims if v in own and v in FAULTS[fault].victims]
 
 
@@ -214,7 +216,7 @@ def start_pair(run, spec, fault=None):
     address = ADDRESS.search("".join(server.out))[1]
     args = [sys.executable, path, *common, address, *spec.client]
     if fault and trial.victim == "client":
-        args = fault.client(trial, args)
+        args = fault.client(trial, args, address)
     client = run.start("client", args)
     origin = time.monotonic()
     if spec.begun:  # before it, the server waits for a client, not for a peer
@@ -278,7 +280,7 @@ def start_ranks(run, spec, fault=None):
     ranks_args = [str(chapter_path(trial.chapter)), "-p", trial.provider,
                   "--timeout", f"{run.timeout:g}", *spec.client]
     if fault and trial.victim == "rank":
-        ranks_args = fault.client(trial, ranks_args)
+        ranks_args = fault.client(trial, ranks_args, None)
     launcher = run.start("launcher", [sys.executable, str(ROOT / "scripts" / "launch.py"),
                                       *spec.server, "--grace", f"{GRACE:g}", *ranks_args],
                          Launcher)
