@@ -11,7 +11,7 @@ per-expert counts with its first tokens into a small slot each receiver keeps fo
 WRITEs with immediate data, posted by a host proxy thread in C (common/moe/proxy.c).
 The cell "The protocol" below says it in full.
 
-New since chapter 07 (08's topology aside): ranks and a rendezvous (common/launch.py,
+New since chapter 07 (08's topology aside): ranks and a rendezvous (common/launch/,
 scripts/launch.py, or torchrun / Slurm variables); fp8 e4m3 with block scales and bf16
 (common/moe/reference.py, the reference every run is checked against; checks and
 benchmark in common/moe/harness.py); the proxy; --device cpu (the default), where numpy

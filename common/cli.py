@@ -15,15 +15,12 @@ from common import bounds, shm_files
 from common.fabric import FabricError
 from common.patience import STRETCH, stretched  # noqa: F401 (cli.STRETCH, for the tests)
 from common.records import parse_label  # noqa: F401 (an argparse type: cli.parse_label)
+from common.usage import UsageError, interrupted  # also cli.UsageError, cli.interrupted
 from common.usage import parse_size  # noqa: F401 (the chapters' cli.parse_size)
 
 EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 CACHE_LINE = 64  # bytes: a CPU cache line on x86 and on Arm's Neoverse (Grace)
 PEER_TIMEOUT = 10.0  # seconds a chapter waits for its peer before giving up
-
-
-class UsageError(ValueError):
-    """Bad input from the command line, found before any resource is opened."""
 
 
 SIDES = ("Flags marked 'client:' travel in the client's CONNECT and 'server:' ones steer the "
@@ -280,12 +277,6 @@ def run(main):
         _last_words(f"{name}: interrupted, resources closed",
                     bounds.exit_code(EXIT_INTERRUPTED))
     _leave(code)
-
-
-def interrupted(error):
-    """Whether `error` was raised while a Ctrl-C or SIGTERM (KeyboardInterrupt) was unwinding
-    the stack, by a close in the clean-up, say: then the interrupt is what happened."""
-    return bounds.unwinding(error, KeyboardInterrupt)
 
 
 def _last_words(line, code):

@@ -3,7 +3,7 @@
 A process that ends normally, or on Ctrl-C or SIGTERM, removes its own: libfabric's shm
 provider unlinks an endpoint's region when the endpoint closes (prov/shm/src/smr_util.c,
 smr_free), and the MoE chapters unlink their files once mapped. One that was SIGKILLed
-removes nothing, so the launchers (common/launch.py, scripts/pair.py), the tests and the
+removes nothing, so the launchers (common/launch, scripts/pair.py), the tests and the
 peer that outlives it (remove_dead_peers: a client its server's, a server its client's)
 remove what it left, knowing the names:
 

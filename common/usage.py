@@ -1,7 +1,8 @@
 """Bad command lines in one line, for the scripts that do not load libfabric to parse their
 flags (common/cli's parser does: a chapter's flags name providers), and a Ctrl-C in one
-line for the scripts whose own process opens nothing (common/cli.run is a chapter's). The
-standard library only (common/bounds.py is too)."""
+line for the scripts whose own process opens nothing (common/cli.run is a chapter's). Also
+what common/cli and common/fabric both raise and ask (UsageError, interrupted), here below
+both. The standard library only (common/bounds.py is too)."""
 import argparse
 import os
 import re
@@ -9,6 +10,10 @@ import signal
 import sys
 
 from common import bounds
+
+
+class UsageError(ValueError):
+    """Bad input from the command line, found before any resource is opened."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -63,3 +68,9 @@ def _interrupted(signum, frame):
         return
     bounds.noted(signum)
     raise KeyboardInterrupt
+
+
+def interrupted(error):
+    """Whether `error` was raised while a Ctrl-C or SIGTERM (KeyboardInterrupt) was unwinding
+    the stack, by a close in the clean-up, say: then the interrupt is what happened."""
+    return bounds.unwinding(error, KeyboardInterrupt)

@@ -2,7 +2,7 @@
 
 Each rank gets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE (torchrun's
 names), RANK_GPU (with --gpus) and RENDEZVOUS (the address of the rendezvous
-this launcher serves); see common/launch.py. Lines a rank prints come out as
+this launcher serves); see common/launch/. Lines a rank prints come out as
 "[rank] line". If a rank dies, the others are told and stop; the launcher says
 which rank, how, and exits non-zero. Ctrl-C (or SIGTERM) stops every rank, and
 the ranks die with the launcher, whatever kills it.

@@ -1,6 +1,6 @@
 """The transfer engine's benchmark: rank 0 writes paged WRITEs into rank 1, which expects them.
 
-Two processes (this script starts them through common/launch.py, or run it under
+Two processes (this script starts them through common/launch, or run it under
 scripts/launch.py -n 2). For each page size and page count, rank 0 hands the engine's
 worker one write_pages of that many pages, every WRITE with the same immediate, and
 times it from the call to its last completion (the series counts on the writer); rank 1

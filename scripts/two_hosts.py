@@ -21,7 +21,7 @@ at the same time: bandwidth_rma in fabtests/benchmarks/benchmark_shared.c).
 The ceiling is the sum of the NICs' link speeds from fi_info, where the
 provider reports them (efa and verbs do, shm and tcp do not).
 
-Who is who: rank 0 serves the rendezvous (chapter 16's, common/launch.py)
+Who is who: rank 0 serves the rendezvous (chapter 16's, common/launch)
 on PORT + 1 and fi_rma_bw's address exchange (-E) on PORT + 2 onwards;
 PORT is --port, else MASTER_PORT, else 29500. With --peer each host names
 the other and the one with the lower address is rank 0. MASTER_ADDR names
@@ -200,7 +200,7 @@ def meeting(args, env):
 
 
 def join(rank, host0, port, how, wait):
-    """This host's Group of two (common/launch.py's rendezvous, served by rank 0)."""
+    """This host's Group of two (common/launch's rendezvous, served by rank 0)."""
     for r in ([rank] if rank is not None else [0, 1]):
         place = Place(r, 2, 1, None, (host0, port + 1), r == 0, how)
         try:

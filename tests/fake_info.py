@@ -23,6 +23,7 @@ fakes that too, or, where the absence must be the real one (a chapter run as its
 process sees the real libfabric), skips where `really_usable` says there is a device.
 """
 import os
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -116,7 +117,7 @@ def pretend(monkeypatch, present=(), absent=()):
         if name in present:
             return infos(NICS[name]())
         return _getinfo(hint, flags)
-    monkeypatch.setattr(fi, "getinfo", getinfo)
+    patch(monkeypatch, "getinfo", getinfo)
 
 
 def efa_over_shm(monkeypatch, caps):
@@ -126,9 +127,19 @@ def efa_over_shm(monkeypatch, caps):
     (smr_ep_setopt knows no such option: -FI_ENOPROTOOPT)."""
     shm, _ = fi.pick("shm", lib.FI_MSG | lib.FI_RMA)
     for name in ("fabric_open", "domain_open", "endpoint_open"):
-        monkeypatch.setattr(fi, name, lambda *args, real=getattr(fi, name):
-                            real(*args[:-1], shm))
+        patch(monkeypatch, name, lambda *args, real=getattr(fi, name): real(*args[:-1], shm))
     return infos(Entry("rdmap79s0-rdm", caps=caps))
+
+
+def patch(monkeypatch, name, value):
+    """fi.`name` replaced for the whole binding: for its callers through fi (chapters, scripts)
+    and in each module of common.fabric that has it among its globals, where the code of the
+    package reads it (pick's getinfo, open_endpoint's cq_open, Poller's cq_read)."""
+    real = getattr(fi, name)
+    for module in [fi] + [m for n, m in sorted(sys.modules.items())
+                          if n.startswith("common.fabric.")]:
+        if getattr(module, name, None) is real:
+            monkeypatch.setattr(module, name, value)
 
 
 def really_usable(provider):

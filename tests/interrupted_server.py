@@ -14,6 +14,7 @@ import sys
 
 import common.engine.opqueue as opqueue
 import common.fabric as fi
+from common.fabric import calls
 
 
 class Interrupting:
@@ -54,9 +55,9 @@ def main():
     call, after, *rest = sys.argv[1:]
     fake = Interrupting(fi.lib, call, int(after))
     if rest[0] == "--failing-close":
-        fi.close = failing_close(fake, fi.close)
+        fi.close = calls.close = failing_close(fake, fi.close)  # Closer calls calls.close
         rest = rest[1:]
-    fi.lib = opqueue.lib = fake  # the modules that make these calls
+    fi.lib = calls.lib = opqueue.lib = fake  # the modules that make these calls
     sys.argv = rest
     runpy.run_path(rest[0], run_name="__main__")
 

@@ -14,6 +14,7 @@ import sys
 import threading
 
 import common.fabric as fi
+from common.fabric import poller
 from common import cli
 
 LIBC = ctypes.CDLL(None)
@@ -28,7 +29,7 @@ def hang(*_):
 
 
 def wait(timeout):
-    fi.cq_read = hang  # what Poller.poll calls
+    poller.cq_read = hang  # what Poller.poll calls
     fi.Poller(None).wait([fi.ffi.new("struct fi_context2 *")], timeout,
                          "heartbeat from the server")
 

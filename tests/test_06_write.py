@@ -4,6 +4,7 @@ import pytest
 import common.fabric as fi
 from common.fabric import lib
 from common.chapter_pair import run_pair
+from tests import fake_info
 from tests.gpu import has_gpu, needs_gpu
 from tests.one_line_errors import SHM_DEAD, assert_one_line_error, run
 
@@ -109,7 +110,7 @@ def test_a_failed_clients_entries_are_settled_before_the_next_one(monkeypatch):
         entries[0].op_context, entries[0].flags, entries[0].len = context, 0, 64
         return 1
 
-    monkeypatch.setattr(fi, "cq_read", cq_read)
+    fake_info.patch(monkeypatch, "cq_read", cq_read)
     poller = fi.Poller(None)
     poller.settle(ctx, 5.0)
     assert poller.wait([connect], 5.0, "CONNECT") == (connect, 64)

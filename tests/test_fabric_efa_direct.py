@@ -54,7 +54,7 @@ def efa_by_fabric(monkeypatch):
             raise fi.FabricError("fi_getinfo", -lib.FI_ENODATA)
         return fake_info.infos(fake_info.Entry("rdmap79s0-rdm", fabric=fabric,
                                                caps=hint.caps))
-    monkeypatch.setattr(fi, "getinfo", getinfo)
+    fake_info.patch(monkeypatch, "getinfo", getinfo)
     return asked
 
 
@@ -78,7 +78,7 @@ def test_efa_direct_without_fi_hmem_says_efas_causes(monkeypatch):
         if hint.caps & lib.FI_HMEM:
             raise fi.FabricError("fi_getinfo", -lib.FI_ENODATA)
         return listed(hint, flags)
-    monkeypatch.setattr(fi, "getinfo", getinfo)
+    fake_info.patch(monkeypatch, "getinfo", getinfo)
     with pytest.raises(ValueError, match=r"^efa-direct offers no FI_HMEM here, .*"
                                          r"FI_EFA_USE_DEVICE_RDMA"):
         fi.pick("efa-direct", lib.FI_MSG | lib.FI_RMA, hmem=True)

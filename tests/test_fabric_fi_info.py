@@ -12,6 +12,7 @@ from common.engine.nics import lane_nics
 from common.fabric import memory
 import common.fabric as fi
 from common.fabric import lib
+from tests import fake_info
 from tests.fake_info import Entry, infos
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,7 +86,7 @@ def test_gpu_memory_without_fi_hmem_stops_with_the_cause(monkeypatch):
         if hint.caps & lib.FI_HMEM:
             raise fi.FabricError("fi_getinfo", -lib.FI_ENODATA)
         return head
-    monkeypatch.setattr(fi, "getinfo", getinfo)
+    fake_info.patch(monkeypatch, "getinfo", getinfo)
     assert fi.pick("efa", multinet.CAPS)[0] == head
     with pytest.raises(ValueError, match=r"^efa offers no FI_HMEM here, .*FI_EFA_USE_DEVICE_RDMA"):
         fi.pick("efa", multinet.CAPS, hmem=True)
@@ -107,8 +108,8 @@ def test_every_cq_has_room_for_what_can_be_in_flight(monkeypatch, provider):
     """efa-direct and verbs give the device CQ exactly the size asked for; a lane's queue
     lets fi.in_flight(info) WRITEs be in flight, and receives come on the same CQ."""
     sizes, cq_open = [], fi.cq_open
-    monkeypatch.setattr(fi, "cq_open", lambda domain, size: sizes.append(size) or
-                        cq_open(domain, size))
+    fake_info.patch(monkeypatch, "cq_open", lambda domain, size: sizes.append(size) or
+                    cq_open(domain, size))
     info, _ = fi.pick(provider, multinet.CAPS)
     with fi.Closer() as own:
         lane = multinet.Lane(own, info)

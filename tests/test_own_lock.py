@@ -1,5 +1,5 @@
 """A server whose own shm region lock a client left held (killed or stopped mid-post) on
-libfabric < 1.18 serves its next client (common/fabric/__init__.py, OwnLock): its wait for
+libfabric < 1.18 serves its next client (common/fabric/poller.py, OwnLock): its wait for
 that client never reads a CQ whose progress would spin on the lock. Was: deaf (the lock
 held, nothing signalled) or spinning in fi_cq_read forever, and the next client timed out.
 tests/lock_holder.py leaves that state at once; kills of real clients find it about once

@@ -306,18 +306,18 @@ def fabric_text(lines, chapters):
 def test_each_chapter_is_told_the_fabric_its_hints_pick(monkeypatch):
     rdm, direct = (fake_info.Entry("rdmap79s0-rdm", fabric=name, pci="0000:4f:00.0")
                    for name in ("efa", "efa-direct"))
-    monkeypatch.setattr(fi, "getinfo", fake_getinfo([direct, rdm]))  # libfabric 2.x's order
+    fake_info.patch(monkeypatch, "getinfo", fake_getinfo([direct, rdm]))  # libfabric 2.x's order
     lines = doctor.fabric_lines(fi)
     assert [line[:2] for line in lines] == [(OK, "fabric")] * 3
     assert fabric_text(lines, "chapters 06-07, 09-19") == (
         "chapters 06-07, 09-19 (FI_MSG, FI_RMA): efa (default), fabric efa, domain "
         "rdmap79s0-rdm; efa lists efa-direct, efa for these hints, the chapters take efa, "
         "and efa-direct with -p efa-direct (common/fabric FABRICS)")
-    monkeypatch.setattr(fi, "getinfo", fake_getinfo([rdm]))  # libfabric 1.x: efa alone
+    fake_info.patch(monkeypatch, "getinfo", fake_getinfo([rdm]))  # libfabric 1.x: efa alone
     assert fabric_text(doctor.fabric_lines(fi), "chapter 08") == (
         "chapter 08 (FI_RMA): efa (default), fabric efa, domain rdmap79s0-rdm")
     no_rma = fake_info.Entry("shm", fabric="shm", provider="shm", caps=fi.lib.FI_MSG)
-    monkeypatch.setattr(fi, "getinfo", fake_getinfo([no_rma]))
+    fake_info.patch(monkeypatch, "getinfo", fake_getinfo([no_rma]))
     lines = {text.split(" (")[0]: status for status, _, text in doctor.fabric_lines(fi)}
     assert lines == {"chapters 04-05": OK, "chapters 06-07, 09-19": FIX, "chapter 08": FIX}
 

@@ -59,7 +59,7 @@ def test_ctrl_c_closes_every_rank(whom):
     the launcher, a second signal cut into the ranks' clean-up and left each one's shm
     region (16 MiB) behind, though each said 'resources closed'. (A check first: a rank's
     first endpoint installs shm's own signal handler, which removes the regions, until the
-    next fi_getinfo takes the signals back; common/fabric/__init__.py.)"""
+    next fi_getinfo takes the signals back; common/fabric/binding.py.)"""
     budget = Budget(STARTED_AND_STOPPED)
     proc, pids = start(budget, "-n", "4", "--ranks-per-node", "2", *MOE, "random")
     time.sleep(1)  # past the first barrier, into the rounds (where the regions were left)

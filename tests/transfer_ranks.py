@@ -23,6 +23,7 @@ import numpy as np
 import common.fabric as fi
 from common import bounds
 from common import launch
+from common.launch.rendezvous import _pack_list, _unpack_list
 from common.transfer import Engine
 
 PAGE = 4096
@@ -112,8 +113,8 @@ def groups(eng, group, args):
     src = on(args, seeded([2, me], world * length))
     inboxes = [on(args, np.zeros(length, np.uint8)) for _ in range(world)]  # from rank r
     regions = [eng.register(src)] + [eng.register(box) for box in inboxes]
-    descriptors = [launch._unpack_list(d) for d in
-                   group.allgather(launch._pack_list([r.descriptor() for r in regions[1:]]))]
+    descriptors = [_unpack_list(d) for d in
+                   group.allgather(_pack_list([r.descriptor() for r in regions[1:]]))]
     # member i's inbox for what this rank sends
     dsts = [eng.remote(descriptors[i][me]) for i in range(world)]
     g = eng.group(peers)

@@ -79,7 +79,7 @@ class Fault:
     def late(self, grace):
         """How much later than the others a launcher may end when one of its ranks got this:
         a stopped rank ends only when the launcher kills it, its grace, then SIGTERM, 5 s
-        later SIGKILL (common/launch.py spawn, Job._send)."""
+        later SIGKILL (common/launch/launcher.py spawn, Job._send)."""
         return 0.0
 
 

@@ -193,7 +193,7 @@ class Run:
         pids = self.watch.pids | {p.pid for p in self.procs}
         files = leftovers(pids, self.watch.files)
         # A process killed by SIGKILL cannot remove its own region; whoever killed it
-        # must (so a launcher must for its ranks: common/launch.py _remove_leftovers).
+        # must (so a launcher must for its ranks: common/launch/launcher.py, shm_files.remove_left_by).
         left = [f for f in files if f.split(":")[0] not in {str(p) for p in self.killed}]
         owners = {str(p.pid): p.name for p in self.procs}
         if left:

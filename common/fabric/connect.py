@@ -15,7 +15,7 @@ import os
 import struct
 import sys
 
-from common import cli, shm_files
+from common import shm_files, usage
 import common.fabric as fi
 from common.fabric import ffi, lib
 
@@ -150,12 +150,12 @@ def check_landed(said, iters):
 
 
 def fits(info, size, too_many):
-    """Refuse (cli.UsageError, saying what is `too_many`) a CONNECT of `size` bytes that
+    """Refuse (usage.UsageError, saying what is `too_many`) a CONNECT of `size` bytes that
     one SEND on `info`'s NIC would not carry whole."""
     limit = fi.max_send(info)
     if size > limit:
-        raise cli.UsageError(f"too many {too_many}: CONNECT would be {size} bytes, and one SEND "
-                             f"on this NIC carries at most {limit} (fabric.max_send)")
+        raise usage.UsageError(f"too many {too_many}: CONNECT would be {size} bytes, and one "
+                               f"SEND on this NIC carries at most {limit} (fabric.max_send)")
 
 
 def pack_pages(pages):
@@ -285,7 +285,7 @@ def gone(error):
 def report(n, error):
     """The server's one line about client `n`, which it stopped serving on `error`; unless
     `error` came out of the clean-up of a Ctrl-C: then that goes on, and ends the server."""
-    if cli.interrupted(error):
+    if usage.interrupted(error):
         raise KeyboardInterrupt from error
     what = "refused" if isinstance(error, Refused) else "gone" if gone(error) else "failed"
     print(f"client {n}: {what}: {error}", file=sys.stderr, flush=True)

@@ -7,7 +7,7 @@
  * that post, register and poll through the checks below, from Python and from the
  * C workers alike. Without FABRIC_RULES each check is one test of a cached flag,
  * then libfabric's own call. A broken rule returns RULES_BROKEN - rule (the call
- * does not happen); tut_rules_text() names it (common/fabric/rules.py, common/fabric/__init__.py).
+ * does not happen); tut_rules_text() names it (common/fabric/rules.py, common/fabric/errors.py).
  *
  * What each rule stands for, in libfabric 2.1.0's sources:
  *   descriptors  FI_MR_LOCAL: the device reads every buffer through its registration

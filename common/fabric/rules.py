@@ -5,7 +5,7 @@ rule sets).
 
 Each call is checked in C (common/fabric/rules.h), compiled into every module of the binding,
 so the C workers are checked like Python. This module does the rest, for
-common/fabric/__init__.py: it holds fi_getinfo's hints to what efa-direct lists entries for
+common/fabric/fi_info.py: it holds fi_getinfo's hints to what efa-direct lists entries for
 (tut_rules_hints in rules.h), then leaves FI_MR_VIRT_ADDR out of them (efa and verbs have it,
 but the path with offsets must hold too: tcp here takes offsets, and so does shm
 without the bit), follows every fi_info entry with a twin of another fabric and
