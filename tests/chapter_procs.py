@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from common import shm_files
@@ -84,3 +85,13 @@ def client_gone_server_survives(chapter, provider, server_args=(), client_args=(
     assert re.search(rf"^client 1: (gone: fi_cq_read: |failed: no WRITE completed for {wait} s |"
                      rf"failed: warmup WRITE on NIC \d+ not completed in {wait} s$)",
                      err, re.MULTILINE), err
+
+
+def server_line(server, budget):
+    """The server's next line on stderr, within the budget (its reader blocks: a thread)."""
+    got = []
+    reader = threading.Thread(target=lambda: got.append(server.stderr.readline()), daemon=True)
+    reader.start()
+    reader.join(budget.left())
+    assert got and got[0], "the server said nothing"
+    return got[0]

@@ -14,7 +14,7 @@ import common.fabric as fi
 from common.chapter_pair import ADDRESS, chapter_module, chapter_path, local_env
 from common.fabric import connect, lib
 from tests.budget import Budget
-from tests.chapter_procs import start
+from tests.chapter_procs import server_line, start
 
 HONEST_07 = ["--page-size", "64K", "--buffer-size", "4M", "--pages", "0-63", "--iters", "200"]
 
@@ -140,17 +140,6 @@ def test_an_address_of_the_wrong_length_says_by_how_much(provider, mangle, said)
     fi.check_address(info, good)
     with pytest.raises(ValueError, match=re.escape(said)):
         fi.check_address(info, mangle(good))
-
-
-def server_line(server, budget):
-    """The server's next line on stderr, within the budget (its reader blocks: a thread)."""
-    import threading
-    got = []
-    reader = threading.Thread(target=lambda: got.append(server.stderr.readline()), daemon=True)
-    reader.start()
-    reader.join(budget.left())
-    assert got and got[0], "the server said nothing"
-    return got[0]
 
 
 @pytest.mark.long

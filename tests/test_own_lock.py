@@ -14,8 +14,7 @@ from common import shm_files
 import common.fabric as fi
 from common.chapter_pair import ADDRESS, chapter_path, local_env
 from tests.budget import Budget
-from tests.chapter_procs import SMALL, start
-from tests.test_crash_cases import server_line
+from tests.chapter_procs import SMALL, server_line, start
 
 pytestmark = pytest.mark.skipif(fi.version() >= (1, 18), reason="from 1.18 shm's queue "
                                 "takes commands without the region lock")
