@@ -30,6 +30,7 @@ OWN_WAY = {  # scripts that stop what they started themselves
     "launch.py": "common.launch.spawn passes the Ctrl-C on to every rank and says how they ended",
     "pair.py": "common.chapter_pair.run_pair stops both sides; it says so",
     "chaos.py": "it stops its trial's processes and says how far it got",
+    "fuzz_connect.py": "its servers run under common.launch.owned, stopped on the way out; it says so",
 }
 LIMIT = 120  # seconds, quiet machine, for a script to reach the marked line on 2 busy cores
 
