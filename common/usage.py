@@ -33,6 +33,18 @@ def positive(kind, what="a positive number"):
         return value
     return parse
 
+def listed(choices, upper=False):
+    """An argparse type: a comma-separated list of `choices`, each once, in the order given;
+    numbers as two digits ("7" is "07"), or, with `upper`, names in capitals."""
+    def parse(text):
+        items = [i.strip().upper() if upper else i.strip() for i in text.split(",")]
+        items = [f"{int(i):02d}" if i.isdigit() and not upper else i for i in items]
+        wrong = [i for i in items if i not in choices]
+        if wrong or not items:
+            raise argparse.ArgumentTypeError(f"'{text}': choose from {','.join(choices)}")
+        return list(dict.fromkeys(items))
+    return parse
+
 
 def parse_size(text):
     """'65536', '64K', '1M', '2G' -> bytes (powers of 1024)."""

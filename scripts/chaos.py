@@ -33,7 +33,6 @@ Trial K of a --seed is always the same trial: `--only K` with the same flags rer
     .venv/bin/python scripts/chaos.py --chapters 07,15 --providers shm --faults SIGKILL,TSTP \\
         --victims client --seed 3 --only 5
 """
-import argparse
 import os
 import shlex
 import signal
@@ -158,16 +157,6 @@ def record(args, argv, trials, stratified):
 
 # --- the command line ------------------------------------------------------------------
 
-def listed(choices, upper=False):
-    def parse(text):
-        items = [i.strip().upper() if upper else i.strip() for i in text.split(",")]
-        items = [f"{int(i):02d}" if i.isdigit() and not upper else i for i in items]
-        wrong = [i for i in items if i not in choices]
-        if wrong or not items:
-            raise argparse.ArgumentTypeError(f"'{text}': choose from {','.join(choices)}")
-        return list(dict.fromkeys(items))
-    return parse
-
 
 def parser():
     p = usage.Parser(prog="chaos.py", description=__doc__.split("\n\n")[0])
@@ -176,10 +165,11 @@ def parser():
                    help="start no trial after this many minutes")
     p.add_argument("--seed", type=int, default=0, help="the seed the trials are chosen from")
     p.add_argument("--only", type=usage.positive(int), metavar="K", help="run trial K alone")
-    p.add_argument("--chapters", type=listed(tuple(SPECS)), default=list(SPECS))
-    p.add_argument("--providers", type=listed(PROVIDERS), default=list(PROVIDERS))
-    p.add_argument("--faults", type=listed(tuple(FAULTS), upper=True), default=list(FAULTS))
-    p.add_argument("--victims", type=listed(VICTIMS), default=list(VICTIMS))
+    p.add_argument("--chapters", type=usage.listed(tuple(SPECS)), default=list(SPECS))
+    p.add_argument("--providers", type=usage.listed(PROVIDERS), default=list(PROVIDERS))
+    p.add_argument("--faults", type=usage.listed(tuple(FAULTS), upper=True),
+                   default=list(FAULTS))
+    p.add_argument("--victims", type=usage.listed(VICTIMS), default=list(VICTIMS))
     p.add_argument("--draw", choices=("cells", "random"),
                    help="cells: every chapter x fault x provider once before any twice "
                    "(the default when --trials covers them all); random: each trial drawn")

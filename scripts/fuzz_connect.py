@@ -23,7 +23,6 @@ answered within a second.
     .venv/bin/python scripts/fuzz_connect.py --chapters 07 --providers tcp --seed 3 --only 17
     .venv/bin/python scripts/fuzz_connect.py --address ADDR --chapter 07 -p shm --seed 3 --lie 17
 """
-import argparse
 import random
 import re
 import shlex
@@ -647,20 +646,11 @@ def figure(cells):
     return f"lies {tried}, survived {survived}/{tried}"
 
 
-def listed(choices):
-    def parse(text):
-        items = [f"{int(i):02d}" if i.strip().isdigit() else i.strip() for i in text.split(",")]
-        wrong = [i for i in items if i not in choices]
-        if wrong or not items:
-            raise argparse.ArgumentTypeError(f"'{text}': choose from {','.join(choices)}")
-        return list(dict.fromkeys(items))
-    return parse
-
 
 def parser():
     p = usage.Parser(prog="fuzz_connect.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--chapters", type=listed(CHAPTERS), default=list(CHAPTERS))
-    p.add_argument("--providers", type=listed(PROVIDERS), default=list(PROVIDERS))
+    p.add_argument("--chapters", type=usage.listed(CHAPTERS), default=list(CHAPTERS))
+    p.add_argument("--providers", type=usage.listed(PROVIDERS), default=list(PROVIDERS))
     p.add_argument("--lies", type=usage.positive(int), default=25, help="lies per chapter "
                    "and provider (default 25)")
     p.add_argument("--every", type=usage.positive(int), default=25, help="an honest client "
@@ -671,7 +661,7 @@ def parser():
                    help="write the results to results/chaos/LABEL.json")
     one = p.add_argument_group("one lie at a running server (a lying client)")
     one.add_argument("--address", help="the server's address (hex), as it printed it")
-    one.add_argument("--chapter", type=listed(CHAPTERS), help="the server's chapter")
+    one.add_argument("--chapter", type=usage.listed(CHAPTERS), help="the server's chapter")
     one.add_argument("-p", "--provider", choices=PROVIDERS)
     one.add_argument("--lie", type=usage.positive(int), metavar="K", help="which lie")
     return p
