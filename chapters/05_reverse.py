@@ -89,7 +89,7 @@ def server(info, args):
 
 def serve(own, info, domain, cq, av, ep, args, served):
     """Serve clients on `ep` until --clients have been (`served` so far), or until a dead
-    client's lock leaves the endpoint deaf (fabric.OwnLockHeld); returns how many."""
+    client leaves the endpoint deaf (fabric.EndpointDeaf); returns how many."""
     poller = fi.Poller(cq, ep=ep)
     inbox = [Buffer(own, info, domain, key=1), Buffer(own, info, domain, key=2)]
     outbox = Buffer(own, info, domain, key=3)
@@ -101,14 +101,15 @@ def serve(own, info, domain, cq, av, ep, args, served):
             ctx, length = poller.wait([b.ctx for b in inbox],
                                       None if client is None else args.timeout,
                                       "text after the CONNECT", idle=client is None)
-        except fi.OwnLockHeld as e:  # (a TimeoutError too) a dead client's lock: a new endpoint
+        except fi.EndpointDeaf as e:  # (a TimeoutError too) a dead client: a new endpoint
             connect.renewing(e)
             return served
         except TimeoutError as e:
             client = let_go(av, client, served, e)
             served += 1
             continue
-        except fi.CompletionError as e:  # a message longer than our buffer: one line
+        except fi.CompletionError as e:  # a message longer than our buffer: one line (on
+            # tcp; on shm it never completes, connect.next_request says why)
             buf = next((b for b in inbox if fi.key(b.ctx) == fi.key(e.context)), None)
             if buf is None or not connect.too_long(e, buf.size):
                 raise

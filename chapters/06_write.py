@@ -79,8 +79,9 @@ BAD_KEY = 0xBAD0_0000  # --bad-key: a key no registration of ours has
 
 # %%
 def server(info, args):
-    served, name = 0, None
+    served, backlog, name = 0, [], None  # backlog: a CONNECT kept across a renewal
     while not args.clients or served < args.clients:
+        held = []  # a failed client's data and contexts, which WRITEs still out may use
         with fi.Closer() as own:  # the endpoint: opened again, at its address, when renewed
             domain, cq, av, ep = fi.open_endpoint(own, fi.at_address(info, name))
             poller = fi.Poller(cq, ep=ep)
@@ -90,26 +91,39 @@ def server(info, args):
                 print(f"server address: {name.hex()}")
                 print(cli.client_hint(args, name.hex()), flush=True)
             while not args.clients or served < args.clients:
-                try:
-                    request = connect.next_request(poller, inbox)
-                except fi.OwnLockHeld as e:  # a dead client's lock: a new endpoint
-                    connect.renewing(e)
+                request = connect.next_client(poller, inbox, backlog)
+                if request is None:  # a dead client's lock: a new endpoint
                     break
-                if connect.stray(request):
-                    continue
                 try:
                     with fi.Closer() as client_own:  # what one client needs, released after it
-                        serve(client_own, info, domain, ep, av, poller, request, args)
+                        serve(client_own, info, domain, ep, av, poller, request, args, held)
                 except (fi.FabricError, TimeoutError, ValueError) as e:  # serve the next one
                     connect.report(served + 1, e)
                     if isinstance(e, connect.Refused):
                         continue  # another chapter's client, told so: not one of --clients
                 served += 1
+                if held and (len(held) >= connect.HELD_MAX or ordered_answers(info)):
+                    connect.keep_arrived(poller, inbox, backlog)  # a new endpoint, same address
+                    break
 
 
-def serve(own, info, domain, ep, av, poller, request, args):
+def ordered_answers(info):
+    """Does a stopped client's WRITE hold up the completions of every later one? 1.x's shm
+    takes the answers to our commands in the order it sent them, and stops at the first
+    not given yet (smr_progress_resp, prov/shm/src/smr_progress.c): only a new endpoint
+    serves the next client. 2.x's shm answers each command on its own."""
+    return fi.provider_of(info) == "shm" and fi.version() < (2, 0)
+
+
+def serve(own, info, domain, ep, av, poller, request, args, held):
+    out = []  # WRITEs to this client that the settle gave up on (a client stopped)
+    # While any is out, the client stays in our AV (connect.let_go): on shm a continued
+    # client's answers to them reach our progress through it (1.17 read the unmapped
+    # region of a peer taken out: SIGSEGV). A new endpoint, where it is not needed
+    # (ordered_answers), would lose a client that came meanwhile: it keeps our old region
+    # mapped, as shm maps a peer's name again only for another pid (smr_progress_connreq).
     client, request = connect.accept(own, info, av, domain, ep, poller, request, CHAPTER,
-                                     args.timeout)
+                                     args.timeout, busy=lambda: len(out))
     seed, page_size, runs, nbufs = connect.unpack_from(HEADER, request)
     at = HEADER.size
     regions = [connect.unpack_from(REGION, request, at + i * REGION.size) for i in range(nbufs)]
@@ -137,8 +151,10 @@ def serve(own, info, domain, ep, av, poller, request, args):
             posted += 1
         poller.wait_all(contexts[npages - 1:npages], args.timeout, "last WRITE completion")
     except (fi.FabricError, TimeoutError):  # the client failed: the rest of its WRITEs
-        poller.settle(contexts[:posted], args.timeout)  # end here, not on the next one's CQ
-        raise
+        if not poller.settle(contexts[:posted], args.timeout):  # end here, not on the next
+            out.append(posted)  # one's CQ; those still out (a client stopped) read `source`
+            held.append((source, storage))  # until they end (tcp sends from it as its
+        raise  # socket drains)
     print(f"wrote {npages} pages of {page_size} bytes from {source.kind}, "
           f"the last with immediate data {npages}", flush=True)
 

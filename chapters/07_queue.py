@@ -76,7 +76,10 @@ LESSON = {"figure": "refused", "visible": {"at_least": 1}, "field": "refused",
 # closes it and opens a new one at the same address (fi.at_address): the one it printed,
 # which the next client was given. Not after every failure: a client whose CONNECT came
 # meanwhile reached the old endpoint, and on shm the new one is a region it has not
-# mapped.
+# mapped. A client gone (Ctrl-C, killed) is no reason: its closed connection fails its
+# WRITEs, some late, and each gives its credit back. Nor is a WRITE still out on 2.x's
+# tcp, which lends none; what it reads is kept until the endpoint closes, for at most
+# connect.HELD_MAX failed clients.
 
 # %% [markdown]
 # ## efa-direct: what a WRITE demands of the device alone (-p efa-direct)
@@ -143,16 +146,11 @@ def server(info, args):
                 name = fi.getname(ep)
                 print(f"server address: {name.hex()}")
                 print(cli.client_hint(args, name.hex(), LESSON), flush=True)
+            held = []  # what a failed client's WRITEs still out read: kept while they may
             while not args.clients or served < args.clients:
-                if not backlog:
-                    try:
-                        backlog.append(connect.next_request(poller, inbox))
-                    except fi.OwnLockHeld as e:  # a dead client's lock: a new endpoint
-                        connect.renewing(e)
-                        break
-                request = backlog.pop(0)
-                if connect.stray(request):
-                    continue
+                request = connect.next_client(poller, inbox, backlog)
+                if request is None:  # a dead client's lock: a new endpoint
+                    break
                 renew = False
                 try:
                     # Contexts to spare: the provider, not us, should be the one to say "full".
@@ -162,7 +160,7 @@ def server(info, args):
                                                          request, CHAPTER, args.timeout,
                                                          busy=queue.awaiting_answers)
                         serve(Connection(client_own, domain, client, queue, inbox, backlog,
-                                         args.timeout), info, request, args)
+                                         args.timeout), info, request, args, held)
                 except (fi.FabricError, TimeoutError, ValueError) as e:  # serve the next one
                     connect.report(served + 1, e)
                     if isinstance(e, connect.Refused):
@@ -172,13 +170,14 @@ def server(info, args):
                     # the AV: connect.let_go): only closing the endpoint frees them.
                     # A new one at the same address serves the next client (the cell
                     # "A new endpoint after a failed client"). Not when none is out (a
-                    # lying CONNECT): a renewal loses what arrives meanwhile.
+                    # lying CONNECT), nor for credits lent to a client gone: its closed
+                    # connection fails them, late or not (dropped: OpQueue.abandon). A
+                    # renewal loses a CONNECT that reached the old endpoint meanwhile.
                     renew = (lends_credits(info) and queue.in_flight() > 0
-                             or queue.awaiting_answers() > 0)
+                             and not connect.gone(e) or queue.awaiting_answers() > 0)
                 served += 1
-                if renew:
-                    if fi.key(inbox.ctx) in poller.done:  # a CONNECT already here: keep it
-                        backlog.append(inbox.take(poller.done.pop(fi.key(inbox.ctx))))
+                if renew or len(held) >= connect.HELD_MAX:
+                    connect.keep_arrived(poller, inbox, backlog)  # a new endpoint, same address
                     break
 
 
@@ -190,7 +189,7 @@ def lends_credits(info):
     return "ofi_rxm" in fi.provider_of(info)
 
 
-def serve(conn, info, request, args):
+def serve(conn, info, request, args, held):
     seed, page_size, iters, runs, nbufs, delivery = connect.unpack_from(HEADER, request)
     regions = [connect.unpack_from(REGION, request, HEADER.size + i * REGION.size)
                for i in range(nbufs)]
@@ -201,6 +200,7 @@ def serve(conn, info, request, args):
     connect.check_targets(regions, page_size, pages)
     npages = len(pages)
 
+    source = keep = None
     try:
         # The data, generated before anything is timed: page j of the request in slot j.
         def keep_talking():  # this can take seconds: the client must not give up on us
@@ -210,8 +210,8 @@ def serve(conn, info, request, args):
         desc = fi.mr_desc(memory.register(conn.own, conn.domain, source, lib.FI_WRITE, key=2000))
 
         # One WRITE message per page, built once; posting only sets its context.
-        messages, _keep = connect.write_messages(source, page_size, pages, range(npages),
-                                                 regions, desc, conn.client)
+        messages, keep = connect.write_messages(source, page_size, pages, range(npages),
+                                                regions, desc, conn.client)
         flags = lib.FI_COMPLETION | (lib.FI_DELIVERY_COMPLETE if delivery else 0)
         start = write_all(conn, messages, iters, page_size, flags)
         # A WRITE's completion says the source may be reused, not that the data has
@@ -223,6 +223,8 @@ def serve(conn, info, request, args):
         connect.check_landed(LANDED.unpack(message)[0], iters)
     except Exception:  # this client failed: let what is in flight finish, then serve the next
         conn.queue.drain(conn.timeout)  # (not on Ctrl-C: opqueue.drain says why)
+        if conn.queue.abandon():  # still out (a client stopped): tcp sends them from `source`
+            held.append((source, keep, conn))  # as its socket drains, if ever (and its beat)
         raise
     f = bench.figures(iters, page_size, elapsed)
     memory_kind = "host" if args.gpu is None else "cuda"

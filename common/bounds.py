@@ -18,8 +18,9 @@ The bounds, the same for a server, a client and a rank:
   past the deadline it says which wait that was and ends the process, exit 1. (shm
   spins forever in fi_cq_read or fi_close on the lock of a region whose owner was killed
   holding it: pthread_spin_lock(&smr->lock), prov/shm/src/smr.h.)
-- Worker threads, stopped after a failure or a signal, are joined within JOIN_BOUND;
-  one that does not stop (it spins in the provider) ends the process the same way.
+- Worker threads, stopped after a failure or a signal, are joined within JOIN_BOUND of
+  the time the process runs (a stop, Ctrl-Z, does not count); one that does not stop (it
+  spins in the provider) ends the process the same way.
 - Before a program's first import of the project (Python's own start, milliseconds) no
   code of ours runs: a signal then ends it Python's way, by the signal or with Python's
   fatal error, or, cutting into its look at argv[0] or a callback of its import system,
@@ -172,9 +173,16 @@ def join(threads, what, bound=JOIN_BOUND):
     error being raised if there is one (why they were stopped), and end the process, as
     nothing else can stop that thread."""
     threads = [t for t in threads if t.ident is not None]  # one not started has nothing to join
-    until = time.monotonic() + bound
+    bound = stretched(bound)
+    until = looked = time.monotonic()
+    until += bound
     for t in threads:
-        t.join(max(0.0, until - time.monotonic()))
+        while t.is_alive() and looked < until:
+            t.join(min(TICK, until - looked))
+            now = time.monotonic()
+            if now - looked > TICK + PAUSED:  # the process was stopped meanwhile: the bound
+                until += now - looked         # counts the time it ran
+            looked = now
     stuck = [t.name for t in threads if t.is_alive()]
     if stuck:
         raised = sys.exc_info()[1]

@@ -85,7 +85,7 @@ class OpQueue:
     def _read(self):
         """One read of the CQ, each completion matched to its context; returns how many
         entries it read."""
-        n = fi.cq_read(self.cq, self.entries)
+        n = self.poller.read(self.entries)
         for e in self.entries[0:n]:
             slot = (fi.key(e.op_context) - self.first) // self.stride
             if not 0 <= slot < len(self.busy):  # not ours: a receive, for the poller
@@ -140,6 +140,14 @@ class OpQueue:
         with bounds.Deadline(timeout, f"{self.in_flight()} operations in flight did not "
                              f"complete within {timeout:g} s") as deadline:
             self._drain(deadline)
+
+    def abandon(self):
+        """After a drain that left operations in flight (a stopped peer): their late ends,
+        success or failure, are the poller's to drop (Poller.abandoned), and this queue,
+        with the memory they read, must outlive them: returns how many."""
+        out = {fi.key(self.context[slot]) for slot, kind in enumerate(self.busy) if kind}
+        self.poller.abandoned |= out
+        return len(out)
 
     def _drain(self, deadline):
         while time.monotonic() < deadline.at:

@@ -15,7 +15,7 @@ FabricError; fi_info: hints, fi_getinfo and the provider a chapter picks; calls:
 per fi_* call on objects and the data path, Closer, open_endpoint; poller: waiting for
 completions (Poller). This package re-exports the names used elsewhere; a test that replaces
 one of them for the code of this package patches the module that reads it
-(tests/fake_info.py patch), as a copy here is not read.
+(tests/support/fake_info.py patch), as a copy here is not read.
 """
 from common.fabric.binding import (API_VERSION, ffi, lib, libfabrics, loaded_from, loads_from,
                                    prefix_mismatch, stop_interrupting, version)
@@ -31,8 +31,8 @@ from common.fabric.calls import (CAN_FORBID_SHM, SHM_OFF, Closer, Inbox, av_inse
                                  forbid_shm, getname, in_flight, key, mr_desc, mr_key, mr_mode,
                                  mr_reg, msg, native_error, open_endpoint, posted, recvmsg,
                                  remote_base, require_gpudirect, sendmsg, shm_peer, writemsg)
-from common.fabric.poller import (IDLE_NAP, OWN_LOCK_BOUND, OwnLock, OwnLockHeld, Poller,
-                                  connreq_pending)
+from common.fabric.poller import (IDLE_NAP, OWN_LOCK_BOUND, EndpointDeaf, OwnLock,
+                                  OwnLockHeld, Poller, RequesterGone, connreq_pending)
 
 __all__ = ["API_VERSION", "ffi", "lib", "libfabrics", "loaded_from", "loads_from",
            "prefix_mismatch", "stop_interrupting", "version", "CompletionError", "FabricError",
@@ -46,4 +46,5 @@ __all__ = ["API_VERSION", "ffi", "lib", "libfabrics", "loaded_from", "loads_from
            "getname", "in_flight", "key", "mr_desc", "mr_key", "mr_mode", "mr_reg", "msg",
            "native_error", "open_endpoint", "posted", "recvmsg", "remote_base",
            "require_gpudirect", "sendmsg", "shm_peer", "writemsg", "SHM_PREFIX", "IDLE_NAP",
-           "OWN_LOCK_BOUND", "OwnLock", "OwnLockHeld", "Poller", "connreq_pending"]
+           "OWN_LOCK_BOUND", "EndpointDeaf", "OwnLock", "OwnLockHeld", "Poller", "RequesterGone",
+           "connreq_pending"]

@@ -195,6 +195,7 @@ int tut_mr_reg(struct fid_domain *domain, void *buf, size_t len, uint64_t access
 int tut_has_dmabuf(void);
 int tut_forbid_shm(struct fid_ep *ep);
 int tut_own_lock_held(struct fid_ep *ep);  /* peer_lock.h: 1.x shm, our own region */
+int tut_own_requester_gone(struct fid_ep *ep);  /* peer_lock.h: 1.x shm, a gone client */
 int tut_require_gpudirect(struct fid_ep *ep, int *step);
 size_t tut_nic_speed(const struct fi_info *info);
 size_t tut_nic_mtu(const struct fi_info *info);

@@ -31,6 +31,7 @@ ADDRESS_BOUND = 64  # bytes: no provider's address is longer (efa 32, verbs 28 o
 # connection, efa an unreachable or unresponsive peer (prov/efa/src/efa_errno.h).
 PEER_GONE = {"EIO", "ECANCELED", "ECONNABORTED", "ECONNRESET", "ENOTCONN", "EHOSTUNREACH",
              "EPIPE"}
+HELD_MAX = 8  # failed clients with WRITEs still out that one endpoint keeps (AV: 16 places)
 
 
 class Refused(ValueError):
@@ -44,7 +45,13 @@ def pack(chapter, address, body):
 def next_request(poller, inbox):
     """The next message in `inbox` (an fi.Inbox), waited for as long as it takes. One longer
     than the inbox fails its receive (FI_ETRUNC: a client that ignores fabric.max_send):
-    said in one line, and the wait goes on."""
+    said in one line, and the wait goes on. Except on shm, where one longer than its inject
+    size (4 KiB, SMR_INJECT_SIZE) never completes: the provider copies from the sender until
+    the sender's length is done, and once the receive's buffer is full each copy moves 0
+    bytes, forever (cma_copy, include/ofi_cma.h in 2.1 and 2.6; smr_cma_loop,
+    prov/shm/src/smr.h in 1.17). The server then spins inside fi_cq_read, and only a signal
+    ends it (the watchdog, common/bounds.py): no receiver can refuse such a SEND, so on shm
+    a peer is trusted not to send more than its receiver posted."""
     while True:
         try:
             _, length = poller.wait([inbox.ctx], None, "CONNECT", idle=True)
@@ -268,8 +275,33 @@ def verified(checked, asked, total, iters, page_size, wrong):
     return f"verified {what} ({checked * page_size} bytes){reach}: {wrong} wrong bytes"
 
 
+def next_client(poller, inbox, backlog):
+    """A server's next CONNECT: the first of `backlog` (requests that came while it served
+    the last client), else the next message in `inbox`; what is not a CONNECT is said in
+    one line and skipped. None where the endpoint can serve no one (fabric.EndpointDeaf: a
+    dead client's lock, or its request that 1.17 would crash on): said, and the server opens
+    it again (renewing)."""
+    while True:
+        if not backlog:
+            try:
+                backlog.append(next_request(poller, inbox))
+            except fi.EndpointDeaf as e:
+                renewing(e)
+                return None
+        request = backlog.pop(0)
+        if not stray(request):
+            return request
+
+
+def keep_arrived(poller, inbox, backlog):
+    """Before a server closes its endpoint to open it again: a CONNECT already read from its
+    CQ goes to `backlog`, served on the new one."""
+    if fi.key(inbox.ctx) in poller.done:
+        backlog.append(inbox.take(poller.done.pop(fi.key(inbox.ctx))))
+
+
 def renewing(error):
-    """The server's one line when its endpoint can serve no one (fabric.OwnLockHeld): it
+    """The server's one line when its endpoint can serve no one (fabric.EndpointDeaf): it
     opens a new one at the same address, which the next client reaches."""
     print(f"{error}: opening the endpoint again at the same address", file=sys.stderr,
           flush=True)

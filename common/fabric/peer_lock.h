@@ -12,21 +12,25 @@
  * its region of our own, and a lock held is the provider's "not now": the caller
  * retries, reads its CQ, and gives the peer up at its deadline as for any silent peer.
  * What it cannot see: a lock taken in the instant between this look and the provider's
- * (tests/test_crash_cases.py counts how rare). From 1.18 shm's queue takes commands
+ * (tests/test_project_crash_cases.py counts how rare). From 1.18 shm's queue takes commands
  * without a lock, and this costs one test of a cached flag per post.
  */
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #define PEER_LOCK_REGION_VERSION 4  /* SMR_VERSION of the layout below (include/ofi_shm.h) */
 #define PEER_LOCK_CACHE 64          /* peers whose region stays mapped here, the latest met */
 #define PEER_LOCK_NAME 64           /* SMR_NAME_MAX (include/ofi_shm.h) */
 
-/* The head of 1.17's struct smr_region (include/ofi_shm.h), up to its lock. */
+/* The head of 1.17's struct smr_region (include/ofi_shm.h), as a release build lays it
+   out: a debug build's atomics are wider (ATOMIC_DEF_INIT, include/ofi_atom.h), which
+   moves what follows `lock`; tut_own_requester_gone checks what it reads from there. */
 struct peer_lock_region {
     uint8_t version, resv;
     uint16_t flags;
@@ -35,6 +39,10 @@ struct peer_lock_region {
     uint32_t max_sar_buf_per_peer;
     void *base_addr;
     pthread_spinlock_t lock;
+    int32_t signal;
+    void *map;
+    size_t total_size, cmd_cnt, sar_cnt;
+    size_t cmd_queue_offset, resp_queue_offset, inject_pool_offset;
 };
 
 /* The head of 1.17's struct util_ep (include/ofi_util.h), which shm's endpoint begins with:
@@ -150,6 +158,20 @@ static inline int tut_peer_locked(struct fid_ep *ep, fi_addr_t addr)
     return peer_lock_held_by_name(bare ? bare + 3 : name);
 }
 
+/* The name of `ep`'s own region, in `buf`, where posts on `ep` go through 1.x shm's
+   locks; NULL elsewhere. */
+static inline const char *peer_lock_own_name(struct fid_ep *ep, char *buf, size_t size)
+{
+    if (!peer_lock_applies(ep))
+        return NULL;
+    size_t len = size - 1;
+    if (fi_getname(&ep->fid, buf, &len) || len >= size)
+        return NULL;
+    buf[len] = '\0';
+    const char *bare = strstr(buf, "://");
+    return bare ? bare + 3 : buf;
+}
+
 /* Whether the lock of `ep`'s own region is held now (1.x shm; 0 elsewhere). Our progress
    takes it (smr_progress_resp, smr_progress_cmd, smr_progress.c) in every fi_cq_read that
    finds the region signalled, and spins there while a peer holds it: a peer killed or
@@ -158,15 +180,124 @@ static inline int tut_peer_locked(struct fid_ep *ep, fi_addr_t addr)
    mapping as a peer's, by the name fi_getname gives, as a peer would. */
 static inline int tut_own_lock_held(struct fid_ep *ep)
 {
-    if (!peer_lock_applies(ep))
-        return 0;
     char name[PEER_LOCK_NAME + 16];
-    size_t len = sizeof name - 1;
-    if (fi_getname(&ep->fid, name, &len) || len >= sizeof name)
+    const char *own = peer_lock_own_name(ep, name, sizeof name);
+    return own && peer_lock_held_by_name(own);
+}
+
+/* 1.17's command queue in a region (OFI_DECLARE_CIRQUE, include/ofi_rbuf.h; struct
+   smr_cmd, 256 bytes, include/ofi_shm.h) and what a connection request says in it. */
+struct peer_lock_cmd_queue {
+    size_t size, size_mask, rcnt, wcnt;
+};
+#define PEER_LOCK_CMD_SIZE 256       /* SMR_CMD_SIZE */
+#define PEER_LOCK_CMD_OP 16          /* offsetof(struct smr_msg_hdr, op), a uint32_t */
+#define PEER_LOCK_CMD_SRC_DATA 32    /* offsetof(struct smr_msg_hdr, src_data), a uint64_t */
+#define PEER_LOCK_CONNREQ 256        /* SMR_OP_MAX + ofi_ctrl_connreq */
+#define PEER_LOCK_RECHECK_NS 100000000L  /* how often our own region's mapping is checked */
+
+/* Our own region, mapped whole and read-only, by name; looked at again (renewed at the
+   same address, a new region has the same name) at most every PEER_LOCK_RECHECK_NS. */
+static __thread struct {
+    char name[PEER_LOCK_NAME];
+    const char *base;
+    size_t size;
+    ino_t inode;
+    long checked;  /* CLOCK_MONOTONIC, ns */
+} own_region;
+
+static inline const char *peer_lock_own_region(const char *name)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    long ns = now.tv_sec * 1000000000L + now.tv_nsec;
+    if (own_region.base && !strcmp(own_region.name, name) && own_region.checked &&
+        ns - own_region.checked < PEER_LOCK_RECHECK_NS)
+        return own_region.base;
+    char path[PEER_LOCK_NAME + 16];
+    struct stat st;
+    snprintf(path, sizeof path, "/dev/shm/%s", name);
+    if (own_region.base && !strcmp(own_region.name, name) && !stat(path, &st) &&
+        st.st_ino == own_region.inode) {
+        own_region.checked = ns;
+        return own_region.base;
+    }
+    if (own_region.base)
+        munmap((void *)own_region.base, own_region.size);
+    own_region.base = NULL;
+    strncpy(own_region.name, name, PEER_LOCK_NAME - 1);
+    own_region.name[PEER_LOCK_NAME - 1] = '\0';
+    own_region.checked = ns;
+    int fd = shm_open(name, O_RDONLY, 0);
+    if (fd < 0)
+        return NULL;
+    void *p = fstat(fd, &st) || (size_t)st.st_size < sizeof(struct peer_lock_region)
+              ? MAP_FAILED : mmap(NULL, st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED)
+        return NULL;
+    const struct peer_lock_region *head = p;
+    if (head->version != PEER_LOCK_REGION_VERSION || head->total_size != (size_t)st.st_size) {
+        munmap(p, st.st_size);  /* not 1.17's layout (another version, a debug build) */
+        return NULL;
+    }
+    own_region.base = p;
+    own_region.size = st.st_size;
+    own_region.inode = st.st_ino;
+    return own_region.base;
+}
+
+/* Whether the command queue of our region at `base` holds a connection request naming a
+   region that is gone. The queue is read without the lock, as a peer's region is: a
+   command below wcnt has been written whole (ofi_cirque_commit). */
+static inline int peer_lock_requester_gone(const char *base)
+{
+    const struct peer_lock_region *head = (const void *)base;
+    size_t size = own_region.size, at = head->cmd_queue_offset;
+    if (at > size - sizeof(struct peer_lock_cmd_queue))
         return 0;
-    name[len] = '\0';
-    const char *bare = strstr(name, "://");
-    return peer_lock_held_by_name(bare ? bare + 3 : name);
+    const volatile struct peer_lock_cmd_queue *q = (const void *)(base + at);
+    size_t qsize = q->size, rcnt = q->rcnt, wcnt = q->wcnt;
+    if (rcnt == wcnt || !qsize || (qsize & (qsize - 1)) || q->size_mask != qsize - 1 ||
+        wcnt - rcnt > qsize || at + sizeof *q + qsize * PEER_LOCK_CMD_SIZE > size)
+        return 0;
+    for (size_t i = rcnt; i != wcnt; i++) {
+        const char *cmd = base + at + sizeof *q + (i & (qsize - 1)) * PEER_LOCK_CMD_SIZE;
+        if (*(const volatile uint32_t *)(cmd + PEER_LOCK_CMD_OP) != PEER_LOCK_CONNREQ)
+            continue;
+        uint64_t src = *(const volatile uint64_t *)(cmd + PEER_LOCK_CMD_SRC_DATA);
+        if (src > size - PEER_LOCK_NAME)
+            continue;
+        char peer[PEER_LOCK_NAME], path[PEER_LOCK_NAME + 16];
+        memcpy(peer, base + src, PEER_LOCK_NAME);
+        peer[PEER_LOCK_NAME - 1] = '\0';
+        const char *bare = strstr(peer, "://");
+        snprintf(path, sizeof path, "/dev/shm/%s", bare ? bare + 3 : peer);
+        struct stat st;
+        if (peer[0] && stat(path, &st) && errno == ENOENT)
+            return 1;
+    }
+    return 0;
+}
+
+/* Whether a connection request in our own region's command queue names a region that is
+   gone (1.x shm, SMR_VERSION 4: 0 elsewhere). A client's first post to us leaves one,
+   naming its region, for our progress to map (smr_send_name, prov/shm/src/smr_ep.c); a
+   client that ended meanwhile has removed that region, and our next fi_cq_read then fails
+   to map it and reads through the NULL it got (smr_progress_connreq, smr_progress.c:
+   1.17 does not check; 2.0 does). It happens where we read late: stopped (Ctrl-Z), or
+   starved, while the client gave up. A request found is looked for again in the region
+   now at our name: an endpoint opened again there has a new one. */
+static inline int tut_own_requester_gone(struct fid_ep *ep)
+{
+    char name[PEER_LOCK_NAME + 16];
+    const char *own = peer_lock_own_name(ep, name, sizeof name);
+    const char *base = own ? peer_lock_own_region(own) : NULL;
+    if (!base || !peer_lock_requester_gone(base))
+        return 0;
+    own_region.checked = 0;
+    base = peer_lock_own_region(own);
+    return base && peer_lock_requester_gone(base);
 }
 
 /* fi_sendmsg and fi_writemsg, refused while the peer's lock is held (tut_peer_locked). */

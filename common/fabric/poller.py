@@ -39,20 +39,39 @@ IDLE_NAP = (50e-6, 4e-3)  # seconds: an idle wait's first sleep, and its longest
 OWN_LOCK_BOUND = 1.0  # seconds our region's lock may stay held in an idle wait (1.x shm)
 
 
-class OwnLockHeld(TimeoutError):
+class EndpointDeaf(TimeoutError):
+    """Our endpoint can serve no one: a CQ read would hang or crash (OwnLockHeld,
+    RequesterGone). A server opens a new endpoint at the same address (a new region)."""
+
+
+class OwnLockHeld(EndpointDeaf):
     """Our endpoint's shm region has stayed locked past OWN_LOCK_BOUND while we waited, idle,
     by a peer killed or stopped in a post to us: no CQ read of this endpoint can return
     until that peer is continued (OwnLock)."""
+
+
+class RequesterGone(EndpointDeaf):
+    """A connection request waiting in our shm region names a client region that is gone:
+    libfabric 1.17's next CQ read would crash on it (peer_lock.h, tut_own_requester_gone)."""
+
+
+def check_requesters(ep):
+    """RequesterGone where reading `ep`'s CQ now would crash (1.17's shm; never elsewhere)."""
+    if lib.tut_own_requester_gone(ep):
+        raise RequesterGone("a client's connection request names a shm region that is gone "
+                            "(it ended before we read it; libfabric 1.17 would crash reading "
+                            "it, smr_progress_connreq)")
 
 
 class OwnLock:
     """Before libfabric 1.18, shm's progress in fi_cq_read takes our own region's spin lock,
     which a peer takes to put a command in our region, and spins until it is free
     (peer_lock.h, tut_own_lock_held). A server's wait without a deadline (for its next
-    client: Poller given its endpoint) looks at it before each read: held, it does not read (a live peer frees it within microseconds), and held for
-    OWN_LOCK_BOUND its holder is taken as dead or stopped (OwnLockHeld): the server then
-    opens its endpoint again at the same address (at_address), a new region, and serves
-    the next client. Nothing to see on other providers and versions."""
+    client: Poller given its endpoint) looks at it before each read: held, it does not
+    read (a live peer frees it within microseconds), and held for OWN_LOCK_BOUND its
+    holder is taken as dead or stopped (OwnLockHeld): the server then opens its endpoint
+    again at the same address (at_address), a new region, and serves the next client.
+    Nothing to see on other providers and versions."""
 
     def __init__(self, ep):
         self.ep, self.since = ep, None
@@ -60,7 +79,8 @@ class OwnLock:
 
     def held(self):
         """Whether the lock is held now (then do not read the CQ); OwnLockHeld once it has
-        been held, at every look, for the bound."""
+        been held, at every look, for the bound; RequesterGone where a read would crash."""
+        check_requesters(self.ep)
         if not lib.tut_own_lock_held(self.ep):
             self.since = None
             return False
@@ -87,15 +107,34 @@ class Poller:
     def __init__(self, cq, batch=16, ep=None):
         self.cq, self.entries, self.ep = cq, cq_entries(batch), ep  # ep: OwnLock's
         self.done, self.remote_data = {}, []
+        self.abandoned = set()  # operations settle() gave up on: their late ends are dropped
 
     def poll(self):
-        n = cq_read(self.cq, self.entries)
+        n = self.read(self.entries)
         for e in self.entries[0:n]:
             self.keep(e)
         return n
 
+    def read(self, entries):
+        """One fi_cq_read of our CQ into `entries` (also for readers of the same CQ, such as
+        an OpQueue), dropping the failure of an operation given up on: a late end, not the
+        failure of whoever reads now."""
+        if self.ep is not None:  # a server's poller: never a read that would crash
+            check_requesters(self.ep)
+        while True:
+            try:
+                return cq_read(self.cq, entries)
+            except CompletionError as e:
+                if key(e.context) not in self.abandoned:
+                    raise
+                self.abandoned.discard(key(e.context))
+
     def keep(self, entry):
-        """File one completion away (also for readers of the same CQ that met one not theirs)."""
+        """File one completion away (also for readers of the same CQ that met one not theirs);
+        the late end of an operation given up on is dropped."""
+        if entry.op_context != ffi.NULL and key(entry.op_context) in self.abandoned:
+            self.abandoned.discard(key(entry.op_context))
+            return
         if entry.flags & lib.FI_REMOTE_CQ_DATA:  # test the flag: tcp reports len 0 here
             self.remote_data.append(entry.data)
         if entry.op_context != ffi.NULL:
@@ -186,9 +225,11 @@ class Poller:
         """After a peer's failure: read the CQ until each of `contexts` (operations posted to
         it) has completed or failed and the CQ is empty, for at most bounds.tidy(timeout), so
         that no entry of theirs fails a later wait for someone else and no operation reads
-        memory freed after this. Errors are expected here: each is the peer's failure again,
-        or, from libfabric 2.5, shm's entry without a context for a copy into a gone peer
-        (smr_rma_fast, prov/shm/src/smr_rma.c)."""
+        memory freed after this; False where some had not ended by then: the endpoint still
+        holds them, and their memory and contexts must outlive it (their late ends, success
+        or error, are dropped by poll: `abandoned`). Errors are expected here: each is the
+        peer's failure again, or, from libfabric 2.5, shm's entry without a context for a
+        copy into a gone peer (smr_rma_fast, prov/shm/src/smr_rma.c)."""
         pending = {key(c) for c in contexts}
         timeout = bounds.tidy(timeout)
         # armed as OpQueue.drain is: a provider call that spins on a dead peer's lock (1.17's
@@ -201,8 +242,13 @@ class Poller:
                         break
                 except CompletionError as e:
                     pending.discard(key(e.context))
+                except EndpointDeaf:  # no read can end them: the server renews the endpoint
+                    break
+        left = pending - self.done.keys()
         for k in pending:
             self.done.pop(k, None)
+        self.abandoned |= left
+        return not left
 
     def wait_remote_data(self, timeout, what):
         """The immediate data of the next WRITE that carried some."""
