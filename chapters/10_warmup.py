@@ -52,7 +52,7 @@ def write_all(args, lanes, conn, page_size):
     compare = warm_up(lanes, conn)  # first contact, paid before the clock starts
     timeout, total = conn.timeout, sum(lane.iters for lane in lanes)
     progress = bench.Progress("WRITEs completed", total, page_size)
-    start = time.perf_counter()
+    start = multinet.clock()
     busy = [lane for lane in lanes if lane.iters]
     stalled = bounds.Deadline(timeout, lambda: f"no WRITE completed for {timeout:g} s "
                               f"({sum(lane.queue.completed for lane in lanes)} of {total} "

@@ -310,15 +310,18 @@ def verdict(lesson, mine, theirs):
         return max(mine) <= rule["at_most"], f"every repeat <= {rule['at_most']:g}"
     a, b = statistics.median(mine), statistics.median(theirs)
     better, worse = (b, a) if lower else (a, b)
-    factor = better / worse if worse else float("inf")
+    factor = better / worse if worse else float("inf") if better else 1.0  # 0 against 0: even
     # Beyond the noise: each median outside the other's whole range, so that one repeat
     # that a burst of load slowed (or sped) cannot make the lesson, nor hide it.
     apart = (a < min(theirs) and b > max(mine)) if lower else (a > max(theirs) and b < min(mine))
     word = "lower" if lower else "higher"
+    form = FIGURES[lesson["figure"]][1]
+    by = (f"{factor:.1f}x {word}" if factor < float("inf")  # none against some: no factor
+          else f"{word}: {form.format(a)} against {form.format(b)}")
     if factor >= rule["by"] and apart:
-        return True, f"{factor:.1f}x {word}, each median beyond the other's range"
+        return True, f"{by}, each median beyond the other's range"
     return False, (f"{factor:.2f}x {word}, less than {rule['by']:g}x" if factor < rule["by"]
-                   else f"{factor:.1f}x {word}, but a median lies in the other's range")
+                   else f"{by}, but a median lies in the other's range")
 
 
 def about_here(provider):

@@ -32,10 +32,22 @@ INSERTED = b"lanes in AVs"  # client -> server: each of its lanes' AVs holds the
 BURST = 1  # new WRITEs per lane per visit: one, as in the series; chapter 14 posts more
 
 
+class Clock(NamedTuple):
+    """When a run started: wall time and this process's CPU time, read together, so that
+    CPU per WRITE covers what the Gbps cover (not the warmup before, which spins on tcp)."""
+    wall: float
+    cpu: float
+
+
+def clock():
+    return Clock(time.perf_counter(), time.process_time())
+
+
 class Started(NamedTuple):
-    """What an engine returns: when it started the clock, its figures for the record, and
-    what it prints once the run's time is known (given it: seconds), if anything."""
-    at: float
+    """What an engine returns: when it started the clock (a Clock), its figures for the
+    record, and what it prints once the run's time is known (given it: seconds), if
+    anything."""
+    at: Clock
     figures: dict
     then: object = None
 
@@ -78,15 +90,9 @@ def server(info, args, engine):
                 print(cli.client_hint(args, name.hex(), args.lesson, swap_gpus(args)),
                       flush=True)
             while not args.clients or served < args.clients:
-                if not backlog:
-                    try:
-                        backlog.append(connect.next_request(control.poller, inbox))
-                    except fi.OwnLockHeld as e:  # a dead client's lock: a new endpoint
-                        connect.renewing(e)
-                        break
-                request = backlog.pop(0)
-                if connect.stray(request):
-                    continue
+                request = connect.next_client(control.poller, inbox, backlog)
+                if request is None:  # a dead client's lock: a new endpoint
+                    break
                 try:
                     with fi.Closer() as client_own:
                         client, request = connect.accept(client_own, info, control.av,
@@ -166,11 +172,12 @@ def serve(conn, head, request, args, engine):
                 k = g * per_group + n
                 build_messages(own, lanes[k], source, regions[k * nbufs:(k + 1) * nbufs],
                                pages, page_size, n, per_group)
-        started, cpu = True, time.process_time()
+        started = True
         this_run = engine(args, lanes, conn, page_size)
         while len(message := conn.queue.next_message(conn.inbox, conn.timeout)) != LANDED.size:
             conn.backlog.append(message)
-        elapsed, cpu = time.perf_counter() - this_run.at, time.process_time() - cpu
+        elapsed = time.perf_counter() - this_run.at.wall
+        cpu = time.process_time() - this_run.at.cpu
         connect.check_landed(LANDED.unpack(message)[0], iters)
     except Exception as e:  # this client failed (not Ctrl-C: opqueue.drain says why)
         # one timeout for them all, not one each: the next client's CONNECT waits meanwhile

@@ -11,7 +11,7 @@ import threading
 import time
 
 from common import bench, bounds
-from common.engine.multinet import Started
+from common.engine.multinet import Started, clock
 import common.fabric as fi
 
 
@@ -64,7 +64,8 @@ def run(threads, lanes, conn, page_size, done, halt, errors):
     workers to stop. Returns multinet.Started."""
     timeout, total = conn.timeout, sum(lane.iters for lane in lanes)
     progress = bench.Progress("WRITEs completed", total, page_size)
-    start = last = time.perf_counter()
+    start = clock()
+    last = looked = start.wall
     seen = 0
     try:  # a Ctrl-C while they start must stop those started: their CQs close next
         for t in threads:
@@ -72,6 +73,9 @@ def run(threads, lanes, conn, page_size, done, halt, errors):
         while any(t.is_alive() for t in threads) and not errors:
             conn.queue.progress()
             now, finished = time.perf_counter(), done()
+            if now - looked > bounds.PAUSED:  # this process was stopped (Ctrl-Z, a debugger):
+                last += now - looked          # that time is not the peer's stall
+            looked = now
             if finished != seen:
                 seen, last = finished, now
             elif now - last > timeout:
