@@ -9,7 +9,9 @@
 # stands alone and is shown whole, which the first line says: 03 and 04 (the first
 # programs), 08 (the topology, read from sysfs: no WRITE), 09 (its program, built around
 # lanes, would differ from 07's in every line), 16 (an all-to-all among ranks and its
-# proxy share no line with 07's server and client), 18 and 19 (prefill and decode, then
+# proxy share no line with 07's server and client), 17 (its kernels, in the protocol's
+# order, then the Python that launches them: against 16 it showed 16's host all-to-all
+# deleted line by line), 18 and 19 (prefill and decode, then
 # trainers and inference ranks, on the transfer engine of common/transfer). 07 is shown
 # against 06: its op queue takes the place of 06's wait for each WRITE, and 06's server
 # loop shows taken away too, since 07's renews its endpoint.
@@ -25,7 +27,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-declare -A PARENT=([03]=- [04]=- [08]=- [09]=- [16]=- [17]=16 [18]=- [19]=-)
+declare -A PARENT=([03]=- [04]=- [08]=- [09]=- [16]=- [17]=- [18]=- [19]=-)
 declare -A LESSON=([09]=common/engine/multinet.py)
 declare -A NEW=([07]=common/engine/opqueue.py [08]=common/engine/topo.py
                 [10]=common/engine/warmup.py

@@ -10,15 +10,17 @@ carry them (move the folder aside first).
 import asyncio
 import sys
 import tempfile
+import warnings
 from pathlib import Path
-
-import nbclient
-import nbformat
 
 from common import bounds, usage
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
+
+# A Ctrl-C between nbclient making its run (a coroutine) and starting it leaves the run never
+# started; Python would say so at exit, after our one line. Nothing was lost: not a warning.
+warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
 
 
 def main():
@@ -26,6 +28,12 @@ def main():
     p.add_argument("names", nargs="*", metavar="NOTEBOOK",
                    help="notebooks/NOTEBOOK.ipynb to run (default: every one)")
     names = p.parse_args().names
+    try:  # the test extras, which scripts/setup.sh installs: --help works without them
+        import nbclient
+        import nbformat
+    except ImportError as e:
+        sys.exit(f"run_notebooks: {e.name} is missing: .venv/bin/python -m pip install -e "
+                 "'.[test]' (scripts/setup.sh does)")
     paths = [NOTEBOOKS / f"{n}.ipynb" for n in names] or sorted(NOTEBOOKS.glob("*.ipynb"))
     missing = [p.name for p in paths if not p.is_file()]
     if missing:

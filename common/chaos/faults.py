@@ -41,6 +41,7 @@ PYTHON_IGNORED = re.compile(r'Exception ignored in: .*\nTraceback \(most recent 
                             r'(  File "<frozen [^"]+".*\n)+KeyboardInterrupt')
 PAST = 1.5          # a pause: from 0.1 s to this many --timeouts of the peer, well past it
 OWN_TIMEOUT = 0.5   # EXIT's --timeout: 0 or up to this many seconds
+AFTER_MAIN = 0.1    # seconds: a victim that exits 0 this soon after the signal had finished
 
 
 class Fault:
@@ -146,7 +147,7 @@ class OwnEnd(Fault):
 
 class Lie(OwnEnd):
     """A client that lies: lie K of the trial's number as seed (drawn from the trial's
-    `pick`), at the chapters whose servers read a CONNECT (scripts/fuzz_connect.py CHAPTERS)."""
+    `pick`), at the chapters whose servers read a CONNECT (common/chaos/lies.py CHAPTERS)."""
     victims = ("client",)
     chapters = ("05", "06", "07", "09", "10", "11", "12", "13", "14", "15", "18")
     LIES = 1000  # K from 1 to this: every kind of lie, each with its own draws
@@ -162,7 +163,8 @@ class Lie(OwnEnd):
 FAULTS = {f.name: f for f in (
     Fault("SIGINT", signal.SIGINT), Fault("SIGTERM", signal.SIGTERM),
     Fault("SIGKILL", signal.SIGKILL), Freeze("SIGSTOP", signal.SIGSTOP),
-    StopCont("STOPCONT", signal.SIGSTOP), StopCont("TSTP", signal.SIGTSTP), OwnEnd("EXIT"), Lie("LIE"))}
+    StopCont("STOPCONT", signal.SIGSTOP), StopCont("TSTP", signal.SIGTSTP), OwnEnd("EXIT"),
+    Lie("LIE"))}
 
 
 def reach(victim, trial, origin):
@@ -184,9 +186,12 @@ def signalled_ok(run, proc, name, signum, since):
         run.trial.starting = True
         return
     lines = proc.stderr_lines()
+    if proc.rc == 0 and not lines and proc.ended - since <= patience(AFTER_MAIN):
+        run.trial.missed = True  # it had done its work: from main's return on, a program is
+        return                   # deaf to signals (common/cli.py _leave)
     if proc.rc is not None and proc.rc != 128 + signum:
         run.problem(proc, f"on {name}, not exit {128 + signum}", since)
-    elif any("Traceback" in line for line in proc.err):
+    elif any("Traceback" in line for line in proc.own_err()):
         run.problem(proc, f"a traceback on {name}", since)
     elif len(lines) != 1:
         run.problem(proc, f"{len(lines)} lines on stderr on {name}, not one", since)
@@ -204,17 +209,20 @@ def python_starting(proc, signum):
     signal's default action, Python's fatal error in its own start, or a KeyboardInterrupt
     raised at that first import (tests/test_bounds.py allows the same). Milliseconds of a
     start, which no code of ours can reach."""
-    err = "".join(proc.err)
+    err = "".join(proc.own_err())
     if "Fatal Python error" in err or python_dropped(err):
         return True
     if "Traceback" not in err:
-        return proc.rc is not None and proc.rc == -signum
+        return proc.exit_code() == -signum
     frames = re.findall(r'File "([^"]+)", line \d+, in \S+\n\s*(.*)', err)
     ours = [(path, code) for path, code in frames
             if path.startswith(str(ROOT)) and "site-packages" not in path]
-    return (err.rstrip().endswith("KeyboardInterrupt") and bool(ours)
-            and all(not path.startswith(str(ROOT / "common")) for path, _ in ours)
-            and re.match(r"(import|from) common\b", ours[-1][1]) is not None)
+    if not err.rstrip().endswith("KeyboardInterrupt"):
+        return False
+    # no frame of ours at all: Python's own start (site, an editable install's finder)
+    # had not yet run the program's first line
+    return not ours or (all(not path.startswith(str(ROOT / "common")) for path, _ in ours)
+                        and re.match(r"(import|from) common\b", ours[-1][1]) is not None)
 
 
 def survivor_ok(run, proc, bound, since, after="after its peer's fault"):

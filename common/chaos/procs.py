@@ -56,6 +56,10 @@ class Proc:
     def rc(self):
         return self.popen.returncode
 
+    def exit_code(self):
+        """How it ended: its exit code, or minus the signal that killed it."""
+        return self.rc
+
     def wait(self, seconds):
         """Whether it ended within `seconds`; if so, with what it wrote read to the end (its
         last line can still be in the pipe when the exit is seen)."""
@@ -76,16 +80,20 @@ class Proc:
         for r in self.readers:
             r.join(1)
 
+    def own_err(self):
+        """What it wrote to stderr itself."""
+        return self.err
+
     def stderr_lines(self):
-        return [line for line in self.err if line.strip()]
+        return [line for line in self.own_err() if line.strip()]
 
 
 class Launcher(Proc):
     """scripts/launch.py: its own lines are those not prefixed by a rank, less the first
     (which ranks it started)."""
 
-    def stderr_lines(self):
-        return [line for line in self.err if line.strip() and not re.match(r"\[\d+\] ", line)
+    def own_err(self):
+        return [line for line in self.err if not re.match(r"\[\d+\] ", line)
                 and not PIDS.match(line)]
 
 
@@ -122,10 +130,23 @@ class Rank:
 
     rc = None  # its exit code is the launcher's to read
 
+    def exit_code(self):
+        """How it ended, where the launcher's last line tells (it names the rank that ended
+        the job: "launch: rank 2 was killed by SIGTERM; ..."); else None."""
+        rank = self.prefix[1:-2]
+        for line in self.launcher.err:
+            if m := re.match(rf"launch: rank {rank} (was killed by (SIG\w+)|exited with code "
+                             r"(\d+))", line):
+                return -signal.Signals[m[2]] if m[2] else int(m[3])
+        return None
+
     @property
     def err(self):
         n = len(self.prefix)
         return [line[n:] for line in self.launcher.err if line.startswith(self.prefix)]
+
+    def own_err(self):
+        return self.err
 
     def stderr_lines(self):
         return [line for line in self.err if line.strip()]

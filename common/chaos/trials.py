@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import records
-from common.chaos.faults import FAULTS, survivor_ok
+from common.chaos.faults import FAULTS, python_starting, survivor_ok
 from common.chaos.procs import (PIDS, SHM, SIGNALLED, TOKEN, Launcher, Proc, Rank, Watch,
                                 carriers, leftovers, wait_for)
 from common.chapter_pair import ADDRESS, ROOT, chapter_path, local_env
@@ -39,7 +39,8 @@ class Spec:
     client: list = field(default_factory=list)  # client (or each rank's) arguments
     again: list = None         # a server serving more: the second client's arguments
     program: Path = None       # what runs, if not the chapter's file (the tests' fakes)
-    begun: str = None          # the life begins at the server's line with this (peers joined)
+    begun: str = None          # the life begins at the server's line with this (peers joined;
+                               # 18's decoder took a request, the one it serves)
 
 
 PAGES = ["--page-size", "4K", "--buffer-size", "1M", "--pages", "0-63"]
@@ -63,7 +64,8 @@ SPECS = {
     "16": Spec("ranks", ["-n", "4", "--ranks-per-node", "2"],
                ["--check", "random", "--iters", "3", "--tokens", "64", "--max-tokens", "64",
                 "--hidden", "256", "--experts", "16", "--topk", "4"]),
-    "18": Spec("pair", ["--tokens", "4096"], ["--tokens", "4096"], begun="decoder: request"),
+    "18": Spec("pair", ["--tokens", "4096"], ["--tokens", "4096"], ["--tokens", "4096"],
+               begun="decoder: request"),
     "19": Spec("ranks", ["-n", "3"], ["--model", "tiny", "--updates", "2", "--naive", "no"]),
 }
 LIVES = {}  # (chapter, provider) -> seconds of a clean run's life, measured once a process
@@ -192,8 +194,8 @@ class Run:
         self.killed.update(p.pid for p in self.procs if p.rc == -signal.SIGKILL)
         pids = self.watch.pids | {p.pid for p in self.procs}
         files = leftovers(pids, self.watch.files)
-        # A process killed by SIGKILL cannot remove its own region; whoever killed it
-        # must (so a launcher must for its ranks: common/launch/launcher.py, shm_files.remove_left_by).
+        # A process killed by SIGKILL cannot remove its own region; whoever killed it must
+        # (a launcher for its ranks: common/launch/launcher.py, shm_files.remove_left_by)
         left = [f for f in files if f.split(":")[0] not in {str(p) for p in self.killed}]
         owners = {str(p.pid): p.name for p in self.procs}
         if left:
@@ -247,7 +249,18 @@ def pair_trial(run, spec, bound):
 def serves_next(run, trial, server, client, path, address, spec, since, bound):
     """A server told to serve more clients: a second client must succeed. Chapter 04's server
     serves one message: if it had it before the fault, it has ended well, and no second
-    client is due."""
+    client is due. Chapter 18's decoder serves one request: once it took the faulty client's
+    (it said its `begun` line), it is held to a survivor's bounds, and no second client is due;
+    until then it waits on for one (a lie, a client that gave up before asking)."""
+    if spec.begun:
+        wait_for(lambda: spec.begun in "".join(server.out) or not server.alive(), patience(1))
+        if spec.begun in "".join(server.out):
+            if trial.victim == "server":  # stopped and continued: bound from its continue
+                FAULTS[trial.fault].judge(run, server, since, bound)
+            else:
+                survivor_ok(run, server, bound, since)
+            client.kill()
+            return
     if not server.wait(0.1) or server.rc != 0:
         second_client(run, trial, server, path, address, spec, since, bound)
     client.kill()
@@ -313,9 +326,13 @@ def ranks_trial(run, spec, bound):
     if since is None:
         return
     fault.judge(run, victim, since, bound)
+    passed_on = victim is launcher and fault.signum in (signal.SIGINT, signal.SIGTERM)
     for rank in ranks:
-        if rank is not victim:
-            survivor_ok(run, rank, bound, since)
+        if rank is victim:
+            continue
+        if passed_on and rank.wait(patience(SIGNALLED)) and python_starting(rank, fault.signum):
+            continue  # the launcher passed its signal on to a rank still in Python's start
+        survivor_ok(run, rank, bound, since)
     if victim is not launcher:
         survivor_ok(run, launcher, bound + fault.late(GRACE), since)
         failed = fault.lethal or any(r.stderr_lines() for r in ranks)

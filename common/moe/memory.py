@@ -2,7 +2,8 @@
 
 HostMemory (--device cpu): host memory in /dev/shm files that the other ranks of the
 node map, numpy for the kernels. CudaMemory (--device cuda): GPU memory that the node's
-ranks map through CUDA IPC, cupy and CUDA kernels. Both offer the same few operations: a region, a handle for node peers and the opening of theirs, a copy
+ranks map through CUDA IPC, cupy and CUDA kernels. Both offer the same few operations: a
+region, a handle for node peers and the opening of theirs, a copy
 into a peer's region, `ready` (queued work done) and `settle` (arrived data readable),
 the fp8 quantisation, a copy to the host, and a clock.
 """
