@@ -24,8 +24,8 @@ discovery lives in common/engine/topo.py, for chapters 09 on.
     .venv/bin/python chapters/08_topo.py -p efa
     .venv/bin/python chapters/08_topo.py --sysfs DIR --machine FILE   # a described machine (tests)
     CUDA_VISIBLE_DEVICES=3 .venv/bin/python chapters/08_topo.py       # as a rank of GPU 3 sees it
-    .venv/bin/python tests/fake_sysfs.py "$(mktemp -d)"   # the series' p5, faked: prints the line above for it
-    .venv/bin/python tests/fake_sysfs.py "$(mktemp -d)" p6_b300   # or p5en, p6_b200, cx7
+    .venv/bin/python tests/programs/fake_sysfs.py "$(mktemp -d)"   # the series' p5, faked: prints the line above for it
+    .venv/bin/python tests/programs/fake_sysfs.py "$(mktemp -d)" p6_b300   # or p5en, p6_b200, cx7
 
 Transcripts (a 2-core VM, one H200, the fake p5): results/08_topo/README.md
 """

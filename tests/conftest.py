@@ -12,9 +12,9 @@ import pytest
 
 from common import cli
 from common.chapter_pair import INTERRUPTED_WAIT
-from tests import fake_info, processes
-from tests.budget import Budget
-from tests.shm_regions import SHM, Watcher
+from tests.support import fake_info, processes
+from tests.support.budget import Budget
+from tests.support.shm_regions import SHM, Watcher
 
 PROVIDERS = ["shm", pytest.param("tcp", marks=pytest.mark.long)]  # tcp in the fast tier: 04
 EXIT = 15  # seconds, quiet machine, for what a test started to end after it (a launcher's
@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session", autouse=True)
 def watcher():
     """After every run of every chapter, no shm region of ours may be left behind
-    (other programs' regions, made while the suite runs, are theirs: tests/shm_regions.py),
+    (other programs' regions, made while the suite runs, are theirs: tests/support/shm_regions.py),
     and no process the suite started may still run. What is found is removed, then named.
     Ctrl-C ends them all within 2 s (interrupted)."""
     watcher = Watcher()
@@ -90,7 +90,7 @@ def nothing_left_running(watcher):
 
 @pytest.fixture(autouse=True)
 def fake_nics(monkeypatch):
-    """FAKE_NICS=1: efa and verbs look present to the choosing code (tests/fake_info.py)."""
+    """FAKE_NICS=1: efa and verbs look present to the choosing code (tests/support/fake_info.py)."""
     if fake_info.FAKE_NICS:
         fake_info.pretend(monkeypatch, present=("efa", "verbs"))
 

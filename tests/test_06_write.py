@@ -4,9 +4,9 @@ import pytest
 import common.fabric as fi
 from common.fabric import lib
 from common.chapter_pair import run_pair
-from tests import fake_info
-from tests.gpu import has_gpu, needs_gpu
-from tests.one_line_errors import SHM_DEAD, assert_one_line_error, run
+from tests.support import fake_info
+from tests.support.gpu import has_gpu, needs_gpu
+from tests.support.one_line_errors import SHM_DEAD, assert_one_line_error, run
 
 
 def test_06_every_page_arrives(provider):

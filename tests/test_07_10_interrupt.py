@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from common.chapter_pair import ADDRESS, chapter_path, local_env
-from tests.budget import Budget
+from tests.support.budget import Budget
 
 CHAPTERS = [7, 9, 10]
 SMALL = ["--buffer-size", "4M", "--pages", "0-63"]  # 64 pages of 64 KiB
-INTERRUPTED = Path(__file__).with_name("interrupted_server.py")
+INTERRUPTED = Path(__file__).parent / "programs" / "interrupted_server.py"
 STARTED = 20  # seconds, quiet machine, for a process to print its first lines (numpy's import)
 TIMEOUT = 10  # seconds, quiet machine: both sides' --timeout
 # Both sides started, a second of WRITEs, the server's end (twice its --timeout), a clean-up.

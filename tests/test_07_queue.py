@@ -9,10 +9,11 @@ import pytest
 
 import common.fabric as fi
 import common.engine.opqueue as queue_module
+import common.fabric.poller as poller_module
 from common.chapter_pair import chapter_module, run_pair
-from tests.chapter_procs import SMALL, client_gone_server_survives, fault_then_next_client
-from tests.gpu import has_gpu, needs_gpu
-from tests.one_line_errors import SHM_DEAD, assert_one_line_error, run
+from tests.support.chapter_procs import SMALL, client_gone_server_survives, fault_then_next_client
+from tests.support.gpu import has_gpu, needs_gpu
+from tests.support.one_line_errors import SHM_DEAD, assert_one_line_error, run
 
 # Provider queues made tiny, so that fi_writemsg says -FI_EAGAIN again and again.
 # shm without CMA copies through a handful of bounce buffers, which run out at
@@ -142,10 +143,10 @@ def test_07_a_second_completion_is_caught(monkeypatch):
         "fi_writemsg": staticmethod(writemsg), "FI_EAGAIN": ch.lib.FI_EAGAIN,
         "FI_COMPLETION": ch.lib.FI_COMPLETION,
         "FI_DELIVERY_COMPLETE": ch.lib.FI_DELIVERY_COMPLETE}))
-    monkeypatch.setattr(ch.fi, "cq_read", cq_read)
+    monkeypatch.setattr(poller_module, "cq_read", cq_read)
     monkeypatch.setattr(ch.fi, "cq_entries", lambda n: [])
     messages = queue_module.ffi.new("struct fi_msg_rma[]", 3)
-    queue = ch.OpQueue(None, None, None, slots=4)
+    queue = ch.OpQueue(None, None, fi.Poller(None), slots=4)
     for page in range(3):
         queue.write(messages + page)
     assert len(posted) == 1 and queue.eagain == 1
@@ -185,9 +186,9 @@ def test_07_drain_empties_the_cq_of_errors_without_a_context(monkeypatch):
             raise ch.fi.CompletionError(-5, "Input/output error", queue_module.ffi.NULL)
         return 0
 
-    monkeypatch.setattr(ch.fi, "cq_read", cq_read)
+    monkeypatch.setattr(poller_module, "cq_read", cq_read)
     monkeypatch.setattr(ch.fi, "cq_entries", lambda n: [])
-    queue = ch.OpQueue(None, None, None, slots=4)
+    queue = ch.OpQueue(None, None, fi.Poller(None), slots=4)
     queue.drain(5)
     assert not reads
 

@@ -13,12 +13,15 @@ from common.engine import topo
 from common.engine.nics import lane_nics
 import common.fabric as fi
 from common.chapter_pair import ROOT, chapter_path, local_env
-from tests import fake_info, fake_sysfs
-from tests.one_line_errors import assert_one_line_error, run
+from tests.support import fake_info
+from tests.programs import fake_sysfs
+from tests.support.one_line_errors import assert_one_line_error, run
 
 # The series' table (blog-series.md): GPU, bus, NUMA node, pinned core, its 4 NICs.
 P5 = [(0, "53", 0, 6, 79), (1, "64", 0, 18, 96), (2, "75", 0, 30, 113), (3, "86", 0, 42, 130),
       (4, "97", 1, 54, 147), (5, "a8", 1, 66, 164), (6, "b9", 1, 78, 181), (7, "ca", 1, 90, 198)]
+
+FAKE_SYSFS = str(ROOT / "tests" / "programs" / "fake_sysfs.py")
 
 
 def chapter(sysfs, machine):
@@ -34,11 +37,11 @@ def test_08_prints_the_p5_table(tmp_path):
 
 
 def test_08_on_the_p5_faked_in_a_folder_named_relative(tmp_path):
-    """What tests/fake_sysfs.py's docstring shows, in a folder of one's own: `fake_sysfs.py
+    """What tests/programs/fake_sysfs.py's docstring shows, in a folder of one's own: `fake_sysfs.py
     fake` there, then the command it prints, `--sysfs fake`. The tree's links point as
     sysfs's do, relative to the link's own folder: links to fake/devices/... from inside
     fake/bus/pci/devices/ led nowhere, and the NUMA column read "-"."""
-    made = subprocess.run([sys.executable, str(ROOT / "tests" / "fake_sysfs.py"), "fake"],
+    made = subprocess.run([sys.executable, FAKE_SYSFS, "fake"],
                           capture_output=True, text=True, env=local_env(), cwd=tmp_path,
                           timeout=30)
     assert made.returncode == 0, made.stderr
@@ -298,10 +301,10 @@ def own_nics(machine, gpu):
 
 @pytest.mark.parametrize("name", EFA)
 def test_08_on_each_efa_instance_faked_by_name(tmp_path, name):
-    """`tests/fake_sysfs.py DIR NAME`, then the command it prints: chapter 08 shows each
+    """`tests/programs/fake_sysfs.py DIR NAME`, then the command it prints: chapter 08 shows each
     GPU with its own 4 / 2 / 1 / 2 NICs and 3200 / 3200 / 3200 / 6400 Gbps in total."""
     per_gpu, total = fake_sysfs.EFA_SHAPES[name]
-    made = subprocess.run([sys.executable, str(ROOT / "tests" / "fake_sysfs.py"), "fake", name],
+    made = subprocess.run([sys.executable, FAKE_SYSFS, "fake", name],
                           capture_output=True, text=True, env=local_env(), cwd=tmp_path,
                           timeout=30)
     assert made.returncode == 0, made.stderr
@@ -317,10 +320,10 @@ def test_08_on_each_efa_instance_faked_by_name(tmp_path, name):
 
 
 def test_fake_sysfs_names_an_unknown_instance_in_one_line(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "fake_sysfs.py"), "fake", "p4d"],
+    done = subprocess.run([sys.executable, FAKE_SYSFS, "fake", "p4d"],
                           capture_output=True, text=True, env=local_env(), cwd=tmp_path,
                           timeout=30)
-    assert_one_line_error(done, "usage: .venv/bin/python tests/fake_sysfs.py DIR "
+    assert_one_line_error(done, "usage: .venv/bin/python tests/programs/fake_sysfs.py DIR "
                                 "[p5|p5en|p6_b200|p6_b300|cx7]")
 
 

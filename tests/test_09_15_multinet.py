@@ -11,9 +11,9 @@ from common.engine.opqueue import Connection
 from common.fabric import connect
 import common.fabric as fi
 from common.chapter_pair import run_pair
-from tests.chapter_procs import client_gone_server_survives
-from tests.gpu import has_gpu, needs_gpus
-from tests.one_line_errors import SHM_DEAD, assert_one_line_error, run
+from tests.support.chapter_procs import client_gone_server_survives
+from tests.support.gpu import has_gpu, needs_gpus
+from tests.support.one_line_errors import SHM_DEAD, assert_one_line_error, run
 
 SMALL = ["--buffer-size", "4M", "--pages", "0-63", "--iters", "3001"]
 

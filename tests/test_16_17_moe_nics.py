@@ -16,11 +16,12 @@ from common.engine import topo
 from common.engine.nics import rank_nics
 from common.gpu import cuda_driver
 from common.chapter_pair import ROOT, chapter_path, local_env
-from tests import fake_info, fake_sysfs
-from tests.budget import Budget
-from tests.gpu import needs_gpu
-from tests.moe_runs import LAUNCH, LIMIT, SMALL, check_lines, gpus
-from tests.one_line_errors import assert_one_line_error, run
+from tests.support import fake_info
+from tests.programs import fake_sysfs
+from tests.support.budget import Budget
+from tests.support.gpu import needs_gpu
+from tests.support.moe_runs import LAUNCH, LIMIT, SMALL, check_lines, gpus
+from tests.support.one_line_errors import assert_one_line_error, run
 
 CHAPTER = str(chapter_path(16))
 

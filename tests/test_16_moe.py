@@ -19,11 +19,12 @@ from common import launch
 from common.moe import harness
 from common.moe import reference as ref
 from common.chapter_pair import ROOT, chapter_module, chapter_path, local_env
-from tests.budget import Budget
-from tests.gpu import needs_gpu
-from tests.moe_runs import BAD_BATCHES, LAUNCH, LIMIT, SMALL, TOKENS, TOPK, check_lines, gpus
-from tests.one_line_errors import assert_one_line_error, run
-from tests.processes import kill_job
+from tests.support.budget import Budget
+from tests.support.gpu import needs_gpu
+from tests.support.moe_runs import (BAD_BATCHES, LAUNCH, LIMIT, SMALL, TOKENS, TOPK, check_lines,
+                                    gpus)
+from tests.support.one_line_errors import assert_one_line_error, run
+from tests.support.processes import kill_job
 
 CHAPTER = str(chapter_path(16))
 

@@ -13,10 +13,10 @@ from common import launch
 from common.moe import harness
 from common.moe import reference as ref
 from common.chapter_pair import ROOT, chapter_module, chapter_path, local_env
-from tests.budget import Budget
-from tests.gpu import needs_gpu
-from tests.moe_runs import BAD_BATCHES, LAUNCH, LIMIT, SMALL, check_lines, gpu_count, gpus
-from tests.one_line_errors import assert_one_line_error, run
+from tests.support.budget import Budget
+from tests.support.gpu import needs_gpu
+from tests.support.moe_runs import BAD_BATCHES, LAUNCH, LIMIT, SMALL, check_lines, gpu_count, gpus
+from tests.support.one_line_errors import assert_one_line_error, run
 
 CHAPTER = str(chapter_path(17))
 GRAPH_LINE = re.compile(r"^\[0\] check graph fp8: one layer captured, replayed 100 times with "

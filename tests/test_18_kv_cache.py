@@ -16,12 +16,12 @@ from common import shm_files
 from common.chapter_pair import ADDRESS, chapter_module, chapter_path, local_env, run_pair
 from common.gpu import rounding
 from common.gpu.bf16 import gemm_bf16, to_bf16
-from tests.budget import Budget
-from tests.gpu import needs_gpu
-from tests.one_line_errors import assert_one_line_error, run
+from tests.support.budget import Budget
+from tests.support.gpu import needs_gpu
+from tests.support.one_line_errors import assert_one_line_error, run
 
 SMALL = ["--tokens", "300", "--layers", "4", "--page-tokens", "64"]
-FROZEN = Path(__file__).parent / "frozen_decoder.py"
+FROZEN = Path(__file__).parent / "programs" / "frozen_decoder.py"
 
 
 @pytest.mark.parametrize("provider", ["shm", pytest.param("tcp", marks=pytest.mark.long)])

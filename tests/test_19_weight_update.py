@@ -23,9 +23,9 @@ from common.weights.model import MODELS, inference_tensors, lay_out, parameters,
     views
 from common.weights.ops import HostOps, e4m3
 from common.chapter_pair import ROOT, chapter_module, local_env
-from tests.budget import Budget
-from tests.gpu import needs_gpu
-from tests.processes import kill_job
+from tests.support.budget import Budget
+from tests.support.gpu import needs_gpu
+from tests.support.processes import kill_job
 
 pytest.importorskip("common.transfer")  # skipped only if the engine's worker is not built
 CHAPTER = ROOT / "chapters" / "19_weight_update.py"

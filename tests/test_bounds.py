@@ -1,6 +1,6 @@
 """Every process ends within its bound (common/bounds.py): after SIGINT or SIGTERM of
 either side mid-transfer, after its peer was killed, and when a provider call never
-returns (faked by tests/stuck.py). Real chapter 07 processes on shm and tcp."""
+returns (faked by tests/programs/stuck.py). Real chapter 07 processes on shm and tcp."""
 import os
 import signal
 import subprocess
@@ -13,9 +13,9 @@ import pytest
 from common import bounds, cli, shm_files
 from common.chaos.faults import python_dropped
 from common.chapter_pair import ADDRESS, chapter_path, local_env
-from tests import shm_regions
-from tests.budget import Budget
-from tests.one_line_errors import SHM_DEAD
+from tests.support import shm_regions
+from tests.support.budget import Budget
+from tests.support.one_line_errors import SHM_DEAD
 
 # Seconds a process may be seen ending after its bound on this 2-core machine with
 # other suites beside it (load 8): each of the signal, the watchdog's wake-up and this
@@ -23,7 +23,7 @@ from tests.one_line_errors import SHM_DEAD
 STOP_MARGIN = 1.0
 PEER_MARGIN = 3.0  # the same for a dead peer, whose survivor also closes what it opened
 SMALL = ["--buffer-size", "4M", "--pages", "0-63", "--iters", "100000000"]
-STUCK = str(Path(__file__).with_name("stuck.py"))
+STUCK = str(Path(__file__).parent / "programs" / "stuck.py")
 
 
 def own_timeout():

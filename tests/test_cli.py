@@ -10,7 +10,7 @@ import pytest
 
 from common import cli
 from common.chapter_pair import ROOT, chapter_path, local_env
-from tests.one_line_errors import SHM_DEAD, assert_one_line_error, run
+from tests.support.one_line_errors import SHM_DEAD, assert_one_line_error, run
 
 PAGES = [6, 7, 9, 10, 11, 12, 13, 14, 15]  # the chapters with a client that takes --page-size
 

@@ -13,8 +13,8 @@ import pytest
 from common import cli
 import common.fabric as fi
 from common.fabric import ffi, lib
-from tests import fake_info
-from tests.shm_regions import files as shm_files
+from tests.support import fake_info
+from tests.support.shm_regions import files as shm_files
 
 
 def test_version_is_at_least_what_we_support():

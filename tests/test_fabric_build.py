@@ -10,8 +10,8 @@ from common import bench
 import common.fabric as fi
 from common.chapter_pair import ROOT, chapter_path, local_env
 from common.fabric import loaded_from
-from tests.budget import Budget
-from tests.one_line_errors import LIMIT, assert_one_line_error
+from tests.support.budget import Budget
+from tests.support.one_line_errors import LIMIT, assert_one_line_error
 
 # The first chapter, the queue, many NICs, the C workers, the MoE ranks.
 CHAPTERS = [4, 7, 9, 11, 16]

@@ -17,7 +17,7 @@ from common.engine import multinet
 from common.fabric import connect
 import common.fabric as fi
 from common.chapter_pair import ADDRESS, chapter_module, chapter_path, local_env, run_pair
-from tests.chapter_procs import start
+from tests.support.chapter_procs import start
 
 EFA_ADDRESS = bytes(32)  # an efa endpoint name: struct efa_ep_addr (prov/efa/src/efa_base_ep.h)
 SMALL_LIMIT = 8928       # bytes: an EFA link's MTU, less than the old CONNECTs

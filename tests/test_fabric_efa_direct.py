@@ -11,11 +11,11 @@ import common.fabric as fi
 from common import cli
 from common.fabric import lib
 from common.chapter_pair import ADDRESS, ROOT, chapter_path, local_env
-from tests import fake_info
-from tests.budget import Budget
-from tests.chapter_procs import start
-from tests.one_line_errors import assert_one_line_error
-from tests.rules import AV, SMALL
+from tests.support import fake_info
+from tests.support.budget import Budget
+from tests.support.chapter_procs import start
+from tests.support.one_line_errors import assert_one_line_error
+from tests.support.rules import AV, SMALL
 
 
 def test_hints_name_the_provider_and_the_fabric_and_offer_fi_context2():

@@ -12,8 +12,8 @@ from common.engine.nics import lane_nics
 from common.fabric import memory
 import common.fabric as fi
 from common.fabric import lib
-from tests import fake_info
-from tests.fake_info import Entry, infos
+from tests.support import fake_info
+from tests.support.fake_info import Entry, infos
 
 ROOT = Path(__file__).resolve().parent.parent
 

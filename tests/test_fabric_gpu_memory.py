@@ -11,8 +11,8 @@ from common.fabric import memory
 from common.gpu import cuda_driver
 import common.fabric as fi
 from common.fabric import ffi, lib
-from tests import fake_info
-from tests.gpu import needs_gpu
+from tests.support import fake_info
+from tests.support.gpu import needs_gpu
 
 PAGE = 4096
 

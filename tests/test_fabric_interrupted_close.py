@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import common.fabric as fi
-from tests.budget import Budget
+from tests.support.budget import Budget
 
 transfer = pytest.importorskip("common.transfer")  # skipped only if the worker is not built
 

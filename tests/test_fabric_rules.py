@@ -15,8 +15,8 @@ import pytest
 from common.chapter_pair import ROOT, chapter_path, local_env, run_pair
 import common.fabric as fi
 from common.fabric import lib
-from tests.one_line_errors import assert_one_line_error
-from tests.rules import AV, SMALL, program as rules_program
+from tests.support.one_line_errors import assert_one_line_error
+from tests.support.rules import AV, SMALL, program as rules_program
 
 RULES = ["efa", "efa-direct", "verbs"]
 EFA = ["efa", "efa-direct"]  # the rules of the device, whichever fabric drives it
@@ -124,7 +124,7 @@ def test_19_keeps_the_rules_of_an_efa_device(rules, provider):
     assert len(re.findall(r"^\[0\] .*: 0 wrong bytes", done.stdout, re.M)) >= 2, done.stdout
 
 
-# --- each rule, broken on purpose (tests/rules.py program) ----------------------------
+# --- each rule, broken on purpose (tests/support/rules.py program) ----------------------------
 
 WAITING = ("attr = ffi.new('struct fi_cq_attr *', {{'size': 8, 'format': lib.FI_CQ_FORMAT_DATA, "
            "'wait_obj': lib.{wait}}})\n"

@@ -16,9 +16,9 @@ import pytest
 from common import launch, shm_files
 from common.launch import KILL_WAIT
 from common.chapter_pair import ROOT, chapter_path, local_env
-from tests.budget import Budget
-from tests.processes import alive, kill_job
-from tests.one_line_errors import assert_one_line_error
+from tests.support.budget import Budget
+from tests.support.processes import alive, kill_job
+from tests.support.one_line_errors import assert_one_line_error
 
 LAUNCH = str(ROOT / "scripts" / "launch.py")
 # The benchmark at its own (decode) shape: numpy holds a rank for milliseconds at a time,

@@ -14,7 +14,7 @@ import pytest
 
 from common.records import ROOT
 from scripts.transfer_bench import nixl_env
-from tests.nixl_python import HERE, NIXL_PYTHON, WHY
+from tests.support.nixl_python import HERE, NIXL_PYTHON, WHY
 
 SCRIPT = ROOT / "scripts" / "nixl_pages.py"
 

@@ -13,8 +13,8 @@ import pytest
 
 from common import shm_files
 from common.chapter_pair import INTERRUPTED_WAIT, ROOT, local_env
-from tests.budget import Budget
-from tests.processes import alive, ctrl_c
+from tests.support.budget import Budget
+from tests.support.processes import alive, ctrl_c
 
 PAIR = str(ROOT / "scripts" / "pair.py")
 LIMIT = 60  # seconds, quiet machine, for chapter 07's server and client to start on 2 busy cores

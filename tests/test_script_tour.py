@@ -16,7 +16,7 @@ import common.fabric as fi
 from common import gpu_ready
 from common.chapter_pair import ROOT, Pair, Run, chapter_path, local_env
 from scripts import tour
-from tests.budget import Budget
+from tests.support.budget import Budget
 
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.py"))
 
@@ -144,7 +144,8 @@ LOWER = {"figure": "CPU per WRITE", "visible": {"than": "11", "by": 1.5}}
     ([2.0, 2.1, 6.5], [5.0, 5.5, 6.0], False, "but a median lies in the other's range"),
     ([2.0, 2.1, 2.2], [1.9, 5.5, 6.0], False, "but a median lies in the other's range"),
     ([4.0, 4.1, 4.2], [5.0, 5.5, 6.0], False, "less than 1.5x"),
-    ([0.0, 0.0, 0.0], [5.0, 5.5, 6.0], True, "infx lower"),
+    ([0.0, 0.0, 0.0], [5.0, 5.5, 6.0], True, "lower: 0.00 against 5.50, each median beyond"),
+    ([0.0, 0.0, 0.0], [0.0, 0.0, 0.0], False, "1.00x lower, less than 1.5x"),  # none either side
 ])
 def test_a_comparison_counts_only_beyond_the_noise(mine, theirs, visible, why):
     shown, said = tour.verdict(LOWER, mine, theirs)

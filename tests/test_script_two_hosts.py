@@ -21,10 +21,10 @@ import pytest
 from scripts import two_hosts
 from common.baselines import measure, rma_bw_command, rma_bw_gbps
 from common.chapter_pair import ROOT
-from tests import fake_info
-from tests.fabtests import rma_bw_missing
-from tests.gpu import needs_gpu
-from tests.one_line_errors import assert_one_line_error
+from tests.support import fake_info
+from tests.support.fabtests import rma_bw_missing
+from tests.support.gpu import needs_gpu
+from tests.support.one_line_errors import assert_one_line_error
 
 SCRIPT = str(ROOT / "scripts" / "two_hosts.py")
 TINY = ["--sizes", "4K", "--bytes", "800K", "--repeats", "1"]  # 200 WRITEs of 4 KiB a run

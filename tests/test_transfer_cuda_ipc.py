@@ -1,6 +1,6 @@
 """The transfer engine's CUDA IPC route (common/transfer/ipc.py): GPU pages between two
 processes of one host by a kernel, not a NIC. The GPU tests run two or three ranks on GPU 0
-(tests/transfer_ranks.py); the others check, without a GPU, what the route's C half does
+(tests/programs/transfer_ranks.py); the others check, without a GPU, what the route's C half does
 with an inbox (the worker counts a finished command's immediates) and what an engine
 without it says."""
 import re
@@ -11,9 +11,9 @@ import pytest
 import common.fabric as fi
 from common.transfer import Engine, ipc, wire
 from common.transfer._native import ffi as _ffi, lib as native
-from tests.budget import Budget
-from tests.gpu import needs_gpu
-from tests.transfer_launch import launched
+from tests.support.budget import Budget
+from tests.support.gpu import needs_gpu
+from tests.support.transfer_launch import launched
 
 
 def test_the_worker_counts_a_finished_command_from_its_inbox_and_not_before():

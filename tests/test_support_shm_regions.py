@@ -7,7 +7,7 @@ import time
 import pytest
 
 from common import shm_files
-from tests.shm_regions import SHM, Watcher
+from tests.support.shm_regions import SHM, Watcher
 
 # Makes a region named like shm's after itself, says its name, and leaves it behind once
 # its stdin closes.

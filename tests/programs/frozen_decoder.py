@@ -2,7 +2,7 @@
 bytes that arrived: the prefiller has sent its timings and waits for the verdict, which
 never comes, as from a decoder stopped or frozen at that moment.
 
-    .venv/bin/python tests/frozen_decoder.py ARGS...   (the decoder's arguments)
+    .venv/bin/python tests/programs/frozen_decoder.py ARGS...   (the decoder's arguments)
 """
 import os
 import signal

@@ -5,7 +5,7 @@ computed when the test ran came out in the wrong order once (the load rose in be
 launcher killed at its 180 s limit had been granted 238 s of grace, and its ranks were left
 running). A Budget stretches every figure of one test by the same load, and grants only
 waits shorter than itself, so an inner wait always ends before the outer one.
-Tests take their waits from a Budget, never from patience() (tests/test_budget.py checks).
+Tests take their waits from a Budget, never from patience() (tests/test_support_budget.py checks).
 """
 import signal
 import subprocess

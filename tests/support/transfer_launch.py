@@ -1,12 +1,12 @@
-"""The transfer engine's ranks (tests/transfer_ranks.py) started by scripts/launch.py, for
+"""The transfer engine's ranks (tests/programs/transfer_ranks.py) started by scripts/launch.py, for
 tests/test_transfer_engine.py and tests/test_transfer_cuda_ipc.py."""
 import sys
 
 from common.chapter_pair import ROOT, local_env
-from tests.budget import Budget
+from tests.support.budget import Budget
 
 LAUNCH = str(ROOT / "scripts" / "launch.py")
-RANKS = str(ROOT / "tests" / "transfer_ranks.py")
+RANKS = str(ROOT / "tests" / "programs" / "transfer_ranks.py")
 LIMIT = 180  # seconds for a whole launch, 8 tcp ranks on 2 busy cores included
 
 

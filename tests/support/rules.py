@@ -1,5 +1,6 @@
 """What the tests of FABRIC_RULES (common/fabric/rules.py) share (tests/test_fabric_rules.py,
-tests/test_fabric_efa_direct.py, tests/test_fi_more.py): a client's run, the words of a rule's
+tests/test_fabric_efa_direct.py, tests/test_fabric_fi_more.py): a client's run, the words of a
+rule's
 error line, and a program that breaks a rule."""
 import textwrap
 

@@ -16,9 +16,9 @@ import pytest
 
 import common.fabric as fi
 from common.chapter_pair import ROOT, chapter_module, local_env, run_pair
-from tests import fake_info
-from tests.one_line_errors import assert_one_line_error
-from tests.rules import SMALL, program as rules_program
+from tests.support import fake_info
+from tests.support.one_line_errors import assert_one_line_error
+from tests.support.rules import SMALL, program as rules_program
 
 ROOM = "rules of efa-direct: a batch with FI_MORE past the send queue's room"
 SQ = "4"  # FI_SHM_TX_SIZE: shm's tx_attr.size, the send queue the rule holds a batch to

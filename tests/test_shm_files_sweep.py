@@ -13,7 +13,7 @@ import pytest
 
 from common import shm_files
 from common.chapter_pair import chapter_path, local_env
-from tests.budget import Budget
+from tests.support.budget import Budget
 
 SHM = shm_files.SHM
 # Maps the file named by argv[1], says so, and keeps it mapped until its stdin closes.

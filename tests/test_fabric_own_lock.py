@@ -2,7 +2,7 @@
 libfabric < 1.18 serves its next client (common/fabric/poller.py, OwnLock): its wait for
 that client never reads a CQ whose progress would spin on the lock. Was: deaf (the lock
 held, nothing signalled) or spinning in fi_cq_read forever, and the next client timed out.
-tests/lock_holder.py leaves that state at once; kills of real clients find it about once
+tests/programs/lock_holder.py leaves that state at once; kills of real clients find it about once
 in 120."""
 import signal
 import subprocess
@@ -13,12 +13,12 @@ import pytest
 from common import shm_files
 import common.fabric as fi
 from common.chapter_pair import ADDRESS, chapter_path, local_env
-from tests.budget import Budget
-from tests.chapter_procs import SMALL, server_line, start
+from tests.support.budget import Budget
+from tests.support.chapter_procs import SMALL, server_line, start
 
 pytestmark = pytest.mark.skipif(fi.version() >= (1, 18), reason="from 1.18 shm's queue "
                                 "takes commands without the region lock")
-HOLDER = chapter_path(4).parents[1] / "tests" / "lock_holder.py"
+HOLDER = chapter_path(4).parents[1] / "tests" / "programs" / "lock_holder.py"
 CLIENT = {5: [], 6: [], 7: [*SMALL, "--iters", "200", "--delivery-complete"],
           9: ["--iters", "200", "--page-size", "64K", "--buffer-size", "1M"]}
 RENEWED = "opening the endpoint again at the same address"

@@ -12,7 +12,7 @@ import time
 from common import shm_files
 from common.cli import PEER_TIMEOUT
 from common.chapter_pair import ADDRESS, chapter_path, local_env
-from tests.budget import Budget
+from tests.support.budget import Budget
 
 SMALL = ["--buffer-size", "4M", "--pages", "0-63"]  # 64 pages of 64 KiB
 

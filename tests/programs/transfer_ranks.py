@@ -1,10 +1,11 @@
 """A rank of the transfer engine's tests (tests/test_transfer_engine.py), started by scripts/launch.py.
 
-    .venv/bin/python scripts/launch.py -n 2 tests/transfer_ranks.py pair -p shm --nics 2
-    .venv/bin/python scripts/launch.py -n 4 tests/transfer_ranks.py group -p tcp
-    .venv/bin/python scripts/launch.py -n 2 tests/transfer_ranks.py kill -p shm [--watch]
-    .venv/bin/python scripts/launch.py -n 2 tests/transfer_ranks.py torch --gpu 0
-    .venv/bin/python scripts/launch.py -n 2 tests/transfer_ranks.py pair --gpu 0 [--no-cuda-ipc]
+    .venv/bin/python scripts/launch.py -n 2 tests/programs/transfer_ranks.py pair -p shm --nics 2
+    .venv/bin/python scripts/launch.py -n 4 tests/programs/transfer_ranks.py group -p tcp
+    .venv/bin/python scripts/launch.py -n 2 tests/programs/transfer_ranks.py kill -p shm [--watch]
+    .venv/bin/python scripts/launch.py -n 2 tests/programs/transfer_ranks.py interrupt -p tcp
+    .venv/bin/python scripts/launch.py -n 2 tests/programs/transfer_ranks.py torch --gpu 0
+    .venv/bin/python scripts/launch.py -n 2 tests/programs/transfer_ranks.py pair --gpu 0 [--no-cuda-ipc]
 
 Addresses and region descriptors travel through launch.Group.allgather. Every check
 prints a line the test reads ("wrong bytes: N", "expected ...", "survivor: ...", and with
@@ -178,6 +179,31 @@ def kill(eng, group, args):
         sys.exit(1)
 
 
+def interrupt(eng, group, args):
+    """Rank 0 WRITEs pages of 8 MiB to rank 1 without a pause; a second in, rank 1 gets a
+    SIGINT (a Ctrl-C), and must end by its KeyboardInterrupt: closing an endpoint that a
+    WRITE is arriving on crashed 1.17's tcp (common/fabric/calls.py, _left_open)."""
+    me, other = group.rank, 1 - group.rank
+    peer = eng.connect(group.allgather(eng.address())[other])
+    size, pages = 8 << 20, 4
+    region = eng.register(np.zeros(pages * size, np.uint8))
+    theirs = eng.remote(group.allgather(region.descriptor())[other])
+    group.barrier()
+    if me == 1:
+        time.sleep(1)
+        print("interrupting myself", flush=True)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(args.timeout)  # the KeyboardInterrupt comes first
+        return
+    try:
+        while True:
+            eng.write_pages(peer, region, range(pages), theirs, range(pages), size,
+                            imm=6).wait(args.timeout)
+    except Exception as e:  # rank 1 is gone: one line
+        print(f"writer: {type(e).__name__}", flush=True)
+        sys.exit(1)
+
+
 def torch_pages(eng, group, args):
     """Rank 0 writes pages of a torch CUDA tensor into rank 1's (GPU memory moves between
     processes: shm maps it by CUDA IPC, which a process cannot do on its own memory);
@@ -211,12 +237,12 @@ def torch_pages(eng, group, args):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["pair", "group", "kill", "torch"])
+    p.add_argument("mode", choices=["pair", "group", "kill", "interrupt", "torch"])
     p.add_argument("-p", "--provider", default="shm")
     p.add_argument("--nics", type=int, default=1)
     p.add_argument("--spread", default="round-robin")
     p.add_argument("--length", type=int, default=3000)
-    # seconds as granted by the test (tests/budget.py), not stretched again here: the test
+    # seconds as granted by the test (tests/support/budget.py), not stretched again here: the test
     # read the load once, and stops the launch when its own time is up
     p.add_argument("--timeout", type=float, default=10.0, help="for each transfer")
     p.add_argument("--join", type=float, default=60.0, help="for the ranks to meet")
@@ -232,7 +258,8 @@ def main():
                      spread=args.spread, timeout=args.timeout, cuda_ipc=not args.no_cuda_ipc,
                      resident=args.resident)
         print(f"engine: {eng.provider}, {eng.nics}, {args.spread}", flush=True)
-        modes = {"pair": pair, "group": groups, "kill": kill, "torch": torch_pages}
+        modes = {"pair": pair, "group": groups, "kill": kill, "interrupt": interrupt,
+                 "torch": torch_pages}
         modes[args.mode](eng, group, args)
 
 

@@ -1,4 +1,4 @@
-"""A client killed while it holds the server's shm region lock, for tests/test_own_lock.py.
+"""A client killed while it holds the server's shm region lock, for tests/test_fabric_own_lock.py.
 
 What a client SIGKILLed in the middle of a post to the server leaves (libfabric < 1.18:
 smr_generic_rma, prov/shm/src/smr_rma.c, and smr_generic_sendmsg, smr_msg.c, take the

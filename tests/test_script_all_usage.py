@@ -1,7 +1,7 @@
 """Every script in scripts/: it answers --help, and it takes what it shares with the other
 scripts from common/, never from another script and never by changing sys.path (the
 project is installed into .venv, so common/ imports as it is). Nor does any file of
-tests/, the programs the tests start (tests/stuck.py, ...) included, nor a notebook's
+tests/, the programs the tests start (tests/programs/stuck.py, ...) included, nor a notebook's
 code cell; and a test file
 (test_*.py) takes what it shares with others from a helper of tests/ (a name without
 test_), never from another test file."""
@@ -12,11 +12,11 @@ import sys
 import pytest
 
 from common.chapter_pair import ROOT, local_env
-from tests.budget import Budget
+from tests.support.budget import Budget
 
 SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
 SHELL_SCRIPTS = sorted((ROOT / "scripts").glob("*.sh"))
-TESTS = sorted((ROOT / "tests").glob("*.py"))
+TESTS = sorted((ROOT / "tests").rglob("*.py"))
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 NAMES = {path.stem for path in SCRIPTS}
 
@@ -71,7 +71,7 @@ def test_a_notebook_leaves_sys_path_alone(path):
 @pytest.mark.parametrize("path", TESTS, ids=[p.stem for p in TESTS])
 def test_a_test_imports_helpers_not_other_test_files(path):
     others = sorted(set(imported_test_files(ast.parse(path.read_text()))))
-    assert others == [], f"{path.name} imports {others}: what tests share is in a helper of tests/"
+    assert others == [], f"{path.name} imports {others}: what tests share is in tests/support/"
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=[p.stem for p in SCRIPTS])
@@ -97,6 +97,7 @@ def test_the_checks_see_an_import_of_a_script_and_a_change_of_sys_path():
                      "def f():\n    from scripts import baseline\n")
     assert touches_sys_path(tree) == [2]
     assert set(imported(tree)) & (NAMES | {"scripts"}) == {"pair", "scripts"}
-    tree = ast.parse("import tests.test_a\nfrom tests import fake_info, test_b\n"
-                     "from tests.budget import Budget\ndef f():\n    from tests.test_c import x\n")
+    tree = ast.parse("import tests.test_a\nfrom tests import test_b\n"
+                     "from tests.support import fake_info\nfrom tests.support.budget import "
+                     "Budget\ndef f():\n    from tests.test_c import x\n")
     assert sorted(imported_test_files(tree)) == ["tests.test_a", "tests.test_b", "tests.test_c"]

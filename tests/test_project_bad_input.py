@@ -6,9 +6,9 @@ import sys
 import pytest
 
 from common.chapter_pair import ADDRESS, chapter_path, local_env
-from tests import fake_info
-from tests.budget import Budget
-from tests.one_line_errors import LIMIT, SHM_DEAD, TCP_DEAD, assert_one_line_error, run
+from tests.support import fake_info
+from tests.support.budget import Budget
+from tests.support.one_line_errors import LIMIT, SHM_DEAD, TCP_DEAD, assert_one_line_error, run
 
 @pytest.mark.parametrize("chapter", [4, 5])
 @pytest.mark.parametrize("args,pattern", [

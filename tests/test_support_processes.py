@@ -5,7 +5,7 @@ import subprocess
 import sys
 import uuid
 
-from tests import processes
+from tests.support import processes
 
 IGNORES_TERM = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                 "print('ready', flush=True); time.sleep(60)")

@@ -1,4 +1,5 @@
-"""A test's waits come from one Budget (tests/budget.py): none outlasts the test's own limit."""
+"""A test's waits come from one Budget (tests/support/budget.py): none outlasts the test's
+own limit."""
 import ast
 import os
 import subprocess
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.budget import Budget
+from tests.support.budget import Budget
 
 TESTS = Path(__file__).parent
 
@@ -53,12 +54,13 @@ def waits_outside_a_budget(tree):
     return [node.lineno for node in found]
 
 
-@pytest.mark.parametrize("path", sorted(p for p in TESTS.glob("*.py")
+@pytest.mark.parametrize("path", sorted(p for p in TESTS.rglob("*.py")
                                         if p.name not in ("budget.py", "test_patience.py")),
                          ids=lambda p: p.name)
 def test_every_wait_in_the_tests_comes_from_a_budget(path):
     lines = waits_outside_a_budget(ast.parse(path.read_text()))
-    assert not lines, f"{path.name}, lines {lines}: take the wait from a Budget (tests/budget.py)"
+    assert not lines, f"{path.name}, lines {lines}: take the wait from a Budget " \
+        "(tests/support/budget.py)"
 
 
 def test_the_check_sees_a_limit_read_at_import_and_a_grace_read_later():

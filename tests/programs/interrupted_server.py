@@ -2,7 +2,7 @@
 successful return of one libfabric call: where a real Ctrl-C mostly lands, since the call
 is where the time goes, and before the caller has noted what the call did.
 
-    .venv/bin/python tests/interrupted_server.py fi_writemsg 2000 [--failing-close] CHAPTER.py ARGS...
+    .venv/bin/python tests/programs/interrupted_server.py fi_writemsg 2000 [--failing-close] CHAPTER.py ARGS...
 
 fi_writemsg counts the posts of the op queue (common/engine/opqueue.py), fi_cq_read the
 reads that returned completions. --failing-close: the first fi_close after the interrupt

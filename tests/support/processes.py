@@ -1,5 +1,5 @@
 """The processes the suite started that are still running: those whose environment carries
-its token (tests/shm_regions.py puts it there; every child inherits it).
+its token (tests/support/shm_regions.py puts it there; every child inherits it).
 
 A process named here is stopped through a pidfd opened before its environment is read
 again, so that a pid reused by someone else's process in between is never signalled.

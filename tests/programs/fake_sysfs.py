@@ -167,7 +167,7 @@ def cx7(root, per_gpu, visible=None):
         for k in range(per_gpu)], nodes=[56, 56], visible=visible)
 
 
-# Each machine by the name tests/fake_sysfs.py's command line takes: (root, visible) -> its
+# Each machine by the name tests/programs/fake_sysfs.py's command line takes: (root, visible) -> its
 # description. cx7: one 400 Gbps NIC a GPU, as a DGX H100's compute fabric has.
 INSTANCES = {"p5": p5, "p5en": p5en, "p6_b200": p6_b200, "p6_b300": p6_b300,
              "cx7": lambda root, visible=None: cx7(root, 1, visible)}
@@ -194,13 +194,15 @@ def save(root, machine):
     return path
 
 
-if __name__ == "__main__":  # .venv/bin/python tests/fake_sysfs.py DIR [NAME]: to try chapter 08 on
+# .venv/bin/python tests/programs/fake_sysfs.py DIR [NAME]: to try chapter 08 on a machine
+if __name__ == "__main__":
     import sys
     if len(sys.argv) not in (2, 3) or sys.argv[2:3] and sys.argv[2] not in INSTANCES:
-        sys.exit(f"usage: .venv/bin/python tests/fake_sysfs.py DIR [{'|'.join(INSTANCES)}] "
+        sys.exit("usage: .venv/bin/python tests/programs/fake_sysfs.py DIR "
+                 f"[{'|'.join(INSTANCES)}] "
                  "(default p5)")
     root = Path(sys.argv[1])
     from common.cli import command
     machine = INSTANCES[sys.argv[2] if len(sys.argv) == 3 else "p5"](root)
     print(command("--sysfs", root, "--machine", save(root, machine),
-                  program=Path(__file__).resolve().parents[1] / "chapters" / "08_topo.py"))
+                  program=Path(__file__).resolve().parents[2] / "chapters" / "08_topo.py"))

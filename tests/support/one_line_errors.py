@@ -1,14 +1,14 @@
 """What the bad-input tests share: a chapter run within LIMIT seconds, the check that it
 failed in one line on stderr with no traceback, and addresses no one answers at.
 
-tests/test_bad_input.py holds the cases common to chapters 03-05 and the scripts; each
+tests/test_project_bad_input.py holds the cases common to chapters 03-05 and the scripts; each
 chapter's own bad input is tested beside the rest of the chapter's tests.
 """
 import sys
 import time
 
 from common.chapter_pair import chapter_path, local_env
-from tests.budget import Budget
+from tests.support.budget import Budget
 
 LIMIT = 10  # seconds, for every case, on a quiet machine
 SHM_DEAD = b"fi_shm://999999999:0:0\0".hex()          # a process that does not exist

@@ -20,10 +20,10 @@ from common import shm_files
 from common.bounds import STOP_BOUND
 from common.chapter_pair import ROOT, local_env
 from scripts.transfer_bench import nixl_env
-from tests.budget import Budget
-from tests.fabtests import rma_bw_missing
-from tests.nixl_python import NIXL_PYTHON, WHY
-from tests.processes import ctrl_c, running, wait_gone
+from tests.support.budget import Budget
+from tests.support.fabtests import rma_bw_missing
+from tests.support.nixl_python import NIXL_PYTHON, WHY
+from tests.support.processes import ctrl_c, running, wait_gone
 
 SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
 OWN_WAY = {  # scripts that stop what they started themselves

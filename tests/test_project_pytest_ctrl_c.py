@@ -10,14 +10,14 @@ import pytest
 
 from common import shm_files
 from common.chapter_pair import ROOT, local_env
-from tests.budget import Budget
+from tests.support.budget import Budget
 
 
 @pytest.mark.long  # a pytest of its own: seconds
 def test_ctrl_c_to_pytest_ends_the_chapters_it_started():
     budget = Budget(60)
     suite = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                              "tests/interrupted_suite.py"], cwd=ROOT, env=local_env(),
+                              "tests/programs/interrupted_suite.py"], cwd=ROOT, env=local_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
     out, found = "", None
