@@ -186,7 +186,7 @@ def test_ctrl_c_ends_it_within_2_s_and_kills_its_trial(tmp_path):
                             stderr=subprocess.PIPE, text=True, env=local_env())
     children, deadline = [], time.monotonic() + budget.grant(20)
     try:  # a loaded machine may take seconds to start the first trial: waited for, in bounds
-        while not (children := chaos_children(proc.pid)):
+        while not (children := trial_children(proc.pid)):
             assert proc.poll() is None, f"it ended before a trial: {proc.communicate()}"
             assert time.monotonic() < deadline, "no trial running within the limit"
             time.sleep(0.1)
@@ -208,12 +208,22 @@ def test_ctrl_c_ends_it_within_2_s_and_kills_its_trial(tmp_path):
                 if f.split(":")[0] in map(str, children)}
 
 
-def chaos_children(pid):
+def test_a_ctrl_c_while_a_trial_is_closed_comes_after_the_close():
+    closed, before = [], signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with procs.signals_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            closed.append(True)  # the rest of the close, which kills what is left
+    assert closed and signal.getsignal(signal.SIGINT) is before
+
+def trial_children(pid):
+    """The children of `pid` that carry a trial's token (not its look at the providers)."""
     found = []
     for entry in os.listdir("/proc"):
         try:
             if entry.isdigit() and open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1] \
-                    .split()[1] == str(pid):
+                    .split()[1] == str(pid) and \
+                    f"{procs.TOKEN}=".encode() in open(f"/proc/{entry}/environ", "rb").read():
                 found.append(int(entry))
         except OSError:
             pass

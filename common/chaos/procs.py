@@ -8,6 +8,7 @@ is_current_pgrp_orphaned), so Ctrl-Z could not stop it. Ours, like a shell's job
 not. Their stdin is /dev/null: a process outside the terminal's foreground group that
 reads the terminal is stopped.
 """
+import contextlib
 import os
 import re
 import signal
@@ -209,6 +210,22 @@ class Watch(threading.Thread):
         self.look()
 
 
+@contextlib.contextmanager
+def signals_held():
+    """Ctrl-C and SIGTERM wait for the block's end, then act as they would have. The block
+    that kills a trial's processes must kill them all: in groups of their own, they do not
+    get the terminal's Ctrl-C. Main thread only (Python's handlers run there)."""
+    got = []
+    kept = {s: signal.signal(s, lambda signum, _frame: got.append(signum))
+            for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in kept.items():
+            signal.signal(s, handler)
+        if got:
+            signal.raise_signal(got[0])
+
 def leftovers(pids, files):
     """The /dev/shm files that the trial's processes left: the shm provider's regions
     "<pid>:<uid>:<n>" (prov/shm/src/smr_ep.c, smr_endpoint_name), and what they mapped.
@@ -220,7 +237,6 @@ def leftovers(pids, files):
     return sorted(p.name for p in SHM.iterdir()
                   if p.name in files or p.name.split(":")[0] in {str(p) for p in pids}
                   or any(p.name.startswith(f"moe-{j}-") for j in jobs))
-
 
 
 def wait_for(condition, seconds):

@@ -20,7 +20,7 @@ from pathlib import Path
 from common import records
 from common.chaos.faults import FAULTS, python_starting, survivor_ok
 from common.chaos.procs import (PIDS, SHM, SIGNALLED, TOKEN, Launcher, Proc, Rank, Watch,
-                                carriers, leftovers, wait_for)
+                                carriers, leftovers, signals_held, wait_for)
 from common.chapter_pair import ADDRESS, ROOT, chapter_path, local_env
 from common.patience import patience
 
@@ -176,7 +176,12 @@ class Run:
                                    + (f"; stderr: {tail}" if tail else ""))
 
     def close(self):
-        """Kill what is still running, stop the watch, report and remove what was left."""
+        """Kill what is still running, stop the watch, report and remove what was left.
+        A Ctrl-C meanwhile waits for it (a tenth of a second): all is killed first."""
+        with signals_held():
+            self._close()
+
+    def _close(self):
         for proc in self.procs:
             if proc.alive():
                 self.killed.add(proc.pid)
@@ -184,12 +189,16 @@ class Run:
         self.watch.stop()
         time.sleep(0.1)  # let the killed go before /proc is read again
         for pid in carriers(self.token):
-            self.trial.problems.append(f"left running: pid {pid} "
-                                       f"{Path(f'/proc/{pid}/cmdline').read_bytes()[:120]!r}")
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()[:120]
+            except OSError:  # it ended meanwhile
+                continue
+            self.trial.problems.append(f"left running: pid {pid} {command!r}")
             self.killed.add(pid)
             try:
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
+                os.waitpid(pid, 0)  # ours where a signal cut in before run.start kept it
+            except (ProcessLookupError, ChildProcessError):
                 pass
         self.killed.update(p.pid for p in self.procs if p.rc == -signal.SIGKILL)
         pids = self.watch.pids | {p.pid for p in self.procs}
