@@ -14,7 +14,7 @@ import pytest
 from common import shm_files
 from common.chapter_pair import INTERRUPTED_WAIT, ROOT, local_env
 from tests.support.budget import Budget
-from tests.support.processes import alive, ctrl_c
+from tests.support.processes import alive, ctrl_c, kill_job
 
 PAIR = str(ROOT / "scripts" / "pair.py")
 LIMIT = 60  # seconds, quiet machine, for chapter 07's server and client to start on 2 busy cores
@@ -35,14 +35,6 @@ def test_each_side_is_named_by_the_path_the_reader_types(where, tmp_path):
     assert server == f"--- server: {path} -p shm -> exit 0", done.stdout
     assert re.fullmatch(rf"--- client 1: {re.escape(path)} -p shm [0-9a-f]+ -> exit 0", client), \
         done.stdout
-
-
-def kill_all(proc, sides):
-    """pair.py and both its sides, whatever the test saw: none may outlive it."""
-    proc.kill()
-    for pid in sides:
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
 
 
 def start_07(budget):
@@ -83,7 +75,7 @@ def test_ctrl_c_stops_both_sides_at_once(whom):
         assert len(sides) == 2, sides
         out, err, elapsed = ctrl_c(proc, whom, budget)
     finally:
-        kill_all(proc, sides)
+        kill_job(proc, sides)
     assert proc.returncode == 130 and "Traceback" not in out + err, out + err
     assert err.splitlines()[-1] == "pair: interrupted; server and clients stopped"
     # each side closes within INTERRUPTED_WAIT or is killed (a busy machine)
@@ -104,7 +96,7 @@ def test_a_killed_client_leaves_nothing():
         os.kill(client, signal.SIGKILL)
         out, err = budget.communicate(proc)
     finally:
-        kill_all(proc, sides)
+        kill_job(proc, sides)
     assert proc.returncode == 1 and "Traceback" not in out + err, out + err
     assert f"-> exit {-signal.SIGKILL}" in out.splitlines()[-1], out
     assert_nothing_left(sides)

@@ -36,7 +36,8 @@ def alive(pid):
 
 
 def kill_job(launcher, pids):
-    """End a launcher and its ranks, whatever state a test left them in (one frozen, say)."""
+    """End a launcher (or pair.py) and what it started, whatever state a test left them in
+    (one frozen, say): none may outlive the test."""
     launcher.kill()
     for pid in pids:
         if alive(pid):
