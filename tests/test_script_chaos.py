@@ -209,12 +209,23 @@ def test_ctrl_c_ends_it_within_2_s_and_kills_its_trial(tmp_path):
 
 
 def test_a_ctrl_c_while_a_trial_is_closed_comes_after_the_close():
-    closed, before = [], signal.getsignal(signal.SIGINT)
-    with pytest.raises(KeyboardInterrupt):
-        with procs.signals_held():
-            os.kill(os.getpid(), signal.SIGINT)
-            closed.append(True)  # the rest of the close, which kills what is left
-    assert closed and signal.getsignal(signal.SIGINT) is before
+    came = []
+
+    def handler(_signum, _frame):  # the suite's own handler would stop what the suite runs
+        came.append("signal")
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGINT, handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with procs.signals_held():
+                os.kill(os.getpid(), signal.SIGINT)
+                came.append("closed")  # the rest of the close, which kills what is left
+        assert signal.getsignal(signal.SIGINT) is handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert came == ["closed", "signal"]
+
 
 def trial_children(pid):
     """The children of `pid` that carry a trial's token (not its look at the providers)."""
