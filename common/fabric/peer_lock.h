@@ -12,7 +12,9 @@
  * its region of our own, and a lock held is the provider's "not now": the caller
  * retries, reads its CQ, and gives the peer up at its deadline as for any silent peer.
  * What it cannot see: a lock taken in the instant between this look and the provider's
- * (tests/test_project_crash_cases.py counts how rare). From 1.18 shm's queue takes commands
+ * (tests/test_project_crash_cases.py counts how rare: with 1.17 on a 2-core VM, of clients
+ * stopped one after another, 0 in 83 hung the server alone and 1 in 45 beside two CPU hogs;
+ * 10 in 36 without this look). From 1.18 shm's queue takes commands
  * without a lock, and this costs one test of a cached flag per post.
  */
 #include <errno.h>

@@ -93,5 +93,8 @@ def server_line(server, budget):
     reader = threading.Thread(target=lambda: got.append(server.stderr.readline()), daemon=True)
     reader.start()
     reader.join(budget.left())
-    assert got and got[0], "the server said nothing"
-    return got[0]
+    if got and got[0]:
+        return got[0]
+    code = server.poll()
+    assert code is not None, f"the server said nothing in the test's {budget.seconds:g} s"
+    raise AssertionError(f"the server ended (exit {code}) without a line")
