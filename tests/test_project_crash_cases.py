@@ -214,9 +214,9 @@ def test_07_clients_stopped_holding_their_locks_do_not_hang_the_server():
     pthread_spin_lock (smr_generic_rma, prov/shm/src/smr_rma.c), and a --delivery-complete
     client holds its own while its progress copies a WRITE (smr_progress_cmd): most of its
     time. Stopped there, it left the server spinning in fi_writemsg until the watchdog
-    ended it, serving no one after. A post now sees the held
-    lock first and is refused like a full queue (common/fabric/peer_lock.h): the server
-    gives each stopped client up in one line and serves the next.
+    ended it, serving no one after. A post now sees the held lock first and is refused
+    like a full queue (common/fabric/peer_lock.h): the server gives each stopped client
+    up in one line and serves the next.
 
     What the look cannot see is a lock the client takes after it, before the provider's:
     that post spins, and the watchdog ends the server in one line, exit 1. Counted on the
